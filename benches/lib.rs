@@ -1,0 +1,1 @@
+//! Shared helpers for xccl's criterion benchmarks (being written).

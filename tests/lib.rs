@@ -1,0 +1,1 @@
+//! Helpers shared by xccl's multi-process tests (being written).

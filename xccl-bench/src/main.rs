@@ -1,0 +1,2 @@
+//! xccl-bench (being written).
+fn main() {}

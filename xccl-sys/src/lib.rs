@@ -1,0 +1,9 @@
+//! Raw native bindings for xccl.
+//!
+//! This crate will hold the raw declarations for the native libraries that xccl's fabrics talk to
+//! (libfabric for the RDMA fabrics, the Ascend ACL runtime for HCCS). Each is opened with `dlopen`
+//! at run time, so `libxccl` loads on machines that lack them and reports the missing library by
+//! name only when a fabric that needs it is asked for. The shared-memory and in-process fabrics
+//! need nothing from here.
+
+#![no_std]

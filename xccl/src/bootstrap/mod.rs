@@ -1,0 +1,29 @@
+//! Rendezvous of the ranks of one job.
+//!
+//! The [`Exchange`] trait is what the rest of xccl needs from a bootstrap: allgather of small
+//! blobs, a barrier, a job id and an out-of-band abort channel. TCP rendezvous implements it for
+//! ranks in separate processes; [`ThreadExchange`] for ranks that are threads of one process.
+
+use std::time::Duration;
+
+use crate::Result;
+
+/// What the fabrics and the communicator need from a bootstrap.
+pub trait Exchange: Send + Sync {
+    /// This rank, in `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the job.
+    fn size(&self) -> usize;
+    /// A 64-bit id that is the same on every rank of this job and different between jobs.
+    fn job_id(&self) -> u64;
+    /// Every rank contributes one blob; every rank gets all blobs, in rank order.
+    ///
+    /// Fails naming the ranks that did not arrive when `timeout` passes.
+    fn allgather(&self, blob: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>>;
+    /// Returns once every rank has entered the barrier; fails naming the missing ranks on timeout.
+    fn barrier(&self, timeout: Duration) -> Result<()>;
+    /// Tells every other rank, out of band, that this rank aborts the job.
+    fn broadcast_abort(&self, reason: &str) -> Result<()>;
+    /// An abort raised by some rank (`(rank, reason)`), if one has arrived.
+    fn poll_abort(&self) -> Option<(usize, String)>;
+}

@@ -1,0 +1,117 @@
+//! The error type every xccl call returns.
+//!
+//! Variants say what failed and, where a peer is involved, which rank. Waits that give up name the
+//! peer they were waiting for, so a hang is never anonymous.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in xccl.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A caller-supplied argument is out of range or inconsistent; nothing was sent to any peer.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A call was made on a rank whose role does not allow it (e.g. A2E send on an expert rank).
+    #[error("wrong role: {0}")]
+    WrongRole(String),
+
+    /// A wait passed its deadline before the peer it was waiting for made progress.
+    #[error("timed out after {waited:?} waiting for rank {peer}: {what}")]
+    Timeout {
+        /// The rank the wait was waiting for.
+        peer: usize,
+        /// What was being waited for.
+        what: String,
+        /// How long the wait lasted.
+        waited: Duration,
+    },
+
+    /// A peer process or thread is gone (exited, killed, or declared failed).
+    #[error("rank {peer} failed: {detail}")]
+    PeerFailed {
+        /// The rank that failed.
+        peer: usize,
+        /// How the failure was noticed.
+        detail: String,
+    },
+
+    /// The communicator was aborted, locally or by a peer.
+    #[error("aborted by rank {by}: {reason}")]
+    Aborted {
+        /// The rank that raised the abort.
+        by: usize,
+        /// Why.
+        reason: String,
+    },
+
+    /// A peer sent something that breaks the wire protocol (bad record, wrong epoch, bad size).
+    #[error("protocol error from rank {peer}: {detail}")]
+    Protocol {
+        /// The rank whose data was bad.
+        peer: usize,
+        /// What was wrong.
+        detail: String,
+    },
+
+    /// The rendezvous between ranks failed (stranger, version or job mismatch, duplicate rank).
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+
+    /// An access outside a peer's registered window.
+    #[error("access [{offset}, {offset}+{len}) is outside rank {peer}'s window of {window} bytes")]
+    OutOfWindow {
+        /// The rank whose window was addressed.
+        peer: usize,
+        /// Start of the access.
+        offset: usize,
+        /// Length of the access.
+        len: usize,
+        /// Size of that rank's window.
+        window: usize,
+    },
+
+    /// A fabric is not available here (missing library, provider or capability), named.
+    #[error("fabric {fabric} unavailable: {detail}")]
+    FabricUnavailable {
+        /// The fabric asked for.
+        fabric: String,
+        /// Why it cannot be used.
+        detail: String,
+    },
+
+    /// The operating system refused something.
+    #[error("{what}: {source}")]
+    Os {
+        /// What xccl was doing.
+        what: String,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// Wraps an OS error with a description of what was being done.
+    pub fn os(what: impl Into<String>, source: impl Into<std::io::Error>) -> Self {
+        Error::Os {
+            what: what.into(),
+            source: source.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+}
+
+impl From<nix::errno::Errno> for Error {
+    fn from(e: nix::errno::Errno) -> Self {
+        Error::os("system call", std::io::Error::from(e))
+    }
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

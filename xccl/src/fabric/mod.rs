@@ -1,0 +1,1 @@
+//! Fabric layer (stub, being written).

@@ -1,0 +1,19 @@
+//! xccl: token exchange between attention and expert ranks for disaggregated Mixture-of-Experts
+//! serving.
+//!
+//! Layers, bottom up (each can be read alone):
+//! - [`fabric`]: one-sided memory-semantic transport (`put`, `get`, `signal`, `wait`) over
+//!   shared memory ([`fabric::shm`]) or threads in one process ([`fabric::local`]).
+//! - [`bootstrap`]: rendezvous of the ranks of one job (unique id or launcher environment),
+//!   allgather, barrier, out-of-band abort.
+//! - [`topology`]: roles, expert placement with replicas; pure data.
+//! - [`moe`]: the A2E (dispatch) and E2A (combine) wire protocol.
+//! - [`Communicator`]: ties them together.
+
+pub mod bootstrap;
+pub mod error;
+pub mod fabric;
+pub mod moe;
+pub mod topology;
+
+pub use error::{Error, Result};

@@ -1,0 +1,1 @@
+//! The MoE wire protocol (stub, being written).

@@ -1,0 +1,1 @@
+//! Roles and expert placement (stub, being written).
