@@ -1,1 +1,127 @@
-//! Fabric layer (stub, being written).
+//! The fabric layer: one-sided, memory-semantic transport between ranks.
+//!
+//! Every rank registers one **window** at init, and every peer addresses it by `(rank, offset)`.
+//! A fabric offers:
+//! - [`Fabric::put`] / [`Fabric::get`]: write into / read from a peer's window;
+//! - [`Fabric::signal`]: store a 64-bit value into a peer's signal slot, ordered after every
+//!   earlier put from this rank to that peer (NVSHMEM's put-with-signal guarantee);
+//! - [`Fabric::wait_until`]: wait on this rank's own slots with a deadline; spins briefly, then
+//!   sleeps; fails naming the peer it waited for, early if that peer is dead or the job aborted;
+//! - [`Capabilities`]: what is cheap (direct load/store of peer memory, remote read).
+//!
+//! Fabrics never fall back silently to another; a missing library is an error naming it.
+//! Implementations: [`local`] (ranks as threads of one process) and [`shm`] (processes on one
+//! host, shared memory). The conformance suite in [`conformance`] runs against each.
+
+use std::time::{Duration, Instant};
+
+use crate::Result;
+
+pub mod conformance;
+pub mod local;
+pub mod shm;
+mod signals;
+mod window;
+
+pub(crate) use signals::AlignedBuf;
+pub use signals::{ControlArea, Waiting};
+pub use window::Window;
+
+/// What a fabric can do cheaply.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Peer windows are mapped in this process: [`Fabric::peer_window`] returns them and the
+    /// protocol may load/store peer memory directly (zero staging copies).
+    pub load_store: bool,
+    /// [`Fabric::get`] is a true one-sided remote read (pull mode costs no peer CPU).
+    pub remote_read: bool,
+}
+
+/// One-sided transport between the ranks of a job. See the module docs for the contract.
+pub trait Fabric: Send + Sync {
+    /// Short name of the fabric (`"shm"`, `"local"`, ...).
+    fn name(&self) -> &'static str;
+
+    /// This rank.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// What this fabric does cheaply.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Size in bytes of `rank`'s window.
+    fn window_len(&self, rank: usize) -> usize;
+
+    /// Number of signal slots every rank has.
+    fn num_signal_slots(&self) -> usize;
+
+    /// This rank's own window.
+    fn local_window(&self) -> Window<'_>;
+
+    /// A peer's window mapped in this process, when [`Capabilities::load_store`] holds.
+    fn peer_window(&self, peer: usize) -> Option<Window<'_>>;
+
+    /// Writes `data` into `peer`'s window at `offset`. Complete (visible to the peer after a
+    /// later signal) when [`Fabric::signal`] to that peer or [`Fabric::flush`] returns.
+    fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()>;
+
+    /// Reads `buf.len()` bytes from `peer`'s window at `offset`; complete on return.
+    fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> Result<()>;
+
+    /// Stores `value` into `peer`'s signal slot `slot`, after every earlier put to `peer`.
+    fn signal(&self, peer: usize, slot: usize, value: u64) -> Result<()>;
+
+    /// Current value of this rank's slot `slot`; data signalled with it is visible.
+    fn signal_value(&self, slot: usize) -> u64;
+
+    /// Completes every outstanding put of this rank.
+    fn flush(&self) -> Result<()>;
+
+    /// Waits until `poll` returns `None` (done). `poll` returns what it still waits for; the
+    /// error on timeout, abort or a dead peer names that peer.
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+    ) -> Result<()>;
+
+    /// Returns once every rank has called `barrier`; fails naming missing ranks on timeout.
+    fn barrier(&self, timeout: Duration) -> Result<()>;
+
+    /// Raises the abort flag on every rank: their waits fail with [`crate::Error::Aborted`].
+    fn abort(&self);
+
+    /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead.
+    fn check_peer(&self, peer: usize) -> Result<()>;
+
+    /// Waits until slot `slot` holds a value satisfying `ready`, which `peer` is expected to
+    /// signal; returns that value.
+    fn wait_signal(
+        &self,
+        slot: usize,
+        peer: usize,
+        what: &'static str,
+        deadline: Instant,
+        ready: &dyn Fn(u64) -> bool,
+    ) -> Result<u64> {
+        let mut seen = 0;
+        self.wait_until(deadline, &mut || {
+            seen = self.signal_value(slot);
+            if ready(seen) {
+                None
+            } else {
+                Some(Waiting { peer, what })
+            }
+        })?;
+        Ok(seen)
+    }
+}
+
+/// Deadline `timeout` from now (saturating far in the future).
+pub fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+}

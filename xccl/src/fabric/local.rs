@@ -1,0 +1,231 @@
+//! The in-process fabric: ranks are threads of one process.
+//!
+//! Windows and control areas are heap buffers shared through an `Arc`; put and get are memcpy,
+//! signals use the same control-area layout and futex wait as the `shm` fabric. It exists for
+//! tests and for scale runs (hundreds of ranks in one process). A rank whose endpoint is dropped
+//! counts as dead: waits on it fail at once with [`Error::PeerFailed`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::{AlignedBuf, Capabilities, ControlArea, Fabric, Waiting, Window};
+use crate::{Error, Result};
+
+struct RankMemory {
+    /// Owns the memory that `control` views.
+    _control_mem: AlignedBuf,
+    control: ControlArea,
+    window: AlignedBuf,
+    window_len: usize,
+    alive: AtomicBool,
+}
+
+#[derive(Default)]
+struct BarrierState {
+    generation: u64,
+    arrived: Vec<bool>,
+    count: usize,
+}
+
+struct World {
+    ranks: Vec<RankMemory>,
+    num_slots: usize,
+    barrier: Mutex<BarrierState>,
+    barrier_cv: Condvar,
+}
+
+/// One rank's endpoint of an in-process fabric.
+pub struct LocalFabric {
+    world: Arc<World>,
+    rank: usize,
+}
+
+impl LocalFabric {
+    /// Creates a world of `window_lens.len()` ranks, rank `r` with a window of `window_lens[r]`
+    /// bytes and `num_slots` signal slots; returns one endpoint per rank (move each to its thread).
+    pub fn create(window_lens: &[usize], num_slots: usize) -> Result<Vec<LocalFabric>> {
+        if window_lens.is_empty() {
+            return Err(Error::invalid("a local fabric needs at least one rank"));
+        }
+        let pid = std::process::id();
+        let mut ranks = Vec::with_capacity(window_lens.len());
+        for (rank, &len) in window_lens.iter().enumerate() {
+            let control_buf = AlignedBuf::zeroed(ControlArea::bytes_for(num_slots))?;
+            // SAFETY: freshly zeroed, page-aligned, sized by `bytes_for`, and kept alive in
+            // `RankMemory` next to the view for as long as the world exists.
+            let control = unsafe { ControlArea::init(control_buf.ptr(), num_slots, rank, pid) };
+            ranks.push(RankMemory {
+                _control_mem: control_buf,
+                control,
+                window: AlignedBuf::zeroed(len)?,
+                window_len: len,
+                alive: AtomicBool::new(true),
+            });
+        }
+        let n = ranks.len();
+        let world = Arc::new(World {
+            ranks,
+            num_slots,
+            barrier: Mutex::new(BarrierState {
+                arrived: vec![false; n],
+                ..Default::default()
+            }),
+            barrier_cv: Condvar::new(),
+        });
+        Ok((0..n)
+            .map(|rank| LocalFabric {
+                world: world.clone(),
+                rank,
+            })
+            .collect())
+    }
+
+    fn peer(&self, peer: usize) -> Result<&RankMemory> {
+        self.world.ranks.get(peer).ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {peer} out of range: the job has {} ranks",
+                self.world.ranks.len()
+            ))
+        })
+    }
+
+    fn window_of(&self, peer: usize) -> Result<Window<'_>> {
+        let m = self.peer(peer)?;
+        // SAFETY: the buffer lives in the world, which `self` keeps alive; `window_len` bytes
+        // were allocated (at least that many).
+        Ok(unsafe { Window::from_raw(m.window.ptr(), m.window_len, peer) })
+    }
+}
+
+impl Drop for LocalFabric {
+    fn drop(&mut self) {
+        let me = &self.world.ranks[self.rank];
+        me.alive.store(false, Ordering::SeqCst);
+        // Wake everyone so that waits on this rank notice at once.
+        for r in &self.world.ranks {
+            r.control.wake();
+        }
+    }
+}
+
+impl Fabric for LocalFabric {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world.ranks.len()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            load_store: true,
+            remote_read: true,
+        }
+    }
+
+    fn window_len(&self, rank: usize) -> usize {
+        self.world.ranks.get(rank).map_or(0, |m| m.window_len)
+    }
+
+    fn num_signal_slots(&self) -> usize {
+        self.world.num_slots
+    }
+
+    fn local_window(&self) -> Window<'_> {
+        self.window_of(self.rank).expect("own rank is in range")
+    }
+
+    fn peer_window(&self, peer: usize) -> Option<Window<'_>> {
+        self.window_of(peer).ok()
+    }
+
+    fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {
+        self.window_of(peer)?.write(offset, data)
+    }
+
+    fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
+        self.window_of(peer)?.read(offset, buf)
+    }
+
+    fn signal(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.peer(peer)?.control.store(slot, value, peer)
+    }
+
+    fn signal_value(&self, slot: usize) -> u64 {
+        self.world.ranks[self.rank].control.load(slot)
+    }
+
+    fn flush(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+    ) -> Result<()> {
+        let liveness = |peer: usize| self.check_peer(peer);
+        self.world.ranks[self.rank]
+            .control
+            .wait_until(deadline, poll, &liveness)
+    }
+
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        let deadline = super::deadline_after(timeout);
+        let n = self.world.ranks.len();
+        let mut st = self.world.barrier.lock().unwrap_or_else(|e| e.into_inner());
+        let generation = st.generation;
+        st.arrived[self.rank] = true;
+        st.count += 1;
+        if st.count == n {
+            st.count = 0;
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            st.generation += 1;
+            self.world.barrier_cv.notify_all();
+            return Ok(());
+        }
+        while st.generation == generation {
+            let now = Instant::now();
+            if now >= deadline {
+                let missing: Vec<usize> = (0..n).filter(|&r| !st.arrived[r]).collect();
+                st.arrived[self.rank] = false;
+                st.count -= 1;
+                return Err(Error::Timeout {
+                    peer: missing.first().copied().unwrap_or(self.rank),
+                    what: format!("barrier: ranks {missing:?} have not arrived"),
+                    waited: timeout,
+                });
+            }
+            let (guard, _) = self
+                .world
+                .barrier_cv
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner());
+            st = guard;
+        }
+        Ok(())
+    }
+
+    fn abort(&self) {
+        for r in &self.world.ranks {
+            r.control.set_abort(self.rank);
+        }
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        if self.peer(peer)?.alive.load(Ordering::SeqCst) {
+            Ok(())
+        } else {
+            Err(Error::PeerFailed {
+                peer,
+                detail: "its endpoint was dropped".into(),
+            })
+        }
+    }
+}

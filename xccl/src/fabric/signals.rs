@@ -1,0 +1,367 @@
+//! Signal slots, the doorbell and the wait loop that every fabric with mapped control memory
+//! shares.
+//!
+//! A rank's **control area** is a `#[repr(C)]` block of fixed-width atomics with no pointers, so it
+//! can live in shared memory (the `shm` fabric) or on the heap (the `local` fabric) unchanged:
+//!
+//! | offset | what |
+//! |---|---|
+//! | 0 | header: magic, layout version, slot count, owner pid |
+//! | 64 | doorbell: a 32-bit futex word bumped by every signal, and a count of sleepers |
+//! | 128 | abort word: 0, or 1 + the rank that aborted |
+//! | 192 + 64*i | signal slot `i`, a 64-bit value alone on its cache line |
+//!
+//! Waiting spins briefly, then yields, then sleeps on the doorbell with a futex that is *shared*
+//! between processes (no `FUTEX_PRIVATE_FLAG`). Sleeps are cut into short chunks so that a dead
+//! peer or an abort is noticed long before the caller's deadline.
+
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// Magic at the start of every control area ("XCCLCTRL").
+pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"XCCLCTRL");
+/// Layout version of the control area; bumped on any change of the table above.
+pub const CONTROL_VERSION: u32 = 1;
+
+const LINE: usize = 64;
+const HEADER_OFF: usize = 0;
+const DOORBELL_OFF: usize = LINE;
+const ABORT_OFF: usize = 2 * LINE;
+const SLOTS_OFF: usize = 3 * LINE;
+
+/// The header at offset 0 of a control area.
+#[repr(C)]
+struct Header {
+    magic: AtomicU64,
+    version: AtomicU32,
+    num_slots: AtomicU32,
+    pid: AtomicU32,
+    rank: AtomicU32,
+}
+
+/// What a wait is still waiting for: the peer that owes the next step and a description.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// The rank whose signal has not arrived.
+    pub peer: usize,
+    /// What that signal is (shown in timeout errors).
+    pub what: &'static str,
+}
+
+/// A view of one rank's control area.
+#[derive(Clone, Copy, Debug)]
+pub struct ControlArea {
+    base: NonNull<u8>,
+    num_slots: usize,
+}
+
+// SAFETY: the area holds only atomics; all access goes through atomic operations.
+unsafe impl Send for ControlArea {}
+// SAFETY: see `Send`.
+unsafe impl Sync for ControlArea {}
+
+impl ControlArea {
+    /// Bytes needed for a control area with `num_slots` slots (a multiple of 64).
+    pub fn bytes_for(num_slots: usize) -> usize {
+        SLOTS_OFF + LINE * num_slots
+    }
+
+    /// Formats zeroed memory as a control area owned by `rank` (process `pid`).
+    ///
+    /// # Safety
+    /// `base` must be 64-byte aligned, zeroed, and `bytes_for(num_slots)` bytes long, and stay
+    /// mapped while any returned view is used.
+    pub unsafe fn init(base: NonNull<u8>, num_slots: usize, rank: usize, pid: u32) -> Self {
+        let area = ControlArea { base, num_slots };
+        let h = area.header();
+        h.version.store(CONTROL_VERSION, Ordering::Relaxed);
+        h.num_slots.store(num_slots as u32, Ordering::Relaxed);
+        h.pid.store(pid, Ordering::Relaxed);
+        h.rank.store(rank as u32, Ordering::Relaxed);
+        // SYNC POINT: publishes the fields above to `attach` (Acquire load of magic).
+        h.magic.store(CONTROL_MAGIC, Ordering::Release);
+        area
+    }
+
+    /// Views an area that another rank formatted, checking magic, version and size.
+    ///
+    /// # Safety
+    /// `base` must be 64-byte aligned and `len` bytes long, and stay mapped while the view is used.
+    pub unsafe fn attach(base: NonNull<u8>, len: usize, peer: usize) -> Result<Self> {
+        if len < SLOTS_OFF {
+            return Err(Error::Protocol {
+                peer,
+                detail: format!("control area of {len} bytes is too small"),
+            });
+        }
+        let probe = ControlArea { base, num_slots: 0 };
+        let h = probe.header();
+        // SYNC POINT: pairs with the Release store of magic in `init`.
+        let magic = h.magic.load(Ordering::Acquire);
+        if magic != CONTROL_MAGIC {
+            return Err(Error::Protocol {
+                peer,
+                detail: format!("control area magic {magic:#x}, expected {CONTROL_MAGIC:#x}"),
+            });
+        }
+        let version = h.version.load(Ordering::Relaxed);
+        if version != CONTROL_VERSION {
+            return Err(Error::Protocol {
+                peer,
+                detail: format!(
+                    "control layout version {version}, this build speaks {CONTROL_VERSION}"
+                ),
+            });
+        }
+        let num_slots = h.num_slots.load(Ordering::Relaxed) as usize;
+        if Self::bytes_for(num_slots) > len {
+            return Err(Error::Protocol {
+                peer,
+                detail: format!("control area claims {num_slots} slots but is only {len} bytes"),
+            });
+        }
+        Ok(ControlArea { base, num_slots })
+    }
+
+    fn atomic_u64(&self, off: usize) -> &AtomicU64 {
+        // SAFETY: every offset passed here is 8-aligned inside the area (constructor contracts),
+        // and the memory is only ever accessed atomically.
+        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU64>() }
+    }
+
+    fn atomic_u32(&self, off: usize) -> &AtomicU32 {
+        // SAFETY: as in `atomic_u64`, with 4-byte alignment.
+        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU32>() }
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: the header is at offset 0 of a 64-aligned area at least SLOTS_OFF long and
+        // consists of atomics only.
+        unsafe { &*self.base.as_ptr().add(HEADER_OFF).cast::<Header>() }
+    }
+
+    /// Number of signal slots.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// The pid recorded by the owner.
+    pub fn owner_pid(&self) -> u32 {
+        self.header().pid.load(Ordering::Relaxed)
+    }
+
+    fn doorbell(&self) -> &AtomicU32 {
+        self.atomic_u32(DOORBELL_OFF)
+    }
+
+    fn sleepers(&self) -> &AtomicU32 {
+        self.atomic_u32(DOORBELL_OFF + 4)
+    }
+
+    fn slot(&self, slot: usize, peer: usize) -> Result<&AtomicU64> {
+        if slot >= self.num_slots {
+            return Err(Error::invalid(format!(
+                "signal slot {slot} out of range: rank {peer} has {} slots",
+                self.num_slots
+            )));
+        }
+        Ok(self.atomic_u64(SLOTS_OFF + LINE * slot))
+    }
+
+    /// Stores `value` in slot `slot` and wakes sleepers. `owner` names this area's rank in errors.
+    pub fn store(&self, slot: usize, value: u64, owner: usize) -> Result<()> {
+        // SYNC POINT: Release orders every earlier put of the signalling rank before the value;
+        // pairs with the Acquire load in `load`.
+        self.slot(slot, owner)?.store(value, Ordering::Release);
+        self.wake();
+        Ok(())
+    }
+
+    /// Current value of slot `slot` (Acquire: data put before the signal is visible after).
+    pub fn load(&self, slot: usize) -> u64 {
+        match self.slot(slot, 0) {
+            // SYNC POINT: pairs with the Release store in `store`.
+            Ok(s) => s.load(Ordering::Acquire),
+            Err(_) => 0,
+        }
+    }
+
+    /// Marks the area aborted by `by` and wakes sleepers. The first abort wins.
+    pub fn set_abort(&self, by: usize) {
+        let _ = self.atomic_u64(ABORT_OFF).compare_exchange(
+            0,
+            by as u64 + 1,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        self.wake();
+    }
+
+    /// The rank that aborted this area, if any.
+    pub fn aborted_by(&self) -> Option<usize> {
+        match self.atomic_u64(ABORT_OFF).load(Ordering::Acquire) {
+            0 => None,
+            v => Some(v as usize - 1),
+        }
+    }
+
+    /// Wakes every sleeper on this area's doorbell (they re-poll).
+    pub fn wake(&self) {
+        // SYNC POINT (Dekker pair with the sleeper in `wait_until`): the SeqCst increment and the SeqCst load of the
+        // sleeper count below, against the sleeper's SeqCst increment and the kernel's re-read of
+        // the doorbell: either the sleeper sees the new doorbell value or we see the sleeper.
+        self.doorbell().fetch_add(1, Ordering::SeqCst);
+        if self.sleepers().load(Ordering::SeqCst) > 0 {
+            futex_wake(self.doorbell());
+        }
+    }
+
+    /// Waits until `poll` reports nothing pending, the deadline passes, the area is aborted, or
+    /// `liveness` reports the awaited peer dead.
+    ///
+    /// `poll` returns `None` when done, or what it still waits for. `liveness` is called between
+    /// sleeps with the awaited peer.
+    pub fn wait_until(
+        &self,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+        liveness: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let mut iter: u32 = 0;
+        let mut last_check = start;
+        loop {
+            // SYNC POINT: Acquire pairs with `wake`; a signal after this load changes the value
+            // the futex compares against, so it cannot be slept through.
+            let seq = self.doorbell().load(Ordering::Acquire);
+            let waiting = match poll() {
+                None => return Ok(()),
+                Some(w) => w,
+            };
+            if let Some(by) = self.aborted_by() {
+                return Err(Error::Aborted {
+                    by,
+                    reason: format!("abort raised while waiting for rank {}", waiting.peer),
+                });
+            }
+            iter = iter.wrapping_add(1);
+            if iter < SPIN_ITERS {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    peer: waiting.peer,
+                    what: waiting.what.to_string(),
+                    waited: now - start,
+                });
+            }
+            if now - start < YIELD_FOR {
+                std::thread::yield_now();
+                continue;
+            }
+            if now - last_check >= LIVENESS_EVERY {
+                liveness(waiting.peer)?;
+                last_check = now;
+            }
+            // SYNC POINT: SeqCst, pairs with the sleeper-count load in `wake`.
+            self.sleepers().fetch_add(1, Ordering::SeqCst);
+            if poll().is_none() {
+                self.sleepers().fetch_sub(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            let nap = (deadline - now).min(SLEEP_CHUNK);
+            futex_wait(self.doorbell(), seq, nap);
+            self.sleepers().fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Busy-poll iterations before the wait starts yielding (a few microseconds).
+const SPIN_ITERS: u32 = 4096;
+/// How long the wait yields the core before it sleeps.
+const YIELD_FOR: Duration = Duration::from_micros(200);
+/// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
+const SLEEP_CHUNK: Duration = Duration::from_millis(20);
+/// How often a sleeping wait checks that the awaited peer is alive.
+const LIVENESS_EVERY: Duration = Duration::from_millis(20);
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` is a valid, aligned 32-bit atomic for the duration of the call; FUTEX_WAIT
+    // without FUTEX_PRIVATE_FLAG so that wakers in other processes mapping the same page reach us.
+    // Spurious returns (EAGAIN, EINTR, ETIMEDOUT) are fine: the caller re-polls.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid aligned 32-bit atomic; FUTEX_WAKE only reads its address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Heap memory for control areas and windows of in-process ranks: zeroed, 4096-byte aligned.
+pub(crate) struct AlignedBuf {
+    ptr: NonNull<u8>,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; all shared access goes through atomics
+// or the `Window` protocol.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: see `Send`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Allocates `len` zeroed bytes (at least one page).
+    pub(crate) fn zeroed(len: usize) -> Result<Self> {
+        let layout = std::alloc::Layout::from_size_align(len.max(4096), 4096)
+            .map_err(|e| Error::invalid(format!("buffer of {len} bytes: {e}")))?;
+        // SAFETY: the layout has non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            Error::os(
+                format!("allocating {len} bytes"),
+                std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            )
+        })?;
+        Ok(AlignedBuf { ptr, layout })
+    }
+
+    pub(crate) fn ptr(&self) -> NonNull<u8> {
+        self.ptr
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with exactly this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
