@@ -11,9 +11,16 @@
 //! - [`Communicator`]: ties them together.
 
 pub mod bootstrap;
+pub mod comm;
 pub mod error;
 pub mod fabric;
+pub mod harness;
 pub mod moe;
 pub mod topology;
 
+pub use comm::Communicator;
 pub use error::{Error, Result};
+pub use moe::batch::{A2eHandle, ExpertBatch};
+pub use moe::dtype::{DType, Element};
+pub use moe::wire::{MoeConfig, TransferMode};
+pub use topology::{Role, Topology, TopologyBuilder};

@@ -1,1 +1,803 @@
-//! Roles and expert placement (stub, being written).
+//! Roles and expert placement: which global rank is an attention rank, which is an expert rank, and
+//! which expert ranks host a replica of each expert.
+//!
+//! This module owns the *static* description of a job that every rank must agree on. It is pure data:
+//! no I/O, no fabric, no threads. A [`Topology`] is built once with a [`TopologyBuilder`] (or
+//! [`Topology::contiguous`]), validated, and then answers the questions the wire protocol asks on
+//! its hot path in O(1):
+//!
+//! - which rank and local-expert index a token from a given source goes to for a given expert
+//!   ([`Topology::route`]);
+//! - which global experts a rank hosts, in local-expert-index order ([`Topology::local_experts`]);
+//! - how many `u64` words a per-token local-expert bitmask needs ([`Topology::mask_words`]).
+//!
+//! # Replica choice
+//!
+//! An expert may have several replicas (the first is the primary). A token from attention rank `src`
+//! going to expert `e` uses `replicas(e)[attention_index(src) % replicas(e).len()]`. The choice
+//! depends only on the source rank, never on the token or on load, so it is deterministic and every
+//! rank computes the same answer; with `R` replicas the attention ranks are spread evenly over them.
+//!
+//! # Agreement
+//!
+//! [`Topology::fingerprint`] is a stable hash of the roles and the placement (including replica
+//! order) so ranks can check during bootstrap that they were all given the same topology.
+
+use crate::{Error, Result};
+
+/// What a rank does in a disaggregated MoE job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Runs attention; sends tokens to experts (A2E) and receives their outputs (E2A).
+    Attention,
+    /// Hosts experts; receives tokens (A2E) and sends expert outputs back (E2A).
+    Expert,
+}
+
+impl Role {
+    /// A stable one-byte code, used by the fingerprint.
+    fn code(self) -> u8 {
+        match self {
+            Role::Attention => 1,
+            Role::Expert => 2,
+        }
+    }
+}
+
+/// The validated roles and expert placement of a job. Build it with [`TopologyBuilder`] or
+/// [`Topology::contiguous`].
+///
+/// Ranks are global ranks `0..world_size()`. Experts are global expert ids `0..num_experts()`. On an
+/// expert rank, the experts it hosts are numbered by *local index* `0..local_experts(rank).len()` in
+/// ascending global id order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Topology {
+    /// Role of each global rank.
+    roles: Vec<Role>,
+    /// For each global rank, its index among the ranks of the same role.
+    role_index: Vec<usize>,
+    /// Global ranks with role attention, ascending.
+    attention: Vec<usize>,
+    /// Global ranks with role expert, ascending.
+    expert: Vec<usize>,
+    /// Number of global experts.
+    num_experts: usize,
+    /// Replicas of expert `e` are `replica_rank[replica_start[e]..replica_start[e + 1]]`.
+    replica_start: Vec<usize>,
+    /// Global rank of each replica (flattened over experts; first of each expert = primary).
+    replica_rank: Vec<usize>,
+    /// Local-expert index of each replica at its rank (parallel to `replica_rank`).
+    replica_local: Vec<usize>,
+    /// For each global rank, the global experts it hosts, ascending (empty for attention ranks).
+    local: Vec<Vec<usize>>,
+    /// Maximum of `local[r].len()` over all ranks.
+    max_local: usize,
+    /// Precomputed [`Topology::fingerprint`].
+    fingerprint: u64,
+}
+
+/// Builds and validates a [`Topology`].
+///
+/// Without [`placement`](TopologyBuilder::placement) the experts are spread contiguously over the
+/// expert ranks (see [`Topology::contiguous`]). [`replicas`](TopologyBuilder::replicas) then adds
+/// redundant copies of hot experts. Nothing is checked until [`build`](TopologyBuilder::build).
+#[derive(Clone, Debug)]
+pub struct TopologyBuilder {
+    roles: Vec<Role>,
+    num_experts: usize,
+    placement: Option<Vec<Vec<usize>>>,
+    extra: Vec<(usize, usize)>,
+}
+
+impl TopologyBuilder {
+    /// Starts a topology with `roles[r]` the role of global rank `r` and `num_experts` global experts.
+    pub fn new(roles: Vec<Role>, num_experts: usize) -> Self {
+        TopologyBuilder {
+            roles,
+            num_experts,
+            placement: None,
+            extra: Vec::new(),
+        }
+    }
+
+    /// Starts a topology whose ranks `0..m` are attention ranks and `m..m + n` expert ranks, with the
+    /// default contiguous placement (see [`Topology::contiguous`]).
+    pub fn contiguous(m: usize, n: usize, num_experts: usize) -> Self {
+        let mut roles = vec![Role::Attention; m];
+        roles.resize(m + n, Role::Expert);
+        Self::new(roles, num_experts)
+    }
+
+    /// Sets an explicit placement: `map[e]` lists the global ranks (all expert ranks) hosting a
+    /// replica of expert `e`; the first is the primary. `map.len()` must equal `num_experts`.
+    pub fn placement(mut self, map: Vec<Vec<usize>>) -> Self {
+        self.placement = Some(map);
+        self
+    }
+
+    /// Adds redundant replicas: for each `(expert, copies)`, `copies` more replicas of `expert`.
+    ///
+    /// Entries are applied in order, after the base placement. Each new replica goes to the expert
+    /// rank hosting the fewest experts among those not already hosting that expert; ties are broken
+    /// round-robin (a cursor that moves past the rank chosen last, scanning expert ranks in
+    /// ascending order). The result is deterministic. May be called several times; entries accumulate.
+    pub fn replicas(mut self, extra: &[(usize, usize)]) -> Self {
+        self.extra.extend_from_slice(extra);
+        self
+    }
+
+    /// Validates and builds the topology.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] naming the offending expert or rank when: `num_experts` is 0; there
+    /// is no attention rank or no expert rank; the placement does not list exactly `num_experts`
+    /// experts; an expert has no replica; a replica is on a rank outside the world or on an attention
+    /// rank; a rank hosts the same expert twice; an extra replica names an unknown expert or cannot be
+    /// placed because every expert rank already hosts that expert.
+    pub fn build(self) -> Result<Topology> {
+        let TopologyBuilder {
+            roles,
+            num_experts,
+            placement,
+            extra,
+        } = self;
+        let world = roles.len();
+        if num_experts == 0 {
+            return Err(Error::invalid("topology: num_experts must be at least 1"));
+        }
+        let mut role_index = Vec::with_capacity(world);
+        let mut attention = Vec::new();
+        let mut expert = Vec::new();
+        for (rank, role) in roles.iter().enumerate() {
+            match role {
+                Role::Attention => {
+                    role_index.push(attention.len());
+                    attention.push(rank);
+                }
+                Role::Expert => {
+                    role_index.push(expert.len());
+                    expert.push(rank);
+                }
+            }
+        }
+        if attention.is_empty() {
+            return Err(Error::invalid(format!(
+                "topology: no attention rank among {world} ranks"
+            )));
+        }
+        if expert.is_empty() {
+            return Err(Error::invalid(format!(
+                "topology: no expert rank among {world} ranks"
+            )));
+        }
+
+        let mut map = match placement {
+            Some(map) => {
+                if map.len() != num_experts {
+                    return Err(Error::invalid(format!(
+                        "topology: placement lists {} experts but num_experts is {num_experts}",
+                        map.len()
+                    )));
+                }
+                map
+            }
+            None => contiguous_placement(&expert, num_experts),
+        };
+        validate_placement(&roles, &map)?;
+
+        // Load = number of experts hosted, per expert-rank index.
+        let mut load = vec![0usize; expert.len()];
+        for replicas in &map {
+            for &r in replicas {
+                load[role_index[r]] += 1;
+            }
+        }
+        let mut cursor = 0usize;
+        for &(e, copies) in &extra {
+            if e >= num_experts {
+                return Err(Error::invalid(format!(
+                    "topology: extra replicas for expert {e}, but num_experts is {num_experts}"
+                )));
+            }
+            for _ in 0..copies {
+                let n = expert.len();
+                let mut best: Option<usize> = None;
+                for step in 0..n {
+                    let i = (cursor + step) % n;
+                    if map[e].contains(&expert[i]) {
+                        continue;
+                    }
+                    match best {
+                        Some(b) if load[b] <= load[i] => {}
+                        _ => best = Some(i),
+                    }
+                }
+                let Some(i) = best else {
+                    return Err(Error::invalid(format!(
+                        "topology: cannot add a replica of expert {e}: all {n} expert ranks already host it"
+                    )));
+                };
+                map[e].push(expert[i]);
+                load[i] += 1;
+                cursor = (i + 1) % n;
+            }
+        }
+        validate_placement(&roles, &map)?;
+
+        let mut local: Vec<Vec<usize>> = vec![Vec::new(); world];
+        let mut replica_start = Vec::with_capacity(num_experts + 1);
+        let mut replica_rank = Vec::new();
+        let mut replica_local = Vec::new();
+        replica_start.push(0);
+        for (e, replicas) in map.iter().enumerate() {
+            for &r in replicas {
+                replica_rank.push(r);
+                replica_local.push(local[r].len());
+                local[r].push(e);
+            }
+            replica_start.push(replica_rank.len());
+        }
+        let max_local = local.iter().map(Vec::len).max().unwrap_or(0);
+
+        let fingerprint = fingerprint_of(&roles, &map);
+        Ok(Topology {
+            roles,
+            role_index,
+            attention,
+            expert,
+            num_experts,
+            replica_start,
+            replica_rank,
+            replica_local,
+            local,
+            max_local,
+            fingerprint,
+        })
+    }
+}
+
+/// Expert `e` on expert-rank index `e * n / num_experts`: contiguous blocks as equal as possible.
+fn contiguous_placement(expert_ranks: &[usize], num_experts: usize) -> Vec<Vec<usize>> {
+    let n = expert_ranks.len() as u128;
+    (0..num_experts)
+        .map(|e| {
+            let i = (e as u128 * n / num_experts as u128) as usize;
+            vec![expert_ranks[i]]
+        })
+        .collect()
+}
+
+fn validate_placement(roles: &[Role], map: &[Vec<usize>]) -> Result<()> {
+    let world = roles.len();
+    for (e, replicas) in map.iter().enumerate() {
+        if replicas.is_empty() {
+            return Err(Error::invalid(format!(
+                "topology: expert {e} has no replica"
+            )));
+        }
+        for (i, &r) in replicas.iter().enumerate() {
+            if r >= world {
+                return Err(Error::invalid(format!(
+                    "topology: expert {e} has a replica on rank {r}, but the world has {world} ranks"
+                )));
+            }
+            if roles[r] != Role::Expert {
+                return Err(Error::invalid(format!(
+                    "topology: expert {e} has a replica on rank {r}, which is an attention rank"
+                )));
+            }
+            if replicas[..i].contains(&r) {
+                return Err(Error::invalid(format!(
+                    "topology: rank {r} hosts expert {e} twice"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn fnv(hash: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *hash ^= u64::from(b);
+        *hash = hash.wrapping_mul(FNV_PRIME);
+    }
+}
+
+/// FNV-1a over a version tag, the roles and the placement, all as little-endian u64 / u8.
+fn fingerprint_of(roles: &[Role], map: &[Vec<usize>]) -> u64 {
+    let mut h = FNV_OFFSET;
+    fnv(&mut h, b"xccl-topology-v1");
+    fnv(&mut h, &(roles.len() as u64).to_le_bytes());
+    for role in roles {
+        fnv(&mut h, &[role.code()]);
+    }
+    fnv(&mut h, &(map.len() as u64).to_le_bytes());
+    for replicas in map {
+        fnv(&mut h, &(replicas.len() as u64).to_le_bytes());
+        for &r in replicas {
+            fnv(&mut h, &(r as u64).to_le_bytes());
+        }
+    }
+    h
+}
+
+impl Topology {
+    /// Ranks `0..m` attention, `m..m + n` expert; expert `e` on expert-rank index
+    /// `e * n / num_experts` (contiguous blocks as equal as possible; with fewer experts than expert
+    /// ranks some ranks host none). No replicas.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `m`, `n` or `num_experts` is 0.
+    pub fn contiguous(m: usize, n: usize, num_experts: usize) -> Result<Topology> {
+        TopologyBuilder::contiguous(m, n, num_experts).build()
+    }
+
+    /// Number of ranks (attention plus expert).
+    pub fn world_size(&self) -> usize {
+        self.roles.len()
+    }
+
+    /// Role of global rank `rank`.
+    ///
+    /// # Panics
+    ///
+    /// If `rank >= world_size()`.
+    pub fn role(&self, rank: usize) -> Role {
+        self.roles[rank]
+    }
+
+    /// Global ranks with role [`Role::Attention`], ascending.
+    pub fn attention_ranks(&self) -> &[usize] {
+        &self.attention
+    }
+
+    /// Global ranks with role [`Role::Expert`], ascending.
+    pub fn expert_ranks(&self) -> &[usize] {
+        &self.expert
+    }
+
+    /// Index of `rank` among the attention ranks, or `None` if it is not an attention rank (or out of
+    /// range).
+    pub fn attention_index(&self, rank: usize) -> Option<usize> {
+        match self.roles.get(rank)? {
+            Role::Attention => Some(self.role_index[rank]),
+            Role::Expert => None,
+        }
+    }
+
+    /// Index of `rank` among the expert ranks, or `None` if it is not an expert rank (or out of
+    /// range).
+    pub fn expert_index(&self, rank: usize) -> Option<usize> {
+        match self.roles.get(rank)? {
+            Role::Expert => Some(self.role_index[rank]),
+            Role::Attention => None,
+        }
+    }
+
+    /// Number of global experts.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Global expert ids hosted by `rank`, ascending; position `j` is local-expert index `j`. Empty
+    /// for attention ranks.
+    ///
+    /// # Panics
+    ///
+    /// If `rank >= world_size()`.
+    pub fn local_experts(&self, rank: usize) -> &[usize] {
+        &self.local[rank]
+    }
+
+    /// Local-expert index of `expert` at `rank`, or `None` if `rank` does not host it.
+    pub fn local_index(&self, rank: usize, expert: usize) -> Option<usize> {
+        self.local.get(rank)?.binary_search(&expert).ok()
+    }
+
+    /// Largest number of experts hosted by one rank.
+    pub fn max_local_experts(&self) -> usize {
+        self.max_local
+    }
+
+    /// Global ranks hosting a replica of `expert`; the first is the primary.
+    ///
+    /// # Panics
+    ///
+    /// If `expert >= num_experts()`.
+    pub fn replicas(&self, expert: usize) -> &[usize] {
+        &self.replica_rank[self.replica_start[expert]..self.replica_start[expert + 1]]
+    }
+
+    /// Where a token from attention rank `src_rank` for `expert` goes: `(destination rank,
+    /// local-expert index there)`.
+    ///
+    /// The replica is `replicas(expert)[attention_index(src_rank) % replicas(expert).len()]`:
+    /// deterministic by source rank, spreading attention ranks evenly over the replicas. O(1).
+    ///
+    /// # Panics
+    ///
+    /// If `src_rank` is not an attention rank or `expert >= num_experts()`.
+    pub fn route(&self, src_rank: usize, expert: usize) -> (usize, usize) {
+        let Some(ai) = self.attention_index(src_rank) else {
+            panic!("Topology::route: rank {src_rank} is not an attention rank");
+        };
+        self.route_from_index(ai, expert)
+    }
+
+    /// [`route`](Topology::route) with the source given by its attention index instead of its
+    /// global rank (saves a lookup on the hot path).
+    ///
+    /// # Panics
+    ///
+    /// If `expert >= num_experts()`.
+    #[inline]
+    pub fn route_from_index(&self, attention_index: usize, expert: usize) -> (usize, usize) {
+        assert!(
+            expert < self.num_experts,
+            "Topology::route: expert {expert} out of range 0..{}",
+            self.num_experts
+        );
+        let start = self.replica_start[expert];
+        let count = self.replica_start[expert + 1] - start;
+        let r = start + attention_index % count;
+        (self.replica_rank[r], self.replica_local[r])
+    }
+
+    /// Number of `u64` words in a per-token local-expert bitmask: `ceil(max_local_experts / 64)`,
+    /// at least 1.
+    pub fn mask_words(&self) -> usize {
+        self.max_local.div_ceil(64).max(1)
+    }
+
+    /// A stable 64-bit hash (FNV-1a) of the roles and the placement, replica order included. Equal
+    /// topologies have equal fingerprints on every platform and in every process.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn err_msg(r: Result<Topology>) -> String {
+        match r {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn contiguous_places_equal_blocks() {
+        let t = Topology::contiguous(2, 4, 10).unwrap();
+        assert_eq!(t.world_size(), 6);
+        assert_eq!(t.attention_ranks(), &[0, 1]);
+        assert_eq!(t.expert_ranks(), &[2, 3, 4, 5]);
+        assert_eq!(t.local_experts(2), &[0, 1, 2]);
+        assert_eq!(t.local_experts(3), &[3, 4]);
+        assert_eq!(t.local_experts(4), &[5, 6, 7]);
+        assert_eq!(t.local_experts(5), &[8, 9]);
+        assert!(t.local_experts(0).is_empty());
+        assert_eq!(t.max_local_experts(), 3);
+        assert_eq!(t.mask_words(), 1);
+        for e in 0..10 {
+            assert_eq!(t.replicas(e).len(), 1);
+        }
+        assert_eq!(t.role(0), Role::Attention);
+        assert_eq!(t.role(5), Role::Expert);
+        assert_eq!(t.attention_index(1), Some(1));
+        assert_eq!(t.attention_index(2), None);
+        assert_eq!(t.expert_index(4), Some(2));
+        assert_eq!(t.expert_index(0), None);
+        assert_eq!(t.expert_index(99), None);
+    }
+
+    #[test]
+    fn contiguous_with_fewer_experts_than_ranks_leaves_some_empty() {
+        let t = Topology::contiguous(1, 4, 2).unwrap();
+        assert_eq!(t.local_experts(1), &[0]);
+        assert!(t.local_experts(2).is_empty());
+        assert_eq!(t.local_experts(3), &[1]);
+        assert!(t.local_experts(4).is_empty());
+        assert_eq!(t.mask_words(), 1);
+    }
+
+    #[test]
+    fn mask_words_grow_past_64_local_experts() {
+        assert_eq!(Topology::contiguous(1, 1, 64).unwrap().mask_words(), 1);
+        assert_eq!(Topology::contiguous(1, 1, 65).unwrap().mask_words(), 2);
+        assert_eq!(Topology::contiguous(1, 2, 300).unwrap().mask_words(), 3);
+    }
+
+    #[test]
+    fn interleaved_roles_are_indexed_by_role() {
+        use Role::*;
+        let t = TopologyBuilder::new(vec![Expert, Attention, Expert, Attention], 4)
+            .build()
+            .unwrap();
+        assert_eq!(t.attention_ranks(), &[1, 3]);
+        assert_eq!(t.expert_ranks(), &[0, 2]);
+        assert_eq!(t.attention_index(3), Some(1));
+        assert_eq!(t.expert_index(2), Some(1));
+        assert_eq!(t.local_experts(0), &[0, 1]);
+        assert_eq!(t.local_experts(2), &[2, 3]);
+    }
+
+    #[test]
+    fn build_rejects_zero_experts() {
+        let m = err_msg(Topology::contiguous(1, 1, 0));
+        assert!(m.contains("num_experts"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_missing_roles() {
+        assert!(err_msg(Topology::contiguous(0, 2, 4)).contains("no attention rank"));
+        assert!(err_msg(Topology::contiguous(2, 0, 4)).contains("no expert rank"));
+        assert!(err_msg(TopologyBuilder::new(vec![], 1).build()).contains("no attention rank"));
+    }
+
+    #[test]
+    fn build_rejects_placement_of_wrong_length() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 2, 3)
+                .placement(vec![vec![1], vec![2]])
+                .build(),
+        );
+        assert!(m.contains("lists 2 experts") && m.contains("3"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_expert_without_replica() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 2, 2)
+                .placement(vec![vec![1], vec![]])
+                .build(),
+        );
+        assert!(m.contains("expert 1 has no replica"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_replica_on_attention_rank() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(2, 2, 2)
+                .placement(vec![vec![2], vec![3, 1]])
+                .build(),
+        );
+        assert!(
+            m.contains("expert 1") && m.contains("rank 1") && m.contains("attention"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn build_rejects_replica_outside_world() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 2, 2)
+                .placement(vec![vec![7], vec![2]])
+                .build(),
+        );
+        assert!(m.contains("expert 0") && m.contains("rank 7"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_rank_hosting_expert_twice() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 2, 2)
+                .placement(vec![vec![1], vec![2, 2]])
+                .build(),
+        );
+        assert!(m.contains("rank 2 hosts expert 1 twice"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_extra_replicas_of_unknown_expert() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 2, 2)
+                .replicas(&[(5, 1)])
+                .build(),
+        );
+        assert!(m.contains("expert 5"), "{m}");
+    }
+
+    #[test]
+    fn build_rejects_more_replicas_than_expert_ranks() {
+        let m = err_msg(
+            TopologyBuilder::contiguous(1, 3, 3)
+                .replicas(&[(0, 3)])
+                .build(),
+        );
+        assert!(
+            m.contains("expert 0") && m.contains("all 3 expert ranks"),
+            "{m}"
+        );
+        // Exactly filling every expert rank is fine.
+        let t = TopologyBuilder::contiguous(1, 3, 3)
+            .replicas(&[(0, 2)])
+            .build()
+            .unwrap();
+        assert_eq!(t.replicas(0), &[1, 2, 3]);
+    }
+
+    #[test]
+    fn explicit_placement_orders_local_experts_by_id() {
+        let t = TopologyBuilder::contiguous(1, 2, 4)
+            .placement(vec![vec![2], vec![1, 2], vec![1], vec![2]])
+            .build()
+            .unwrap();
+        assert_eq!(t.local_experts(1), &[1, 2]);
+        assert_eq!(t.local_experts(2), &[0, 1, 3]);
+        assert_eq!(t.replicas(1), &[1, 2]);
+        assert_eq!(t.local_index(2, 3), Some(2));
+        assert_eq!(t.local_index(1, 3), None);
+        assert_eq!(t.max_local_experts(), 3);
+    }
+
+    #[test]
+    fn extra_replicas_go_to_least_loaded_ranks_deterministically() {
+        // 4 expert ranks (1..=4), 8 experts -> 2 each.
+        let b = || TopologyBuilder::contiguous(1, 4, 8).replicas(&[(0, 2), (7, 1)]);
+        let t = b().build().unwrap();
+        assert_eq!(t, b().build().unwrap());
+        // Expert 0 lives on rank 1; all others equally loaded -> round-robin from the cursor.
+        assert_eq!(t.replicas(0), &[1, 2, 3]);
+        // Ranks 2 and 3 now host 3; rank 1 hosts 2, rank 4 hosts 2 but already has expert 7.
+        assert_eq!(t.replicas(7), &[4, 1]);
+        let loads: Vec<usize> = (1..=4).map(|r| t.local_experts(r).len()).collect();
+        assert_eq!(loads, vec![3, 3, 3, 2]);
+    }
+
+    #[test]
+    fn replica_routing_is_deterministic_and_spreads_sources() {
+        let t = TopologyBuilder::contiguous(6, 3, 3)
+            .replicas(&[(1, 2)])
+            .build()
+            .unwrap();
+        assert_eq!(t.replicas(1).len(), 3);
+        let mut hits = vec![0usize; t.world_size()];
+        for src in 0..6 {
+            let a = t.route(src, 1);
+            assert_eq!(a, t.route(src, 1));
+            assert_eq!(a.0, t.replicas(1)[src % 3]);
+            hits[a.0] += 1;
+        }
+        for &r in t.replicas(1) {
+            assert_eq!(hits[r], 2, "each replica serves 2 of 6 sources");
+        }
+        // Single-replica experts always go to the primary.
+        for src in 0..6 {
+            assert_eq!(t.route(src, 0).0, t.replicas(0)[0]);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "not an attention rank")]
+    fn route_from_expert_rank_panics() {
+        let t = Topology::contiguous(1, 1, 1).unwrap();
+        t.route(1, 0);
+    }
+
+    #[test]
+    fn fingerprint_is_stable_and_sensitive() {
+        let a = Topology::contiguous(2, 2, 4).unwrap();
+        let b = Topology::contiguous(2, 2, 4).unwrap();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        let c = Topology::contiguous(2, 2, 5).unwrap();
+        let d = TopologyBuilder::contiguous(2, 2, 4)
+            .replicas(&[(0, 1)])
+            .build()
+            .unwrap();
+        let e = TopologyBuilder::contiguous(2, 2, 4)
+            .placement(vec![vec![2], vec![3], vec![2], vec![3]])
+            .build()
+            .unwrap();
+        let f = Topology::contiguous(1, 3, 4).unwrap();
+        let fps = [
+            a.fingerprint(),
+            c.fingerprint(),
+            d.fingerprint(),
+            e.fingerprint(),
+            f.fingerprint(),
+        ];
+        for i in 0..fps.len() {
+            for j in i + 1..fps.len() {
+                assert_ne!(fps[i], fps[j], "{i} vs {j}");
+            }
+        }
+        // Replica order matters (it changes routing).
+        let g = TopologyBuilder::contiguous(1, 2, 1)
+            .placement(vec![vec![1, 2]])
+            .build()
+            .unwrap();
+        let h = TopologyBuilder::contiguous(1, 2, 1)
+            .placement(vec![vec![2, 1]])
+            .build()
+            .unwrap();
+        assert_ne!(g.fingerprint(), h.fingerprint());
+    }
+
+    /// Random roles (at least one of each), expert count, placement and extra replicas.
+    pub(crate) fn arb_topology() -> impl Strategy<Value = Topology> {
+        (
+            1usize..6,
+            1usize..6,
+            1usize..20,
+            any::<u64>(),
+            any::<bool>(),
+        )
+            .prop_map(|(m, n, e, seed, explicit)| {
+                let mut s = seed;
+                let mut next = move || {
+                    s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = s;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    z ^ (z >> 31)
+                };
+                let mut roles = vec![Role::Attention; m];
+                roles.resize(m + n, Role::Expert);
+                for i in (1..roles.len()).rev() {
+                    let j = (next() % (i as u64 + 1)) as usize;
+                    roles.swap(i, j);
+                }
+                let experts: Vec<usize> = (0..roles.len())
+                    .filter(|&r| roles[r] == Role::Expert)
+                    .collect();
+                let mut b = TopologyBuilder::new(roles, e);
+                if explicit {
+                    let map = (0..e)
+                        .map(|_| {
+                            let copies = 1 + (next() % n as u64) as usize;
+                            let mut pool = experts.clone();
+                            let mut out = Vec::new();
+                            for _ in 0..copies {
+                                let i = (next() % pool.len() as u64) as usize;
+                                out.push(pool.swap_remove(i));
+                            }
+                            out
+                        })
+                        .collect();
+                    b = b.placement(map);
+                } else {
+                    let hot = (next() % e as u64) as usize;
+                    let copies = (next() % n as u64) as usize;
+                    b = b.replicas(&[(hot, copies)]);
+                }
+                b.build().expect("generated topology is valid")
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn route_agrees_with_local_experts(t in arb_topology()) {
+            for e in 0..t.num_experts() {
+                let reps = t.replicas(e);
+                prop_assert!(!reps.is_empty());
+                for &src in t.attention_ranks() {
+                    let (dst, j) = t.route(src, e);
+                    prop_assert_eq!(t.role(dst), Role::Expert);
+                    prop_assert!(reps.contains(&dst));
+                    prop_assert_eq!(t.local_experts(dst)[j], e);
+                    prop_assert!(j < t.max_local_experts());
+                    prop_assert!(j < 64 * t.mask_words());
+                }
+            }
+            for r in 0..t.world_size() {
+                let local = t.local_experts(r);
+                prop_assert!(local.windows(2).all(|w| w[0] < w[1]));
+                for (j, &e) in local.iter().enumerate() {
+                    prop_assert!(t.replicas(e).contains(&r));
+                    prop_assert_eq!(t.local_index(r, e), Some(j));
+                }
+            }
+            let total: usize = (0..t.num_experts()).map(|e| t.replicas(e).len()).sum();
+            let hosted: usize = t.expert_ranks().iter().map(|&r| t.local_experts(r).len()).sum();
+            prop_assert_eq!(total, hosted);
+        }
+    }
+}

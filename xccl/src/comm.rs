@@ -1,0 +1,315 @@
+//! [`Communicator`]: one rank's handle on an xccl job; ties fabric, topology and the MoE
+//! protocol together.
+//!
+//! Every rank builds its communicator from the same [`Topology`] and [`MoeConfig`]; the window
+//! each fabric needs comes from [`Communicator::window_lens`]. At init every rank checks that all
+//! peers were given the same topology and config (fingerprints exchanged through the windows).
+//!
+//! Attention ranks call [`Communicator::a2e_send`] then [`Communicator::e2a_recv`]; expert ranks
+//! call [`Communicator::a2e_recv`] then [`Communicator::e2a_send`]. Calls are collective in
+//! order: every rank makes the same sequence of A2E and E2A calls.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fabric::local::LocalFabric;
+use crate::fabric::{deadline_after, Fabric};
+use crate::moe::batch::{A2eHandle, ExpertBatch};
+use crate::moe::dtype::Element;
+use crate::moe::layout::DispatchLayout;
+use crate::moe::wire::{MoeConfig, Slots, TransferMode, WindowLayout, HANDSHAKE_BYTES};
+use crate::topology::{Role, Topology};
+use crate::{Error, Result};
+
+const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHAND");
+
+/// One rank's communicator.
+pub struct Communicator {
+    pub(crate) fabric: Box<dyn Fabric>,
+    pub(crate) topo: Arc<Topology>,
+    pub(crate) cfg: MoeConfig,
+    pub(crate) layout: WindowLayout,
+    pub(crate) slots: Slots,
+    pub(crate) rank: usize,
+    pub(crate) a2e_epoch: u64,
+    pub(crate) e2a_epoch: u64,
+    /// f32 accumulators reused by E2A.
+    pub(crate) acc: Vec<f32>,
+    /// Landing buffer for pull mode on fabrics without load/store access.
+    pub(crate) pull_buf: Vec<u8>,
+    /// Per-local-expert cursors reused by A2E receive.
+    pub(crate) cursors: Vec<usize>,
+    /// Layout reused by A2E send when the caller hands handles back.
+    pub(crate) spare_layout: Option<DispatchLayout>,
+}
+
+impl Communicator {
+    /// Window size every rank's fabric must register, in rank order.
+    pub fn window_lens(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<usize>> {
+        cfg.validate(topo)?;
+        Ok(WindowLayout::new(topo, cfg)?.window_lens())
+    }
+
+    /// Signal slots every rank's fabric must have.
+    pub fn signal_slots(topo: &Topology) -> usize {
+        Slots::new(topo.world_size()).count()
+    }
+
+    /// Builds this rank's communicator on an initialised fabric. Collective: every rank calls it.
+    ///
+    /// Fails if the fabric's windows are too small or if any peer was given a different topology
+    /// or config (naming that peer).
+    pub fn new(fabric: Box<dyn Fabric>, topo: Arc<Topology>, cfg: MoeConfig) -> Result<Self> {
+        cfg.validate(&topo)?;
+        let layout = WindowLayout::new(&topo, &cfg)?;
+        let slots = Slots::new(topo.world_size());
+        if fabric.world_size() != topo.world_size() {
+            return Err(Error::invalid(format!(
+                "fabric has {} ranks, topology {}",
+                fabric.world_size(),
+                topo.world_size()
+            )));
+        }
+        if fabric.num_signal_slots() < slots.count() {
+            return Err(Error::invalid(format!(
+                "fabric has {} signal slots per rank, the protocol needs {}",
+                fabric.num_signal_slots(),
+                slots.count()
+            )));
+        }
+        for r in 0..topo.world_size() {
+            if fabric.window_len(r) < layout.window_len(r) {
+                return Err(Error::invalid(format!(
+                    "rank {r}'s window is {} bytes, the protocol needs {}",
+                    fabric.window_len(r),
+                    layout.window_len(r)
+                )));
+            }
+        }
+        let rank = fabric.rank();
+        let comm = Communicator {
+            fabric,
+            topo,
+            cfg,
+            layout,
+            slots,
+            rank,
+            a2e_epoch: 0,
+            e2a_epoch: 0,
+            acc: Vec::new(),
+            pull_buf: Vec::new(),
+            cursors: Vec::new(),
+            spare_layout: None,
+        };
+        comm.handshake()?;
+        Ok(comm)
+    }
+
+    /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
+    /// one communicator per rank, in rank order (move each to its own thread).
+    pub fn local_group(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<Communicator>> {
+        let lens = Self::window_lens(topo, cfg)?;
+        let fabrics = LocalFabric::create(&lens, Self::signal_slots(topo))?;
+        let topo = Arc::new(topo.clone());
+        // Init is collective (a barrier inside), so each rank initialises on its own thread.
+        std::thread::scope(|s| {
+            let handles: Vec<_> = fabrics
+                .into_iter()
+                .map(|f| {
+                    let topo = topo.clone();
+                    let cfg = cfg.clone();
+                    s.spawn(move || Communicator::new(Box::new(f), topo, cfg))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| Error::invalid("a rank panicked during init"))?
+                })
+                .collect()
+        })
+    }
+
+    fn fingerprint_words(&self) -> [u64; 5] {
+        [
+            HANDSHAKE_MAGIC,
+            self.topo.fingerprint(),
+            self.cfg.fingerprint(),
+            self.topo.world_size() as u64,
+            self.rank as u64,
+        ]
+    }
+
+    /// Publishes this rank's fingerprints in its window and checks every peer's.
+    fn handshake(&self) -> Result<()> {
+        let mine = self.fingerprint_words();
+        let bytes: &[u8] = bytemuck::cast_slice(&mine);
+        debug_assert!(bytes.len() <= HANDSHAKE_BYTES);
+        self.fabric.local_window().write(0, bytes)?;
+        self.fabric.barrier(self.cfg.timeout)?;
+        let mut theirs = [0u64; 5];
+        for peer in 0..self.topo.world_size() {
+            self.fabric
+                .get(peer, 0, bytemuck::cast_slice_mut(&mut theirs))?;
+            let what = if theirs[0] != HANDSHAKE_MAGIC {
+                "no handshake (not an xccl communicator of this version)"
+            } else if theirs[1] != mine[1] {
+                "a different topology"
+            } else if theirs[2] != mine[2] {
+                "a different MoE config (hidden, dtype, topk or max tokens)"
+            } else if theirs[3] != mine[3] || theirs[4] != peer as u64 {
+                "a different world size or rank numbering"
+            } else {
+                continue;
+            };
+            return Err(Error::Protocol {
+                peer,
+                detail: format!("rank {peer} was initialised with {what}"),
+            });
+        }
+        self.fabric.barrier(self.cfg.timeout)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// This rank's role.
+    pub fn role(&self) -> Role {
+        self.topo.role(self.rank)
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> &Topology {
+        &self.topo
+    }
+
+    /// The MoE config.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// The fabric (for diagnostics and benchmarks).
+    pub fn fabric(&self) -> &dyn Fabric {
+        &*self.fabric
+    }
+
+    /// Changes the default transfer mode for later calls. Each sender picks per call; receivers
+    /// follow what the record says, so ranks need not agree.
+    pub fn set_mode(&mut self, mode: TransferMode) {
+        self.cfg.mode = mode;
+    }
+
+    /// Changes the deadline of every wait in later calls.
+    pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
+        if timeout.is_zero() {
+            return Err(Error::invalid("timeout must be positive"));
+        }
+        self.cfg.timeout = timeout;
+        Ok(())
+    }
+
+    /// Metadata records one A2E call writes in the whole job (one per (attention, expert) pair).
+    pub fn a2e_records_per_call(&self) -> usize {
+        self.topo.attention_ranks().len() * self.topo.expert_ranks().len()
+    }
+
+    /// Aborts the job: every rank's current and future waits fail with [`Error::Aborted`].
+    pub fn abort(&self) {
+        self.fabric.abort();
+    }
+
+    /// Waits for every rank (collective).
+    pub fn barrier(&self) -> Result<()> {
+        self.fabric.barrier(self.cfg.timeout)
+    }
+
+    pub(crate) fn deadline(&self) -> std::time::Instant {
+        deadline_after(self.cfg.timeout)
+    }
+
+    pub(crate) fn require_role(&self, role: Role, call: &str) -> Result<()> {
+        if self.role() != role {
+            return Err(Error::WrongRole(format!(
+                "{call} is for {role:?} ranks; rank {} is an {:?} rank",
+                self.rank,
+                self.role()
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn require_dtype<T: Element>(&self) -> Result<()> {
+        if T::DTYPE != self.cfg.dtype {
+            return Err(Error::invalid(format!(
+                "tensor dtype {} does not match the communicator's {}",
+                T::DTYPE.name(),
+                self.cfg.dtype.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// A2E on an attention rank: sends each token of `x` (`[T, hidden]`) to the expert ranks of
+    /// its `topk_idx` (`[T, topk]`, `-1` = none) with `topk_weights` (`[T, topk]`).
+    ///
+    /// Validates everything before anything is written to any peer. Returns the handle that
+    /// [`Communicator::e2a_recv`] needs.
+    pub fn a2e_send<T: Element>(
+        &mut self,
+        x: &[T],
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+    ) -> Result<A2eHandle> {
+        self.require_dtype::<T>()?;
+        let mode = self.cfg.mode;
+        self.a2e_send_bytes(bytemuck::cast_slice(x), topk_idx, topk_weights, mode)
+    }
+
+    /// [`Communicator::a2e_send`] with an explicit transfer mode for this call.
+    pub fn a2e_send_with<T: Element>(
+        &mut self,
+        x: &[T],
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: TransferMode,
+    ) -> Result<A2eHandle> {
+        self.require_dtype::<T>()?;
+        self.a2e_send_bytes(bytemuck::cast_slice(x), topk_idx, topk_weights, mode)
+    }
+
+    /// E2A on an attention rank: receives the expert outputs of the tokens sent with `handle`
+    /// and writes `out[t] = sum_k topk_weights[t,k] * expert_k(x[t])` (`[T, hidden]`), summed in
+    /// f32 in expert-rank order (bitwise reproducible).
+    pub fn e2a_recv<T: Element>(&mut self, handle: A2eHandle, out: &mut [T]) -> Result<()> {
+        self.require_dtype::<T>()?;
+        self.e2a_recv_bytes(handle, bytemuck::cast_slice_mut(out))
+    }
+
+    /// E2A on an expert rank: `expert_out` holds one output row per row of `batch` (same
+    /// layout); reduces each token's local experts with its gating weights and sends one row per
+    /// token back to its attention rank.
+    pub fn e2a_send<T: Element>(&mut self, batch: &ExpertBatch, expert_out: &[T]) -> Result<()> {
+        self.require_dtype::<T>()?;
+        let mode = self.cfg.mode;
+        self.e2a_send_bytes(batch, bytemuck::cast_slice(expert_out), mode)
+    }
+
+    /// [`Communicator::e2a_send`] with an explicit transfer mode for this call.
+    pub fn e2a_send_with<T: Element>(
+        &mut self,
+        batch: &ExpertBatch,
+        expert_out: &[T],
+        mode: TransferMode,
+    ) -> Result<()> {
+        self.require_dtype::<T>()?;
+        self.e2a_send_bytes(batch, bytemuck::cast_slice(expert_out), mode)
+    }
+
+    /// Hands a finished handle back so the next A2E reuses its buffers (optional).
+    pub fn recycle(&mut self, handle: A2eHandle) {
+        self.spare_layout = Some(handle.layout);
+    }
+}

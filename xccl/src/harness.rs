@@ -1,0 +1,207 @@
+//! Reference workloads driven through a real [`Communicator`], checked against
+//! [`crate::moe::reference`].
+//!
+//! One place for what tests, `xccl-bench --check` and the C ABI tests all do: generate a
+//! deterministic routing and hidden states per (attention rank, round), run one A2E + E2A step on
+//! each rank, and compare what arrived and what came back with the single-process reference.
+
+use crate::moe::dtype::{slice_from_f32, slice_to_f32, Element};
+use crate::moe::reference::{
+    expected_combine, expected_dispatch, test_expert, RankInput, SplitMix64,
+};
+use crate::topology::Topology;
+use crate::{Communicator, ExpertBatch, Result};
+
+/// A deterministic MoE workload.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Tokens per attention rank per round: fixed, or random in `0..=max` when `vary` is set.
+    pub tokens: usize,
+    /// Draw T uniformly in `0..=tokens` per (rank, round) instead of using `tokens`.
+    pub vary: bool,
+    /// Hot-expert skew (Zipf exponent), or uniform routing.
+    pub skew: Option<f64>,
+}
+
+impl Workload {
+    fn mix(&self, rank: usize, round: u64) -> u64 {
+        let mut s = SplitMix64::new(
+            self.seed ^ (round.wrapping_mul(0x2545_f491_4f6c_dd1d)) ^ ((rank as u64) << 40),
+        );
+        s.next_u64()
+    }
+
+    /// Token count of `rank` in `round`.
+    pub fn num_tokens(&self, rank: usize, round: u64) -> usize {
+        if self.vary {
+            (self.mix(rank, round) % (self.tokens as u64 + 1)) as usize
+        } else {
+            self.tokens
+        }
+    }
+
+    /// Routing of attention rank `rank` in `round`.
+    pub fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput {
+        RankInput::random(
+            rank,
+            self.mix(rank, round),
+            self.num_tokens(rank, round),
+            k,
+            topo.num_experts(),
+            self.skew,
+        )
+    }
+
+    /// Hidden states (f32 values exactly representable in every dtype's rounding) of `rank`.
+    pub fn hidden_states(
+        &self,
+        rank: usize,
+        round: u64,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> Vec<f32> {
+        let mut s = SplitMix64::new(self.mix(rank, round) ^ 0x5bd1_e995);
+        (0..num_tokens * hidden)
+            .map(|_| ((s.next_u64() % 2001) as f32 - 1000.0) / 512.0)
+            .collect()
+    }
+}
+
+/// Runs one attention-rank step (A2E send, then E2A receive) of `round` and checks the combined
+/// output against the reference. Returns `Ok(Err(description))` on a mismatch.
+pub fn attention_round<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+) -> Result<std::result::Result<(), String>> {
+    let topo = comm.topology().clone();
+    let (k, hidden) = (comm.config().topk, comm.config().hidden);
+    let input = wl.input(&topo, k, comm.rank(), round);
+    let x32 = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
+    let x: Vec<T> = slice_from_f32(&x32);
+    let handle = comm.a2e_send(&x, &input.topk_idx, &input.topk_weights)?;
+    let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
+    comm.e2a_recv(handle, &mut out)?;
+    let got = slice_to_f32(&out);
+    let xr = slice_to_f32(&x);
+    let want = expected_combine(&topo, &input, &xr, hidden, &test_expert);
+    let tol = tolerance::<T>();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if (g - w).abs() > tol * (1.0 + w.abs()) || !g.is_finite() {
+            return Ok(Err(format!(
+                "rank {} round {round}: out[{}][{}] = {g}, reference {w}",
+                comm.rank(),
+                i / hidden,
+                i % hidden
+            )));
+        }
+    }
+    Ok(Ok(()))
+}
+
+/// Relative tolerance of the combined output for `T` (three roundings to `T` on the way).
+pub fn tolerance<T: Element>() -> f32 {
+    match std::mem::size_of::<T>() {
+        4 => 1e-5,
+        _ if T::DTYPE == crate::DType::F16 => 4e-3,
+        _ => 3e-2,
+    }
+}
+
+/// Runs one expert-rank step of `round`: A2E receive into `batch`, checks it against the
+/// reference dispatch, applies [`test_expert`] to every row, and sends E2A.
+pub fn expert_round<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut ExpertBatch,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    comm.a2e_recv(batch)?;
+    let topo = comm.topology().clone();
+    let hidden = comm.config().hidden;
+    let rows: Vec<f32> = slice_to_f32(batch.rows::<T>()?);
+    let mut verdict = Ok(());
+    if check {
+        verdict = check_batch::<T>(comm, wl, round, batch, &rows);
+    }
+    let locals = topo.local_experts(comm.rank()).to_vec();
+    let mut out32 = vec![0f32; rows.len()];
+    for (j, &e) in locals.iter().enumerate() {
+        for r in batch.expert_rows(j) {
+            test_expert(
+                e,
+                &rows[r * hidden..(r + 1) * hidden],
+                &mut out32[r * hidden..(r + 1) * hidden],
+            );
+        }
+    }
+    let out: Vec<T> = slice_from_f32(&out32);
+    comm.e2a_send(batch, &out)?;
+    Ok(verdict)
+}
+
+fn check_batch<T: Element>(
+    comm: &Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &ExpertBatch,
+    rows: &[f32],
+) -> std::result::Result<(), String> {
+    let topo = comm.topology();
+    let (k, hidden) = (comm.config().topk, comm.config().hidden);
+    let inputs: Vec<RankInput> = topo
+        .attention_ranks()
+        .iter()
+        .map(|&a| wl.input(topo, k, a, round))
+        .collect();
+    let expected = expected_dispatch(topo, &inputs);
+    let me = expected
+        .iter()
+        .find(|e| e.rank == comm.rank())
+        .ok_or("no reference for this rank")?;
+    let rank = comm.rank();
+    if batch.num_local_experts() != me.per_local_expert.len() {
+        return Err(format!(
+            "rank {rank}: {} local experts, reference {}",
+            batch.num_local_experts(),
+            me.per_local_expert.len()
+        ));
+    }
+    let mut xs = std::collections::HashMap::new();
+    for (j, want) in me.per_local_expert.iter().enumerate() {
+        let got = batch.expert_rows(j);
+        if got.len() != want.len() {
+            return Err(format!(
+                "rank {rank} round {round}: local expert {j} got {} rows, reference {}",
+                got.len(),
+                want.len()
+            ));
+        }
+        for (r, &(src, tok, w)) in got.zip(want) {
+            if (batch.src_rank[r], batch.src_token[r], batch.weight[r]) != (src, tok, w) {
+                return Err(format!(
+                    "rank {rank} round {round}: expert {j} row {r} is ({}, {}, {}), reference ({src}, {tok}, {w})",
+                    batch.src_rank[r], batch.src_token[r], batch.weight[r]
+                ));
+            }
+            let x = xs.entry(src).or_insert_with(|| {
+                let n = inputs
+                    .iter()
+                    .find(|i| i.rank == src as usize)
+                    .map_or(0, |i| i.num_tokens);
+                let x32 = wl.hidden_states(src as usize, round, n, hidden);
+                slice_to_f32(&slice_from_f32::<T>(&x32))
+            });
+            let t = tok as usize;
+            if rows[r * hidden..(r + 1) * hidden] != x[t * hidden..(t + 1) * hidden] {
+                return Err(format!(
+                    "rank {rank} round {round}: payload of row {r} (rank {src} token {tok}) differs"
+                ));
+            }
+        }
+    }
+    Ok(())
+}

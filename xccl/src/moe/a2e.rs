@@ -1,0 +1,398 @@
+//! A2E (dispatch): attention ranks send token rows to expert ranks.
+//!
+//! Sender (attention rank `s`, call epoch `e`, parity `p = e & 1`):
+//! 1. validate everything and build the [`DispatchLayout`]; nothing is written before this;
+//! 2. wait for credit `e - 2` from every expert rank (the parity's previous user is consumed);
+//! 3. per expert rank `d` (rotated by `s` to spread incast): encode the rows for `d` — straight
+//!    into `d`'s receive area (push, load/store fabrics), into local staging then `put` (push,
+//!    other fabrics), or into local staging only (pull) — then put the [`Record`] and signal
+//!    `a2e_ready[s] = e`.
+//!
+//! Receiver (expert rank `d`): one pass over all sources per wake-up until every record of epoch
+//! `e` is in (arrival order and times are kept), then rows are arranged expert-major straight from
+//! where they lie (own window, or the sender's window for pull on load/store fabrics), and credit
+//! `e` goes back to every source.
+
+use std::time::Instant;
+
+use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
+use super::layout::DispatchLayout;
+use super::wire::{Record, TransferMode};
+use crate::comm::Communicator;
+use crate::fabric::Waiting;
+use crate::topology::Role;
+use crate::{Error, Result};
+
+impl Communicator {
+    /// A2E send on raw bytes: `x` is `[T, hidden]` of the communicator's dtype.
+    pub fn a2e_send_bytes(
+        &mut self,
+        x: &[u8],
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: TransferMode,
+    ) -> Result<A2eHandle> {
+        self.require_role(Role::Attention, "A2E send")?;
+        let payload = self.layout.a2e.payload;
+        if x.len() % payload != 0 {
+            return Err(Error::invalid(format!(
+                "x has {} bytes, not a whole number of rows of hidden {} x {}",
+                x.len(),
+                self.cfg.hidden,
+                self.cfg.dtype.name()
+            )));
+        }
+        let num_tokens = x.len() / payload;
+        if num_tokens > self.cfg.max_tokens_per_rank {
+            return Err(Error::invalid(format!(
+                "{num_tokens} tokens exceed max_tokens_per_rank {}",
+                self.cfg.max_tokens_per_rank
+            )));
+        }
+        let mut layout = self.spare_layout.take().unwrap_or_default();
+        if let Err(e) = layout.build_into(
+            &self.topo,
+            self.rank,
+            num_tokens,
+            topk_idx,
+            topk_weights,
+            self.cfg.topk,
+        ) {
+            self.spare_layout = Some(layout);
+            return Err(e);
+        }
+
+        let epoch = self.a2e_epoch + 1;
+        let parity = (epoch & 1) as usize;
+        let deadline = self.deadline();
+        let experts = self.topo.expert_ranks().to_vec();
+        let src_index = self
+            .topo
+            .attention_index(self.rank)
+            .expect("attention rank");
+
+        // Flow control: the parity's previous user (epoch - 2) must be consumed everywhere.
+        if epoch > 2 {
+            let need = epoch - 2;
+            let (f, slots) = (&*self.fabric, self.slots);
+            f.wait_until(deadline, &mut || {
+                experts
+                    .iter()
+                    .find(|&&d| f.signal_value(slots.a2e_credit(d)) < need)
+                    .map(|&peer| Waiting {
+                        peer,
+                        what: "A2E credit (expert has not consumed an earlier dispatch)",
+                    })
+            })?;
+        }
+
+        let mut offsets = Vec::with_capacity(experts.len());
+        let mut acc = 0usize;
+        for &d in &experts {
+            offsets.push(acc);
+            acc += layout.count(d);
+        }
+
+        let n = experts.len();
+        let direct = self.fabric.capabilities().load_store;
+        let row = self.layout.a2e;
+        for step in 0..n {
+            let j = (src_index + step) % n;
+            let d = experts[j];
+            let entries = layout.entries(d);
+            let count = entries.len();
+            let bytes = count * row.stride;
+            if mode == TransferMode::Push && direct {
+                let win = self.fabric.peer_window(d).expect("load/store fabric");
+                // SAFETY: the credit wait above guarantees that `d` finished reading this parity's
+                // rows from us (epoch - 2) and will not read them again before our signal of
+                // `epoch`; no one else writes our receive area at `d`.
+                let dst = unsafe { win.slice_mut(self.layout.a2e_recv(src_index, parity), bytes)? };
+                encode_rows(&layout, entries, x, &row, dst);
+            } else {
+                let stage = self.layout.a2e_stage(parity) + offsets[j] * row.stride;
+                let win = self.fabric.local_window();
+                // SAFETY: our staging area for this parity is read by peers only between our
+                // signal of an epoch with this parity and their credit for it; the credit wait
+                // above covers epoch - 2, the last such epoch.
+                let dst = unsafe { win.slice_mut(stage, bytes)? };
+                encode_rows(&layout, entries, x, &row, dst);
+                if mode == TransferMode::Push {
+                    self.fabric
+                        .put(d, self.layout.a2e_recv(src_index, parity), dst)?;
+                }
+            }
+            let rec = Record::new(epoch, count as u32, offsets[j] as u32, mode);
+            self.fabric.put(
+                d,
+                self.layout.record(src_index, parity),
+                bytemuck::bytes_of(&rec),
+            )?;
+            self.fabric
+                .signal(d, self.slots.a2e_ready(self.rank), epoch)?;
+        }
+        self.a2e_epoch = epoch;
+        Ok(A2eHandle {
+            epoch,
+            num_tokens,
+            layout,
+            offsets,
+        })
+    }
+
+    /// A2E receive on an expert rank: fills `batch` with this call's rows, grouped by local
+    /// expert. Collective with every attention rank's [`Communicator::a2e_send`].
+    pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
+        self.require_role(Role::Expert, "A2E receive")?;
+        let epoch = self.a2e_epoch + 1;
+        let parity = (epoch & 1) as usize;
+        let start = Instant::now();
+        let deadline = self.deadline();
+        let sources = self.topo.attention_ranks().to_vec();
+        let max_tokens = self.cfg.max_tokens_per_rank;
+
+        batch.sources.clear();
+        batch.sources.resize(sources.len(), SourceInfo::default());
+        batch.arrival_order.clear();
+        let mut records: Vec<Option<(Record, TransferMode)>> = vec![None; sources.len()];
+        let mut failure: Option<Error> = None;
+        {
+            let f = &*self.fabric;
+            let slots = self.slots;
+            let layout = &self.layout;
+            let win = f.local_window();
+            let mut missing = sources.len();
+            f.wait_until(deadline, &mut || {
+                let mut first_missing = None;
+                for (i, &src) in sources.iter().enumerate() {
+                    if records[i].is_some() {
+                        continue;
+                    }
+                    if f.signal_value(slots.a2e_ready(src)) < epoch {
+                        first_missing.get_or_insert(src);
+                        continue;
+                    }
+                    let mut rec = Record::default();
+                    let checked = win
+                        .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
+                        .and_then(|_| rec.validate(src, epoch, max_tokens));
+                    match checked {
+                        Ok(mode) => {
+                            records[i] = Some((rec, mode));
+                            batch.sources[i] = SourceInfo {
+                                rank: src,
+                                count: rec.count as usize,
+                                reply_offset: rec.offset as usize,
+                                first_token: 0,
+                                arrived_after: start.elapsed(),
+                            };
+                            batch.arrival_order.push(i as u32);
+                            missing -= 1;
+                        }
+                        Err(e) => {
+                            failure = Some(e);
+                            return None;
+                        }
+                    }
+                }
+                if missing == 0 {
+                    return None;
+                }
+                first_missing.map(|peer| Waiting {
+                    peer,
+                    what: "A2E record",
+                })
+            })?;
+        }
+        if let Some(e) = failure {
+            return Err(e);
+        }
+
+        self.arrange_expert_major(batch, &records, parity)?;
+
+        for &src in &sources {
+            self.fabric
+                .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
+        }
+        self.a2e_epoch = epoch;
+        batch.epoch = epoch;
+        Ok(())
+    }
+
+    /// Copies every source's rows into `batch`, expert-major, straight from where they lie.
+    fn arrange_expert_major(
+        &mut self,
+        batch: &mut ExpertBatch,
+        records: &[Option<(Record, TransferMode)>],
+        parity: usize,
+    ) -> Result<()> {
+        let row = self.layout.a2e;
+        let local = self.topo.local_experts(self.rank).len();
+        let sources = self.topo.attention_ranks();
+        let direct = self.fabric.capabilities().load_store;
+
+        // Where each source's rows are: (which window, offset), fetching pull rows if needed.
+        let mut total_pull = 0;
+        for (rec, mode) in records.iter().flatten() {
+            if *mode == TransferMode::Pull && !direct {
+                total_pull += rec.count as usize * row.stride;
+            }
+        }
+        self.pull_buf.resize(total_pull, 0);
+        let mut views: Vec<&[u8]> = Vec::with_capacity(sources.len());
+        let mut pull_cursor = 0;
+        let own = self.fabric.local_window();
+        // Fetch first (needs &mut pull_buf), then borrow views.
+        let mut pull_ranges = Vec::with_capacity(sources.len());
+        for (i, slot) in records.iter().enumerate() {
+            let (rec, mode) = slot.as_ref().expect("every record arrived");
+            let bytes = rec.count as usize * row.stride;
+            if *mode == TransferMode::Pull && !direct {
+                let off = self.layout.a2e_stage(parity) + rec.offset as usize * row.stride;
+                self.fabric.get(
+                    sources[i],
+                    off,
+                    &mut self.pull_buf[pull_cursor..pull_cursor + bytes],
+                )?;
+                pull_ranges.push(Some(pull_cursor..pull_cursor + bytes));
+                pull_cursor += bytes;
+            } else {
+                pull_ranges.push(None);
+            }
+        }
+        for (i, slot) in records.iter().enumerate() {
+            let (rec, mode) = slot.as_ref().expect("every record arrived");
+            let bytes = rec.count as usize * row.stride;
+            let view: &[u8] = match (mode, &pull_ranges[i]) {
+                (_, Some(r)) => &self.pull_buf[r.clone()],
+                (TransferMode::Push, None) => {
+                    // SAFETY: the sender signalled epoch `e` after writing these rows and will
+                    // not write this parity again before our credit for `e`, sent after use.
+                    unsafe { own.slice(self.layout.a2e_recv(i, parity), bytes)? }
+                }
+                (TransferMode::Pull, None) => {
+                    let win = self
+                        .fabric
+                        .peer_window(sources[i])
+                        .expect("load/store fabric");
+                    let off = self.layout.a2e_stage(parity) + rec.offset as usize * row.stride;
+                    // SAFETY: as for push: the sender's staging for this parity is stable from
+                    // its signal until our credit.
+                    unsafe { win.slice(off, bytes)? }
+                }
+            };
+            views.push(view);
+        }
+
+        // Pass 1: count rows per local expert and tokens, validating every row.
+        batch.expert_offsets.clear();
+        batch.expert_offsets.resize(local + 1, 0);
+        let mut tokens = 0usize;
+        let mut rows = 0usize;
+        let meta_off = row.meta_offset();
+        for (i, view) in views.iter().enumerate() {
+            batch.sources[i].first_token = tokens;
+            for r in view.chunks_exact(row.stride) {
+                let (token, mask, _) = row.decode_meta(&r[meta_off..]);
+                if token as usize >= self.cfg.max_tokens_per_rank {
+                    return Err(Error::Protocol {
+                        peer: sources[i],
+                        detail: format!("row names token {token}"),
+                    });
+                }
+                for j in mask_bits(mask) {
+                    if j >= local {
+                        return Err(Error::Protocol {
+                            peer: sources[i],
+                            detail: format!(
+                                "row for local expert {j}; rank {} hosts {local}",
+                                self.rank
+                            ),
+                        });
+                    }
+                    batch.expert_offsets[j + 1] += 1;
+                    rows += 1;
+                }
+                tokens += 1;
+            }
+        }
+        for j in 0..local {
+            batch.expert_offsets[j + 1] += batch.expert_offsets[j];
+        }
+
+        // Pass 2: place rows (source order, then wire order = token order).
+        let payload = row.payload;
+        batch.hidden = self.cfg.hidden;
+        batch.elem = self.cfg.dtype.size();
+        batch.rows.resize(rows * payload);
+        batch.src_rank.resize(rows, 0);
+        batch.src_token.resize(rows, 0);
+        batch.weight.resize(rows, 0.0);
+        batch.token_row_start.clear();
+        batch.token_row_start.reserve(tokens + 1);
+        batch.token_rows.clear();
+        batch.token_rows.reserve(rows);
+        batch.token_row_start.push(0);
+        self.cursors.clear();
+        self.cursors
+            .extend_from_slice(&batch.expert_offsets[..local]);
+        let out = batch.rows.bytes_mut();
+        for (i, view) in views.iter().enumerate() {
+            for r in view.chunks_exact(row.stride) {
+                let (token, mask, weights) = row.decode_meta(&r[meta_off..]);
+                for (slot, j) in mask_bits(mask).enumerate() {
+                    let dst = self.cursors[j];
+                    self.cursors[j] += 1;
+                    out[dst * payload..(dst + 1) * payload].copy_from_slice(&r[..payload]);
+                    batch.src_rank[dst] = sources[i] as u32;
+                    batch.src_token[dst] = token;
+                    batch.weight[dst] = if slot < row.topk {
+                        f32::from_le_bytes(weights[4 * slot..4 * slot + 4].try_into().unwrap())
+                    } else {
+                        0.0
+                    };
+                    batch.token_rows.push(dst as u32);
+                }
+                batch.token_row_start.push(batch.token_rows.len() as u32);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Set bits of a little-endian mask given as bytes.
+fn mask_bits(mask: &[u8]) -> impl Iterator<Item = usize> + '_ {
+    mask.chunks_exact(8).enumerate().flat_map(|(w, c)| {
+        let mut bits = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        std::iter::from_fn(move || {
+            if bits == 0 {
+                return None;
+            }
+            let b = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            Some(w * 64 + b)
+        })
+    })
+}
+
+/// Encodes the rows of `entries` (payload from `x`, then metadata) into `dst`.
+fn encode_rows(
+    layout: &DispatchLayout,
+    entries: std::ops::Range<usize>,
+    x: &[u8],
+    row: &super::wire::A2eRow,
+    dst: &mut [u8],
+) {
+    let payload = row.payload;
+    let meta_off = row.meta_offset();
+    for (e, out) in entries.zip(dst.chunks_exact_mut(row.stride)) {
+        let t = layout.token(e);
+        out[..payload].copy_from_slice(&x[t * payload..(t + 1) * payload]);
+        row.encode_meta(
+            &mut out[meta_off..],
+            t as u32,
+            layout.mask(e),
+            layout.weights(e),
+        );
+    }
+}

@@ -1,0 +1,194 @@
+//! Element types of hidden states on the wire, and their conversions to and from `f32`.
+//!
+//! Accumulation is always in `f32`; the wire carries the caller's dtype.
+
+use half::{bf16, f16};
+
+use crate::{Error, Result};
+
+/// The element type of hidden-state rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum DType {
+    /// IEEE binary32.
+    F32 = 0,
+    /// IEEE binary16.
+    F16 = 1,
+    /// bfloat16.
+    BF16 = 2,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// Lower-case name (`"f32"`, `"f16"`, `"bf16"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+
+    /// Parses a name as printed by [`DType::name`].
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "float32" | "fp32" => Ok(DType::F32),
+            "f16" | "float16" | "fp16" | "half" => Ok(DType::F16),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            other => Err(Error::invalid(format!(
+                "unknown dtype {other:?} (expected f32, f16 or bf16)"
+            ))),
+        }
+    }
+
+    /// Converts a row of this dtype (as bytes) to `f32`, overwriting `out`.
+    pub fn to_f32(self, src: &[u8], out: &mut [f32]) {
+        debug_assert_eq!(src.len(), out.len() * self.size());
+        match self {
+            DType::F32 => bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(src),
+            DType::F16 => {
+                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            DType::BF16 => {
+                for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+        }
+    }
+
+    /// Adds `scale * row` (a row of this dtype, as bytes) into `acc`.
+    pub fn accumulate(self, src: &[u8], scale: f32, acc: &mut [f32]) {
+        debug_assert_eq!(src.len(), acc.len() * self.size());
+        match self {
+            DType::F32 => {
+                for (a, c) in acc.iter_mut().zip(src.chunks_exact(4)) {
+                    *a += scale * f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            DType::F16 => {
+                for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
+                    *a += scale * f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            DType::BF16 => {
+                for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
+                    // bf16 -> f32 is a shift: exact and cheap.
+                    *a += scale * f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                }
+            }
+        }
+    }
+
+    /// Converts `src` to this dtype, writing bytes into `out` (round to nearest even).
+    pub fn from_f32(self, src: &[f32], out: &mut [u8]) {
+        debug_assert_eq!(out.len(), src.len() * self.size());
+        match self {
+            DType::F32 => out.copy_from_slice(bytemuck::cast_slice(src)),
+            DType::F16 => {
+                for (o, &v) in out.chunks_exact_mut(2).zip(src) {
+                    o.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+            }
+            DType::BF16 => {
+                for (o, &v) in out.chunks_exact_mut(2).zip(src) {
+                    o.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// A Rust element type that xccl moves: `f32`, `half::f16`, `half::bf16`.
+pub trait Element: bytemuck::Pod + Send + Sync {
+    /// The matching [`DType`].
+    const DTYPE: DType;
+    /// Widens to `f32`.
+    fn to_f32(self) -> f32;
+    /// Narrows from `f32` (round to nearest even).
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Converts a whole slice of `T` to `f32` (helper for callers and tests).
+pub fn slice_to_f32<T: Element>(src: &[T]) -> Vec<f32> {
+    src.iter().map(|v| v.to_f32()).collect()
+}
+
+/// Converts a whole `f32` slice to `T` (helper for callers and tests).
+pub fn slice_from_f32<T: Element>(src: &[f32]) -> Vec<T> {
+    src.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_through_bytes_matches_half() {
+        let vals = [0.0f32, 1.0, -2.5, 3.140625, 1e-3, 65504.0];
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let mut bytes = vec![0u8; vals.len() * dt.size()];
+            dt.from_f32(&vals, &mut bytes);
+            let mut back = vec![0f32; vals.len()];
+            dt.to_f32(&bytes, &mut back);
+            let mut acc = vec![1.0f32; vals.len()];
+            dt.accumulate(&bytes, 2.0, &mut acc);
+            for i in 0..vals.len() {
+                let want = match dt {
+                    DType::F32 => vals[i],
+                    DType::F16 => f16::from_f32(vals[i]).to_f32(),
+                    DType::BF16 => bf16::from_f32(vals[i]).to_f32(),
+                };
+                assert_eq!(back[i], want, "{dt:?} {}", vals[i]);
+                assert_eq!(acc[i], 1.0 + 2.0 * want);
+            }
+        }
+    }
+
+    #[test]
+    fn dtype_names_parse_back() {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            assert_eq!(DType::parse(dt.name()).unwrap(), dt);
+        }
+        assert!(DType::parse("int4").is_err());
+    }
+}

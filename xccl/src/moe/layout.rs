@@ -1,0 +1,629 @@
+//! Dispatch layout: turns one attention rank's top-k routing into per-destination token lists.
+//!
+//! This module owns the step between "token `t` picked experts `idx[t, ..]` with weights
+//! `w[t, ..]`" and what crosses the wire: one entry per (token, destination rank), carrying the
+//! token's source index, a bitmask of the local experts it selected at that destination, and the
+//! gating weights of those experts. A token that picks three experts hosted by one rank becomes one
+//! entry with three bits set, so it crosses the wire once (see DESIGN.md, "Wire protocol").
+//!
+//! Pure data: no I/O. [`DispatchLayout::build_into`] reuses its allocations, so the hot path can
+//! call it every layer without allocating once the buffers have grown.
+//!
+//! # Semantics
+//!
+//! - `topk_idx` is `[num_tokens, k]` row-major. `-1` means "no expert" and is skipped. Any other id
+//!   outside `0..num_experts` is rejected, and nothing is built.
+//! - The replica used for each expert is [`Topology::route`]'s choice for the source rank.
+//! - The same expert appearing twice in a row is merged into one bit; its weights are summed in f32
+//!   in slot order.
+//! - Within a destination, entries are in ascending source-token order. Within an entry, the
+//!   weights are those of the set bits in ascending local-expert order; the remaining of the `k`
+//!   slots are `0.0`.
+
+use std::ops::Range;
+
+use crate::topology::Topology;
+use crate::{Error, Result};
+
+/// One routed (destination, local expert, weight) choice of a token, before grouping.
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    dst: usize,
+    local: usize,
+    weight: f32,
+}
+
+/// One attention rank's routing for one call, grouped by destination rank.
+///
+/// Entries for destination rank `d` are `dest_start[d]..dest_start[d + 1]`; entry `i` has source
+/// token `tokens[i]`, mask `masks[i * mask_words..][..mask_words]` and weights
+/// `weights[i * k..][..k]`. Attention ranks (and expert ranks the source sends nothing to) have no
+/// entries.
+#[derive(Clone, Debug, Default)]
+pub struct DispatchLayout {
+    /// `u64` words per entry mask (= [`Topology::mask_words`]).
+    pub mask_words: usize,
+    /// Weight slots per entry (= top-k `K`).
+    pub k: usize,
+    /// Length `world_size + 1`; entries for destination rank `d` are `dest_start[d]..dest_start[d + 1]`.
+    pub dest_start: Vec<usize>,
+    /// Per entry: source token index, ascending within a destination.
+    pub tokens: Vec<u32>,
+    /// Per entry, `mask_words` words: bit `j` set = local expert `j` at that destination.
+    pub masks: Vec<u64>,
+    /// Per entry, `k` slots: weights of the set bits in ascending local-expert order, rest `0.0`.
+    pub weights: Vec<f32>,
+    /// Number of source tokens of the call the layout was built for.
+    num_tokens: usize,
+    /// Scratch: every token's routed slots, sorted by (dst, local) and merged, concatenated.
+    slots: Vec<Slot>,
+    /// Scratch: token `t`'s slots are `slots[slot_start[t]..slot_start[t + 1]]`.
+    slot_start: Vec<usize>,
+    /// Scratch: next free entry per destination while filling.
+    cursor: Vec<usize>,
+}
+
+impl DispatchLayout {
+    /// Builds the layout of `num_tokens` tokens routed by `topk_idx` / `topk_weights` (both
+    /// `[num_tokens, k]` row-major) from attention rank `src_rank`.
+    ///
+    /// # Errors
+    ///
+    /// See [`build_into`](DispatchLayout::build_into).
+    pub fn build(
+        topo: &Topology,
+        src_rank: usize,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        k: usize,
+    ) -> Result<Self> {
+        let mut layout = DispatchLayout::default();
+        layout.build_into(topo, src_rank, num_tokens, topk_idx, topk_weights, k)?;
+        Ok(layout)
+    }
+
+    /// Like [`build`](DispatchLayout::build), but rebuilds `self` in place, reusing its buffers.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidArgument`] if `src_rank` is not an attention rank, `topk_idx` or
+    /// `topk_weights` does not have `num_tokens * k` elements, `num_tokens` does not fit in a `u32`,
+    /// or an expert id other than `-1` is outside `0..num_experts` (the message names the token, the
+    /// slot and the id). On error `self` is left unchanged.
+    pub fn build_into(
+        &mut self,
+        topo: &Topology,
+        src_rank: usize,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        k: usize,
+    ) -> Result<()> {
+        let Some(attention_index) = topo.attention_index(src_rank) else {
+            return Err(Error::invalid(format!(
+                "dispatch layout: source rank {src_rank} is not an attention rank"
+            )));
+        };
+        let n = num_tokens.checked_mul(k).ok_or_else(|| {
+            Error::invalid(format!(
+                "dispatch layout: num_tokens {num_tokens} x k {k} overflows"
+            ))
+        })?;
+        if topk_idx.len() != n {
+            return Err(Error::invalid(format!(
+                "dispatch layout: topk_idx has {} elements, expected num_tokens {num_tokens} x k {k} = {n}",
+                topk_idx.len()
+            )));
+        }
+        if topk_weights.len() != n {
+            return Err(Error::invalid(format!(
+                "dispatch layout: topk_weights has {} elements, expected num_tokens {num_tokens} x k {k} = {n}",
+                topk_weights.len()
+            )));
+        }
+        if u32::try_from(num_tokens).is_err() {
+            return Err(Error::invalid(format!(
+                "dispatch layout: num_tokens {num_tokens} does not fit in u32"
+            )));
+        }
+        let num_experts = topo.num_experts();
+        for (i, &id) in topk_idx.iter().enumerate() {
+            if id != -1 && usize::try_from(id).map_or(true, |e| e >= num_experts) {
+                return Err(Error::invalid(format!(
+                    "dispatch layout: token {} slot {} selects expert {id}, outside 0..{num_experts} (use -1 for none)",
+                    i / k,
+                    i % k
+                )));
+            }
+        }
+
+        // Everything is valid: from here on nothing fails.
+        let world = topo.world_size();
+        let mask_words = topo.mask_words();
+        self.mask_words = mask_words;
+        self.k = k;
+        self.num_tokens = num_tokens;
+
+        // Pass 1: route, sort and merge each token's slots; count entries per destination
+        // (counts land in dest_start[d + 1] for the prefix sum).
+        self.slots.clear();
+        self.slot_start.clear();
+        self.slot_start.push(0);
+        self.dest_start.clear();
+        self.dest_start.resize(world + 1, 0);
+        for t in 0..num_tokens {
+            let base = self.slots.len();
+            for s in 0..k {
+                let id = topk_idx[t * k + s];
+                if id == -1 {
+                    continue;
+                }
+                let (dst, local) = topo.route_from_index(attention_index, id as usize);
+                self.slots.push(Slot {
+                    dst,
+                    local,
+                    weight: topk_weights[t * k + s],
+                });
+            }
+            let row = &mut self.slots[base..];
+            sort_slots(row);
+            let merged = merge_slots(row);
+            self.slots.truncate(base + merged);
+            let mut prev = usize::MAX;
+            for slot in &self.slots[base..] {
+                if slot.dst != prev {
+                    self.dest_start[slot.dst + 1] += 1;
+                    prev = slot.dst;
+                }
+            }
+            self.slot_start.push(self.slots.len());
+        }
+        for d in 0..world {
+            self.dest_start[d + 1] += self.dest_start[d];
+        }
+        let total = self.dest_start[world];
+
+        // Pass 2: fill entries, tokens in ascending order per destination.
+        self.tokens.clear();
+        self.tokens.resize(total, 0);
+        self.masks.clear();
+        self.masks.resize(total * mask_words, 0);
+        self.weights.clear();
+        self.weights.resize(total * k, 0.0);
+        self.cursor.clear();
+        self.cursor.extend_from_slice(&self.dest_start[..world]);
+        for t in 0..num_tokens {
+            let row = &self.slots[self.slot_start[t]..self.slot_start[t + 1]];
+            let mut i = 0;
+            while i < row.len() {
+                let dst = row[i].dst;
+                let entry = self.cursor[dst];
+                self.cursor[dst] += 1;
+                self.tokens[entry] = t as u32;
+                let mask = &mut self.masks[entry * mask_words..][..mask_words];
+                let weights = &mut self.weights[entry * k..][..k];
+                let mut n = 0;
+                while i < row.len() && row[i].dst == dst {
+                    let j = row[i].local;
+                    mask[j / 64] |= 1u64 << (j % 64);
+                    weights[n] = row[i].weight;
+                    n += 1;
+                    i += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of destination ranks the layout covers (the topology's world size).
+    pub fn world_size(&self) -> usize {
+        self.dest_start.len().saturating_sub(1)
+    }
+
+    /// Number of source tokens of the call.
+    pub fn num_tokens(&self) -> usize {
+        self.num_tokens
+    }
+
+    /// Number of entries (tokens) for destination rank `dst`.
+    ///
+    /// # Panics
+    ///
+    /// If `dst >= world_size()`.
+    pub fn count(&self, dst: usize) -> usize {
+        self.dest_start[dst + 1] - self.dest_start[dst]
+    }
+
+    /// Entry indices for destination rank `dst`.
+    ///
+    /// # Panics
+    ///
+    /// If `dst >= world_size()`.
+    pub fn entries(&self, dst: usize) -> Range<usize> {
+        self.dest_start[dst]..self.dest_start[dst + 1]
+    }
+
+    /// Source token index of entry `entry`.
+    pub fn token(&self, entry: usize) -> usize {
+        self.tokens[entry] as usize
+    }
+
+    /// Local-expert bitmask of entry `entry` (`mask_words` words).
+    pub fn mask(&self, entry: usize) -> &[u64] {
+        &self.masks[entry * self.mask_words..][..self.mask_words]
+    }
+
+    /// Weights of entry `entry` (`k` slots): one per set mask bit in ascending local-expert order,
+    /// then zeros.
+    pub fn weights(&self, entry: usize) -> &[f32] {
+        &self.weights[entry * self.k..][..self.k]
+    }
+
+    /// Total number of entries over all destinations.
+    pub fn total_entries(&self) -> usize {
+        self.tokens.len()
+    }
+}
+
+/// Stable insertion sort by (dst, local): rows are at most `k` long, and equal keys keep slot order
+/// so duplicate weights are summed in slot order.
+fn sort_slots(row: &mut [Slot]) {
+    for i in 1..row.len() {
+        let mut j = i;
+        while j > 0 && (row[j - 1].dst, row[j - 1].local) > (row[j].dst, row[j].local) {
+            row.swap(j - 1, j);
+            j -= 1;
+        }
+    }
+}
+
+/// Merges adjacent slots with the same (dst, local), summing weights; returns the new length.
+fn merge_slots(row: &mut [Slot]) -> usize {
+    let mut out = 0;
+    for i in 0..row.len() {
+        if out > 0 && row[out - 1].dst == row[i].dst && row[out - 1].local == row[i].local {
+            row[out - 1].weight += row[i].weight;
+        } else {
+            row[out] = row[i];
+            out += 1;
+        }
+    }
+    out
+}
+
+/// Positions of the set bits of a multi-word mask, ascending (bit `j` is bit `j % 64` of word
+/// `j / 64`).
+pub fn mask_iter(mask: &[u64]) -> impl Iterator<Item = usize> + '_ {
+    mask.iter().enumerate().flat_map(|(w, &word)| {
+        let mut bits = word;
+        std::iter::from_fn(move || {
+            if bits == 0 {
+                return None;
+            }
+            let b = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            Some(w * 64 + b)
+        })
+    })
+}
+
+/// Number of set bits in a multi-word mask.
+pub fn mask_count(mask: &[u64]) -> usize {
+    mask.iter().map(|w| w.count_ones() as usize).sum()
+}
+
+/// Sets bit `j` of a multi-word mask.
+///
+/// # Panics
+///
+/// If `j >= 64 * mask.len()`.
+pub fn mask_set(mask: &mut [u64], j: usize) {
+    mask[j / 64] |= 1u64 << (j % 64);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::reference::random_routing;
+    use crate::topology::tests::arb_topology;
+    use crate::topology::TopologyBuilder;
+    use proptest::prelude::*;
+
+    /// (token, dst, local experts, weights) of every entry, in entry order.
+    fn dump(l: &DispatchLayout) -> Vec<(usize, usize, Vec<usize>, Vec<f32>)> {
+        let mut out = Vec::new();
+        for d in 0..l.world_size() {
+            for i in l.entries(d) {
+                out.push((
+                    l.token(i),
+                    d,
+                    mask_iter(l.mask(i)).collect(),
+                    l.weights(i).to_vec(),
+                ));
+            }
+        }
+        out
+    }
+
+    fn invalid_msg(r: Result<DispatchLayout>) -> String {
+        match r {
+            Err(Error::InvalidArgument(m)) => m,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    /// Ranks 0 attention; 1, 2 expert; experts 0..4 (rank 1: 0, 1; rank 2: 2, 3).
+    fn small() -> Topology {
+        Topology::contiguous(1, 2, 4).unwrap()
+    }
+
+    #[test]
+    fn minus_one_slots_are_skipped() {
+        let t = small();
+        let l =
+            DispatchLayout::build(&t, 0, 2, &[-1, 2, -1, -1], &[0.5, 0.25, 0.5, 0.5], 2).unwrap();
+        assert_eq!(l.total_entries(), 1);
+        assert_eq!(dump(&l), vec![(0, 2, vec![0], vec![0.25, 0.0])]);
+        assert_eq!(l.count(0), 0);
+        assert_eq!(l.count(1), 0);
+        assert_eq!(l.count(2), 1);
+    }
+
+    #[test]
+    fn out_of_range_expert_is_rejected_and_nothing_is_built() {
+        let t = small();
+        let m = invalid_msg(DispatchLayout::build(&t, 0, 2, &[0, 1, 2, 4], &[0.0; 4], 2));
+        assert!(
+            m.contains("token 1") && m.contains("slot 1") && m.contains("expert 4"),
+            "{m}"
+        );
+        let m = invalid_msg(DispatchLayout::build(
+            &t,
+            0,
+            2,
+            &[0, -2, 2, 3],
+            &[0.0; 4],
+            2,
+        ));
+        assert!(
+            m.contains("token 0") && m.contains("slot 1") && m.contains("expert -2"),
+            "{m}"
+        );
+
+        let mut l = DispatchLayout::build(&t, 0, 1, &[0, 3], &[0.5, 0.5], 2).unwrap();
+        let before = dump(&l);
+        assert!(l.build_into(&t, 0, 2, &[1, 2, 0, 9], &[0.1; 4], 2).is_err());
+        assert_eq!(dump(&l), before);
+        assert_eq!(l.num_tokens(), 1);
+    }
+
+    #[test]
+    fn length_mismatches_are_rejected() {
+        let t = small();
+        let m = invalid_msg(DispatchLayout::build(&t, 0, 2, &[0, 1, 2], &[0.0; 4], 2));
+        assert!(m.contains("topk_idx has 3"), "{m}");
+        let m = invalid_msg(DispatchLayout::build(&t, 0, 2, &[0, 1, 2, 3], &[0.0; 3], 2));
+        assert!(m.contains("topk_weights has 3"), "{m}");
+    }
+
+    #[test]
+    fn non_attention_source_is_rejected() {
+        let t = small();
+        let m = invalid_msg(DispatchLayout::build(&t, 1, 1, &[0], &[1.0], 1));
+        assert!(
+            m.contains("rank 1") && m.contains("not an attention rank"),
+            "{m}"
+        );
+        let m = invalid_msg(DispatchLayout::build(&t, 7, 1, &[0], &[1.0], 1));
+        assert!(m.contains("rank 7"), "{m}");
+    }
+
+    #[test]
+    fn duplicate_experts_are_merged_with_summed_weights() {
+        let t = small();
+        let l =
+            DispatchLayout::build(&t, 0, 1, &[3, 0, 3, 3], &[0.125, 0.25, 0.5, 0.0625], 4).unwrap();
+        assert_eq!(
+            dump(&l),
+            vec![
+                (0, 1, vec![0], vec![0.25, 0.0, 0.0, 0.0]),
+                (0, 2, vec![1], vec![0.6875, 0.0, 0.0, 0.0]),
+            ]
+        );
+    }
+
+    #[test]
+    fn k_larger_than_experts_on_one_rank() {
+        // One expert rank hosting 2 experts, K = 8 with -1 padding and duplicates.
+        let t = Topology::contiguous(1, 1, 2).unwrap();
+        let idx = [1, 0, -1, 1, -1, -1, 0, -1];
+        let w = [1.0, 2.0, 0.0, 4.0, 0.0, 0.0, 8.0, 0.0];
+        let l = DispatchLayout::build(&t, 0, 1, &idx, &w, 8).unwrap();
+        assert_eq!(
+            dump(&l),
+            vec![(
+                0,
+                1,
+                vec![0, 1],
+                vec![10.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+            )]
+        );
+    }
+
+    #[test]
+    fn all_tokens_to_one_expert() {
+        let t = Topology::contiguous(2, 3, 6).unwrap();
+        let n = 100;
+        let idx = vec![4; n];
+        let w: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        let l = DispatchLayout::build(&t, 1, n, &idx, &w, 1).unwrap();
+        let (dst, j) = t.route(1, 4);
+        assert_eq!(l.count(dst), n);
+        assert_eq!(l.total_entries(), n);
+        for (i, e) in l.entries(dst).enumerate() {
+            assert_eq!(l.token(e), i);
+            assert_eq!(mask_iter(l.mask(e)).collect::<Vec<_>>(), vec![j]);
+            assert_eq!(l.weights(e), &[i as f32]);
+        }
+    }
+
+    #[test]
+    fn zero_tokens_give_an_empty_layout() {
+        let t = small();
+        let l = DispatchLayout::build(&t, 0, 0, &[], &[], 4).unwrap();
+        assert_eq!(l.total_entries(), 0);
+        assert_eq!(l.world_size(), 3);
+        assert_eq!(l.dest_start, vec![0, 0, 0, 0]);
+        assert_eq!(l.k, 4);
+        assert_eq!(l.mask_words, 1);
+    }
+
+    #[test]
+    fn one_entry_per_token_and_destination() {
+        let t = small();
+        // token 0: experts 0,1 (rank 1) and 2 (rank 2); token 1: 3, 2 (rank 2); token 2: 1 (rank 1).
+        let idx = [0, 2, 1, 3, 2, -1, 1, -1, -1];
+        let w = [0.1, 0.2, 0.3, 0.4, 0.5, 0.0, 0.6, 0.0, 0.0];
+        let l = DispatchLayout::build(&t, 0, 3, &idx, &w, 3).unwrap();
+        assert_eq!(l.dest_start, vec![0, 0, 2, 4]);
+        assert_eq!(
+            dump(&l),
+            vec![
+                (0, 1, vec![0, 1], vec![0.1, 0.3, 0.0]),
+                (2, 1, vec![1], vec![0.6, 0.0, 0.0]),
+                (0, 2, vec![0], vec![0.2, 0.0, 0.0]),
+                (1, 2, vec![0, 1], vec![0.5, 0.4, 0.0]),
+            ]
+        );
+    }
+
+    #[test]
+    fn weights_follow_ascending_local_expert_order() {
+        let t = Topology::contiguous(1, 1, 5).unwrap();
+        let l = DispatchLayout::build(&t, 0, 1, &[4, 3, 0, 2, 1], &[4.0, 3.0, 0.0, 2.0, 1.0], 5)
+            .unwrap();
+        assert_eq!(
+            dump(&l),
+            vec![(0, 1, vec![0, 1, 2, 3, 4], vec![0.0, 1.0, 2.0, 3.0, 4.0])]
+        );
+    }
+
+    #[test]
+    fn replicas_are_chosen_by_source_rank() {
+        // Attention ranks 0, 1; expert ranks 2, 3; expert 0 replicated on both.
+        let t = TopologyBuilder::contiguous(2, 2, 2)
+            .placement(vec![vec![2, 3], vec![3]])
+            .build()
+            .unwrap();
+        let from0 = DispatchLayout::build(&t, 0, 1, &[0], &[1.0], 1).unwrap();
+        let from1 = DispatchLayout::build(&t, 1, 1, &[0], &[1.0], 1).unwrap();
+        assert_eq!(dump(&from0), vec![(0, 2, vec![0], vec![1.0])]);
+        assert_eq!(dump(&from1), vec![(0, 3, vec![0], vec![1.0])]);
+    }
+
+    #[test]
+    fn masks_span_several_words() {
+        let t = Topology::contiguous(1, 1, 130).unwrap();
+        assert_eq!(t.mask_words(), 3);
+        let l = DispatchLayout::build(&t, 0, 1, &[129, 64, 3], &[0.5, 0.25, 0.125], 3).unwrap();
+        assert_eq!(l.mask(0), &[1 << 3, 1, 1 << 1]);
+        assert_eq!(mask_iter(l.mask(0)).collect::<Vec<_>>(), vec![3, 64, 129]);
+        assert_eq!(l.weights(0), &[0.125, 0.25, 0.5]);
+    }
+
+    #[test]
+    fn build_into_reuses_buffers_and_matches_fresh_build() {
+        let t = Topology::contiguous(2, 3, 12).unwrap();
+        let (i1, w1) = random_routing(1, 200, 4, 12, None);
+        let (i2, w2) = random_routing(2, 7, 4, 12, Some(1.2));
+        let mut l = DispatchLayout::build(&t, 1, 200, &i1, &w1, 4).unwrap();
+        l.build_into(&t, 1, 7, &i2, &w2, 4).unwrap();
+        let fresh = DispatchLayout::build(&t, 1, 7, &i2, &w2, 4).unwrap();
+        assert_eq!(dump(&l), dump(&fresh));
+        assert_eq!(l.dest_start, fresh.dest_start);
+        assert_eq!(l.tokens, fresh.tokens);
+        assert_eq!(l.masks, fresh.masks);
+        assert_eq!(l.weights, fresh.weights);
+        assert_eq!(l.num_tokens(), 7);
+    }
+
+    #[test]
+    fn mask_helpers() {
+        let mut m = [0u64; 2];
+        assert_eq!(mask_iter(&m).count(), 0);
+        mask_set(&mut m, 127);
+        mask_set(&mut m, 0);
+        mask_set(&mut m, 63);
+        mask_set(&mut m, 64);
+        assert_eq!(mask_iter(&m).collect::<Vec<_>>(), vec![0, 63, 64, 127]);
+        assert_eq!(mask_count(&m), 4);
+    }
+
+    /// Routing with -1 holes and duplicate ids, expert ids in range.
+    fn arb_case() -> impl Strategy<Value = (Topology, usize, usize, usize, Vec<i32>, Vec<f32>)> {
+        arb_topology().prop_flat_map(|t| {
+            let srcs = t.attention_ranks().to_vec();
+            let e = t.num_experts() as i32;
+            (0usize..24, 0usize..7).prop_flat_map(move |(n, k)| {
+                (
+                    Just(t.clone()),
+                    proptest::sample::select(srcs.clone()),
+                    Just(n),
+                    Just(k),
+                    proptest::collection::vec(-1i32..e, n * k),
+                    proptest::collection::vec(0.0f32..1.0, n * k),
+                )
+            })
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn layout_reconstructs_merged_routing(
+            (t, src, n, k, idx, w) in arb_case()
+        ) {
+            let l = DispatchLayout::build(&t, src, n, &idx, &w, k).unwrap();
+            prop_assert_eq!(l.dest_start.len(), t.world_size() + 1);
+            prop_assert_eq!(l.mask_words, t.mask_words());
+
+            // Expected: per token, merged (expert, weight) in slot order of first appearance.
+            let mut want = Vec::new();
+            for tok in 0..n {
+                let mut row: Vec<(usize, f32)> = Vec::new();
+                for s in 0..k {
+                    let id = idx[tok * k + s];
+                    if id < 0 { continue; }
+                    match row.iter_mut().find(|(e, _)| *e == id as usize) {
+                        Some(p) => p.1 += w[tok * k + s],
+                        None => row.push((id as usize, w[tok * k + s])),
+                    }
+                }
+                for (e, wt) in row { want.push((tok, e, wt.to_bits())); }
+            }
+            want.sort_unstable();
+
+            let mut got = Vec::new();
+            let mut pairs = std::collections::HashSet::new();
+            for d in 0..t.world_size() {
+                let r = l.entries(d);
+                prop_assert!(l.tokens[r.clone()].windows(2).all(|p| p[0] < p[1]));
+                for i in r {
+                    let tok = l.token(i);
+                    prop_assert!(pairs.insert((tok, d)), "two entries for token {} dest {}", tok, d);
+                    let bits: Vec<usize> = mask_iter(l.mask(i)).collect();
+                    prop_assert!(!bits.is_empty());
+                    prop_assert!(bits.len() <= k);
+                    for (pos, &j) in bits.iter().enumerate() {
+                        let e = t.local_experts(d)[j];
+                        prop_assert_eq!(t.route(src, e), (d, j));
+                        got.push((tok, e, l.weights(i)[pos].to_bits()));
+                    }
+                    prop_assert!(l.weights(i)[bits.len()..].iter().all(|&x| x == 0.0));
+                }
+            }
+            got.sort_unstable();
+            prop_assert_eq!(got, want);
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! Protocol tests over the in-process fabric: every result checked against the reference.
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+use crate::harness::{attention_round, expert_round, Workload};
+use crate::moe::dtype::{DType, Element};
+use crate::moe::wire::{MoeConfig, TransferMode};
+use crate::topology::{Role, Topology, TopologyBuilder};
+use crate::{Communicator, Error, ExpertBatch};
+
+/// Runs `rounds` A2E+E2A rounds on every rank (threads) and returns the first failure.
+fn run_local<T: Element>(
+    topo: &Topology,
+    cfg: &MoeConfig,
+    wl: &Workload,
+    rounds: u64,
+    modes: &[TransferMode],
+) -> Result<(), String> {
+    let comms = Communicator::local_group(topo, cfg).map_err(|e| e.to_string())?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| {
+                s.spawn(move || -> Result<(), String> {
+                    let mut batch = ExpertBatch::new();
+                    for round in 0..rounds {
+                        c.set_mode(modes[(round as usize + c.rank()) % modes.len()]);
+                        let verdict = match c.role() {
+                            Role::Attention => attention_round::<T>(&mut c, wl, round),
+                            Role::Expert => expert_round::<T>(&mut c, wl, round, &mut batch, true),
+                        };
+                        verdict.map_err(|e| format!("rank {}: {e}", c.rank()))??;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| "rank panicked".to_string())?)
+            .collect::<Result<Vec<()>, String>>()
+            .map(|_| ())
+    })
+}
+
+fn cfg(hidden: usize, dtype: DType, topk: usize, max_tokens: usize) -> MoeConfig {
+    let mut c = MoeConfig::new(hidden, dtype, topk, max_tokens);
+    c.timeout = Duration::from_secs(20);
+    c
+}
+
+fn wl(seed: u64, tokens: usize, vary: bool) -> Workload {
+    Workload {
+        seed,
+        tokens,
+        vary,
+        skew: None,
+    }
+}
+
+const BOTH: &[TransferMode] = &[TransferMode::Push, TransferMode::Pull];
+
+#[test]
+fn one_attention_one_expert_round_trips_f32() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    run_local::<f32>(
+        &topo,
+        &cfg(32, DType::F32, 2, 16),
+        &wl(1, 16, false),
+        4,
+        BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn two_by_two_round_trips_bf16_in_push_and_pull() {
+    let topo = Topology::contiguous(2, 2, 8).unwrap();
+    run_local::<bf16>(
+        &topo,
+        &cfg(64, DType::BF16, 4, 32),
+        &wl(2, 32, false),
+        6,
+        BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn three_attention_one_expert_f16() {
+    let topo = Topology::contiguous(3, 1, 6).unwrap();
+    run_local::<f16>(&topo, &cfg(16, DType::F16, 3, 8), &wl(3, 8, true), 6, BOTH).unwrap();
+}
+
+#[test]
+fn one_attention_three_experts_pull_only() {
+    let topo = Topology::contiguous(1, 3, 9).unwrap();
+    let pull = &[TransferMode::Pull];
+    run_local::<f32>(&topo, &cfg(8, DType::F32, 4, 8), &wl(4, 8, true), 6, pull).unwrap();
+}
+
+#[test]
+fn eight_by_sixteen_with_varying_tokens() {
+    let topo = Topology::contiguous(8, 16, 64).unwrap();
+    run_local::<bf16>(
+        &topo,
+        &cfg(16, DType::BF16, 8, 12),
+        &wl(5, 12, true),
+        5,
+        BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn zero_tokens_everywhere_is_a_valid_call() {
+    let topo = Topology::contiguous(2, 3, 6).unwrap();
+    run_local::<f32>(&topo, &cfg(8, DType::F32, 2, 4), &wl(6, 0, false), 3, BOTH).unwrap();
+}
+
+#[test]
+fn every_token_to_one_hot_expert() {
+    let topo = Topology::contiguous(3, 2, 4).unwrap();
+    let mut w = wl(7, 16, false);
+    w.skew = Some(50.0);
+    run_local::<f32>(&topo, &cfg(8, DType::F32, 2, 16), &w, 3, BOTH).unwrap();
+}
+
+#[test]
+fn replicas_of_hot_experts_are_used() {
+    let topo = TopologyBuilder::contiguous(4, 3, 6)
+        .replicas(&[(0, 2), (1, 1)])
+        .build()
+        .unwrap();
+    let mut w = wl(8, 16, true);
+    w.skew = Some(1.5);
+    run_local::<bf16>(&topo, &cfg(16, DType::BF16, 3, 16), &w, 4, BOTH).unwrap();
+}
+
+#[test]
+fn topk_larger_than_experts_on_one_rank() {
+    let topo = Topology::contiguous(2, 4, 8).unwrap();
+    run_local::<f32>(&topo, &cfg(8, DType::F32, 6, 8), &wl(9, 8, false), 3, BOTH).unwrap();
+}
+
+#[test]
+fn many_back_to_back_rounds_with_random_token_counts() {
+    let topo = Topology::contiguous(2, 2, 8).unwrap();
+    run_local::<f32>(
+        &topo,
+        &cfg(8, DType::F32, 4, 16),
+        &wl(10, 16, true),
+        300,
+        BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn interleaved_roles_work() {
+    let roles = vec![
+        Role::Expert,
+        Role::Attention,
+        Role::Expert,
+        Role::Attention,
+        Role::Expert,
+    ];
+    let topo = TopologyBuilder::new(roles, 7).build().unwrap();
+    run_local::<f32>(&topo, &cfg(8, DType::F32, 3, 8), &wl(11, 8, true), 4, BOTH).unwrap();
+}
+
+#[test]
+fn results_are_bitwise_identical_run_to_run() {
+    let topo = Topology::contiguous(2, 3, 12).unwrap();
+    let c = cfg(16, DType::BF16, 4, 8);
+    let run =
+        || {
+            let comms = Communicator::local_group(&topo, &c).unwrap();
+            let w = wl(12, 8, false);
+            std::thread::scope(|s| {
+                let hs: Vec<_> =
+                    comms
+                        .into_iter()
+                        .map(|mut comm| {
+                            let w = w.clone();
+                            s.spawn(move || {
+                                if comm.role() == Role::Expert {
+                                    let mut b = ExpertBatch::new();
+                                    expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
+                                        .unwrap()
+                                        .unwrap();
+                                    return Vec::new();
+                                }
+                                let input = w.input(comm.topology(), 4, comm.rank(), 0);
+                                let x: Vec<bf16> = crate::moe::dtype::slice_from_f32(
+                                    &w.hidden_states(comm.rank(), 0, input.num_tokens, 16),
+                                );
+                                let h = comm
+                                    .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+                                    .unwrap();
+                                let mut out = vec![bf16::ZERO; x.len()];
+                                comm.e2a_recv(h, &mut out).unwrap();
+                                out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
+                            })
+                        })
+                        .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+    assert_eq!(run(), run());
+}
+
+/// Runs `f` on attention rank 0 of a 1A:1E job, then checks a normal round still works — so a
+/// rejected call left nothing behind on either side.
+fn rejected_then_clean_round(f: impl FnOnce(&mut Communicator) -> Error + Send) -> Error {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let err = f(&mut attn);
+    let w = wl(13, 4, false);
+    std::thread::scope(|s| {
+        let e = s.spawn(move || {
+            let mut b = ExpertBatch::new();
+            expert_round::<f32>(&mut expert, &w, 0, &mut b, true)
+                .unwrap()
+                .unwrap()
+        });
+        attention_round::<f32>(&mut attn, &wl(13, 4, false), 0)
+            .unwrap()
+            .unwrap();
+        e.join().unwrap();
+    });
+    err
+}
+
+#[test]
+fn out_of_range_expert_id_is_rejected_before_any_write() {
+    let err = rejected_then_clean_round(|c| {
+        c.a2e_send(&[0f32; 16], &[0, 1, 4, -1], &[0.5; 4])
+            .unwrap_err()
+    });
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("4")),
+        "{err}"
+    );
+}
+
+#[test]
+fn too_many_tokens_are_rejected() {
+    let err =
+        rejected_then_clean_round(|c| c.a2e_send(&[0f32; 40], &[0; 10], &[0.5; 10]).unwrap_err());
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("max_tokens")),
+        "{err}"
+    );
+}
+
+#[test]
+fn wrong_hidden_size_and_dtype_are_rejected() {
+    let err =
+        rejected_then_clean_round(|c| c.a2e_send(&[0f32; 7], &[0, 1], &[0.5; 2]).unwrap_err());
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let err = rejected_then_clean_round(|c| {
+        c.a2e_send(&[bf16::ZERO; 8], &[0, 1], &[0.5; 2])
+            .unwrap_err()
+    });
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("dtype")),
+        "{err}"
+    );
+}
+
+#[test]
+fn length_mismatch_of_routing_is_rejected() {
+    let err =
+        rejected_then_clean_round(|c| c.a2e_send(&[0f32; 16], &[0, 1, 2], &[0.5; 4]).unwrap_err());
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+}
+
+#[test]
+fn calls_on_the_wrong_role_are_rejected() {
+    let err = rejected_then_clean_round(|c| c.a2e_recv(&mut ExpertBatch::new()).unwrap_err());
+    assert!(matches!(err, Error::WrongRole(_)), "{err}");
+}
+
+#[test]
+fn mismatched_config_is_caught_at_init_naming_the_peer() {
+    use crate::fabric::local::LocalFabric;
+    use std::sync::Arc;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
+    let a = cfg(8, DType::F32, 2, 4);
+    let mut b = a.clone();
+    b.topk = 3;
+    let lens: Vec<usize> = Communicator::window_lens(&topo, &a)
+        .unwrap()
+        .iter()
+        .zip(Communicator::window_lens(&topo, &b).unwrap())
+        .map(|(x, y)| (*x).max(y))
+        .collect();
+    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let f1 = fabrics.pop().unwrap();
+    let f0 = fabrics.pop().unwrap();
+    let t2 = topo.clone();
+    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t2, b).err());
+    let e0 = Communicator::new(Box::new(f0), topo, a).err();
+    let e1 = h.join().unwrap();
+    assert!(
+        matches!(e0, Some(Error::Protocol { peer: 1, .. })),
+        "{e0:?}"
+    );
+    assert!(
+        matches!(e1, Some(Error::Protocol { peer: 0, .. })),
+        "{e1:?}"
+    );
+}
+
+#[test]
+fn missing_expert_rank_times_out_naming_it() {
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_millis(300);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let _e2 = comms.pop().unwrap();
+    let _e1 = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let input = wl(14, 4, false).input(&topo, 2, 0, 0);
+    let h = attn
+        .a2e_send(&vec![0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
+    assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    #[test]
+    fn random_topologies_and_routings_match_the_reference(
+        topo in crate::topology::tests::arb_topology(),
+        hidden in 1usize..24,
+        topk in 1usize..6,
+        tokens in 0usize..10,
+        seed in any::<u64>(),
+        skewed in any::<bool>(),
+        dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
+    ) {
+        let c = cfg(hidden, dtype, topk, tokens.max(1));
+        let w = Workload { seed, tokens, vary: true, skew: skewed.then_some(1.2) };
+        let r = match dtype {
+            DType::BF16 => run_local::<bf16>(&topo, &c, &w, 3, BOTH),
+            _ => run_local::<f32>(&topo, &c, &w, 3, BOTH),
+        };
+        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+    }
+}
