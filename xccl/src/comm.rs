@@ -12,7 +12,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::bootstrap::Exchange;
 use crate::fabric::local::LocalFabric;
+use crate::fabric::shm::ShmFabric;
 use crate::fabric::{deadline_after, Fabric};
 use crate::moe::batch::{A2eHandle, ExpertBatch};
 use crate::moe::dtype::Element;
@@ -103,6 +105,25 @@ impl Communicator {
         };
         comm.handshake()?;
         Ok(comm)
+    }
+
+    /// Builds this rank's communicator over shared memory (ranks are processes on one host).
+    /// Collective: every rank of `exchange` calls it with the same topology and config.
+    pub fn init_shm(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
+        let lens = Self::window_lens(&topo, &cfg)?;
+        let len = *lens.get(exchange.rank()).ok_or_else(|| {
+            Error::invalid(format!(
+                "bootstrap rank {} is outside the topology's {} ranks",
+                exchange.rank(),
+                lens.len()
+            ))
+        })?;
+        let fabric = ShmFabric::new(exchange, len, Self::signal_slots(&topo))?;
+        Self::new(Box::new(fabric), topo, cfg)
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns

@@ -8,6 +8,20 @@ use std::time::Duration;
 
 use crate::Result;
 
+mod env;
+pub mod root;
+mod tcp;
+mod thread;
+mod unique_id;
+mod wire;
+
+pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
+pub use root::{RootConfig, RootHandle, RootReport};
+pub use tcp::{TcpBootstrap, QUERY_GRACE};
+pub use thread::ThreadExchange;
+pub use unique_id::{bind_addr_from, random_job_id, UniqueId, SOCKET_ADDR_ENV};
+pub use wire::MAX_BLOB;
+
 /// What the fabrics and the communicator need from a bootstrap.
 pub trait Exchange: Send + Sync {
     /// This rank, in `0..size()`.

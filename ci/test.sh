@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs every check xccl has, installing what the tests need first (Debian packages).
+# This is the README's test command; .ci/run calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "ci/test.sh: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${need[@]}"
+fi
+rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
+
+echo "== fmt"
+cargo fmt --all -- --check
+echo "== clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== doc"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+echo "== tests"
+cargo test --workspace --release 2>&1 | tee target/test-output.txt
+echo "== leftovers"
+left=$(ls /dev/shm | grep -i '^xccl' || true)
+if [ -n "$left" ]; then
+  echo "ci/test.sh: /dev/shm holds xccl segments after the tests: $left" >&2
+  exit 1
+fi
+passed=$(grep -E '^test result:' target/test-output.txt | awk '{p+=$4; f+=$6} END {print p+0, f+0}')
+set -- $passed
+echo "summary: $1 passed, $2 failed"

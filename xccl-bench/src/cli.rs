@@ -1,0 +1,184 @@
+//! Command-line flags.
+
+use std::path::PathBuf;
+
+use clap::{Parser, ValueEnum};
+use xccl::{DType, TransferMode};
+
+/// How the timings are defined; printed at the end of `--help`.
+const TIMING_HELP: &str = "\
+TIMING
+  Every iteration starts with a barrier of all ranks (outside the timed region). Each rank then
+  records CLOCK_MONOTONIC timestamps (one clock for every process of a host):
+    attention: a2e_send start, a2e_send end, e2a_recv end
+    expert:    a2e_recv end, e2a_send start, e2a_send end
+  a2e       = max(expert a2e_recv end)    - min(attention a2e_send start)
+  e2a       = max(attention e2a_recv end) - min(expert e2a_send start)
+  roundtrip = max(attention e2a_recv end) - min(attention a2e_send start)
+  The expert computation is the identity (received rows are sent back), so the round trip is
+  communication only. p50/p99 are over the measured iterations (nearest rank).
+  bytes_per_rank = mean over attention ranks and iterations of rows sent x hidden x dtype size
+  (one row per (token, destination rank)); the round trip counts twice that.
+  algbw = bytes_per_rank / p50. vs_memcpy = algbw / bandwidth of a memcpy of the same bytes
+  between two buffers of that size, timed the same way (p50) on rank 0 after the run.
+
+LAUNCHING
+  Without a launcher, xccl-bench starts M+N rank processes itself (--fabric shm) or runs the
+  ranks as threads (--fabric local). Under mpirun, srun or torchrun (OMPI_COMM_WORLD_SIZE,
+  SLURM_NTASKS, WORLD_SIZE, PMI_SIZE) each launched process is one rank; the world size must be
+  M+N. Rank 0 prints the report.";
+
+/// `xccl-bench`: A2E, E2A and round-trip latency and bandwidth between M attention and N expert
+/// ranks, nccl-tests style.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "xccl-bench", version, about, after_long_help = TIMING_HELP)]
+pub struct Args {
+    /// Attention ranks M.
+    #[arg(long, short = 'a', default_value_t = 2)]
+    pub attention: usize,
+
+    /// Expert ranks N.
+    #[arg(long, short = 'e', default_value_t = 2)]
+    pub experts: usize,
+
+    /// Routed experts E, placed in contiguous blocks over the expert ranks.
+    #[arg(long, default_value_t = 64)]
+    pub num_experts: usize,
+
+    /// Experts per token K.
+    #[arg(long, short = 'k', default_value_t = 8)]
+    pub topk: usize,
+
+    /// Hidden size H.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+
+    /// Tokens per attention rank per call; a comma-separated list is a sweep (`1,32,128,512`).
+    #[arg(long, short = 't', value_delimiter = ',', default_value = "128")]
+    pub tokens: Vec<usize>,
+
+    /// Element type of the hidden states.
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    pub dtype: DType,
+
+    /// Transport: `shm` (one process per rank, shared memory) or `local` (threads of one process).
+    #[arg(long, value_enum, default_value_t = FabricKind::Shm)]
+    pub fabric: FabricKind,
+
+    /// Transfer mode of both directions.
+    #[arg(long, default_value = "push", value_parser = parse_mode)]
+    pub mode: TransferMode,
+
+    /// Measured iterations per token count.
+    #[arg(long, default_value_t = 200)]
+    pub iters: usize,
+
+    /// Unmeasured iterations before them.
+    #[arg(long, default_value_t = 20)]
+    pub warmup: usize,
+
+    /// Seed of the routing and the hidden states.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+
+    /// Hot-expert routing: Zipf exponent S (P(expert e) ~ 1/(e+1)^S); uniform without it.
+    #[arg(long, value_name = "S")]
+    pub skew: Option<f64>,
+
+    /// Replay every iteration through `xccl::harness` (reference expert, untimed) and compare
+    /// with the reference; exit non-zero on any mismatch.
+    #[arg(long)]
+    pub check: bool,
+
+    /// Write the results as JSON.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+
+    /// Write a PNG of the sweep: p50 latency and algbw vs tokens.
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+
+    /// Write the routing of every iteration (format in xccl-bench/README.md) so another program
+    /// replays the same traffic.
+    #[arg(long, value_name = "PATH")]
+    pub routing_out: Option<PathBuf>,
+
+    /// Deadline in seconds of every wait and rendezvous step. The launcher kills every rank when
+    /// one fails or when the job exceeds SECS x (2 + number of token counts).
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    pub timeout: f64,
+}
+
+/// Which fabric carries the traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FabricKind {
+    /// Shared memory between processes of one host.
+    Shm,
+    /// Threads of one process.
+    Local,
+}
+
+impl FabricKind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            FabricKind::Shm => "shm",
+            FabricKind::Local => "local",
+        }
+    }
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    DType::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_mode(s: &str) -> Result<TransferMode, String> {
+    TransferMode::parse(s).map_err(|e| e.to_string())
+}
+
+impl Args {
+    /// Checks values clap cannot; returns a message naming the flag.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.attention == 0 || self.experts == 0 {
+            return Err("--attention and --experts must be at least 1".into());
+        }
+        if self.num_experts == 0 || self.topk == 0 || self.hidden == 0 {
+            return Err("--num-experts, --topk and --hidden must be at least 1".into());
+        }
+        if self.tokens.is_empty() {
+            return Err("--tokens needs at least one value".into());
+        }
+        if self.iters == 0 {
+            return Err("--iters must be at least 1".into());
+        }
+        if let Some(s) = self.skew {
+            if !(s.is_finite() && s >= 0.0) {
+                return Err(format!("--skew must be finite and >= 0, got {s}"));
+            }
+        }
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
+            return Err(format!("--timeout must be positive, got {}", self.timeout));
+        }
+        Ok(())
+    }
+
+    /// `--timeout` as a duration.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout)
+    }
+
+    /// World size M + N.
+    pub fn world_size(&self) -> usize {
+        self.attention + self.experts
+    }
+
+    /// Largest token count of the sweep.
+    pub fn max_tokens(&self) -> usize {
+        self.tokens.iter().copied().max().unwrap_or(1).max(1)
+    }
+
+    /// Iterations run per token count (warmup plus measured).
+    pub fn rounds(&self) -> usize {
+        self.warmup + self.iters
+    }
+}

@@ -1,0 +1,728 @@
+//! The root service: the rendezvous point every rank of a TCP job connects to.
+//!
+//! Threads:
+//! - an **acceptor** polls the listener and starts one reader thread per connection;
+//! - a **reader** per connection reads frames (with a read timeout, so it notices the stop flag)
+//!   and forwards them over a channel; before a connection has said hello it also answers
+//!   strangers with an error on its own;
+//! - the **coordinator** (the thread behind [`RootHandle`]) owns all job state and does every
+//!   write to a joined rank, so the state needs no lock.
+//!
+//! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
+//! ERROR frame and a closed connection; the job goes on. A rank that sends a malformed frame is
+//! dropped from the job, and the ranks waiting on a round it can no longer join are told so.
+//! The coordinator exits when every rank has joined and left, when no rank has been connected for
+//! [`RootConfig::idle_timeout`], or when [`RootHandle::shutdown`] asks it to.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::wire::{self, Absence, Frame, Kind, ReadError, READ_TICK};
+use crate::{Error, Result};
+
+/// Settings of a root service.
+#[derive(Debug, Clone)]
+pub struct RootConfig {
+    /// The job this root serves; hellos for another job id are rejected.
+    pub job_id: u64,
+    /// The world size, if known in advance; otherwise the first accepted hello fixes it.
+    pub size: Option<usize>,
+    /// The root exits after no rank has been connected for this long (default 5 minutes).
+    pub idle_timeout: Duration,
+    /// A connection must send its hello within this time (default 30 s).
+    pub hello_timeout: Duration,
+    /// A write to a rank that takes longer than this drops the rank (default 30 s).
+    pub write_timeout: Duration,
+}
+
+impl RootConfig {
+    /// Defaults for job `job_id`: size learned from the first hello, 5 min idle timeout,
+    /// 30 s hello and write timeouts.
+    pub fn new(job_id: u64) -> Self {
+        RootConfig {
+            job_id,
+            size: None,
+            idle_timeout: Duration::from_secs(300),
+            hello_timeout: Duration::from_secs(30),
+            write_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What a root service did, returned when it exits.
+#[derive(Debug, Clone, Default)]
+pub struct RootReport {
+    /// Number of ranks whose hello was accepted.
+    pub joined: usize,
+    /// Number of collective rounds completed.
+    pub rounds: u64,
+    /// One line per rejected connection or dropped rank: peer address and reason.
+    pub rejected: Vec<String>,
+    /// Why the root exited.
+    pub exit: String,
+}
+
+/// A running root service.
+///
+/// Dropping the handle detaches the service: it keeps serving the job and exits on its own.
+#[derive(Debug)]
+pub struct RootHandle {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<RootReport>>,
+}
+
+impl RootHandle {
+    /// Binds a listener on `addr` (port 0 picks an ephemeral port) and starts serving.
+    ///
+    /// The listener has `SO_REUSEADDR` set (the standard library sets it on Unix), so a root can
+    /// rebind a well-known port that a previous job left in `TIME_WAIT`.
+    pub fn bind(addr: SocketAddr, config: RootConfig) -> Result<RootHandle> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::os(format!("binding the bootstrap root to {addr}"), e))?;
+        Self::spawn(listener, config)
+    }
+
+    /// Starts serving on an already bound listener.
+    pub fn spawn(listener: TcpListener, config: RootConfig) -> Result<RootHandle> {
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::os("reading the bootstrap root's address", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::os("making the bootstrap listener non-blocking", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let acceptor = {
+            let stop = stop.clone();
+            let hello_timeout = config.hello_timeout;
+            std::thread::Builder::new()
+                .name("xccl-root-accept".into())
+                .spawn(move || accept_loop(listener, tx, stop, hello_timeout))
+                .map_err(|e| Error::os("spawning the bootstrap acceptor thread", e))?
+        };
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("xccl-root".into())
+                .spawn(move || Coordinator::new(config, stop, acceptor).run(rx))
+        };
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                // The acceptor exits on its own once its channel's receiver is gone.
+                stop.store(true, Ordering::Release);
+                return Err(Error::os("spawning the bootstrap root thread", e));
+            }
+        };
+        Ok(RootHandle {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address the root listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Whether the root has exited.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().map_or(true, |t| t.is_finished())
+    }
+
+    /// Waits for the root to exit on its own (all ranks left, or idle timeout).
+    pub fn join(mut self) -> RootReport {
+        self.take_report()
+    }
+
+    /// Asks the root to exit now (closing every connection) and waits for it.
+    pub fn shutdown(mut self) -> RootReport {
+        // SYNC POINT: pairs with the Acquire loads in the coordinator, acceptor and readers.
+        self.stop.store(true, Ordering::Release);
+        self.take_report()
+    }
+
+    fn take_report(&mut self) -> RootReport {
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(report)) => report,
+            Some(Err(_)) => RootReport {
+                exit: "root thread panicked".into(),
+                ..RootReport::default()
+            },
+            None => RootReport::default(),
+        }
+    }
+}
+
+/// What readers tell the coordinator.
+enum Event {
+    /// A connection sent a well-formed hello; `stream` is its write half.
+    Hello {
+        conn: u64,
+        stream: TcpStream,
+        peer: SocketAddr,
+        job_id: u64,
+        rank: u64,
+        size: u64,
+    },
+    /// A frame from a connection that has said hello.
+    Frame { conn: u64, frame: Frame },
+    /// The connection ended; `protocol` when because of a malformed frame.
+    Closed {
+        conn: u64,
+        reason: String,
+        protocol: bool,
+    },
+    /// A connection was rejected before it said hello.
+    Rejected { peer: SocketAddr, reason: String },
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    tx: Sender<Event>,
+    stop: Arc<AtomicBool>,
+    hello_timeout: Duration,
+) {
+    use nix::poll::{poll, PollFd, PollFlags};
+    let mut next_conn = 0u64;
+    // SYNC POINT: pairs with the Release store in `RootHandle::shutdown` / the coordinator exit.
+    while !stop.load(Ordering::Acquire) {
+        let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, 100u16) {
+            Ok(0) => continue,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => {
+                std::thread::sleep(READ_TICK);
+                continue;
+            }
+        }
+        loop {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    let conn = next_conn;
+                    next_conn += 1;
+                    let tx = tx.clone();
+                    let stop = stop.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("xccl-root-conn".into())
+                        .spawn(move || conn_reader(conn, stream, peer, tx, stop, hello_timeout));
+                    if spawned.is_err() {
+                        // Out of threads: the connection is dropped (closed) and the peer retries
+                        // or times out; the root itself goes on.
+                        continue;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                // ECONNABORTED, EMFILE and friends: skip this round, poll again.
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+/// Sends an error frame to a peer that is being rejected, half-closes the connection, and drains
+/// what the peer still sends (for at most a second) so the close does not reset the connection
+/// before the peer has read the error.
+fn reject_and_drain(stream: &mut TcpStream, reason: &str, stop: &AtomicBool) {
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    let _ = wire::write_frame(stream, Kind::Error, 0, wire::clip(reason).as_bytes());
+    let _ = stream.shutdown(Shutdown::Write);
+    drain(stream, stop);
+}
+
+fn drain(stream: &mut TcpStream, stop: &AtomicBool) {
+    let until = Instant::now() + Duration::from_secs(1);
+    let mut sink = [0u8; 4096];
+    // SYNC POINT: pairs with the Release store that stops the root.
+    while Instant::now() < until && !stop.load(Ordering::Acquire) {
+        match stream.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(_) => break,
+        }
+    }
+}
+
+fn conn_reader(
+    conn: u64,
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    tx: Sender<Event>,
+    stop: Arc<AtomicBool>,
+    hello_timeout: Duration,
+) {
+    let setup = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_read_timeout(Some(READ_TICK)));
+    if let Err(e) = setup {
+        let _ = tx.send(Event::Rejected {
+            peer,
+            reason: format!("socket setup failed: {e}"),
+        });
+        return;
+    }
+    wire::tune(&stream);
+    let deadline = Instant::now() + hello_timeout;
+    let hello = match wire::read_frame(&mut stream, Some(deadline), &stop, 0, &|k| k == Kind::Hello)
+    {
+        Ok(frame) => wire::decode_hello(&frame.payload),
+        Err(ReadError::Stopped) => return,
+        Err(ReadError::Eof) => {
+            let _ = tx.send(Event::Rejected {
+                peer,
+                reason: "closed the connection before saying hello".into(),
+            });
+            return;
+        }
+        Err(ReadError::Timeout) => {
+            let reason = format!("no hello within {hello_timeout:?}");
+            let _ = tx.send(Event::Rejected {
+                peer,
+                reason: reason.clone(),
+            });
+            reject_and_drain(&mut stream, &reason, &stop);
+            return;
+        }
+        Err(e) => {
+            let reason = format!("rejected before hello: {e}");
+            let _ = tx.send(Event::Rejected {
+                peer,
+                reason: reason.clone(),
+            });
+            reject_and_drain(&mut stream, &reason, &stop);
+            return;
+        }
+    };
+    let Some((job_id, rank, size)) = hello else {
+        let reason = "malformed hello".to_string();
+        let _ = tx.send(Event::Rejected {
+            peer,
+            reason: reason.clone(),
+        });
+        reject_and_drain(&mut stream, &reason, &stop);
+        return;
+    };
+    let write_half = match stream.try_clone() {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = tx.send(Event::Rejected {
+                peer,
+                reason: format!("cannot clone the socket: {e}"),
+            });
+            return;
+        }
+    };
+    let sent = tx.send(Event::Hello {
+        conn,
+        stream: write_half,
+        peer,
+        job_id,
+        rank,
+        size,
+    });
+    if sent.is_err() {
+        return;
+    }
+    let allowed = |k: Kind| matches!(k, Kind::Data | Kind::Query | Kind::Abort | Kind::Bye);
+    loop {
+        match wire::read_frame(&mut stream, None, &stop, 0, &allowed) {
+            Ok(frame) => {
+                if tx.send(Event::Frame { conn, frame }).is_err() {
+                    return;
+                }
+            }
+            Err(ReadError::Stopped) => return,
+            Err(e) => {
+                let protocol = matches!(e, ReadError::Malformed(_));
+                let _ = tx.send(Event::Closed {
+                    conn,
+                    reason: e.to_string(),
+                    protocol,
+                });
+                if protocol {
+                    drain(&mut stream, &stop);
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Where a rank stands with the root.
+enum Slot {
+    /// Has not said hello yet.
+    Absent,
+    /// Joined; `stream` is the write half of its connection.
+    Connected { conn: u64, stream: TcpStream },
+    /// Joined and left (cleanly or not).
+    Gone { reason: String },
+}
+
+struct Coordinator {
+    cfg: RootConfig,
+    stop: Arc<AtomicBool>,
+    acceptor: Option<JoinHandle<()>>,
+    size: Option<usize>,
+    ranks: Vec<Slot>,
+    conns: HashMap<u64, usize>,
+    /// The round being gathered.
+    round: u64,
+    /// Blobs of the current round, by rank.
+    blobs: Vec<Option<Vec<u8>>>,
+    contributed: usize,
+    /// Contributors of the current round already told that it failed.
+    told_failed: Vec<bool>,
+    aborts: Vec<(usize, String)>,
+    connected: usize,
+    idle_since: Instant,
+    report: RootReport,
+}
+
+impl Coordinator {
+    fn new(cfg: RootConfig, stop: Arc<AtomicBool>, acceptor: JoinHandle<()>) -> Self {
+        let mut c = Coordinator {
+            cfg,
+            stop,
+            acceptor: Some(acceptor),
+            size: None,
+            ranks: Vec::new(),
+            conns: HashMap::new(),
+            round: 0,
+            blobs: Vec::new(),
+            contributed: 0,
+            told_failed: Vec::new(),
+            aborts: Vec::new(),
+            connected: 0,
+            idle_since: Instant::now(),
+            report: RootReport::default(),
+        };
+        if let Some(size) = c.cfg.size.filter(|&s| s > 0) {
+            c.set_size(size);
+        }
+        c
+    }
+
+    fn set_size(&mut self, size: usize) {
+        self.size = Some(size);
+        self.ranks = (0..size).map(|_| Slot::Absent).collect();
+        self.blobs = vec![None; size];
+        self.told_failed = vec![false; size];
+    }
+
+    fn run(mut self, rx: Receiver<Event>) -> RootReport {
+        let exit = loop {
+            // SYNC POINT: pairs with the Release store in `RootHandle::shutdown`.
+            if self.stop.load(Ordering::Acquire) {
+                break "stopped by its owner".to_string();
+            }
+            if self.size.is_some() && self.ranks.iter().all(|s| matches!(s, Slot::Gone { .. })) {
+                break "every rank has left".to_string();
+            }
+            if self.connected == 0 && self.idle_since.elapsed() >= self.cfg.idle_timeout {
+                break format!(
+                    "no rank connected for {:?} (idle timeout)",
+                    self.cfg.idle_timeout
+                );
+            }
+            match rx.recv_timeout(READ_TICK) {
+                Ok(ev) => self.on_event(ev),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break "acceptor stopped".to_string(),
+            }
+        };
+        // SYNC POINT: pairs with the Acquire loads in the acceptor and readers.
+        self.stop.store(true, Ordering::Release);
+        for slot in &mut self.ranks {
+            if let Slot::Connected { stream, .. } = slot {
+                let _ = stream.shutdown(Shutdown::Both);
+            }
+        }
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        self.report.exit = exit;
+        self.report
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        match ev {
+            Event::Hello {
+                conn,
+                stream,
+                peer,
+                job_id,
+                rank,
+                size,
+            } => self.on_hello(conn, stream, peer, job_id, rank, size),
+            Event::Frame { conn, frame } => {
+                if let Some(&rank) = self.conns.get(&conn) {
+                    self.on_frame(rank, frame);
+                }
+            }
+            Event::Closed {
+                conn,
+                reason,
+                protocol,
+            } => {
+                if let Some(&rank) = self.conns.get(&conn) {
+                    if protocol {
+                        self.report
+                            .rejected
+                            .push(format!("rank {rank} dropped: {reason}"));
+                        self.drop_rank(
+                            rank,
+                            format!("dropped by the root: {reason}"),
+                            Some(&reason),
+                        );
+                    } else {
+                        self.drop_rank(rank, format!("connection lost: {reason}"), None);
+                    }
+                }
+            }
+            Event::Rejected { peer, reason } => {
+                self.report.rejected.push(format!("{peer}: {reason}"));
+            }
+        }
+    }
+
+    fn on_hello(
+        &mut self,
+        conn: u64,
+        mut stream: TcpStream,
+        peer: SocketAddr,
+        job_id: u64,
+        rank: u64,
+        size: u64,
+    ) {
+        if let Err(reason) = self.admit(job_id, rank, size) {
+            let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = wire::write_frame(&mut stream, Kind::Error, 0, reason.as_bytes());
+            // The reader keeps draining the connection until the peer closes it.
+            let _ = stream.shutdown(Shutdown::Write);
+            self.report.rejected.push(format!("{peer}: {reason}"));
+            return;
+        }
+        // `admit` checked that both fit in `usize` and that `rank < size`.
+        let rank = rank as usize;
+        let _ = stream.set_write_timeout(Some(self.cfg.write_timeout));
+        if let Err(e) = wire::write_frame(&mut stream, Kind::Welcome, 0, &[]) {
+            let _ = stream.shutdown(Shutdown::Both);
+            self.ranks[rank] = Slot::Gone {
+                reason: format!("welcome could not be sent: {e}"),
+            };
+            self.report.joined += 1;
+            self.check_round();
+            return;
+        }
+        self.ranks[rank] = Slot::Connected { conn, stream };
+        self.conns.insert(conn, rank);
+        self.connected += 1;
+        self.report.joined += 1;
+        let earlier: Vec<(usize, String)> = self.aborts.clone();
+        for (from, reason) in earlier {
+            let payload = wire::encode_rank_text(from, &reason);
+            self.send(rank, Kind::Abort, 0, &payload);
+        }
+    }
+
+    /// Checks a hello against the job; the error is the text sent back to the peer.
+    fn admit(&mut self, job_id: u64, rank: u64, size: u64) -> Result<(), String> {
+        if job_id != self.cfg.job_id {
+            return Err(format!(
+                "job id mismatch: this root serves job {:016x}, the hello is for job {job_id:016x}",
+                self.cfg.job_id
+            ));
+        }
+        let Ok(size) = usize::try_from(size) else {
+            return Err(format!("world size {size} is too large"));
+        };
+        if size == 0 {
+            return Err("world size 0".into());
+        }
+        match self.size {
+            Some(s) if s != size => {
+                return Err(format!(
+                    "world size mismatch: the job has {s} ranks, rank {rank} says {size}"
+                ))
+            }
+            Some(_) => {}
+            None => {
+                if rank >= size as u64 {
+                    return Err(format!("rank {rank} is out of range for world size {size}"));
+                }
+                self.set_size(size);
+            }
+        }
+        if rank >= size as u64 {
+            return Err(format!("rank {rank} is out of range for world size {size}"));
+        }
+        match &self.ranks[rank as usize] {
+            Slot::Absent => Ok(()),
+            Slot::Connected { .. } => {
+                Err(format!("duplicate rank: rank {rank} has already joined"))
+            }
+            Slot::Gone { .. } => Err(format!(
+                "duplicate rank: rank {rank} has already joined and left"
+            )),
+        }
+    }
+
+    fn on_frame(&mut self, rank: usize, frame: Frame) {
+        match frame.kind {
+            Kind::Data => self.on_data(rank, frame.round, frame.payload),
+            Kind::Query => {
+                let missing = if frame.round == self.round {
+                    self.missing()
+                } else {
+                    Vec::new()
+                };
+                let payload = wire::encode_missing(&missing);
+                self.send(rank, Kind::Status, frame.round, &payload);
+            }
+            Kind::Abort => {
+                let reason = String::from_utf8_lossy(wire::clip_bytes(&frame.payload)).into_owned();
+                self.aborts.push((rank, reason.clone()));
+                let payload = wire::encode_rank_text(rank, &reason);
+                for other in 0..self.ranks.len() {
+                    if other != rank {
+                        self.send(other, Kind::Abort, 0, &payload);
+                    }
+                }
+            }
+            Kind::Bye => {
+                self.send(rank, Kind::ByeAck, 0, &[]);
+                self.drop_rank(rank, "left the job".into(), None);
+            }
+            // The reader only lets the kinds above through.
+            _ => {}
+        }
+    }
+
+    fn on_data(&mut self, rank: usize, round: u64, blob: Vec<u8>) {
+        if round != self.round || self.blobs[rank].is_some() {
+            let detail = format!(
+                "sent data for round {round} while the root is gathering round {}{}",
+                self.round,
+                if round == self.round { " (twice)" } else { "" }
+            );
+            self.report
+                .rejected
+                .push(format!("rank {rank} dropped: {detail}"));
+            self.drop_rank(
+                rank,
+                format!("dropped by the root: {detail}"),
+                Some(&detail),
+            );
+            return;
+        }
+        self.blobs[rank] = Some(blob);
+        self.contributed += 1;
+        if self.contributed == self.blobs.len() {
+            let blobs: Vec<Vec<u8>> = self
+                .blobs
+                .iter_mut()
+                .map(|b| b.take().unwrap_or_default())
+                .collect();
+            let payload = wire::encode_blobs(&blobs);
+            let round = self.round;
+            self.round += 1;
+            self.contributed = 0;
+            self.told_failed.iter_mut().for_each(|t| *t = false);
+            self.report.rounds += 1;
+            for r in 0..self.ranks.len() {
+                self.send(r, Kind::Result, round, &payload);
+            }
+        } else {
+            self.check_round();
+        }
+    }
+
+    /// Ranks that have not contributed to the current round, and why.
+    fn missing(&self) -> Vec<(usize, Absence)> {
+        self.blobs
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.is_none())
+            .map(|(r, _)| {
+                let absence = match self.ranks[r] {
+                    Slot::Absent => Absence::NeverConnected,
+                    Slot::Connected { .. } => Absence::Late,
+                    Slot::Gone { .. } => Absence::Left,
+                };
+                (r, absence)
+            })
+            .collect()
+    }
+
+    /// If a rank that has not contributed to the current round is gone, the round cannot
+    /// complete: tells every contributor (once) which rank it is.
+    fn check_round(&mut self) {
+        if self.contributed == 0 {
+            return;
+        }
+        let gone = self
+            .blobs
+            .iter()
+            .enumerate()
+            .find_map(|(r, b)| match (&self.ranks[r], b) {
+                (Slot::Gone { reason }, None) => Some((r, reason.clone())),
+                _ => None,
+            });
+        let Some((gone, reason)) = gone else {
+            return;
+        };
+        let payload = wire::encode_rank_text(gone, &reason);
+        for r in 0..self.ranks.len() {
+            if self.blobs[r].is_some() && !self.told_failed[r] {
+                self.told_failed[r] = true;
+                self.send(r, Kind::Failed, self.round, &payload);
+            }
+        }
+    }
+
+    /// Writes a frame to `rank` if it is connected; a failed write drops the rank.
+    fn send(&mut self, rank: usize, kind: Kind, round: u64, payload: &[u8]) {
+        let Slot::Connected { stream, .. } = &mut self.ranks[rank] else {
+            return;
+        };
+        if let Err(e) = wire::write_frame(stream, kind, round, payload) {
+            self.drop_rank(rank, format!("write to the rank failed: {e}"), None);
+        }
+    }
+
+    /// Marks `rank` gone, optionally telling it why first, and closes its connection.
+    fn drop_rank(&mut self, rank: usize, reason: String, tell: Option<&str>) {
+        let slot = std::mem::replace(&mut self.ranks[rank], Slot::Gone { reason });
+        if let Slot::Connected { conn, mut stream } = slot {
+            if let Some(text) = tell {
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                let _ = wire::write_frame(&mut stream, Kind::Error, 0, wire::clip(text).as_bytes());
+            }
+            // Half-close: the rank reads what was sent, then closes; the reader sees EOF.
+            let _ = stream.shutdown(Shutdown::Write);
+            self.conns.remove(&conn);
+            self.connected -= 1;
+            if self.connected == 0 {
+                self.idle_since = Instant::now();
+            }
+        }
+        self.check_round();
+    }
+}
