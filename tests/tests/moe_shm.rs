@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::bf16;
-use xccl::harness::{attention_round, expert_round, Workload};
-use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Role, Topology, TransferMode};
+use xccl::harness::{attention_round, expert_round, expert_round_tokens, Workload};
+use xccl::{
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+};
 use xccl_tests::{child_main, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
@@ -51,8 +53,10 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         skew: None,
     };
     let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
     for round in 0..rounds {
-        // Alternate modes per call and per rank: receivers follow each record's mode.
+        // Alternate modes per call and per rank (receivers follow each record's mode), and the
+        // expert-major and token-major receive paths.
         let mode = if (round + ctx.rank as u64) % 3 == 0 {
             TransferMode::Pull
         } else {
@@ -61,7 +65,10 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         comm.set_mode(mode);
         let verdict = match comm.role() {
             Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
-            Role::Expert => expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true),
+            Role::Expert if round % 2 == 0 => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true),
         };
         verdict.map_err(|e| e.to_string())??;
     }
@@ -144,7 +151,12 @@ fn killed_expert_is_reported_by_the_survivors() {
     let mut job = Job::spawn(ENTRY, "moe_kill", 3);
     let st = job.wait(Duration::from_secs(60));
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(st[1].signal(), Some(libc::SIGKILL), "rank 1: {}", job.output(1));
+    assert_eq!(
+        st[1].signal(),
+        Some(libc::SIGKILL),
+        "rank 1: {}",
+        job.output(1)
+    );
     for r in [0, 2] {
         assert!(st[r].success(), "rank {r} failed: {}", job.output(r));
     }

@@ -10,7 +10,7 @@ use crate::moe::reference::{
     expected_combine, expected_dispatch, test_expert, RankInput, SplitMix64,
 };
 use crate::topology::Topology;
-use crate::{Communicator, ExpertBatch, Result};
+use crate::{Communicator, ExpertBatch, Result, TokenBatch};
 
 /// A deterministic MoE workload.
 #[derive(Clone, Debug)]
@@ -201,6 +201,112 @@ fn check_batch<T: Element>(
                     "rank {rank} round {round}: payload of row {r} (rank {src} token {tok}) differs"
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Runs one expert-rank step of `round` on the token-major path: A2E receive into `batch`
+/// (checked against the reference when `check`), the gating-weighted sum of [`test_expert`] over
+/// each token's local experts, and a token-major E2A send.
+pub fn expert_round_tokens<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut TokenBatch,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    let mut arrivals = 0usize;
+    comm.a2e_recv_tokens(batch, &mut |_, _| arrivals += 1)?;
+    let topo = comm.topology().clone();
+    let hidden = comm.config().hidden;
+    let rows: Vec<f32> = slice_to_f32(batch.rows::<T>()?);
+    let mut verdict = Ok(());
+    if arrivals != topo.attention_ranks().len() {
+        verdict = Err(format!(
+            "{arrivals} arrival callbacks for {} sources",
+            topo.attention_ranks().len()
+        ));
+    }
+    if check && verdict.is_ok() {
+        verdict = check_tokens::<T>(comm, wl, round, batch, &rows);
+    }
+    let locals = topo.local_experts(comm.rank()).to_vec();
+    let mut reduced = vec![0f32; rows.len()];
+    let mut tmp = vec![0f32; hidden];
+    for i in 0..batch.num_tokens() {
+        let (experts, weights) = batch.experts_of(i);
+        let x = &rows[i * hidden..(i + 1) * hidden];
+        let acc = &mut reduced[i * hidden..(i + 1) * hidden];
+        for (&j, &w) in experts.iter().zip(weights) {
+            test_expert(locals[j as usize], x, &mut tmp);
+            acc.iter_mut().zip(&tmp).for_each(|(a, v)| *a += w * v);
+        }
+    }
+    let out: Vec<T> = slice_from_f32(&reduced);
+    comm.e2a_send_tokens(batch, &out)?;
+    Ok(verdict)
+}
+
+fn check_tokens<T: Element>(
+    comm: &Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &TokenBatch,
+    rows: &[f32],
+) -> std::result::Result<(), String> {
+    let topo = comm.topology();
+    let (k, hidden, rank) = (comm.config().topk, comm.config().hidden, comm.rank());
+    let inputs: Vec<RankInput> = topo
+        .attention_ranks()
+        .iter()
+        .map(|&a| wl.input(topo, k, a, round))
+        .collect();
+    let expected = expected_dispatch(topo, &inputs);
+    let me = expected
+        .iter()
+        .find(|e| e.rank == rank)
+        .ok_or("no reference for this rank")?;
+    let mut want: std::collections::BTreeMap<(u32, u32), Vec<(u32, f32)>> = Default::default();
+    for (j, list) in me.per_local_expert.iter().enumerate() {
+        for &(src, tok, w) in list {
+            want.entry((src, tok)).or_default().push((j as u32, w));
+        }
+    }
+    if want.len() != batch.num_tokens() {
+        return Err(format!(
+            "rank {rank} round {round}: {} tokens arrived, reference {}",
+            batch.num_tokens(),
+            want.len()
+        ));
+    }
+    for i in 0..batch.num_tokens() {
+        let key = (batch.src_rank[i], batch.src_token[i]);
+        let (experts, weights) = batch.experts_of(i);
+        let got: Vec<(u32, f32)> = experts
+            .iter()
+            .copied()
+            .zip(weights.iter().copied())
+            .collect();
+        if want.get(&key) != Some(&got) {
+            return Err(format!(
+                "rank {rank} round {round}: token {key:?} has experts {got:?}, reference {:?}",
+                want.get(&key)
+            ));
+        }
+        let src = key.0 as usize;
+        let n = inputs
+            .iter()
+            .find(|x| x.rank == src)
+            .map_or(0, |x| x.num_tokens);
+        let x = slice_to_f32(&slice_from_f32::<T>(
+            &wl.hidden_states(src, round, n, hidden),
+        ));
+        let t = key.1 as usize;
+        if rows[i * hidden..(i + 1) * hidden] != x[t * hidden..(t + 1) * hidden] {
+            return Err(format!(
+                "rank {rank} round {round}: payload of token {key:?} differs"
+            ));
         }
     }
     Ok(())

@@ -234,9 +234,10 @@ pub fn from_env(timeout: Duration) -> Result<TcpBootstrap> {
 }
 
 fn parse_count(var: &str, value: &str) -> Result<usize> {
-    value.trim().parse::<usize>().map_err(|_| {
-        Error::Bootstrap(format!("{var}={value:?} is not a non-negative integer"))
-    })
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|_| Error::Bootstrap(format!("{var}={value:?} is not a non-negative integer")))
 }
 
 fn parse_port(var: &str, value: &str) -> Result<u16> {
@@ -347,7 +348,11 @@ mod tests {
     #[test]
     fn open_mpi_pmi_and_slurm_variables_are_read_with_xccl_root() {
         let cases = [
-            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", Launcher::OpenMpi),
+            (
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                Launcher::OpenMpi,
+            ),
             ("PMI_RANK", "PMI_SIZE", Launcher::Pmi),
             ("SLURM_PROCID", "SLURM_NTASKS", Launcher::Slurm),
             ("XCCL_RANK", "XCCL_SIZE", Launcher::Xccl),
@@ -419,14 +424,25 @@ mod tests {
         assert!(m.contains("WORLD_SIZE is not"), "{m}");
         let m = bootstrap_err(&[("SLURM_NTASKS", "4")]);
         assert!(m.contains("SLURM_PROCID is not"), "{m}");
-        let torch = [("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")];
+        let torch = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ];
         let m = bootstrap_err(&torch);
         assert!(m.contains("MASTER_PORT is not"), "{m}");
         let mut with_port = torch.to_vec();
         with_port.push(("MASTER_PORT", "70000"));
         let m = bootstrap_err(&with_port);
         assert!(m.contains("MASTER_PORT=\"70000\""), "{m}");
-        for bad in ["10.0.0.1", "10.0.0.1:", ":29500", "::1:29500", "[::1:29500", "h:0"] {
+        for bad in [
+            "10.0.0.1",
+            "10.0.0.1:",
+            ":29500",
+            "::1:29500",
+            "[::1:29500",
+            "h:0",
+        ] {
             let m = bootstrap_err(&[("XCCL_RANK", "0"), ("XCCL_SIZE", "1"), ("XCCL_ROOT", bad)]);
             assert!(m.contains("XCCL_ROOT"), "{bad}: {m}");
         }
@@ -464,7 +480,10 @@ mod tests {
         let a = id(&[("XCCL_ROOT", "10.0.0.1:7000")]);
         assert_eq!(a, id(&[("XCCL_ROOT", "10.0.0.1:7000")]));
         assert_ne!(a, id(&[("XCCL_ROOT", "10.0.0.1:7001")]));
-        assert_ne!(a, id(&[("XCCL_ROOT", "10.0.0.1:7000"), ("XCCL_JOB_ID", "b")]));
+        assert_ne!(
+            a,
+            id(&[("XCCL_ROOT", "10.0.0.1:7000"), ("XCCL_JOB_ID", "b")])
+        );
         // Every rank of a job derives the same id.
         let other_rank = detect(&[
             ("XCCL_RANK", "1"),

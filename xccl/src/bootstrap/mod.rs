@@ -3,12 +3,24 @@
 //! The [`Exchange`] trait is what the rest of xccl needs from a bootstrap: allgather of small
 //! blobs, a barrier, a job id and an out-of-band abort channel. TCP rendezvous implements it for
 //! ranks in separate processes; [`ThreadExchange`] for ranks that are threads of one process.
+//!
+//! TCP rendezvous, two ways in:
+//! - **Unique id** (NCCL style): one process calls [`UniqueId::new`], which starts a root service
+//!   ([`root`]) in that process, and distributes the id (bytes, or hex through an environment
+//!   variable); every rank calls [`TcpBootstrap::connect`].
+//! - **Launcher environment**: [`from_env`] reads torchrun / Open MPI / PMI / Slurm variables
+//!   ([`env`](mod@env)); rank 0 hosts the root on the given port.
+//!
+//! Every rank keeps one connection to the root. A collective round is gathered at the root and
+//! the concatenation is sent back to all; a round that times out names the ranks the root is
+//! still waiting for. Aborts are relayed by the root to every other rank and noticed by a
+//! background reader even when no collective is running.
 
 use std::time::Duration;
 
 use crate::Result;
 
-mod env;
+pub mod env;
 pub mod root;
 mod tcp;
 mod thread;

@@ -136,7 +136,7 @@ impl RootHandle {
 
     /// Whether the root has exited.
     pub fn is_finished(&self) -> bool {
-        self.thread.as_ref().map_or(true, |t| t.is_finished())
+        !matches!(&self.thread, Some(t) if !t.is_finished())
     }
 
     /// Waits for the root to exit on its own (all ranks left, or idle timeout).

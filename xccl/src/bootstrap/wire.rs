@@ -366,10 +366,11 @@ pub(crate) fn encode_missing(missing: &[(usize, Absence)]) -> Vec<u8> {
 
 /// Parses [`encode_missing`].
 pub(crate) fn decode_missing(p: &[u8]) -> Option<Vec<(usize, Absence)>> {
-    if p.len() % 16 != 0 {
+    let chunks = p.chunks_exact(16);
+    if !chunks.remainder().is_empty() {
         return None;
     }
-    p.chunks_exact(16)
+    chunks
         .map(|c| {
             let rank = usize::try_from(u64_at(c, 0)).ok()?;
             let absence = match u64_at(c, 8) {

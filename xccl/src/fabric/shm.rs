@@ -350,11 +350,8 @@ fn attach_peer(job_id: u64, peer: usize, ad: &Advert, mine: &Advert) -> Result<S
         });
     }
     if ad.window_offset < ControlArea::bytes_for(ad.num_slots)
-        || ad.window_offset % 64 != 0
-        || ad
-            .window_offset
-            .checked_add(ad.window_len)
-            .map_or(true, |end| end > ad.segment_len)
+        || ad.window_offset & 63 != 0
+        || !matches!(ad.window_offset.checked_add(ad.window_len), Some(end) if end <= ad.segment_len)
     {
         return Err(proto(format!(
             "inconsistent segment layout: window [{}, +{}) in a segment of {} bytes with {} slots",

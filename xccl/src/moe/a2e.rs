@@ -34,7 +34,7 @@ impl Communicator {
     ) -> Result<A2eHandle> {
         self.require_role(Role::Attention, "A2E send")?;
         let payload = self.layout.a2e.payload;
-        if x.len() % payload != 0 {
+        if !x.len().is_multiple_of(payload) {
             return Err(Error::invalid(format!(
                 "x has {} bytes, not a whole number of rows of hidden {} x {}",
                 x.len(),
@@ -361,7 +361,7 @@ impl Communicator {
 }
 
 /// Set bits of a little-endian mask given as bytes.
-fn mask_bits(mask: &[u8]) -> impl Iterator<Item = usize> + '_ {
+pub(crate) fn mask_bits(mask: &[u8]) -> impl Iterator<Item = usize> + '_ {
     mask.chunks_exact(8).enumerate().flat_map(|(w, c)| {
         let mut bits = u64::from_le_bytes(c.try_into().expect("8 bytes"));
         std::iter::from_fn(move || {

@@ -6,11 +6,12 @@
 //! writes the row — into `s`'s reply area at the offset `s` named in its A2E record (push), or
 //! into local staging (pull) — then puts the record and signals `e2a_ready[d] = f`.
 //!
-//! Receiver (attention rank `s`): adds expert ranks' rows into f32 accumulators strictly in
-//! expert-rank order, starting on each rank as soon as it and all lower ranks have arrived, so the
-//! result is bitwise reproducible and work overlaps the wait for stragglers.
+//! Receiver (attention rank `s`): scans every expert rank's record in one pass per wake-up until
+//! all are in, then reduces token by token: each token's rows are added in expert-rank order into
+//! one H-wide f32 accumulator that stays in cache, and rounded once to the output dtype, so the
+//! result is bitwise reproducible run to run.
 
-use super::batch::{A2eHandle, ExpertBatch};
+use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
 use super::wire::{Record, TransferMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
@@ -39,8 +40,33 @@ impl Communicator {
                 batch.num_rows()
             )));
         }
-        let sources = self.topo.attention_ranks().to_vec();
-        if batch.sources.len() != sources.len() {
+        let dtype = self.cfg.dtype;
+        self.e2a_send_rows(&batch.sources, mode, &mut |t, out, acc| {
+            let rows = batch.token_row_start[t] as usize..batch.token_row_start[t + 1] as usize;
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for &r in &batch.token_rows[rows] {
+                let r = r as usize;
+                dtype.accumulate(
+                    &expert_out[r * payload..(r + 1) * payload],
+                    batch.weight[r],
+                    acc,
+                );
+            }
+            dtype.from_f32(acc, out);
+        })
+    }
+
+    /// The E2A sender's core: for each source in `sources` (rank order, with the tokens it sent
+    /// at `first_token..first_token+count`), `fill(token, row, scratch)` writes each reply row
+    /// straight where it goes; then record and signal.
+    pub(crate) fn e2a_send_rows(
+        &mut self,
+        sources: &[SourceInfo],
+        mode: TransferMode,
+        fill: &mut dyn FnMut(usize, &mut [u8], &mut [f32]),
+    ) -> Result<()> {
+        let ranks = self.topo.attention_ranks().to_vec();
+        if sources.len() != ranks.len() || sources.iter().zip(&ranks).any(|(s, &r)| s.rank != r) {
             return Err(Error::invalid("batch does not come from this communicator"));
         }
         let epoch = self.e2a_epoch + 1;
@@ -50,7 +76,7 @@ impl Communicator {
             let need = epoch - 2;
             let (f, slots) = (&*self.fabric, self.slots);
             f.wait_until(deadline, &mut || {
-                sources
+                ranks
                     .iter()
                     .find(|&&s| f.signal_value(slots.e2a_credit(s)) < need)
                     .map(|&peer| Waiting {
@@ -61,17 +87,16 @@ impl Communicator {
         }
 
         let my_index = self.topo.expert_index(self.rank).expect("expert rank");
-        let hidden = self.cfg.hidden;
-        let dtype = self.cfg.dtype;
+        let payload = self.cfg.hidden * self.cfg.dtype.size();
         let stride = self.layout.e2a_stride;
         let direct = self.fabric.capabilities().load_store;
-        self.acc.resize(hidden, 0.0);
+        self.acc.resize(self.cfg.hidden, 0.0);
         let mut stage_rows = 0usize;
-        let n = sources.len();
+        let n = ranks.len();
         for step in 0..n {
             let i = (my_index + step) % n;
-            let s = sources[i];
-            let info = batch.sources[i];
+            let s = ranks[i];
+            let info = sources[i];
             let count = info.count;
             let bytes = count * stride;
             let stage_off = self.layout.e2a_stage(parity) + stage_rows * stride;
@@ -93,17 +118,7 @@ impl Communicator {
             };
             let tokens = info.first_token..info.first_token + count;
             for (t, out) in tokens.zip(dst.chunks_exact_mut(stride)) {
-                self.acc.iter_mut().for_each(|a| *a = 0.0);
-                let rows = batch.token_row_start[t] as usize..batch.token_row_start[t + 1] as usize;
-                for &r in &batch.token_rows[rows] {
-                    let r = r as usize;
-                    dtype.accumulate(
-                        &expert_out[r * payload..(r + 1) * payload],
-                        batch.weight[r],
-                        &mut self.acc,
-                    );
-                }
-                dtype.from_f32(&self.acc, &mut out[..payload]);
+                fill(t, &mut out[..payload], &mut self.acc);
             }
             if mode == TransferMode::Push && !direct {
                 let at = self.layout.e2a_recv(parity) + info.reply_offset * stride;
@@ -146,83 +161,131 @@ impl Communicator {
         let max_rows = self.layout.attention_rows;
         let direct = self.fabric.capabilities().load_store;
 
-        self.acc.clear();
-        self.acc.resize(t_count * hidden, 0.0);
-        let mut next = 0usize;
+        // One pass over all records per wake-up until every expert rank's is in.
+        let mut arrived: Vec<Option<Record>> = vec![None; experts.len()];
+        let mut missing = experts.len();
         let mut failure: Option<Error> = None;
         {
             let f = &*self.fabric;
-            let slots = self.slots;
-            let layout = &self.layout;
-            let acc = &mut self.acc;
-            let pull_buf = &mut self.pull_buf;
+            let (slots, layout) = (self.slots, &self.layout);
             let own = f.local_window();
-            let mut add_rank = |j: usize| -> Result<()> {
-                let d = experts[j];
-                let mut rec = Record::default();
-                own.read(layout.record(j, parity), bytemuck::bytes_of_mut(&mut rec))?;
-                let mode = rec.validate(d, epoch, max_rows)?;
-                let want = handle.layout.count(d);
-                if rec.count as usize != want {
-                    return Err(Error::Protocol {
-                        peer: d,
-                        detail: format!(
-                            "E2A brings {} rows, {want} tokens were dispatched to it \
-                             (were A2E and E2A calls made in the same order everywhere?)",
-                            rec.count
-                        ),
-                    });
-                }
-                let bytes = want * stride;
-                let rows: &[u8] = match mode {
-                    TransferMode::Push => {
-                        let at = layout.e2a_recv(parity) + handle.offsets[j] * stride;
-                        // SAFETY: `d` signalled epoch `f` after writing these rows and writes this
-                        // parity again only after our credit for `f`.
-                        unsafe { own.slice(at, bytes)? }
-                    }
-                    TransferMode::Pull => {
-                        let at = layout.e2a_stage(parity) + rec.offset as usize * stride;
-                        if direct {
-                            let win = f.peer_window(d).expect("load/store fabric");
-                            // SAFETY: `d`'s staging for this parity is stable from its signal
-                            // until our credit.
-                            unsafe { win.slice(at, bytes)? }
-                        } else {
-                            pull_buf.resize(bytes, 0);
-                            f.get(d, at, pull_buf)?;
-                            &pull_buf[..]
-                        }
-                    }
-                };
-                for (e, r) in handle.layout.entries(d).zip(rows.chunks_exact(stride)) {
-                    let t = handle.layout.token(e);
-                    dtype.accumulate(&r[..payload], 1.0, &mut acc[t * hidden..(t + 1) * hidden]);
-                }
-                Ok(())
-            };
             f.wait_until(deadline, &mut || {
-                while next < experts.len() {
-                    let d = experts[next];
-                    if f.signal_value(slots.e2a_ready(d)) < epoch {
-                        return Some(Waiting {
-                            peer: d,
-                            what: "E2A record",
-                        });
+                let mut first_missing = None;
+                for (j, &d) in experts.iter().enumerate() {
+                    if arrived[j].is_some() {
+                        continue;
                     }
-                    if let Err(e) = add_rank(next) {
+                    if f.signal_value(slots.e2a_ready(d)) < epoch {
+                        first_missing.get_or_insert(d);
+                        continue;
+                    }
+                    let mut rec = Record::default();
+                    let checked = own
+                        .read(layout.record(j, parity), bytemuck::bytes_of_mut(&mut rec))
+                        .and_then(|_| rec.validate(d, epoch, max_rows));
+                    if let Err(e) = checked {
                         failure = Some(e);
                         return None;
                     }
-                    next += 1;
+                    let want = handle.layout.count(d);
+                    if rec.count as usize != want {
+                        failure = Some(Error::Protocol {
+                            peer: d,
+                            detail: format!(
+                                "E2A brings {} rows, {want} tokens were dispatched to it \
+                                 (were A2E and E2A calls made in the same order everywhere?)",
+                                rec.count
+                            ),
+                        });
+                        return None;
+                    }
+                    arrived[j] = Some(rec);
+                    missing -= 1;
                 }
-                None
+                if missing == 0 {
+                    return None;
+                }
+                first_missing.map(|peer| Waiting {
+                    peer,
+                    what: "E2A record",
+                })
             })?;
         }
         if let Some(e) = failure {
             return Err(e);
         }
-        dtype.from_f32(&self.acc, out);
+
+        // Where each expert rank's rows lie (own reply area, peer staging, or fetched).
+        let f = &*self.fabric;
+        let own = f.local_window();
+        let mut fetched = Vec::with_capacity(experts.len());
+        let mut total = 0;
+        for rec in &arrived {
+            let rec = rec.as_ref().expect("all arrived");
+            let pulled = rec.mode == TransferMode::Pull as u32 && !direct;
+            fetched.push(pulled.then_some(total));
+            if pulled {
+                total += rec.count as usize * stride;
+            }
+        }
+        self.pull_buf.resize(total, 0);
+        for (j, rec) in arrived.iter().enumerate() {
+            let rec = rec.as_ref().expect("all arrived");
+            if let Some(at) = fetched[j] {
+                let bytes = rec.count as usize * stride;
+                let src = self.layout.e2a_stage(parity) + rec.offset as usize * stride;
+                f.get(experts[j], src, &mut self.pull_buf[at..at + bytes])?;
+            }
+        }
+        let mut views: Vec<&[u8]> = Vec::with_capacity(experts.len());
+        for (j, rec) in arrived.iter().enumerate() {
+            let rec = rec.as_ref().expect("all arrived");
+            let bytes = rec.count as usize * stride;
+            let view = if let Some(at) = fetched[j] {
+                &self.pull_buf[at..at + bytes]
+            } else if rec.mode == TransferMode::Push as u32 {
+                let at = self.layout.e2a_recv(parity) + handle.offsets[j] * stride;
+                // SAFETY: the expert rank signalled this epoch after writing these rows and
+                // writes this parity again only after our credit for it.
+                unsafe { own.slice(at, bytes)? }
+            } else {
+                let win = f.peer_window(experts[j]).expect("load/store fabric");
+                let at = self.layout.e2a_stage(parity) + rec.offset as usize * stride;
+                // SAFETY: the expert rank's staging for this parity is stable from its signal
+                // until our credit.
+                unsafe { win.slice(at, bytes)? }
+            };
+            views.push(view);
+        }
+
+        // Token-major reduction: each token's rows added in expert-rank order (reproducible),
+        // with one H-wide f32 accumulator that stays in cache.
+        self.acc.resize(hidden, 0.0);
+        self.cursors.clear();
+        self.cursors
+            .extend(experts.iter().map(|&d| handle.layout.entries(d).start));
+        for (t, out_row) in out.chunks_exact_mut(payload).enumerate() {
+            let mut contributions = 0;
+            for (j, &d) in experts.iter().enumerate() {
+                let e = self.cursors[j];
+                if e >= handle.layout.entries(d).end || handle.layout.token(e) != t {
+                    continue;
+                }
+                self.cursors[j] += 1;
+                let i = e - handle.layout.entries(d).start;
+                let row = &views[j][i * stride..i * stride + payload];
+                if contributions == 0 {
+                    dtype.to_f32(row, &mut self.acc);
+                } else {
+                    dtype.accumulate(row, 1.0, &mut self.acc);
+                }
+                contributions += 1;
+            }
+            match contributions {
+                0 => out_row.fill(0),
+                _ => dtype.from_f32(&self.acc, out_row),
+            }
+        }
         for &d in &experts {
             self.fabric
                 .signal(d, self.slots.e2a_credit(self.rank), epoch)?;

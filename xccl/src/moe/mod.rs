@@ -5,6 +5,7 @@
 //! - [`wire`]: records, row formats, window layout, signal slots, [`wire::MoeConfig`].
 //! - [`a2e`], [`e2a`]: the two directions, as methods of [`crate::Communicator`].
 //! - [`batch`]: what A2E hands back ([`batch::ExpertBatch`], [`batch::A2eHandle`]).
+//! - [`tokens`]: the token-major receive path ([`tokens::TokenBatch`]), no expert-major expansion.
 //! - [`dtype`]: element types and f32 conversions.
 //! - [`reference`]: a single-process oracle of dispatch + combine for tests.
 
@@ -14,6 +15,7 @@ pub mod dtype;
 pub mod e2a;
 pub mod layout;
 pub mod reference;
+pub mod tokens;
 pub mod wire;
 
 #[cfg(test)]

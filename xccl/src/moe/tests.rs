@@ -5,13 +5,14 @@ use std::time::Duration;
 use half::{bf16, f16};
 use proptest::prelude::*;
 
-use crate::harness::{attention_round, expert_round, Workload};
+use crate::harness::{attention_round, expert_round, expert_round_tokens, Workload};
 use crate::moe::dtype::{DType, Element};
 use crate::moe::wire::{MoeConfig, TransferMode};
 use crate::topology::{Role, Topology, TopologyBuilder};
-use crate::{Communicator, Error, ExpertBatch};
+use crate::{Communicator, Error, ExpertBatch, TokenBatch};
 
-/// Runs `rounds` A2E+E2A rounds on every rank (threads) and returns the first failure.
+/// Runs `rounds` A2E+E2A rounds on every rank (threads) and returns the first failure. Expert
+/// ranks alternate between the expert-major and the token-major receive path.
 fn run_local<T: Element>(
     topo: &Topology,
     cfg: &MoeConfig,
@@ -26,11 +27,17 @@ fn run_local<T: Element>(
             .map(|mut c| {
                 s.spawn(move || -> Result<(), String> {
                     let mut batch = ExpertBatch::new();
+                    let mut tokens = TokenBatch::new();
                     for round in 0..rounds {
                         c.set_mode(modes[(round as usize + c.rank()) % modes.len()]);
                         let verdict = match c.role() {
                             Role::Attention => attention_round::<T>(&mut c, wl, round),
-                            Role::Expert => expert_round::<T>(&mut c, wl, round, &mut batch, true),
+                            Role::Expert if (round + c.rank() as u64) % 2 == 0 => {
+                                expert_round::<T>(&mut c, wl, round, &mut batch, true)
+                            }
+                            Role::Expert => {
+                                expert_round_tokens::<T>(&mut c, wl, round, &mut tokens, true)
+                            }
                         };
                         verdict.map_err(|e| format!("rank {}: {e}", c.rank()))??;
                     }
@@ -332,7 +339,7 @@ fn missing_expert_rank_times_out_naming_it() {
     let mut attn = comms.pop().unwrap();
     let input = wl(14, 4, false).input(&topo, 2, 0, 0);
     let h = attn
-        .a2e_send(&vec![0f32; 32], &input.topk_idx, &input.topk_weights)
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
         .unwrap();
     let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
     assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");

@@ -1,0 +1,271 @@
+//! From every rank's timestamps to the table, the JSON and the memcpy reference.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::cli::Args;
+use crate::run::{RankReport, WORDS};
+
+/// The three measured operations.
+pub const OPS: [&str; 3] = ["a2e", "e2a", "roundtrip"];
+
+/// One row of the table.
+#[derive(Clone, Debug)]
+pub struct ResultRow {
+    /// `a2e`, `e2a` or `roundtrip`.
+    pub op: &'static str,
+    /// Tokens per attention rank.
+    pub tokens: usize,
+    /// Median latency in microseconds.
+    pub p50_us: f64,
+    /// 99th percentile latency in microseconds.
+    pub p99_us: f64,
+    /// Bytes per attention rank (twice the one-way bytes for the round trip).
+    pub bytes_per_rank: u64,
+    /// `bytes_per_rank / p50`, GB/s.
+    pub algbw_gbps: f64,
+    /// Bandwidth of a memcpy of `bytes_per_rank`, GB/s.
+    pub memcpy_gbps: f64,
+    /// Metadata records per call in the whole job.
+    pub metadata_records: usize,
+}
+
+impl ResultRow {
+    /// `algbw / memcpy bandwidth`.
+    pub fn vs_memcpy(&self) -> f64 {
+        if self.memcpy_gbps > 0.0 {
+            self.algbw_gbps / self.memcpy_gbps
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted `v` (`q` in 0..=1).
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let idx = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[idx]
+}
+
+/// Builds the rows (memcpy bandwidth still 0) from every rank's report, in rank order.
+pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<ResultRow> {
+    let m = args.attention;
+    let rounds = args.rounds();
+    let elem = args.dtype.size() as u64;
+    let mut rows = Vec::new();
+    for (s, &tokens) in args.tokens.iter().enumerate() {
+        let at = |rank: usize, it: usize, w: usize| reports[rank].words[(s * rounds + it) * WORDS + w];
+        let mut lat: [Vec<f64>; 3] = Default::default();
+        let mut sent_rows = 0u64;
+        for it in args.warmup..rounds {
+            let att = 0..m;
+            let exp = m..args.world_size();
+            let a2e_start = att.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
+            let e2a_end = att.clone().map(|r| at(r, it, 2)).max().unwrap_or(0);
+            let recv_end = exp.clone().map(|r| at(r, it, 0)).max().unwrap_or(0);
+            let e2a_start = exp.map(|r| at(r, it, 1)).min().unwrap_or(0);
+            sent_rows += att.map(|r| at(r, it, 3)).sum::<u64>();
+            let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+            lat[0].push(us(a2e_start, recv_end));
+            lat[1].push(us(e2a_start, e2a_end));
+            lat[2].push(us(a2e_start, e2a_end));
+        }
+        let one_way = sent_rows * args.hidden as u64 * elem / (m as u64 * args.iters as u64);
+        for (op, mut l) in OPS.into_iter().zip(lat) {
+            l.sort_by(f64::total_cmp);
+            let bytes = if op == "roundtrip" { 2 * one_way } else { one_way };
+            let p50 = percentile(&l, 0.5);
+            rows.push(ResultRow {
+                op,
+                tokens,
+                p50_us: p50,
+                p99_us: percentile(&l, 0.99),
+                bytes_per_rank: bytes,
+                algbw_gbps: if p50 > 0.0 { bytes as f64 / (p50 * 1e3) } else { 0.0 },
+                memcpy_gbps: 0.0,
+                metadata_records: records,
+            });
+        }
+    }
+    rows.sort_by_key(|r| (OPS.iter().position(|o| *o == r.op), r.tokens));
+    rows
+}
+
+/// Median time of copying `bytes` between two buffers of that size, timed like the operations
+/// (`iters` samples after `warmup`), as GB/s. Zero bytes give 0.
+pub fn memcpy_gbps(bytes: u64, warmup: usize, iters: usize) -> f64 {
+    if bytes == 0 {
+        return 0.0;
+    }
+    let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; bytes as usize];
+    let mut samples = Vec::with_capacity(iters);
+    for it in 0..warmup + iters {
+        let t0 = Instant::now();
+        dst.copy_from_slice(black_box(&src));
+        black_box(&mut dst);
+        let dt = t0.elapsed().as_nanos() as f64;
+        if it >= warmup {
+            samples.push(dt);
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    bytes as f64 / percentile(&samples, 0.5).max(1.0)
+}
+
+/// Fills in the memcpy bandwidth of every row (one measurement per distinct size).
+pub fn measure_memcpy(args: &Args, rows: &mut [ResultRow]) {
+    let mut cache: Vec<(u64, f64)> = Vec::new();
+    for r in rows.iter_mut() {
+        let bw = match cache.iter().find(|(b, _)| *b == r.bytes_per_rank) {
+            Some(&(_, bw)) => bw,
+            None => {
+                let bw = memcpy_gbps(r.bytes_per_rank, args.warmup.max(3), args.iters.max(10));
+                cache.push((r.bytes_per_rank, bw));
+                bw
+            }
+        };
+        r.memcpy_gbps = bw;
+    }
+}
+
+/// The host: cores, CPU model, kernel.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    /// Cores this process may use.
+    pub cores: usize,
+    /// `model name` of the first CPU in `/proc/cpuinfo`.
+    pub cpu: String,
+    /// Kernel release.
+    pub kernel: String,
+}
+
+impl Machine {
+    /// Reads the host's description.
+    pub fn detect() -> Self {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown".into());
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into());
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cpu,
+            kernel,
+        }
+    }
+}
+
+/// The header and table, nccl-tests style.
+pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) -> String {
+    let mut s = String::new();
+    s += &format!(
+        "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, H={} {}, top-{} of {} experts{}\n",
+        args.attention,
+        args.experts,
+        args.fabric.name(),
+        args.mode.name(),
+        args.hidden,
+        args.dtype.name(),
+        args.topk,
+        args.num_experts,
+        args.skew.map_or(String::new(), |s| format!(", zipf skew {s}")),
+    );
+    s += &format!(
+        "# iters {} warmup {} seed {}, check {}\n",
+        args.iters, args.warmup, args.seed, check
+    );
+    s += &format!(
+        "# machine: {} cores, {}, Linux {}\n#\n",
+        machine.cores, machine.cpu, machine.kernel
+    );
+    s += &format!(
+        "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10}\n",
+        "op", "tokens", "bytes/rank", "p50(us)", "p99(us)", "algbw(GB/s)", "vs_memcpy", "md_records"
+    );
+    for r in rows {
+        s += &format!(
+            "  {:>9} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>10}\n",
+            r.op,
+            r.tokens,
+            r.bytes_per_rank,
+            r.p50_us,
+            r.p99_us,
+            r.algbw_gbps,
+            r.vs_memcpy(),
+            r.metadata_records
+        );
+    }
+    s
+}
+
+/// The JSON document.
+pub fn to_json(
+    args: &Args,
+    machine: &Machine,
+    rows: &[ResultRow],
+    check: &str,
+) -> serde_json::Value {
+    // The reference figure: memcpy of the largest message measured.
+    let memcpy = rows
+        .iter()
+        .max_by_key(|r| r.bytes_per_rank)
+        .map_or(0.0, |r| r.memcpy_gbps);
+    json!({
+        "config": {
+            "attention": args.attention,
+            "experts": args.experts,
+            "num_experts": args.num_experts,
+            "topk": args.topk,
+            "hidden": args.hidden,
+            "tokens": args.tokens,
+            "dtype": args.dtype.name(),
+            "fabric": args.fabric.name(),
+            "mode": args.mode.name(),
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "skew": args.skew,
+        },
+        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel},
+        "memcpy_gbps": memcpy,
+        "check": check,
+        "results": rows.iter().map(|r| json!({
+            "op": r.op,
+            "tokens": r.tokens,
+            "p50_us": r.p50_us,
+            "p99_us": r.p99_us,
+            "algbw_gbps": r.algbw_gbps,
+            "vs_memcpy": r.vs_memcpy(),
+            "memcpy_gbps": r.memcpy_gbps,
+            "bytes_per_rank": r.bytes_per_rank,
+            "metadata_records": r.metadata_records,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[7.0], 0.99), 7.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+}

@@ -1,0 +1,180 @@
+//! What every rank does: the timed iterations of each token count, then (with `--check`) the same
+//! rounds again through [`xccl::harness`].
+
+use std::sync::Arc;
+
+use indicatif::ProgressBar;
+use xccl::harness::{attention_round, expert_round, Workload};
+use xccl::moe::dtype::slice_from_f32;
+use xccl::moe::reference::RankInput;
+use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, Topology};
+
+use crate::cli::Args;
+
+/// Words recorded per rank per iteration: three timestamps (ns) and the rows this rank sent.
+pub const WORDS: usize = 4;
+
+/// The topology of the run: ranks `0..M` attention, `M..M+N` expert, experts in contiguous
+/// blocks (`e` on expert index `e * N / E`).
+pub fn topology(args: &Args) -> xccl::Result<Topology> {
+    Topology::contiguous(args.attention, args.experts, args.num_experts)
+}
+
+/// The MoE config of the run (sized for the largest token count).
+pub fn moe_config(args: &Args) -> MoeConfig {
+    let mut cfg = MoeConfig::new(args.hidden, args.dtype, args.topk, args.max_tokens());
+    cfg.mode = args.mode;
+    cfg.timeout = args.timeout();
+    cfg
+}
+
+/// The workload of one token count.
+pub fn workload(args: &Args, tokens: usize) -> Workload {
+    Workload {
+        seed: args.seed,
+        tokens,
+        vary: false,
+        skew: args.skew,
+    }
+}
+
+/// Round number of iteration `it` of sweep point `sweep`: routing and hidden states derive from it.
+pub fn round(sweep: usize, it: usize) -> u64 {
+    ((sweep as u64) << 32) | it as u64
+}
+
+/// What one rank measured.
+#[derive(Clone, Debug, Default)]
+pub struct RankReport {
+    /// Per sweep point, per iteration (warmup included), [`WORDS`] words:
+    /// attention `[a2e_send start, a2e_send end, e2a_recv end, rows sent]`,
+    /// expert `[a2e_recv end, e2a_send start, e2a_send end, rows received]`.
+    pub words: Vec<u64>,
+    /// Reference mismatches found by `--check` (empty when none or when not checking).
+    pub mismatches: Vec<String>,
+}
+
+impl RankReport {
+    /// Serialises for the bootstrap allgather.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + self.words.len() * 8);
+        out.extend_from_slice(&(self.words.len() as u64).to_le_bytes());
+        for w in &self.words {
+            out.extend_from_slice(&w.to_le_bytes());
+        }
+        out.extend_from_slice(self.mismatches.join("\n").as_bytes());
+        out
+    }
+
+    /// Inverse of [`RankReport::encode`].
+    pub fn decode(blob: &[u8]) -> Result<Self, String> {
+        let word = |i: usize| -> Result<u64, String> {
+            blob.get(i * 8..i * 8 + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .ok_or_else(|| "truncated rank report".to_string())
+        };
+        let n = word(0)? as usize;
+        let words = (1..=n).map(word).collect::<Result<Vec<_>, _>>()?;
+        let text = String::from_utf8_lossy(&blob[(n + 1) * 8..]).into_owned();
+        let mismatches = if text.is_empty() {
+            Vec::new()
+        } else {
+            text.lines().map(str::to_owned).collect()
+        };
+        Ok(RankReport { words, mismatches })
+    }
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process of the host.
+pub fn now_ns() -> u64 {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .expect("CLOCK_MONOTONIC is always available");
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
+
+/// Runs every sweep point on this rank, dispatching on the dtype.
+pub fn run_rank(
+    comm: &mut Communicator,
+    args: &Args,
+    progress: Option<&ProgressBar>,
+) -> xccl::Result<RankReport> {
+    match args.dtype {
+        xccl::DType::BF16 => run_typed::<half::bf16>(comm, args, progress),
+        xccl::DType::F16 => run_typed::<half::f16>(comm, args, progress),
+        xccl::DType::F32 => run_typed::<f32>(comm, args, progress),
+    }
+}
+
+fn run_typed<T: Element>(
+    comm: &mut Communicator,
+    args: &Args,
+    progress: Option<&ProgressBar>,
+) -> xccl::Result<RankReport> {
+    let topo = Arc::new(comm.topology().clone());
+    let (rank, hidden, k) = (comm.rank(), args.hidden, args.topk);
+    let mut report = RankReport::default();
+    let mut batch = ExpertBatch::new();
+    let max_t = args.max_tokens();
+    // Payload contents do not change the traffic: one buffer of the largest size, from round 0.
+    let x: Vec<T> = if comm.role() == Role::Attention {
+        slice_from_f32(&workload(args, max_t).hidden_states(rank, 0, max_t, hidden))
+    } else {
+        Vec::new()
+    };
+    let mut out = vec![T::from_f32(0.0); x.len()];
+    for (s, &tokens) in args.tokens.iter().enumerate() {
+        let wl = workload(args, tokens);
+        let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
+            (0..args.rounds())
+                .map(|it| wl.input(&topo, k, rank, round(s, it)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for it in 0..args.rounds() {
+            comm.barrier()?;
+            let w = match comm.role() {
+                Role::Attention => {
+                    let inp = &inputs[it];
+                    let n = inp.num_tokens * hidden;
+                    let t0 = now_ns();
+                    let handle = comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?;
+                    let t1 = now_ns();
+                    let rows = handle.total_rows() as u64;
+                    comm.e2a_recv(handle, &mut out[..n])?;
+                    let t2 = now_ns();
+                    [t0, t1, t2, rows]
+                }
+                Role::Expert => {
+                    comm.a2e_recv(&mut batch)?;
+                    let t0 = now_ns();
+                    // The expert computation is the identity: the received rows go back.
+                    let t1 = now_ns();
+                    comm.e2a_send(&batch, batch.rows::<T>()?)?;
+                    let t2 = now_ns();
+                    [t0, t1, t2, batch.num_tokens() as u64]
+                }
+            };
+            report.words.extend_from_slice(&w);
+            if let Some(pb) = progress {
+                pb.inc(1);
+            }
+        }
+        if args.check {
+            for it in 0..args.rounds() {
+                let verdict = match comm.role() {
+                    Role::Attention => attention_round::<T>(comm, &wl, round(s, it))?,
+                    Role::Expert => expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?,
+                };
+                if let Err(e) = verdict {
+                    report.mismatches.push(format!("tokens {tokens}: {e}"));
+                }
+                if let Some(pb) = progress {
+                    pb.inc(1);
+                }
+            }
+        }
+    }
+    comm.barrier()?;
+    Ok(report)
+}

@@ -1,0 +1,276 @@
+//! The token-major receive path: one row per received token, exactly what crossed the wire,
+//! handed to the caller source by source as each arrives.
+//!
+//! [`Communicator::a2e_recv`] expands rows expert-major (a token for three local experts becomes
+//! three rows), which costs one copy per (token, local expert). Callers whose expert kernels
+//! gather rows by index (grouped GEMM with an index list) need no expansion:
+//! [`Communicator::a2e_recv_tokens`] copies each token once, in arrival order, calls back as each
+//! source lands (so compute starts before the slowest sender), and [`TokenBatch`] lists each
+//! token's local experts and weights. [`Communicator::e2a_send_tokens`] then takes one
+//! already-reduced row per token. Results on the attention side are identical either way.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use super::batch::{AlignedBytes, SourceInfo};
+use super::dtype::Element;
+use super::wire::{Record, TransferMode};
+use crate::comm::Communicator;
+use crate::fabric::Waiting;
+use crate::topology::Role;
+use crate::{Error, Result};
+
+/// The tokens an expert rank received in one A2E call, one row each, in arrival order.
+#[derive(Clone, Debug, Default)]
+pub struct TokenBatch {
+    pub(crate) epoch: u64,
+    pub(crate) elem: usize,
+    pub(crate) rows: AlignedBytes,
+    /// Per token: the attention rank it came from.
+    pub src_rank: Vec<u32>,
+    /// Per token: its index at that attention rank.
+    pub src_token: Vec<u32>,
+    /// Per token `i`: its local experts are `local_expert[expert_start[i]..expert_start[i+1]]`.
+    pub expert_start: Vec<u32>,
+    /// Local expert indices (ascending per token).
+    pub local_expert: Vec<u32>,
+    /// Gating weight of each (token, local expert), parallel to `local_expert`.
+    pub weight: Vec<f32>,
+    /// Per source attention rank, in rank order; `first_token` indexes this batch.
+    pub sources: Vec<SourceInfo>,
+    /// Order in which sources arrived (indices into `sources`).
+    pub arrival_order: Vec<u32>,
+}
+
+impl TokenBatch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of received tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.src_rank.len()
+    }
+
+    /// The A2E epoch this batch came from.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Local experts and weights of token `i`.
+    pub fn experts_of(&self, i: usize) -> (&[u32], &[f32]) {
+        let r = self.expert_start[i] as usize..self.expert_start[i + 1] as usize;
+        (&self.local_expert[r.clone()], &self.weight[r])
+    }
+
+    /// All rows as raw bytes (`num_tokens * hidden * dtype size`).
+    pub fn row_bytes(&self) -> &[u8] {
+        self.rows.bytes()
+    }
+
+    /// All rows as elements of `T` (`num_tokens * hidden`).
+    pub fn rows<T: Element>(&self) -> Result<&[T]> {
+        if std::mem::size_of::<T>() != self.elem && self.num_tokens() > 0 {
+            return Err(Error::invalid(format!(
+                "batch holds {}-byte elements, asked for {}",
+                self.elem,
+                T::DTYPE.name()
+            )));
+        }
+        Ok(bytemuck::cast_slice(self.rows.bytes()))
+    }
+}
+
+impl Communicator {
+    /// A2E receive, token-major: fills `batch` with one row per received token, source by
+    /// source as they arrive, calling `on_arrival(batch, tokens)` with the new tokens' range
+    /// after each source lands. Collective with every attention rank's A2E send.
+    pub fn a2e_recv_tokens(
+        &mut self,
+        batch: &mut TokenBatch,
+        on_arrival: &mut dyn FnMut(&TokenBatch, Range<usize>),
+    ) -> Result<()> {
+        self.require_role(Role::Expert, "A2E receive")?;
+        let epoch = self.a2e_epoch + 1;
+        let parity = (epoch & 1) as usize;
+        let start = Instant::now();
+        let deadline = self.deadline();
+        let sources = self.topo.attention_ranks().to_vec();
+        let max_tokens = self.cfg.max_tokens_per_rank;
+        let row = self.layout.a2e;
+        let payload = row.payload;
+        let meta_off = row.meta_offset();
+        let local = self.topo.local_experts(self.rank).len();
+
+        batch.epoch = 0;
+        batch.elem = self.cfg.dtype.size();
+        batch.rows.resize(0);
+        for v in [
+            &mut batch.src_rank,
+            &mut batch.src_token,
+            &mut batch.local_expert,
+        ] {
+            v.clear();
+        }
+        batch.weight.clear();
+        batch.expert_start.clear();
+        batch.expert_start.push(0);
+        batch.sources.clear();
+        batch.sources.resize(sources.len(), SourceInfo::default());
+        batch.arrival_order.clear();
+
+        let f = &*self.fabric;
+        let (slots, layout) = (self.slots, &self.layout);
+        let pull_buf = &mut self.pull_buf;
+        let direct = f.capabilities().load_store;
+        let own = f.local_window();
+        let mut done = vec![false; sources.len()];
+        let mut missing = sources.len();
+        let mut failure: Option<Error> = None;
+        // Takes source `i`'s rows (validated record in hand) into the batch.
+        let mut take = |i: usize, rec: &Record, mode: TransferMode, batch: &mut TokenBatch| {
+            let src = sources[i];
+            let count = rec.count as usize;
+            let bytes = count * row.stride;
+            let view: &[u8] = match mode {
+                // SAFETY: the sender signalled this epoch after writing the rows and writes this
+                // parity again only after our credit, sent once the batch is built.
+                TransferMode::Push => unsafe { own.slice(layout.a2e_recv(i, parity), bytes)? },
+                TransferMode::Pull => {
+                    let at = layout.a2e_stage(parity) + rec.offset as usize * row.stride;
+                    if direct {
+                        let win = f.peer_window(src).expect("load/store fabric");
+                        // SAFETY: the sender's staging is stable from its signal to our credit.
+                        unsafe { win.slice(at, bytes)? }
+                    } else {
+                        pull_buf.resize(bytes, 0);
+                        f.get(src, at, pull_buf)?;
+                        &pull_buf[..]
+                    }
+                }
+            };
+            let first = batch.num_tokens();
+            batch.rows.resize((first + count) * payload);
+            let dst = &mut batch.rows.bytes_mut()[first * payload..];
+            for (r, out) in view
+                .chunks_exact(row.stride)
+                .zip(dst.chunks_exact_mut(payload))
+            {
+                let (token, mask, weights) = row.decode_meta(&r[meta_off..]);
+                if token as usize >= max_tokens {
+                    return Err(Error::Protocol {
+                        peer: src,
+                        detail: format!("row names token {token}"),
+                    });
+                }
+                out.copy_from_slice(&r[..payload]);
+                batch.src_rank.push(src as u32);
+                batch.src_token.push(token);
+                for (slot, j) in super::a2e::mask_bits(mask).enumerate() {
+                    if j >= local {
+                        return Err(Error::Protocol {
+                            peer: src,
+                            detail: format!("row for local expert {j}; this rank hosts {local}"),
+                        });
+                    }
+                    batch.local_expert.push(j as u32);
+                    batch.weight.push(if slot < row.topk {
+                        f32::from_le_bytes(weights[4 * slot..4 * slot + 4].try_into().unwrap())
+                    } else {
+                        0.0
+                    });
+                }
+                batch.expert_start.push(batch.local_expert.len() as u32);
+            }
+            batch.sources[i] = SourceInfo {
+                rank: src,
+                count,
+                reply_offset: rec.offset as usize,
+                first_token: first,
+                arrived_after: start.elapsed(),
+            };
+            batch.arrival_order.push(i as u32);
+            Ok(first..first + count)
+        };
+        f.wait_until(deadline, &mut || {
+            let mut first_missing = None;
+            for (i, &src) in sources.iter().enumerate() {
+                if done[i] {
+                    continue;
+                }
+                if f.signal_value(slots.a2e_ready(src)) < epoch {
+                    first_missing.get_or_insert(src);
+                    continue;
+                }
+                let mut rec = Record::default();
+                let taken = own
+                    .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
+                    .and_then(|_| rec.validate(src, epoch, max_tokens))
+                    .and_then(|mode| take(i, &rec, mode, batch));
+                match taken {
+                    Ok(range) => {
+                        done[i] = true;
+                        missing -= 1;
+                        on_arrival(batch, range);
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        return None;
+                    }
+                }
+            }
+            if missing == 0 {
+                return None;
+            }
+            first_missing.map(|peer| Waiting {
+                peer,
+                what: "A2E record",
+            })
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        for &src in &sources {
+            self.fabric
+                .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
+        }
+        self.a2e_epoch = epoch;
+        batch.epoch = epoch;
+        Ok(())
+    }
+
+    /// E2A send, token-major: `reduced` holds one row per token of `batch` (`[num_tokens,
+    /// hidden]`), each already the gating-weighted sum over the token's local experts.
+    pub fn e2a_send_tokens<T: Element>(&mut self, batch: &TokenBatch, reduced: &[T]) -> Result<()> {
+        self.require_dtype::<T>()?;
+        let mode = self.cfg.mode;
+        self.e2a_send_tokens_bytes(batch, bytemuck::cast_slice(reduced), mode)
+    }
+
+    /// [`Communicator::e2a_send_tokens`] on raw bytes with an explicit transfer mode.
+    pub fn e2a_send_tokens_bytes(
+        &mut self,
+        batch: &TokenBatch,
+        reduced: &[u8],
+        mode: TransferMode,
+    ) -> Result<()> {
+        self.require_role(Role::Expert, "E2A send")?;
+        let payload = self.cfg.hidden * self.cfg.dtype.size();
+        if batch.epoch == 0 {
+            return Err(Error::invalid(
+                "E2A send needs a batch filled by A2E receive",
+            ));
+        }
+        if reduced.len() != batch.num_tokens() * payload {
+            return Err(Error::invalid(format!(
+                "reduced has {} bytes; the batch has {} tokens of {payload} bytes",
+                reduced.len(),
+                batch.num_tokens()
+            )));
+        }
+        self.e2a_send_rows(&batch.sources, mode, &mut |t, out, _| {
+            out.copy_from_slice(&reduced[t * payload..(t + 1) * payload])
+        })
+    }
+}
