@@ -60,11 +60,80 @@ fn main() {
     println!("machine: {machine}");
     let mut session = Session::start().unwrap_or_else(|e| panic!("starting the peer: {e}"));
     let mut c = Criterion::default().configure_from_args();
-    pingpong(&mut c, &mut session);
-    put_bandwidth(&mut c, &mut session);
+    let started = std::time::SystemTime::now();
+    let mut pairs = Vec::new();
+    pingpong(&mut c, &mut session, &mut pairs);
+    put_bandwidth(&mut c, &mut session, &mut pairs);
     c.final_summary();
     session.quit();
+    summary(&pairs, started);
     println!("machine: {machine}");
+}
+
+/// One group: the fabric benchmark, its memcpy twin, and the bytes one iteration moves.
+struct Pair {
+    group: String,
+    fabric: String,
+    memcpy: String,
+    bytes: u64,
+}
+
+/// Where criterion keeps its results (`CRITERION_HOME`, `$CARGO_TARGET_DIR/criterion`, or the
+/// `criterion` directory next to `release/` above this executable).
+fn criterion_dir() -> Option<std::path::PathBuf> {
+    if let Some(home) = std::env::var_os("CRITERION_HOME") {
+        return Some(home.into());
+    }
+    if let Some(t) = std::env::var_os("CARGO_TARGET_DIR") {
+        return Some(std::path::Path::new(&t).join("criterion"));
+    }
+    let exe = std::env::current_exe().ok()?;
+    exe.ancestors()
+        .map(|a| a.join("criterion"))
+        .find(|d| d.is_dir())
+}
+
+/// Criterion's median time per iteration (ns) of `group/id`, if measured in this run.
+fn median_ns(
+    dir: &std::path::Path,
+    group: &str,
+    id: &str,
+    since: std::time::SystemTime,
+) -> Option<f64> {
+    let path = dir.join(group).join(id).join("new").join("estimates.json");
+    let fresh = std::fs::metadata(&path).and_then(|m| m.modified()).ok()? >= since;
+    let text = std::fs::read_to_string(&path).ok().filter(|_| fresh)?;
+    let median = &text[text.find("\"median\"")?..];
+    let pe = &median[median.find("\"point_estimate\":")? + "\"point_estimate\":".len()..];
+    let end = pe.find([',', '}'])?;
+    pe[..end].trim().parse().ok()
+}
+
+/// Prints fabric vs memcpy per group from criterion's medians.
+fn summary(pairs: &[Pair], since: std::time::SystemTime) {
+    let Some(dir) = criterion_dir() else { return };
+    println!(
+        "\n{:<20} {:>14} {:>12} {:>14} {:>12} {:>8}",
+        "group", "fabric", "fabric", "memcpy", "memcpy", "ratio"
+    );
+    for p in pairs {
+        let (Some(f), Some(m)) = (
+            median_ns(&dir, &p.group, &p.fabric, since),
+            median_ns(&dir, &p.group, &p.memcpy, since),
+        ) else {
+            continue;
+        };
+        let gib = |ns: f64| p.bytes as f64 / ns / 1.073_741_824;
+        println!(
+            "{:<20} {:>11.2} us {:>7.2} GiB/s {:>11.2} us {:>7.2} GiB/s {:>7.1}x",
+            p.group,
+            f / 1e3,
+            gib(f),
+            m / 1e3,
+            gib(m),
+            f / m
+        );
+    }
 }
 
 /// `nproc` and the CPU model from `/proc/cpuinfo`.
@@ -178,10 +247,17 @@ fn memcpy_bench(dst: &mut [u8], src: &[u8], copies: usize) {
     black_box(&mut *dst);
 }
 
-fn pingpong(c: &mut Criterion, s: &mut Session) {
+fn pingpong(c: &mut Criterion, s: &mut Session, pairs: &mut Vec<Pair>) {
     let mut dst = vec![0u8; MAX_PAYLOAD];
     for len in PINGPONG_SIZES {
-        let mut g = c.benchmark_group(format!("shm_pingpong_{}", human(len)));
+        let group = format!("shm_pingpong_{}", human(len));
+        pairs.push(Pair {
+            group: group.clone(),
+            fabric: format!("round_trip/{len}"),
+            memcpy: format!("memcpy_2x/{len}"),
+            bytes: 2 * len as u64,
+        });
+        let mut g = c.benchmark_group(group);
         g.throughput(Throughput::Bytes(2 * len as u64));
         s.command(OP_PINGPONG, len);
         g.bench_function(BenchmarkId::new("round_trip", len), |b| {
@@ -195,10 +271,17 @@ fn pingpong(c: &mut Criterion, s: &mut Session) {
     }
 }
 
-fn put_bandwidth(c: &mut Criterion, s: &mut Session) {
+fn put_bandwidth(c: &mut Criterion, s: &mut Session, pairs: &mut Vec<Pair>) {
     let mut dst = vec![0u8; MAX_PAYLOAD];
     for len in PUT_SIZES {
-        let mut g = c.benchmark_group(format!("shm_put_{}", human(len)));
+        let group = format!("shm_put_{}", human(len));
+        pairs.push(Pair {
+            group: group.clone(),
+            fabric: format!("put_signal_ack/{len}"),
+            memcpy: format!("memcpy/{len}"),
+            bytes: len as u64,
+        });
+        let mut g = c.benchmark_group(group);
         g.throughput(Throughput::Bytes(len as u64));
         if len >= 1 << 20 {
             g.sample_size(20);

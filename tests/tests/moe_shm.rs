@@ -57,7 +57,7 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     for round in 0..rounds {
         // Alternate modes per call and per rank (receivers follow each record's mode), and the
         // expert-major and token-major receive paths.
-        let mode = if (round + ctx.rank as u64) % 3 == 0 {
+        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
             TransferMode::Pull
         } else {
             TransferMode::Push
@@ -65,7 +65,7 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         comm.set_mode(mode);
         let verdict = match comm.role() {
             Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
-            Role::Expert if round % 2 == 0 => {
+            Role::Expert if round.is_multiple_of(2) => {
                 expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
             }
             Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true),

@@ -77,13 +77,21 @@ pub fn launcher_rank(rank: usize, size: usize, timeout: Duration) -> Result<Rank
     let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let key = var("OMPI_MCA_ess_base_jobid")
         .or_else(|| var("PMIX_NAMESPACE"))
-        .or_else(|| Some(format!("{}.{}", var("SLURM_JOB_ID")?, var("SLURM_STEP_ID")?)))
+        .or_else(|| {
+            Some(format!(
+                "{}.{}",
+                var("SLURM_JOB_ID")?,
+                var("SLURM_STEP_ID")?
+            ))
+        })
         .or_else(|| var("TORCHELASTIC_RUN_ID"))
         .or_else(|| var("MASTER_PORT"))
         .unwrap_or_else(|| "xccl-bench".into());
     let job_id = fnv(&format!("xccl-bench:{key}:{size}"));
     let root: std::net::SocketAddr = match var(ROOT_ENV) {
-        Some(a) => a.parse().map_err(|_| format!("{ROOT_ENV}={a:?} is not IP:port"))?,
+        Some(a) => a
+            .parse()
+            .map_err(|_| format!("{ROOT_ENV}={a:?} is not IP:port"))?,
         None => {
             let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
             let port = 20_000 + (job_id % 20_000) as u16;

@@ -179,7 +179,8 @@ fn finish(args: &Args, reports: &[RankReport], records: usize) -> Result<i32, St
     if let Some(path) = &args.json {
         let doc = report::to_json(args, &machine, &rows, check);
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-        std::fs::write(path, text + "\n").map_err(|e| format!("writing {}: {e}", path.display()))?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &args.plot {
         let subtitle = format!(

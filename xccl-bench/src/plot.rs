@@ -147,7 +147,10 @@ fn panel(cv: &mut Canvas, x0: i64, rows: &[ResultRow], title: &str, value: fn(&R
     tokens.sort_unstable();
     tokens.dedup();
     let log = |t: usize| (t.max(1) as f64).log2();
-    let (tmin, tmax) = (log(tokens[0]), log(*tokens.last().expect("one token count")));
+    let (tmin, tmax) = (
+        log(tokens[0]),
+        log(*tokens.last().expect("one token count")),
+    );
     let xpos = |t: usize| {
         if tmax > tmin {
             left + ((log(t) - tmin) / (tmax - tmin) * w as f64) as i64
@@ -168,7 +171,12 @@ fn panel(cv: &mut Canvas, x0: i64, rows: &[ResultRow], title: &str, value: fn(&R
         let x = xpos(t);
         cv.line((x, top + h), (x, top + h + 5), black, 1);
         let label = t.to_string();
-        cv.text(x - Canvas::text_width(&label) / 2, top + h + 10, &label, black);
+        cv.text(
+            x - Canvas::text_width(&label) / 2,
+            top + h + 10,
+            &label,
+            black,
+        );
     }
     cv.line((left, top), (left, top + h), black, 2);
     cv.line((left, top + h), (left + w, top + h), black, 2);
@@ -253,7 +261,11 @@ fn crc32(data: &[u8]) -> u32 {
     for &b in data {
         c ^= u32::from(b);
         for _ in 0..8 {
-            c = if c & 1 != 0 { 0xedb8_8320 ^ (c >> 1) } else { c >> 1 };
+            c = if c & 1 != 0 {
+                0xedb8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
         }
     }
     !c

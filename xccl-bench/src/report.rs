@@ -59,7 +59,8 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
     let elem = args.dtype.size() as u64;
     let mut rows = Vec::new();
     for (s, &tokens) in args.tokens.iter().enumerate() {
-        let at = |rank: usize, it: usize, w: usize| reports[rank].words[(s * rounds + it) * WORDS + w];
+        let at =
+            |rank: usize, it: usize, w: usize| reports[rank].words[(s * rounds + it) * WORDS + w];
         let mut lat: [Vec<f64>; 3] = Default::default();
         let mut sent_rows = 0u64;
         for it in args.warmup..rounds {
@@ -78,7 +79,11 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
         let one_way = sent_rows * args.hidden as u64 * elem / (m as u64 * args.iters as u64);
         for (op, mut l) in OPS.into_iter().zip(lat) {
             l.sort_by(f64::total_cmp);
-            let bytes = if op == "roundtrip" { 2 * one_way } else { one_way };
+            let bytes = if op == "roundtrip" {
+                2 * one_way
+            } else {
+                one_way
+            };
             let p50 = percentile(&l, 0.5);
             rows.push(ResultRow {
                 op,
@@ -86,7 +91,11 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
                 p50_us: p50,
                 p99_us: percentile(&l, 0.99),
                 bytes_per_rank: bytes,
-                algbw_gbps: if p50 > 0.0 { bytes as f64 / (p50 * 1e3) } else { 0.0 },
+                algbw_gbps: if p50 > 0.0 {
+                    bytes as f64 / (p50 * 1e3)
+                } else {
+                    0.0
+                },
                 memcpy_gbps: 0.0,
                 metadata_records: records,
             });
@@ -181,7 +190,8 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
         args.dtype.name(),
         args.topk,
         args.num_experts,
-        args.skew.map_or(String::new(), |s| format!(", zipf skew {s}")),
+        args.skew
+            .map_or(String::new(), |s| format!(", zipf skew {s}")),
     );
     s += &format!(
         "# iters {} warmup {} seed {}, check {}\n",
@@ -193,7 +203,14 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
     );
     s += &format!(
         "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10}\n",
-        "op", "tokens", "bytes/rank", "p50(us)", "p99(us)", "algbw(GB/s)", "vs_memcpy", "md_records"
+        "op",
+        "tokens",
+        "bytes/rank",
+        "p50(us)",
+        "p99(us)",
+        "algbw(GB/s)",
+        "vs_memcpy",
+        "md_records"
     );
     for r in rows {
         s += &format!(

@@ -135,7 +135,7 @@ fn run_typed<T: Element>(
             comm.barrier()?;
             let w = match comm.role() {
                 Role::Attention => {
-                    let inp = &inputs[it];
+                    let inp = inputs.get(it).expect("one input per round");
                     let n = inp.num_tokens * hidden;
                     let t0 = now_ns();
                     let handle = comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?;

@@ -13,9 +13,11 @@
 //! host}` through the bootstrap, then every rank opens and maps every peer's segment and checks
 //! its header ([`ControlArea::attach`]: magic, layout version, size; then slot count and owner
 //! pid). A second allgather reports each rank's outcome, so a rank that cannot attach makes every
-//! rank fail fast, naming it. Then each rank unlinks its own name: once `new` returns, `/dev/shm`
-//! holds nothing of the job, whatever is killed later (the kernel frees the memory when the last
-//! mapping goes). If `new` fails midway, the rank still unlinks what it created.
+//! rank fail fast, naming it; it is also the barrier after which every segment has been opened
+//! by every rank. Then each rank unlinks its own name and, idempotently, every other rank's: once
+//! `new` returns, `/dev/shm` holds nothing of the job, whatever is killed later (the kernel frees
+//! the memory when the last mapping goes). If `new` fails midway, the rank still unlinks what it
+//! created, and the names of peers that may have died after creating theirs.
 //!
 //! `put`/`get` are bounds-checked `memcpy` into/out of the mapped peer window; `signal` is a
 //! Release store plus a futex wake on the peer's mapped control area, which orders it after every
@@ -245,12 +247,15 @@ struct Segment {
     liveness: Liveness,
 }
 
-/// Unlinks a segment name when dropped (this rank created it).
-struct Unlinker(CString);
+/// Unlinks segment names when dropped: this rank's own, and, once the segments of the other
+/// ranks are known to exist, theirs too (`ENOENT` is ignored, so every rank can do it).
+struct Unlinker(Vec<CString>);
 
 impl Drop for Unlinker {
     fn drop(&mut self) {
-        let _ = shm_unlink(self.0.as_c_str());
+        for name in &self.0 {
+            let _ = shm_unlink(name.as_c_str());
+        }
     }
 }
 
@@ -320,7 +325,7 @@ fn create_own(
         Error::os(format!("creating shared-memory segment {shown}{hint}"), e)
     })?;
     // From here on the name exists: unlink it whatever happens.
-    let unlinker = Unlinker(name.clone());
+    let unlinker = Unlinker(vec![name.clone()]);
     let file = File::from(fd);
     let len = i64::try_from(segment_len)
         .map_err(|_| Error::invalid(format!("segment of {segment_len} bytes is too large")))?;
@@ -461,7 +466,7 @@ impl ShmFabric {
         let job_id = exchange.job_id();
         let name = CString::new(segment_name(job_id, rank)).expect("segment names have no NUL");
 
-        let (unlinker, own_map, own_control) = create_own(&name, segment_len, num_slots, rank)?;
+        let (mut unlinker, own_map, own_control) = create_own(&name, segment_len, num_slots, rank)?;
         before_publish(&own_map);
         let mine = Advert {
             pid: std::process::id(),
@@ -471,7 +476,15 @@ impl ShmFabric {
             segment_len,
             host: host_id(),
         };
-        let blobs = exchange.allgather(&mine.encode(), timeout)?;
+        let blobs = exchange.allgather(&mine.encode(), timeout);
+        // Whatever happens next, this rank also removes the names of the other ranks when it
+        // is done: if init fails because a rank died after creating its segment, the survivors
+        // clean up for it; on success, a rank killed just before unlinking its own name leaves
+        // nothing behind. Every segment is opened before any rank gets past the second round.
+        unlinker.0 = (0..size)
+            .map(|r| CString::new(segment_name(job_id, r)).expect("segment names have no NUL"))
+            .collect();
+        let blobs = blobs?;
         if blobs.len() != size {
             return Err(Error::Bootstrap(format!(
                 "allgather returned {} blobs for {size} ranks",
@@ -772,6 +785,27 @@ mod tests {
             Err(Error::PeerFailed { peer: 0, detail }) if detail.contains("magic") => {}
             other => panic!("rank 1: expected rank 0 reported as failed, got {other:?}"),
         }
+        assert_eq!(leftovers(job_id), Vec::<String>::new());
+    }
+
+    #[test]
+    fn survivors_unlink_the_segment_of_a_rank_that_died_during_init() {
+        let exchanges = group(2);
+        let job_id = exchanges[0].job_id();
+        let results = on_threads(exchanges, |ex| {
+            if ex.rank() == 1 {
+                // Creates its segment like `new`, then "dies": never unlinks it, never joins.
+                let name = CString::new(segment_name(job_id, 1)).unwrap();
+                let (unlinker, _map, _control) = create_own(&name, 1 << 16, 4, 1).unwrap();
+                std::mem::forget(unlinker);
+                let own = format!("{}1", segment_prefix(job_id));
+                assert!(leftovers(job_id).contains(&own), "rank 1's segment exists");
+                drop(ex);
+                return Ok(());
+            }
+            ShmFabric::with_timeout(ex, MIN_WINDOW, 4, Duration::from_secs(2)).map(drop)
+        });
+        assert!(results[0].is_err(), "rank 0 joined a job without rank 1");
         assert_eq!(leftovers(job_id), Vec::<String>::new());
     }
 

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
 use super::layout::DispatchLayout;
-use super::wire::{Record, TransferMode};
+use super::wire::{chunk_rows, progress, Progress, Record, TransferMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -102,34 +102,50 @@ impl Communicator {
             let entries = layout.entries(d);
             let count = entries.len();
             let bytes = count * row.stride;
-            if mode == TransferMode::Push && direct {
-                let win = self.fabric.peer_window(d).expect("load/store fabric");
-                // SAFETY: the credit wait above guarantees that `d` finished reading this parity's
-                // rows from us (epoch - 2) and will not read them again before our signal of
-                // `epoch`; no one else writes our receive area at `d`.
-                let dst = unsafe { win.slice_mut(self.layout.a2e_recv(src_index, parity), bytes)? };
-                encode_rows(&layout, entries, x, &row, dst);
-            } else {
-                let stage = self.layout.a2e_stage(parity) + offsets[j] * row.stride;
-                let win = self.fabric.local_window();
-                // SAFETY: our staging area for this parity is read by peers only between our
-                // signal of an epoch with this parity and their credit for it; the credit wait
-                // above covers epoch - 2, the last such epoch.
-                let dst = unsafe { win.slice_mut(stage, bytes)? };
-                encode_rows(&layout, entries, x, &row, dst);
-                if mode == TransferMode::Push {
-                    self.fabric
-                        .put(d, self.layout.a2e_recv(src_index, parity), dst)?;
-                }
-            }
+            // The record goes first: receivers may start on the first chunk.
             let rec = Record::new(epoch, count as u32, offsets[j] as u32, mode);
             self.fabric.put(
                 d,
                 self.layout.record(src_index, parity),
                 bytemuck::bytes_of(&rec),
             )?;
-            self.fabric
-                .signal(d, self.slots.a2e_ready(self.rank), epoch)?;
+            let remote = self.layout.a2e_recv(src_index, parity);
+            let (dst, staged) = if mode == TransferMode::Push && direct {
+                let win = self.fabric.peer_window(d).expect("load/store fabric");
+                // SAFETY: the credit wait above guarantees that `d` finished reading this parity's
+                // rows from us (epoch - 2) and will not read them again before our signal of
+                // `epoch`; no one else writes our receive area at `d`.
+                (unsafe { win.slice_mut(remote, bytes)? }, false)
+            } else {
+                let stage = self.layout.a2e_stage(parity) + offsets[j] * row.stride;
+                let win = self.fabric.local_window();
+                // SAFETY: our staging area for this parity is read by peers only between our
+                // signal of an epoch with this parity and their credit for it; the credit wait
+                // above covers epoch - 2, the last such epoch.
+                (unsafe { win.slice_mut(stage, bytes)? }, true)
+            };
+            let slot = self.slots.a2e_ready(self.rank);
+            let chunk = chunk_rows(row.stride);
+            let mut done = 0;
+            loop {
+                let n = chunk.min(count - done);
+                let part = &mut dst[done * row.stride..(done + n) * row.stride];
+                encode_rows(
+                    &layout,
+                    entries.start + done..entries.start + done + n,
+                    x,
+                    &row,
+                    part,
+                );
+                if staged && mode == TransferMode::Push {
+                    self.fabric.put(d, remote + done * row.stride, part)?;
+                }
+                done += n;
+                self.fabric.signal(d, slot, progress(epoch, done))?;
+                if done == count {
+                    break;
+                }
+            }
         }
         self.a2e_epoch = epoch;
         Ok(A2eHandle {
@@ -168,7 +184,8 @@ impl Communicator {
                     if records[i].is_some() {
                         continue;
                     }
-                    if f.signal_value(slots.a2e_ready(src)) < epoch {
+                    let progress = Progress::of(f.signal_value(slots.a2e_ready(src)), epoch);
+                    if progress == Progress::NotYet {
                         first_missing.get_or_insert(src);
                         continue;
                     }
@@ -176,6 +193,13 @@ impl Communicator {
                     let checked = win
                         .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
                         .and_then(|_| rec.validate(src, epoch, max_tokens));
+                    if checked.is_ok()
+                        && progress.rows(rec.count as usize) < rec.count as usize
+                    {
+                        // Rows still streaming in: the expert-major layout needs them all.
+                        first_missing.get_or_insert(src);
+                        continue;
+                    }
                     match checked {
                         Ok(mode) => {
                             records[i] = Some((rec, mode));

@@ -12,11 +12,14 @@
 //! result is bitwise reproducible run to run.
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
-use super::wire::{Record, TransferMode};
+use super::wire::{chunk_rows, progress, Progress, Record, TransferMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
 use crate::{Error, Result};
+
+/// Writes the reply row of a received token: `(token index in the batch, row, f32 scratch)`.
+pub(crate) type FillRow<'a> = dyn FnMut(usize, &mut [u8], &mut [f32]) + 'a;
 
 impl Communicator {
     /// E2A send on raw bytes: `expert_out` is `[batch.num_rows(), hidden]` of the dtype.
@@ -63,7 +66,7 @@ impl Communicator {
         &mut self,
         sources: &[SourceInfo],
         mode: TransferMode,
-        fill: &mut dyn FnMut(usize, &mut [u8], &mut [f32]),
+        fill: &mut FillRow<'_>,
     ) -> Result<()> {
         let ranks = self.topo.attention_ranks().to_vec();
         if sources.len() != ranks.len() || sources.iter().zip(&ranks).any(|(s, &r)| s.rank != r) {
@@ -116,25 +119,33 @@ impl Communicator {
                     stage_rows - count,
                 )
             };
-            let tokens = info.first_token..info.first_token + count;
-            for (t, out) in tokens.zip(dst.chunks_exact_mut(stride)) {
-                fill(t, &mut out[..payload], &mut self.acc);
-            }
-            if mode == TransferMode::Push && !direct {
-                let at = self.layout.e2a_recv(parity) + info.reply_offset * stride;
-                let win = self.fabric.local_window();
-                // SAFETY: the staged rows were written just above and are not shared yet.
-                let staged = unsafe { win.slice(stage_off, bytes)? };
-                self.fabric.put(s, at, staged)?;
-            }
+            // The record goes first: the receiver may start on the first chunk.
             let rec = Record::new(epoch, count as u32, offset as u32, mode);
             self.fabric.put(
                 s,
                 self.layout.record(my_index, parity),
                 bytemuck::bytes_of(&rec),
             )?;
-            self.fabric
-                .signal(s, self.slots.e2a_ready(self.rank), epoch)?;
+            let remote = self.layout.e2a_recv(parity) + info.reply_offset * stride;
+            let slot = self.slots.e2a_ready(self.rank);
+            let chunk = chunk_rows(stride);
+            let mut done = 0;
+            loop {
+                let n = chunk.min(count - done);
+                let part = &mut dst[done * stride..(done + n) * stride];
+                let tokens = info.first_token + done..info.first_token + done + n;
+                for (t, out) in tokens.zip(part.chunks_exact_mut(stride)) {
+                    fill(t, &mut out[..payload], &mut self.acc);
+                }
+                if mode == TransferMode::Push && !direct {
+                    self.fabric.put(s, remote + done * stride, part)?;
+                }
+                done += n;
+                self.fabric.signal(s, slot, progress(epoch, done))?;
+                if done == count {
+                    break;
+                }
+            }
         }
         self.e2a_epoch = epoch;
         Ok(())
@@ -161,130 +172,159 @@ impl Communicator {
         let max_rows = self.layout.attention_rows;
         let direct = self.fabric.capabilities().load_store;
 
-        // One pass over all records per wake-up until every expert rank's is in.
-        let mut arrived: Vec<Option<Record>> = vec![None; experts.len()];
-        let mut missing = experts.len();
+        // Each wake-up: one pass over every expert rank's progress, then every token whose rows
+        // have all arrived (tokens below the watermark) is reduced, in expert-rank order, with
+        // one H-wide f32 accumulator that stays in cache. Rows are read where they lie.
+        let n = experts.len();
+        let mut recs: Vec<Option<(Record, TransferMode)>> = vec![None; n];
+        let mut delivered = vec![0usize; n];
+        let mut fetched = vec![0usize; n];
+        let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
-        {
-            let f = &*self.fabric;
-            let (slots, layout) = (self.slots, &self.layout);
-            let own = f.local_window();
-            f.wait_until(deadline, &mut || {
-                let mut first_missing = None;
-                for (j, &d) in experts.iter().enumerate() {
-                    if arrived[j].is_some() {
-                        continue;
-                    }
-                    if f.signal_value(slots.e2a_ready(d)) < epoch {
-                        first_missing.get_or_insert(d);
-                        continue;
-                    }
-                    let mut rec = Record::default();
-                    let checked = own
-                        .read(layout.record(j, parity), bytemuck::bytes_of_mut(&mut rec))
-                        .and_then(|_| rec.validate(d, epoch, max_rows));
-                    if let Err(e) = checked {
-                        failure = Some(e);
-                        return None;
-                    }
-                    let want = handle.layout.count(d);
-                    if rec.count as usize != want {
-                        failure = Some(Error::Protocol {
-                            peer: d,
-                            detail: format!(
-                                "E2A brings {} rows, {want} tokens were dispatched to it \
-                                 (were A2E and E2A calls made in the same order everywhere?)",
-                                rec.count
-                            ),
-                        });
-                        return None;
-                    }
-                    arrived[j] = Some(rec);
-                    missing -= 1;
-                }
-                if missing == 0 {
-                    return None;
-                }
-                first_missing.map(|peer| Waiting {
-                    peer,
-                    what: "E2A record",
-                })
-            })?;
-        }
-        if let Some(e) = failure {
-            return Err(e);
-        }
-
-        // Where each expert rank's rows lie (own reply area, peer staging, or fetched).
-        let f = &*self.fabric;
-        let own = f.local_window();
-        let mut fetched = Vec::with_capacity(experts.len());
-        let mut total = 0;
-        for rec in &arrived {
-            let rec = rec.as_ref().expect("all arrived");
-            let pulled = rec.mode == TransferMode::Pull as u32 && !direct;
-            fetched.push(pulled.then_some(total));
-            if pulled {
-                total += rec.count as usize * stride;
-            }
-        }
-        self.pull_buf.resize(total, 0);
-        for (j, rec) in arrived.iter().enumerate() {
-            let rec = rec.as_ref().expect("all arrived");
-            if let Some(at) = fetched[j] {
-                let bytes = rec.count as usize * stride;
-                let src = self.layout.e2a_stage(parity) + rec.offset as usize * stride;
-                f.get(experts[j], src, &mut self.pull_buf[at..at + bytes])?;
-            }
-        }
-        let mut views: Vec<&[u8]> = Vec::with_capacity(experts.len());
-        for (j, rec) in arrived.iter().enumerate() {
-            let rec = rec.as_ref().expect("all arrived");
-            let bytes = rec.count as usize * stride;
-            let view = if let Some(at) = fetched[j] {
-                &self.pull_buf[at..at + bytes]
-            } else if rec.mode == TransferMode::Push as u32 {
-                let at = self.layout.e2a_recv(parity) + handle.offsets[j] * stride;
-                // SAFETY: the expert rank signalled this epoch after writing these rows and
-                // writes this parity again only after our credit for it.
-                unsafe { own.slice(at, bytes)? }
-            } else {
-                let win = f.peer_window(experts[j]).expect("load/store fabric");
-                let at = self.layout.e2a_stage(parity) + rec.offset as usize * stride;
-                // SAFETY: the expert rank's staging for this parity is stable from its signal
-                // until our credit.
-                unsafe { win.slice(at, bytes)? }
-            };
-            views.push(view);
-        }
-
-        // Token-major reduction: each token's rows added in expert-rank order (reproducible),
-        // with one H-wide f32 accumulator that stays in cache.
         self.acc.resize(hidden, 0.0);
         self.cursors.clear();
         self.cursors
             .extend(experts.iter().map(|&d| handle.layout.entries(d).start));
-        for (t, out_row) in out.chunks_exact_mut(payload).enumerate() {
-            let mut contributions = 0;
-            for (j, &d) in experts.iter().enumerate() {
-                let e = self.cursors[j];
-                if e >= handle.layout.entries(d).end || handle.layout.token(e) != t {
-                    continue;
+        self.pull_buf.resize(
+            if direct {
+                0
+            } else {
+                handle.layout.total_entries() * stride
+            },
+            0,
+        );
+        {
+            let f = &*self.fabric;
+            let (slots, layout) = (self.slots, &self.layout);
+            let own = f.local_window();
+            let (acc, cursors, pull_buf) = (&mut self.acc, &mut self.cursors, &mut self.pull_buf);
+            let hl = &handle.layout;
+            let mut pass = || -> Result<Option<Waiting>> {
+                let mut waiting = None;
+                for (j, &d) in experts.iter().enumerate() {
+                    let count = hl.count(d);
+                    if recs[j].is_some() && delivered[j] == count {
+                        continue;
+                    }
+                    let progress = Progress::of(f.signal_value(slots.e2a_ready(d)), epoch);
+                    if progress == Progress::NotYet {
+                        waiting.get_or_insert(Waiting {
+                            peer: d,
+                            what: "E2A rows",
+                        });
+                        continue;
+                    }
+                    if recs[j].is_none() {
+                        let mut rec = Record::default();
+                        own.read(layout.record(j, parity), bytemuck::bytes_of_mut(&mut rec))?;
+                        let mode = rec.validate(d, epoch, max_rows)?;
+                        if rec.count as usize != count {
+                            return Err(Error::Protocol {
+                                peer: d,
+                                detail: format!(
+                                    "E2A brings {} rows, {count} tokens were dispatched to it \
+                                     (were A2E and E2A calls made in the same order everywhere?)",
+                                    rec.count
+                                ),
+                            });
+                        }
+                        recs[j] = Some((rec, mode));
+                    }
+                    let (rec, mode) = recs[j].expect("set above");
+                    delivered[j] = progress.rows(count);
+                    if mode == TransferMode::Pull && !direct && delivered[j] > fetched[j] {
+                        let rows = fetched[j]..delivered[j];
+                        let at =
+                            layout.e2a_stage(parity) + (rec.offset as usize + rows.start) * stride;
+                        let local = (handle.offsets[j] + rows.start) * stride;
+                        f.get(d, at, &mut pull_buf[local..local + rows.len() * stride])?;
+                        fetched[j] = delivered[j];
+                    }
+                    if delivered[j] < count {
+                        waiting.get_or_insert(Waiting {
+                            peer: d,
+                            what: "E2A rows",
+                        });
+                    }
                 }
-                self.cursors[j] += 1;
-                let i = e - handle.layout.entries(d).start;
-                let row = &views[j][i * stride..i * stride + payload];
-                if contributions == 0 {
-                    dtype.to_f32(row, &mut self.acc);
-                } else {
-                    dtype.accumulate(row, 1.0, &mut self.acc);
+                // Watermark: the first token some expert rank has not delivered yet.
+                let watermark = experts
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &d)| {
+                        let r = hl.entries(d);
+                        if delivered[j] == r.len() {
+                            t_count
+                        } else {
+                            hl.token(r.start + delivered[j])
+                        }
+                    })
+                    .min()
+                    .unwrap_or(t_count);
+                while next_token < watermark {
+                    let t = next_token;
+                    let out_row = &mut out[t * payload..(t + 1) * payload];
+                    let mut contributions = 0;
+                    let mut single: Option<&[u8]> = None;
+                    for (j, &d) in experts.iter().enumerate() {
+                        let e = cursors[j];
+                        let r = hl.entries(d);
+                        if e >= r.end || hl.token(e) != t {
+                            continue;
+                        }
+                        cursors[j] += 1;
+                        let i = e - r.start;
+                        let (rec, mode) = recs[j].expect("delivered rows have a record");
+                        let row: &[u8] = match mode {
+                            TransferMode::Pull if !direct => {
+                                let at = (handle.offsets[j] + i) * stride;
+                                &pull_buf[at..at + payload]
+                            }
+                            TransferMode::Push => {
+                                let at = layout.e2a_recv(parity) + (handle.offsets[j] + i) * stride;
+                                // SAFETY: the expert rank signalled progress past this row after
+                                // writing it and writes this parity again only after our credit.
+                                unsafe { own.slice(at, payload)? }
+                            }
+                            TransferMode::Pull => {
+                                let win = f.peer_window(d).expect("load/store fabric");
+                                let at =
+                                    layout.e2a_stage(parity) + (rec.offset as usize + i) * stride;
+                                // SAFETY: the expert rank's staging is stable from its progress
+                                // signal until our credit.
+                                unsafe { win.slice(at, payload)? }
+                            }
+                        };
+                        match contributions {
+                            0 => single = Some(row),
+                            1 => {
+                                dtype.to_f32(single.take().expect("first row"), acc);
+                                dtype.accumulate(row, 1.0, acc);
+                            }
+                            _ => dtype.accumulate(row, 1.0, acc),
+                        }
+                        contributions += 1;
+                    }
+                    match (contributions, single) {
+                        (0, _) => out_row.fill(0),
+                        // One expert rank: its row is already the answer, in the output dtype.
+                        (1, Some(row)) => out_row.copy_from_slice(row),
+                        _ => dtype.from_f32(acc, out_row),
+                    }
+                    next_token += 1;
                 }
-                contributions += 1;
-            }
-            match contributions {
-                0 => out_row.fill(0),
-                _ => dtype.from_f32(&self.acc, out_row),
-            }
+                Ok(waiting)
+            };
+            f.wait_until(deadline, &mut || match pass() {
+                Ok(w) => w,
+                Err(e) => {
+                    failure = Some(e);
+                    None
+                }
+            })?;
+        }
+        if let Some(e) = failure {
+            return Err(e);
         }
         for &d in &experts {
             self.fabric

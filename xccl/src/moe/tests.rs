@@ -32,7 +32,7 @@ fn run_local<T: Element>(
                         c.set_mode(modes[(round as usize + c.rank()) % modes.len()]);
                         let verdict = match c.role() {
                             Role::Attention => attention_round::<T>(&mut c, wl, round),
-                            Role::Expert if (round + c.rank() as u64) % 2 == 0 => {
+                            Role::Expert if (round + c.rank() as u64).is_multiple_of(2) => {
                                 expert_round::<T>(&mut c, wl, round, &mut batch, true)
                             }
                             Role::Expert => {
@@ -117,6 +117,23 @@ fn eight_by_sixteen_with_varying_tokens() {
         &cfg(16, DType::BF16, 8, 12),
         &wl(5, 12, true),
         5,
+        BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn rows_larger_than_a_chunk_stream_in_pieces() {
+    // 32 KiB rows: two rows per progress signal, so every message arrives in several chunks.
+    let topo = Topology::contiguous(2, 2, 8).unwrap();
+    let c = cfg(8192, DType::F32, 3, 16);
+    assert_eq!(crate::moe::wire::chunk_rows(8192 * 4 + 64), 1);
+    run_local::<f32>(&topo, &c, &wl(15, 16, true), 6, BOTH).unwrap();
+    run_local::<bf16>(
+        &topo,
+        &cfg(8192, DType::BF16, 3, 16),
+        &wl(16, 16, true),
+        6,
         BOTH,
     )
     .unwrap();

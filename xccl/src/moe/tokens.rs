@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::batch::{AlignedBytes, SourceInfo};
 use super::dtype::Element;
-use super::wire::{Record, TransferMode};
+use super::wire::{Progress, Record, TransferMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -30,12 +30,15 @@ pub struct TokenBatch {
     pub src_rank: Vec<u32>,
     /// Per token: its index at that attention rank.
     pub src_token: Vec<u32>,
-    /// Per token `i`: its local experts are `local_expert[expert_start[i]..expert_start[i+1]]`.
-    pub expert_start: Vec<u32>,
-    /// Local expert indices (ascending per token).
+    /// Per token: how many local experts it goes to (at most `topk`).
+    pub expert_count: Vec<u32>,
+    /// Per token, `topk` slots: its local expert indices (ascending), the first
+    /// `expert_count[i]` valid.
     pub local_expert: Vec<u32>,
-    /// Gating weight of each (token, local expert), parallel to `local_expert`.
+    /// Per token, `topk` slots parallel to `local_expert`: the gating weights.
     pub weight: Vec<f32>,
+    /// Slots per token in `local_expert` and `weight` (the communicator's `topk`).
+    pub topk: usize,
     /// Per source attention rank, in rank order; `first_token` indexes this batch.
     pub sources: Vec<SourceInfo>,
     /// Order in which sources arrived (indices into `sources`).
@@ -60,7 +63,7 @@ impl TokenBatch {
 
     /// Local experts and weights of token `i`.
     pub fn experts_of(&self, i: usize) -> (&[u32], &[f32]) {
-        let r = self.expert_start[i] as usize..self.expert_start[i + 1] as usize;
+        let r = i * self.topk..i * self.topk + self.expert_count[i] as usize;
         (&self.local_expert[r.clone()], &self.weight[r])
     }
 
@@ -103,19 +106,16 @@ impl Communicator {
         let meta_off = row.meta_offset();
         let local = self.topo.local_experts(self.rank).len();
 
+        let topk = self.cfg.topk;
         batch.epoch = 0;
         batch.elem = self.cfg.dtype.size();
+        batch.topk = topk;
         batch.rows.resize(0);
-        for v in [
-            &mut batch.src_rank,
-            &mut batch.src_token,
-            &mut batch.local_expert,
-        ] {
-            v.clear();
-        }
+        batch.src_rank.clear();
+        batch.src_token.clear();
+        batch.expert_count.clear();
+        batch.local_expert.clear();
         batch.weight.clear();
-        batch.expert_start.clear();
-        batch.expert_start.push(0);
         batch.sources.clear();
         batch.sources.resize(sources.len(), SourceInfo::default());
         batch.arrival_order.clear();
@@ -125,20 +125,30 @@ impl Communicator {
         let pull_buf = &mut self.pull_buf;
         let direct = f.capabilities().load_store;
         let own = f.local_window();
+        // Per source: its validated record and mode, and how many rows are copied.
+        let mut state: Vec<Option<(Record, TransferMode, usize)>> = vec![None; sources.len()];
         let mut done = vec![false; sources.len()];
         let mut missing = sources.len();
         let mut failure: Option<Error> = None;
-        // Takes source `i`'s rows (validated record in hand) into the batch.
-        let mut take = |i: usize, rec: &Record, mode: TransferMode, batch: &mut TokenBatch| {
+        // Copies rows `from..to` of source `i` into their reserved place in the batch.
+        let mut copy_rows = |i: usize,
+                             rec: &Record,
+                             mode: TransferMode,
+                             rows: Range<usize>,
+                             batch: &mut TokenBatch|
+         -> Result<()> {
             let src = sources[i];
-            let count = rec.count as usize;
-            let bytes = count * row.stride;
+            let bytes = rows.len() * row.stride;
             let view: &[u8] = match mode {
-                // SAFETY: the sender signalled this epoch after writing the rows and writes this
-                // parity again only after our credit, sent once the batch is built.
-                TransferMode::Push => unsafe { own.slice(layout.a2e_recv(i, parity), bytes)? },
+                TransferMode::Push => {
+                    let at = layout.a2e_recv(i, parity) + rows.start * row.stride;
+                    // SAFETY: the sender signalled progress past these rows after writing them and
+                    // writes this parity again only after our credit, sent once we are done.
+                    unsafe { own.slice(at, bytes)? }
+                }
                 TransferMode::Pull => {
-                    let at = layout.a2e_stage(parity) + rec.offset as usize * row.stride;
+                    let at =
+                        layout.a2e_stage(parity) + (rec.offset as usize + rows.start) * row.stride;
                     if direct {
                         let win = f.peer_window(src).expect("load/store fabric");
                         // SAFETY: the sender's staging is stable from its signal to our credit.
@@ -150,12 +160,12 @@ impl Communicator {
                     }
                 }
             };
-            let first = batch.num_tokens();
-            batch.rows.resize((first + count) * payload);
-            let dst = &mut batch.rows.bytes_mut()[first * payload..];
-            for (r, out) in view
+            let base = batch.sources[i].first_token + rows.start;
+            let dst = &mut batch.rows.bytes_mut()[base * payload..(base + rows.len()) * payload];
+            for (n, (r, out)) in view
                 .chunks_exact(row.stride)
                 .zip(dst.chunks_exact_mut(payload))
+                .enumerate()
             {
                 let (token, mask, weights) = row.decode_meta(&r[meta_off..]);
                 if token as usize >= max_tokens {
@@ -165,33 +175,27 @@ impl Communicator {
                     });
                 }
                 out.copy_from_slice(&r[..payload]);
-                batch.src_rank.push(src as u32);
-                batch.src_token.push(token);
-                for (slot, j) in super::a2e::mask_bits(mask).enumerate() {
-                    if j >= local {
+                let t = base + n;
+                batch.src_rank[t] = src as u32;
+                batch.src_token[t] = token;
+                let mut c = 0;
+                for j in super::a2e::mask_bits(mask) {
+                    if j >= local || c >= topk {
                         return Err(Error::Protocol {
                             peer: src,
-                            detail: format!("row for local expert {j}; this rank hosts {local}"),
+                            detail: format!(
+                                "row for local expert {j} (#{c}); this rank hosts {local}, topk {topk}"
+                            ),
                         });
                     }
-                    batch.local_expert.push(j as u32);
-                    batch.weight.push(if slot < row.topk {
-                        f32::from_le_bytes(weights[4 * slot..4 * slot + 4].try_into().unwrap())
-                    } else {
-                        0.0
-                    });
+                    batch.local_expert[t * topk + c] = j as u32;
+                    batch.weight[t * topk + c] =
+                        f32::from_le_bytes(weights[4 * c..4 * c + 4].try_into().unwrap());
+                    c += 1;
                 }
-                batch.expert_start.push(batch.local_expert.len() as u32);
+                batch.expert_count[t] = c as u32;
             }
-            batch.sources[i] = SourceInfo {
-                rank: src,
-                count,
-                reply_offset: rec.offset as usize,
-                first_token: first,
-                arrived_after: start.elapsed(),
-            };
-            batch.arrival_order.push(i as u32);
-            Ok(first..first + count)
+            Ok(())
         };
         f.wait_until(deadline, &mut || {
             let mut first_missing = None;
@@ -199,33 +203,65 @@ impl Communicator {
                 if done[i] {
                     continue;
                 }
-                if f.signal_value(slots.a2e_ready(src)) < epoch {
+                let progress = Progress::of(f.signal_value(slots.a2e_ready(src)), epoch);
+                if progress == Progress::NotYet {
                     first_missing.get_or_insert(src);
                     continue;
                 }
-                let mut rec = Record::default();
-                let taken = own
-                    .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
-                    .and_then(|_| rec.validate(src, epoch, max_tokens))
-                    .and_then(|mode| take(i, &rec, mode, batch));
-                match taken {
-                    Ok(range) => {
-                        done[i] = true;
-                        missing -= 1;
-                        on_arrival(batch, range);
-                    }
-                    Err(e) => {
+                if state[i].is_none() {
+                    // First sight: validate the record and reserve the source's rows.
+                    let mut rec = Record::default();
+                    let checked = own
+                        .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
+                        .and_then(|_| rec.validate(src, epoch, max_tokens));
+                    let mode = match checked {
+                        Ok(m) => m,
+                        Err(e) => {
+                            failure = Some(e);
+                            return None;
+                        }
+                    };
+                    let first = batch.src_rank.len();
+                    let total = first + rec.count as usize;
+                    batch.rows.resize(total * payload);
+                    batch.src_rank.resize(total, 0);
+                    batch.src_token.resize(total, 0);
+                    batch.expert_count.resize(total, 0);
+                    batch.local_expert.resize(total * topk, 0);
+                    batch.weight.resize(total * topk, 0.0);
+                    batch.sources[i].first_token = first;
+                    batch.sources[i].count = rec.count as usize;
+                    batch.sources[i].reply_offset = rec.offset as usize;
+                    state[i] = Some((rec, mode, 0));
+                }
+                let (rec, mode, copied) = state[i].expect("set above");
+                let count = rec.count as usize;
+                let ready = progress.rows(count);
+                if ready > copied {
+                    if let Err(e) = copy_rows(i, &rec, mode, copied..ready, batch) {
                         failure = Some(e);
                         return None;
                     }
+                    state[i] = Some((rec, mode, ready));
                 }
+                if ready < count {
+                    first_missing.get_or_insert(src);
+                    continue;
+                }
+                done[i] = true;
+                batch.sources[i].rank = src;
+                batch.sources[i].arrived_after = start.elapsed();
+                batch.arrival_order.push(i as u32);
+                missing -= 1;
+                let first = batch.sources[i].first_token;
+                on_arrival(batch, first..first + count);
             }
             if missing == 0 {
                 return None;
             }
             first_missing.map(|peer| Waiting {
                 peer,
-                what: "A2E record",
+                what: "A2E rows",
             })
         })?;
         if let Some(e) = failure {

@@ -5,9 +5,11 @@
 //!
 //! ## Records
 //! One [`Record`] per (source, destination, direction) per call, 32 bytes on its own cache line,
-//! put into the destination's record area for the call's parity and then signalled with the
-//! call's epoch. The epoch is the call's sequence number (from 1): no reset pass, and a record
-//! with count 0 is a valid "nothing for you this time".
+//! put into the destination's record area for the call's parity before any row, then the rows
+//! follow in chunks of about [`CHUNK_BYTES`], each chunk signalled with [`progress`]`(epoch,
+//! rows so far)` so the receiver copies while the sender writes. The epoch is the call's sequence
+//! number (from 1): no reset pass, and a record with count 0 is a valid "nothing for you this
+//! time".
 //!
 //! ## Rows
 //! A2E row: `hidden` elements of payload, then [`A2E_META_FIXED`] bytes (source token index,
@@ -102,9 +104,9 @@ impl MoeConfig {
         if self.topk == 0 {
             return Err(Error::invalid("topk must be at least 1"));
         }
-        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > u32::MAX as usize / 2 {
+        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > MAX_PROGRESS_ROWS {
             return Err(Error::invalid(format!(
-                "max_tokens_per_rank {} must be in 1..2^31",
+                "max_tokens_per_rank {} must be in 1..={MAX_PROGRESS_ROWS}",
                 self.max_tokens_per_rank
             )));
         }
@@ -215,6 +217,62 @@ impl Record {
         }
     }
 }
+
+/// Bits of a ready signal that carry the rows delivered so far (the rest carry the epoch).
+pub const PROGRESS_ROW_BITS: u32 = 24;
+/// Largest row count a ready signal can carry (and so the largest `max_tokens_per_rank`).
+pub const MAX_PROGRESS_ROWS: usize = (1 << PROGRESS_ROW_BITS) - 1;
+
+/// The value of a ready signal: `rows` of the call with `epoch` are in place.
+///
+/// Senders signal progress in chunks so receivers copy while senders write; 40 bits of epoch
+/// last 10^12 calls.
+pub fn progress(epoch: u64, rows: usize) -> u64 {
+    debug_assert!(rows <= MAX_PROGRESS_ROWS);
+    (epoch << PROGRESS_ROW_BITS) | rows as u64
+}
+
+/// How far a sender has got with the call of epoch `epoch`, read from its ready signal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// Nothing of this call yet.
+    NotYet,
+    /// The record is in place and this many rows.
+    Rows(usize),
+    /// The sender has moved on to a later call: every row of this one is in place.
+    Done,
+}
+
+impl Progress {
+    /// Decodes a ready signal's value for the call of epoch `epoch`.
+    pub fn of(value: u64, epoch: u64) -> Self {
+        let e = value >> PROGRESS_ROW_BITS;
+        match e.cmp(&epoch) {
+            std::cmp::Ordering::Less => Progress::NotYet,
+            std::cmp::Ordering::Equal => {
+                Progress::Rows((value & MAX_PROGRESS_ROWS as u64) as usize)
+            }
+            std::cmp::Ordering::Greater => Progress::Done,
+        }
+    }
+
+    /// Rows in place out of `count`.
+    pub fn rows(self, count: usize) -> usize {
+        match self {
+            Progress::NotYet => 0,
+            Progress::Rows(r) => r.min(count),
+            Progress::Done => count,
+        }
+    }
+}
+
+/// Rows per progress signal for rows of `stride` bytes: about 64 KiB a chunk.
+pub fn chunk_rows(stride: usize) -> usize {
+    (CHUNK_BYTES / stride.max(1)).max(1)
+}
+
+/// Bytes between progress signals.
+pub const CHUNK_BYTES: usize = 64 << 10;
 
 /// Bytes a record slot takes in a window (one cache line).
 pub const RECORD_SLOT: usize = 64;
@@ -430,6 +488,23 @@ mod tests {
         let mut torn = r;
         torn.count = 4;
         assert!(torn.validate(1, 7, 10).is_err(), "check word");
+    }
+
+    #[test]
+    fn progress_signals_order_by_epoch_then_rows() {
+        assert_eq!(Progress::of(0, 1), Progress::NotYet);
+        assert_eq!(Progress::of(progress(1, 0), 1), Progress::Rows(0));
+        assert_eq!(Progress::of(progress(3, 17), 3), Progress::Rows(17));
+        assert_eq!(Progress::of(progress(3, 17), 4), Progress::NotYet);
+        assert_eq!(Progress::of(progress(4, 0), 3), Progress::Done);
+        assert_eq!(Progress::of(progress(4, 0), 3).rows(9), 9);
+        assert_eq!(Progress::Rows(12).rows(9), 9);
+        let big = (1u64 << 40) - 1;
+        assert_eq!(
+            Progress::of(progress(big, MAX_PROGRESS_ROWS), big),
+            Progress::Rows(MAX_PROGRESS_ROWS)
+        );
+        assert!(progress(2, MAX_PROGRESS_ROWS) < progress(3, 0));
     }
 
     #[test]
