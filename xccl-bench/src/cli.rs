@@ -69,6 +69,12 @@ pub struct Args {
     #[arg(long, default_value = "push", value_parser = parse_mode)]
     pub mode: TransferMode,
 
+    /// Layout of what expert ranks receive: `token` (one row per token as it crossed the wire,
+    /// E2A takes one reduced row per token) or `expert` (rows expanded per local expert,
+    /// expert-major; E2A reduces them with the gating weights).
+    #[arg(long, value_enum, default_value_t = ExpertLayout::Token)]
+    pub layout: ExpertLayout,
+
     /// Measured iterations per token count.
     #[arg(long, default_value_t = 200)]
     pub iters: usize,
@@ -130,6 +136,25 @@ impl FabricKind {
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).map_err(|e| e.to_string())
+}
+
+/// How expert ranks receive tokens (see `--layout`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExpertLayout {
+    /// `a2e_recv_tokens` + `e2a_send_tokens`: one row per (token, expert rank).
+    Token,
+    /// `a2e_recv` + `e2a_send`: one row per (token, local expert).
+    Expert,
+}
+
+impl ExpertLayout {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertLayout::Token => "token",
+            ExpertLayout::Expert => "expert",
+        }
+    }
 }
 
 fn parse_mode(s: &str) -> Result<TransferMode, String> {

@@ -181,11 +181,12 @@ impl Machine {
 pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) -> String {
     let mut s = String::new();
     s += &format!(
-        "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, H={} {}, top-{} of {} experts{}\n",
+        "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, layout {}, H={} {}, top-{} of {} experts{}\n",
         args.attention,
         args.experts,
         args.fabric.name(),
         args.mode.name(),
+        args.layout.name(),
         args.hidden,
         args.dtype.name(),
         args.topk,
@@ -251,6 +252,7 @@ pub fn to_json(
             "dtype": args.dtype.name(),
             "fabric": args.fabric.name(),
             "mode": args.mode.name(),
+            "layout": args.layout.name(),
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,

@@ -4,12 +4,12 @@
 use std::sync::Arc;
 
 use indicatif::ProgressBar;
-use xccl::harness::{attention_round, expert_round, Workload};
+use xccl::harness::{attention_round, expert_round, expert_round_tokens, Workload};
 use xccl::moe::dtype::slice_from_f32;
 use xccl::moe::reference::RankInput;
-use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, Topology};
+use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, TokenBatch, Topology};
 
-use crate::cli::Args;
+use crate::cli::{Args, ExpertLayout};
 
 /// Words recorded per rank per iteration: three timestamps (ns) and the rows this rank sent.
 pub const WORDS: usize = 4;
@@ -114,6 +114,7 @@ fn run_typed<T: Element>(
     let (rank, hidden, k) = (comm.rank(), args.hidden, args.topk);
     let mut report = RankReport::default();
     let mut batch = ExpertBatch::new();
+    let mut tokens_batch = TokenBatch::new();
     let max_t = args.max_tokens();
     // Payload contents do not change the traffic: one buffer of the largest size, from round 0.
     let x: Vec<T> = if comm.role() == Role::Attention {
@@ -145,14 +146,22 @@ fn run_typed<T: Element>(
                     let t2 = now_ns();
                     [t0, t1, t2, rows]
                 }
-                Role::Expert => {
+                // The expert computation is the identity: the received rows go back.
+                Role::Expert if args.layout == ExpertLayout::Expert => {
                     comm.a2e_recv(&mut batch)?;
                     let t0 = now_ns();
-                    // The expert computation is the identity: the received rows go back.
                     let t1 = now_ns();
                     comm.e2a_send(&batch, batch.rows::<T>()?)?;
                     let t2 = now_ns();
                     [t0, t1, t2, batch.num_tokens() as u64]
+                }
+                Role::Expert => {
+                    comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
+                    let t0 = now_ns();
+                    let t1 = now_ns();
+                    comm.e2a_send_tokens(&tokens_batch, tokens_batch.rows::<T>()?)?;
+                    let t2 = now_ns();
+                    [t0, t1, t2, tokens_batch.num_tokens() as u64]
                 }
             };
             report.words.extend_from_slice(&w);
@@ -164,7 +173,12 @@ fn run_typed<T: Element>(
             for it in 0..args.rounds() {
                 let verdict = match comm.role() {
                     Role::Attention => attention_round::<T>(comm, &wl, round(s, it))?,
-                    Role::Expert => expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?,
+                    Role::Expert if args.layout == ExpertLayout::Expert => {
+                        expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?
+                    }
+                    Role::Expert => {
+                        expert_round_tokens::<T>(comm, &wl, round(s, it), &mut tokens_batch, true)?
+                    }
                 };
                 if let Err(e) = verdict {
                     report.mismatches.push(format!("tokens {tokens}: {e}"));

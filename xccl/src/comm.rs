@@ -35,6 +35,8 @@ pub struct Communicator {
     pub(crate) rank: usize,
     pub(crate) a2e_epoch: u64,
     pub(crate) e2a_epoch: u64,
+    /// Generation of the last [`Communicator::barrier`].
+    pub(crate) barrier_gen: u64,
     /// f32 accumulators reused by E2A.
     pub(crate) acc: Vec<f32>,
     /// Landing buffer for pull mode on fabrics without load/store access.
@@ -98,6 +100,7 @@ impl Communicator {
             rank,
             a2e_epoch: 0,
             e2a_epoch: 0,
+            barrier_gen: 0,
             acc: Vec::new(),
             pull_buf: Vec::new(),
             cursors: Vec::new(),
@@ -242,9 +245,27 @@ impl Communicator {
         self.fabric.abort();
     }
 
-    /// Waits for every rank (collective).
-    pub fn barrier(&self) -> Result<()> {
-        self.fabric.barrier(self.cfg.timeout)
+    /// Waits for every rank (collective), through the fabric's signals: on shared memory a
+    /// release reaches every rank within microseconds (the bootstrap's TCP barrier is used only
+    /// at init). Fails naming the first rank that has not arrived.
+    pub fn barrier(&mut self) -> Result<()> {
+        self.barrier_gen += 1;
+        let generation = self.barrier_gen;
+        let world = self.topo.world_size();
+        for step in 1..world {
+            let peer = (self.rank + step) % world;
+            self.fabric
+                .signal(peer, self.slots.barrier(self.rank), generation)?;
+        }
+        let (f, slots) = (&*self.fabric, self.slots);
+        f.wait_until(self.deadline(), &mut || {
+            (0..world)
+                .find(|&p| p != self.rank && f.signal_value(slots.barrier(p)) < generation)
+                .map(|peer| crate::fabric::Waiting {
+                    peer,
+                    what: "barrier",
+                })
+        })
     }
 
     pub(crate) fn deadline(&self) -> std::time::Instant {

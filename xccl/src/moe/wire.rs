@@ -342,7 +342,7 @@ pub fn align_up(v: usize, a: usize) -> usize {
     (v + a - 1) & !(a - 1)
 }
 
-/// Signal slot numbering: four groups of `world` slots, indexed by the peer's global rank.
+/// Signal slot numbering: five groups of `world` slots, indexed by the peer's global rank.
 #[derive(Clone, Copy, Debug)]
 pub struct Slots {
     world: usize,
@@ -355,7 +355,7 @@ impl Slots {
     }
     /// Total slots a rank needs.
     pub fn count(&self) -> usize {
-        4 * self.world
+        5 * self.world
     }
     /// On an expert rank: A2E record from `src` has arrived (value = epoch).
     pub fn a2e_ready(&self, src: usize) -> usize {
@@ -372,6 +372,10 @@ impl Slots {
     /// On an expert rank: attention `dst` has consumed our E2A rows of that epoch.
     pub fn e2a_credit(&self, dst: usize) -> usize {
         3 * self.world + dst
+    }
+    /// On any rank: `src` has entered barrier generation (value).
+    pub fn barrier(&self, src: usize) -> usize {
+        4 * self.world + src
     }
 }
 
