@@ -5,7 +5,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xccl::bootstrap::{Exchange, RootConfig, RootHandle, TcpBootstrap, UniqueId};
+use xccl::bootstrap::env::{LaunchEnv, ROOT_ENV};
+use xccl::bootstrap::{Exchange, RootHandle, TcpBootstrap, UniqueId};
 
 /// Environment variable carrying the unique id (hex) to a child rank.
 pub const ID_ENV: &str = "XCCL_BENCH_ID";
@@ -13,8 +14,6 @@ pub const ID_ENV: &str = "XCCL_BENCH_ID";
 pub const RANK_ENV: &str = "XCCL_BENCH_RANK";
 /// Environment variable carrying the world size to a child.
 pub const SIZE_ENV: &str = "XCCL_BENCH_SIZE";
-/// Overrides the bootstrap root address (`IP:port`) under an external launcher.
-pub const ROOT_ENV: &str = "XCCL_BENCH_ROOT";
 
 /// How this process became a rank.
 pub struct RankEnv {
@@ -46,18 +45,33 @@ pub fn child_rank(timeout: Duration) -> Result<Option<RankEnv>, String> {
     }))
 }
 
-/// Rank, size and a job key from an external launcher's environment, if there is one.
-pub fn launcher_env() -> Option<(usize, usize, &'static str)> {
-    const KINDS: [(&str, &str, &str); 4] = [
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpirun"),
-        ("PMI_RANK", "PMI_SIZE", "pmi"),
-        ("SLURM_PROCID", "SLURM_NTASKS", "srun"),
-        ("RANK", "WORLD_SIZE", "torchrun"),
-    ];
-    KINDS.iter().find_map(|&(r, s, kind)| {
-        let (rank, size) = (env_usize(r)?, env_usize(s)?);
-        (rank < size).then_some((rank, size, kind))
+/// The job of an external launcher (mpirun, srun, torchrun, PMI), if this process runs under one.
+///
+/// Detection is the library's ([`LaunchEnv::detect_with`]). On one host the launchers' own
+/// variables are enough: when neither `XCCL_ROOT` nor `MASTER_ADDR` says where rank 0's
+/// bootstrap root listens, it listens on 127.0.0.1 at a port derived from the launcher's job id
+/// (`OMPI_MCA_ess_base_jobid`, `PMIX_NAMESPACE`, `SLURM_JOB_ID`.`SLURM_STEP_ID`), so every rank
+/// computes the same address with no extra set-up.
+pub fn launcher_env() -> Result<Option<LaunchEnv>, String> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+    let derived_root = || {
+        let key = var("OMPI_MCA_ess_base_jobid")
+            .or_else(|| var("PMIX_NAMESPACE"))
+            .or_else(|| {
+                Some(format!(
+                    "{}.{}",
+                    var("SLURM_JOB_ID")?,
+                    var("SLURM_STEP_ID")?
+                ))
+            })
+            .unwrap_or_else(|| "xccl-bench".into());
+        format!("127.0.0.1:{}", 20_000 + fnv(&key) % 20_000)
+    };
+    LaunchEnv::detect_with(&|k| match var(k) {
+        None if k == ROOT_ENV && var("MASTER_ADDR").is_none() => Some(derived_root()),
+        v => v,
     })
+    .map_err(|e| e.to_string())
 }
 
 /// FNV-1a of a string.
@@ -67,70 +81,13 @@ fn fnv(s: &str) -> u64 {
     })
 }
 
-/// Joins the job of an external launcher: rank 0 hosts the bootstrap root.
-///
-/// The root address is [`ROOT_ENV`] if set, else `MASTER_ADDR` (default `127.0.0.1`) with a port
-/// derived from the launcher's job id (`OMPI_MCA_ess_base_jobid`, `PMIX_NAMESPACE`,
-/// `SLURM_JOB_ID`.`SLURM_STEP_ID`, `TORCHELASTIC_RUN_ID`, or `MASTER_PORT`), so every rank
-/// computes the same address with no extra communication.
-pub fn launcher_rank(rank: usize, size: usize, timeout: Duration) -> Result<RankEnv, String> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let key = var("OMPI_MCA_ess_base_jobid")
-        .or_else(|| var("PMIX_NAMESPACE"))
-        .or_else(|| {
-            Some(format!(
-                "{}.{}",
-                var("SLURM_JOB_ID")?,
-                var("SLURM_STEP_ID")?
-            ))
-        })
-        .or_else(|| var("TORCHELASTIC_RUN_ID"))
-        .or_else(|| var("MASTER_PORT"))
-        .unwrap_or_else(|| "xccl-bench".into());
-    let job_id = fnv(&format!("xccl-bench:{key}:{size}"));
-    let root: std::net::SocketAddr = match var(ROOT_ENV) {
-        Some(a) => a
-            .parse()
-            .map_err(|_| format!("{ROOT_ENV}={a:?} is not IP:port"))?,
-        None => {
-            let host = var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-            let port = 20_000 + (job_id % 20_000) as u16;
-            let ip: std::net::IpAddr = host
-                .parse()
-                .or_else(|_| {
-                    use std::net::ToSocketAddrs;
-                    (host.as_str(), port)
-                        .to_socket_addrs()
-                        .ok()
-                        .and_then(|mut a| a.next())
-                        .map(|a| a.ip())
-                        .ok_or(())
-                })
-                .map_err(|()| format!("cannot resolve MASTER_ADDR {host:?}"))?;
-            (ip, port).into()
-        }
-    };
-    let hosted = if rank == 0 {
-        let mut cfg = RootConfig::new(job_id);
-        cfg.size = Some(size);
-        let bind = std::net::SocketAddr::new(
-            if root.is_ipv4() {
-                std::net::Ipv4Addr::UNSPECIFIED.into()
-            } else {
-                std::net::Ipv6Addr::UNSPECIFIED.into()
-            },
-            root.port(),
-        );
-        Some(RootHandle::bind(bind, cfg).map_err(|e| e.to_string())?)
-    } else {
-        None
-    };
-    let id = UniqueId::from_parts(job_id, root);
-    let boot = TcpBootstrap::connect(&id, rank, size, timeout).map_err(|e| e.to_string())?;
+/// Joins the external launcher's job: rank 0 hosts the bootstrap root.
+pub fn launcher_rank(env: &LaunchEnv, timeout: Duration) -> Result<RankEnv, String> {
+    let boot = env.connect(timeout).map_err(|e| e.to_string())?;
     Ok(RankEnv {
-        rank,
+        rank: env.rank,
         exchange: Arc::new(boot),
-        _root: hosted,
+        _root: None,
     })
 }
 

@@ -50,16 +50,18 @@ fn real_main(args: &Args) -> Result<i32, String> {
     if args.fabric == FabricKind::Local {
         return run_local(args);
     }
-    if let Some((rank, size, kind)) = launch::launcher_env() {
-        if size != args.world_size() {
+    if let Some(launched) = launch::launcher_env()? {
+        if launched.size != args.world_size() {
             return Err(format!(
-                "{kind} started {size} processes; --attention {} --experts {} needs {}",
+                "{:?} started {} processes; --attention {} --experts {} needs {}",
+                launched.launcher,
+                launched.size,
                 args.attention,
                 args.experts,
                 args.world_size()
             ));
         }
-        let env = launch::launcher_rank(rank, size, timeout)?;
+        let env = launch::launcher_rank(&launched, timeout)?;
         return process_rank(args, env);
     }
     let limit = timeout.mul_f64(2.0 + args.tokens.len() as f64);
