@@ -5,7 +5,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xccl::bootstrap::env::{LaunchEnv, ROOT_ENV};
+use xccl::bootstrap::env::{LaunchEnv, Launcher, ROOT_ENV};
 use xccl::bootstrap::{Exchange, RootHandle, TcpBootstrap, UniqueId};
 
 /// Environment variable carrying the unique id (hex) to a child rank.
@@ -67,8 +67,9 @@ pub fn launcher_env() -> Result<Option<LaunchEnv>, String> {
             .unwrap_or_else(|| "xccl-bench".into());
         format!("127.0.0.1:{}", 20_000 + fnv(&key) % 20_000)
     };
+    let launched = Launcher::ALL.iter().any(|l| var(l.variables().0).is_some());
     LaunchEnv::detect_with(&|k| match var(k) {
-        None if k == ROOT_ENV && var("MASTER_ADDR").is_none() => Some(derived_root()),
+        None if launched && k == ROOT_ENV && var("MASTER_ADDR").is_none() => Some(derived_root()),
         v => v,
     })
     .map_err(|e| e.to_string())

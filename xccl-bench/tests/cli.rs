@@ -1,0 +1,129 @@
+//! Runs the `xccl-bench` binary as a user would: small shapes with `--check` over both fabrics,
+//! the JSON report's fields, the routing file, and bad flags.
+
+use std::process::Command;
+
+fn bench() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_xccl-bench"))
+}
+
+fn tmp(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("xccl-bench-test-{}-{name}", std::process::id()))
+}
+
+fn run_checked(extra: &[&str]) -> serde_json::Value {
+    let json = tmp(&format!("{}.json", extra.join("_").replace(['-', '/'], "")));
+    let out = bench()
+        .args([
+            "-a",
+            "2",
+            "-e",
+            "2",
+            "--num-experts",
+            "8",
+            "-k",
+            "3",
+            "--hidden",
+            "64",
+        ])
+        .args([
+            "-t",
+            "1,16",
+            "--iters",
+            "5",
+            "--warmup",
+            "1",
+            "--check",
+            "--timeout",
+            "60",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .args(extra)
+        .output()
+        .expect("xccl-bench runs");
+    assert!(
+        out.status.success(),
+        "xccl-bench {extra:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("valid json");
+    std::fs::remove_file(&json).ok();
+    v
+}
+
+fn assert_report(v: &serde_json::Value) {
+    assert_eq!(v["check"], "passed");
+    assert!(v["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    assert!(v["machine"]["cores"].as_u64().unwrap() >= 1);
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 6, "3 ops x 2 token counts");
+    for r in results {
+        assert!(["a2e", "e2a", "roundtrip"].contains(&r["op"].as_str().unwrap()));
+        assert!(r["p50_us"].as_f64().unwrap() > 0.0);
+        assert!(r["p99_us"].as_f64().unwrap() >= r["p50_us"].as_f64().unwrap());
+        assert_eq!(r["metadata_records"], 4);
+    }
+}
+
+#[test]
+fn checked_run_over_local_fabric_passes_and_reports_json() {
+    assert_report(&run_checked(&["--fabric", "local"]));
+}
+
+#[test]
+fn checked_run_over_shm_processes_passes_in_both_layouts_and_modes() {
+    assert_report(&run_checked(&["--fabric", "shm"]));
+    assert_report(&run_checked(&[
+        "--fabric", "shm", "--layout", "expert", "--mode", "pull",
+    ]));
+}
+
+#[test]
+fn routing_file_is_written() {
+    let path = tmp("routing.bin");
+    let out = bench()
+        .args([
+            "--fabric",
+            "local",
+            "-a",
+            "1",
+            "-e",
+            "1",
+            "--num-experts",
+            "4",
+            "-k",
+            "2",
+        ])
+        .args(["--hidden", "8", "-t", "4", "--iters", "2", "--warmup", "0"])
+        .arg("--routing-out")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(&bytes[..8], b"XCCLRT01");
+    // header (8 + 40) + per T: u32 T + 2 iterations x 1 rank x 4 tokens x 2 x (i32 + f32)
+    assert_eq!(bytes.len(), 8 + 40 + 4 + 2 * 4 * 2 * 8);
+}
+
+#[test]
+fn bad_flags_are_rejected_with_a_message() {
+    for args in [
+        &["--dtype", "int3"][..],
+        &["--mode", "sideways"],
+        &["--tokens", "1,x"],
+        &["--fabric", "carrier-pigeon"],
+    ] {
+        let out = bench().args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} accepted");
+        assert!(!out.stderr.is_empty(), "{args:?}: no message");
+    }
+}
