@@ -8,7 +8,9 @@
 //!
 //! The bench re-runs its own executable as the peer (rank 1), selected by an environment
 //! variable checked before criterion parses its arguments. The two ranks meet through a TCP
-//! bootstrap rooted in this process. Run:
+//! bootstrap rooted in this process; their benchmark threads are pinned to two different CPUs
+//! (when at least two are allowed). At the end it prints a table of criterion's medians, fabric
+//! beside memcpy with their ratio, and the machine (CPU count and model). Run:
 //! `cargo bench -p xccl-benches --bench fabric -- --warm-up-time 1 --measurement-time 2`.
 
 use std::hint::black_box;
@@ -56,9 +58,12 @@ fn main() {
         }
         return;
     }
-    let machine = machine();
-    println!("machine: {machine}");
     let mut session = Session::start().unwrap_or_else(|e| panic!("starting the peer: {e}"));
+    // After spawning the peer, which would otherwise inherit the pinning.
+    let machine = machine();
+    let pinned = pin_to_cpu(0);
+    let machine = format!("{machine}; {pinned}");
+    println!("machine: {machine}");
     let mut c = Criterion::default().configure_from_args();
     let started = std::time::SystemTime::now();
     let mut pairs = Vec::new();
@@ -149,6 +154,40 @@ fn machine() -> String {
         })
         .unwrap_or_else(|| "unknown CPU".into());
     format!("{nproc} CPUs, {model}")
+}
+
+/// Pins the calling thread (the one that runs the benchmark loop) to the `index`-th CPU it may run on, if there are at least two: rank 0 on
+/// one core, the peer on another, as latency benchmarks usually do. Otherwise the scheduler may
+/// wake the peer on rank 0's core and every hand-off then costs a time slice. Says what it did.
+fn pin_to_cpu(index: usize) -> String {
+    // SAFETY: `cpu_set_t` is plain bits; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: `set` is a valid, writable cpu_set_t of `size` bytes; pid 0 is the calling thread.
+    if unsafe { libc::sched_getaffinity(0, size, &mut set) } != 0 {
+        return "not pinned (sched_getaffinity failed)".into();
+    }
+    let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: reads one bit of the valid set above; `c` < CPU_SETSIZE.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    if allowed.len() < 2 {
+        return format!("not pinned ({} CPU allowed)", allowed.len());
+    }
+    let cpu = allowed[index % allowed.len()];
+    // SAFETY: as above; writes bits of a local set.
+    let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `cpu` < CPU_SETSIZE.
+    unsafe { libc::CPU_SET(cpu, &mut one) };
+    // SAFETY: `one` is a valid cpu_set_t of `size` bytes; pid 0 is the calling thread.
+    if unsafe { libc::sched_setaffinity(0, size, &one) } != 0 {
+        return "not pinned (sched_setaffinity failed)".into();
+    }
+    let who = if index == 0 { "rank 0" } else { "peer" };
+    format!(
+        "{who} pinned to CPU {cpu} (rank 0 on CPU {}, peer on CPU {})",
+        allowed[0], allowed[1]
+    )
 }
 
 fn human(bytes: usize) -> String {
@@ -300,6 +339,7 @@ fn put_bandwidth(c: &mut Criterion, s: &mut Session, pairs: &mut Vec<Pair>) {
 
 /// Rank 1: serves commands until told to quit (or rank 0 dies).
 fn peer_main(id: &str) -> xccl::Result<()> {
+    pin_to_cpu(1);
     let id: UniqueId = id.parse()?;
     let f = join(&id, 1)?;
     f.barrier(TIMEOUT)?;

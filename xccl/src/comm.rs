@@ -43,6 +43,8 @@ pub struct Communicator {
     pub(crate) pull_buf: Vec<u8>,
     /// Per-local-expert cursors reused by A2E receive.
     pub(crate) cursors: Vec<usize>,
+    /// `(local expert, weight)` pairs of the row being decoded, reused by A2E receive.
+    pub(crate) experts_scratch: Vec<(u32, f32)>,
     /// Layout reused by A2E send when the caller hands handles back.
     pub(crate) spare_layout: Option<DispatchLayout>,
 }
@@ -104,6 +106,7 @@ impl Communicator {
             acc: Vec::new(),
             pull_buf: Vec::new(),
             cursors: Vec::new(),
+            experts_scratch: Vec::new(),
             spare_layout: None,
         };
         comm.handshake()?;

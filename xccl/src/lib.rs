@@ -21,7 +21,7 @@ pub mod topology;
 pub use comm::Communicator;
 pub use error::{Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch};
-pub use moe::tokens::TokenBatch;
 pub use moe::dtype::{DType, Element};
+pub use moe::tokens::TokenBatch;
 pub use moe::wire::{MoeConfig, TransferMode};
 pub use topology::{Role, Topology, TopologyBuilder};

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{AlignedBuf, Capabilities, ControlArea, Fabric, Waiting, Window};
+use super::{AlignedBuf, Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
 use crate::{Error, Result};
 
 struct RankMemory {
@@ -33,6 +33,7 @@ struct World {
     num_slots: usize,
     barrier: Mutex<BarrierState>,
     barrier_cv: Condvar,
+    wait_policy: WaitPolicy,
 }
 
 /// One rank's endpoint of an in-process fabric.
@@ -72,6 +73,7 @@ impl LocalFabric {
                 ..Default::default()
             }),
             barrier_cv: Condvar::new(),
+            wait_policy: WaitPolicy::for_ranks_on_host(n),
         });
         Ok((0..n)
             .map(|rank| LocalFabric {
@@ -171,9 +173,12 @@ impl Fabric for LocalFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let liveness = |peer: usize| self.check_peer(peer);
-        self.world.ranks[self.rank]
-            .control
-            .wait_until(deadline, poll, &liveness)
+        self.world.ranks[self.rank].control.wait_with(
+            self.world.wait_policy,
+            deadline,
+            poll,
+            &liveness,
+        )
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {

@@ -24,7 +24,7 @@ mod signals;
 mod window;
 
 pub(crate) use signals::AlignedBuf;
-pub use signals::{ControlArea, Waiting};
+pub use signals::{ControlArea, WaitPolicy, Waiting};
 pub use window::Window;
 
 /// What a fabric can do cheaply.

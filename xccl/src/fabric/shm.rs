@@ -22,7 +22,8 @@
 //! `put`/`get` are bounds-checked `memcpy` into/out of the mapped peer window; `signal` is a
 //! Release store plus a futex wake on the peer's mapped control area, which orders it after every
 //! earlier put of this rank (all puts are plain stores to coherent memory). Waits run the shared
-//! loop of [`ControlArea::wait_until`] on this rank's own area; between sleeps they check that
+//! loop of [`ControlArea::wait_with`] on this rank's own area, with the [`WaitPolicy`] for the
+//! job's rank count on this host; between sleeps they check that
 //! the awaited peer process is alive through a `pidfd` opened at init (readable once the process
 //! exits, even while it is an unreaped zombie), falling back to `kill(pid, 0)` on kernels
 //! without `pidfd_open`.
@@ -40,7 +41,7 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
-use super::{Capabilities, ControlArea, Fabric, Waiting, Window};
+use super::{Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
 use crate::bootstrap::Exchange;
 use crate::{Error, Result};
 
@@ -260,12 +261,17 @@ impl Drop for Unlinker {
 }
 
 /// One rank's endpoint of the shared-memory fabric. See the module docs.
+///
+/// Ranks may also be threads of one process (over [`crate::bootstrap::ThreadExchange`]); such
+/// peers share this process's pid and are never reported dead by [`Fabric::check_peer`].
 pub struct ShmFabric {
     exchange: Arc<dyn Exchange>,
     rank: usize,
     num_slots: usize,
     /// Indexed by rank; this rank's own segment included.
     segments: Vec<Segment>,
+    /// How waits spin, yield and sleep (every rank of the job is on this host).
+    wait_policy: WaitPolicy,
 }
 
 impl std::fmt::Debug for ShmFabric {
@@ -539,6 +545,7 @@ impl ShmFabric {
             rank,
             num_slots,
             segments,
+            wait_policy: WaitPolicy::for_ranks_on_host(size),
         })
     }
 
@@ -550,6 +557,17 @@ impl ShmFabric {
     /// The process id of `rank`, as it advertised at init.
     pub fn pid_of(&self, rank: usize) -> Option<u32> {
         self.segments.get(rank).map(|s| s.pid)
+    }
+
+    /// How waits spin, yield and sleep: by default [`WaitPolicy::for_ranks_on_host`] with the
+    /// world size, since every rank of the job runs on this host.
+    pub fn wait_policy(&self) -> WaitPolicy {
+        self.wait_policy
+    }
+
+    /// Overrides the wait policy of this rank.
+    pub fn set_wait_policy(&mut self, policy: WaitPolicy) {
+        self.wait_policy = policy;
     }
 
     /// The bootstrap this fabric was built on.
@@ -641,7 +659,7 @@ impl Fabric for ShmFabric {
         let liveness = |peer: usize| self.check_peer(peer);
         self.segments[self.rank]
             .control
-            .wait_until(deadline, poll, &liveness)
+            .wait_with(self.wait_policy, deadline, poll, &liveness)
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {

@@ -230,6 +230,17 @@ impl ControlArea {
         poll: &mut dyn FnMut() -> Option<Waiting>,
         liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
+        self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
+    }
+
+    /// [`ControlArea::wait_until`] with an explicit spin/yield policy.
+    pub fn wait_with(
+        &self,
+        policy: WaitPolicy,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+        liveness: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
         let start = Instant::now();
         let mut iter: u32 = 0;
         let mut last_check = start;
@@ -248,7 +259,7 @@ impl ControlArea {
                 });
             }
             iter = iter.wrapping_add(1);
-            if iter < SPIN_ITERS {
+            if iter < policy.spin_iters {
                 std::hint::spin_loop();
                 continue;
             }
@@ -260,7 +271,7 @@ impl ControlArea {
                     waited: now - start,
                 });
             }
-            if now - start < YIELD_FOR {
+            if now - start < policy.yield_for {
                 std::thread::yield_now();
                 continue;
             }
@@ -281,10 +292,47 @@ impl ControlArea {
     }
 }
 
-/// Busy-poll iterations before the wait starts yielding (a few microseconds).
-const SPIN_ITERS: u32 = 4096;
-/// How long the wait yields the core before it sleeps.
-const YIELD_FOR: Duration = Duration::from_micros(200);
+/// How long a wait busy-polls and yields before it sleeps on the futex.
+///
+/// With a core per rank, spinning gives the lowest latency; with more ranks than cores, a
+/// spinning waiter takes the core the rank it waits for needs, so waits go to sleep almost at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitPolicy {
+    /// Busy-poll iterations (each a `pause`) before yielding.
+    pub spin_iters: u32,
+    /// How long to yield the core (re-polling) before sleeping.
+    pub yield_for: Duration,
+}
+
+impl WaitPolicy {
+    /// A core per rank: spin ~100 us, yield 200 us, then sleep.
+    pub const DEDICATED: WaitPolicy = WaitPolicy {
+        spin_iters: 4096,
+        yield_for: Duration::from_micros(200),
+    };
+    /// More ranks than cores: poll a few times, then sleep.
+    pub const SHARED: WaitPolicy = WaitPolicy {
+        spin_iters: 64,
+        yield_for: Duration::ZERO,
+    };
+
+    /// The policy for `ranks` ranks on this host: [`WaitPolicy::SHARED`] when they outnumber the
+    /// cores this process may run on, else [`WaitPolicy::DEDICATED`]. `XCCL_WAIT=spin|sleep`
+    /// overrides the choice.
+    pub fn for_ranks_on_host(ranks: usize) -> Self {
+        match std::env::var("XCCL_WAIT").as_deref() {
+            Ok("spin") => return WaitPolicy::DEDICATED,
+            Ok("sleep") => return WaitPolicy::SHARED,
+            _ => {}
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if ranks > cores {
+            WaitPolicy::SHARED
+        } else {
+            WaitPolicy::DEDICATED
+        }
+    }
+}
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
 const SLEEP_CHUNK: Duration = Duration::from_millis(20);
 /// How often a sleeping wait checks that the awaited peer is alive.

@@ -193,9 +193,7 @@ impl Communicator {
                     let checked = win
                         .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
                         .and_then(|_| rec.validate(src, epoch, max_tokens));
-                    if checked.is_ok()
-                        && progress.rows(rec.count as usize) < rec.count as usize
-                    {
+                    if checked.is_ok() && progress.rows(rec.count as usize) < rec.count as usize {
                         // Rows still streaming in: the expert-major layout needs them all.
                         first_missing.get_or_insert(src);
                         continue;
@@ -313,30 +311,16 @@ impl Communicator {
         batch.expert_offsets.resize(local + 1, 0);
         let mut tokens = 0usize;
         let mut rows = 0usize;
-        let meta_off = row.meta_offset();
+        let max_tokens = self.cfg.max_tokens_per_rank;
+        let experts = &mut self.experts_scratch;
         for (i, view) in views.iter().enumerate() {
             batch.sources[i].first_token = tokens;
             for r in view.chunks_exact(row.stride) {
-                let (token, mask, _) = row.decode_meta(&r[meta_off..]);
-                if token as usize >= self.cfg.max_tokens_per_rank {
-                    return Err(Error::Protocol {
-                        peer: sources[i],
-                        detail: format!("row names token {token}"),
-                    });
+                row.decode_row(r, sources[i], max_tokens, local, experts)?;
+                for &(j, _) in experts.iter() {
+                    batch.expert_offsets[j as usize + 1] += 1;
                 }
-                for j in mask_bits(mask) {
-                    if j >= local {
-                        return Err(Error::Protocol {
-                            peer: sources[i],
-                            detail: format!(
-                                "row for local expert {j}; rank {} hosts {local}",
-                                self.rank
-                            ),
-                        });
-                    }
-                    batch.expert_offsets[j + 1] += 1;
-                    rows += 1;
-                }
+                rows += experts.len();
                 tokens += 1;
             }
         }
@@ -363,18 +347,14 @@ impl Communicator {
         let out = batch.rows.bytes_mut();
         for (i, view) in views.iter().enumerate() {
             for r in view.chunks_exact(row.stride) {
-                let (token, mask, weights) = row.decode_meta(&r[meta_off..]);
-                for (slot, j) in mask_bits(mask).enumerate() {
-                    let dst = self.cursors[j];
-                    self.cursors[j] += 1;
+                let token = row.decode_row(r, sources[i], max_tokens, local, experts)?;
+                for &(j, w) in experts.iter() {
+                    let dst = self.cursors[j as usize];
+                    self.cursors[j as usize] += 1;
                     out[dst * payload..(dst + 1) * payload].copy_from_slice(&r[..payload]);
                     batch.src_rank[dst] = sources[i] as u32;
                     batch.src_token[dst] = token;
-                    batch.weight[dst] = if slot < row.topk {
-                        f32::from_le_bytes(weights[4 * slot..4 * slot + 4].try_into().unwrap())
-                    } else {
-                        0.0
-                    };
+                    batch.weight[dst] = w;
                     batch.token_rows.push(dst as u32);
                 }
                 batch.token_row_start.push(batch.token_rows.len() as u32);
@@ -382,21 +362,6 @@ impl Communicator {
         }
         Ok(())
     }
-}
-
-/// Set bits of a little-endian mask given as bytes.
-pub(crate) fn mask_bits(mask: &[u8]) -> impl Iterator<Item = usize> + '_ {
-    mask.chunks_exact(8).enumerate().flat_map(|(w, c)| {
-        let mut bits = u64::from_le_bytes(c.try_into().expect("8 bytes"));
-        std::iter::from_fn(move || {
-            if bits == 0 {
-                return None;
-            }
-            let b = bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            Some(w * 64 + b)
-        })
-    })
 }
 
 /// Encodes the rows of `entries` (payload from `x`, then metadata) into `dst`.

@@ -29,20 +29,7 @@ impl Communicator {
         expert_out: &[u8],
         mode: TransferMode,
     ) -> Result<()> {
-        self.require_role(Role::Expert, "E2A send")?;
-        let payload = self.cfg.hidden * self.cfg.dtype.size();
-        if batch.epoch == 0 {
-            return Err(Error::invalid(
-                "E2A send needs a batch filled by A2E receive",
-            ));
-        }
-        if expert_out.len() != batch.num_rows() * payload {
-            return Err(Error::invalid(format!(
-                "expert_out has {} bytes; the batch has {} rows of {payload} bytes",
-                expert_out.len(),
-                batch.num_rows()
-            )));
-        }
+        let payload = self.check_e2a_input(batch.epoch, expert_out.len(), batch.num_rows())?;
         let dtype = self.cfg.dtype;
         self.e2a_send_rows(&batch.sources, mode, &mut |t, out, acc| {
             let rows = batch.token_row_start[t] as usize..batch.token_row_start[t + 1] as usize;
@@ -57,6 +44,24 @@ impl Communicator {
             }
             dtype.from_f32(acc, out);
         })
+    }
+
+    /// Checks an E2A send's input before anything is written: an expert rank, a batch that A2E
+    /// filled, and `bytes` holding exactly `rows` rows. Returns the payload bytes per row.
+    pub(crate) fn check_e2a_input(&self, epoch: u64, bytes: usize, rows: usize) -> Result<usize> {
+        self.require_role(Role::Expert, "E2A send")?;
+        let payload = self.cfg.hidden * self.cfg.dtype.size();
+        if epoch == 0 {
+            return Err(Error::invalid(
+                "E2A send needs a batch filled by A2E receive",
+            ));
+        }
+        if bytes != rows * payload {
+            return Err(Error::invalid(format!(
+                "expert output has {bytes} bytes; the batch has {rows} rows of {payload} bytes"
+            )));
+        }
+        Ok(payload)
     }
 
     /// The E2A sender's core: for each source in `sources` (rank order, with the tokens it sent

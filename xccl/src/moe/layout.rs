@@ -295,7 +295,12 @@ fn merge_slots(row: &mut [Slot]) -> usize {
 /// Positions of the set bits of a multi-word mask, ascending (bit `j` is bit `j % 64` of word
 /// `j / 64`).
 pub fn mask_iter(mask: &[u64]) -> impl Iterator<Item = usize> + '_ {
-    mask.iter().enumerate().flat_map(|(w, &word)| {
+    mask_bits(mask.iter().copied())
+}
+
+/// Positions of the set bits of a mask given as a sequence of 64-bit words, ascending.
+pub fn mask_bits(words: impl IntoIterator<Item = u64>) -> impl Iterator<Item = usize> {
+    words.into_iter().enumerate().flat_map(|(w, word)| {
         let mut bits = word;
         std::iter::from_fn(move || {
             if bits == 0 {

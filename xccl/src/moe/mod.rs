@@ -7,7 +7,7 @@
 //! - [`batch`]: what A2E hands back ([`batch::ExpertBatch`], [`batch::A2eHandle`]).
 //! - [`tokens`]: the token-major receive path ([`tokens::TokenBatch`]), no expert-major expansion.
 //! - [`dtype`]: element types and f32 conversions.
-//! - [`reference`]: a single-process oracle of dispatch + combine for tests.
+//! - [`mod@reference`]: a single-process oracle of dispatch + combine for tests.
 
 pub mod a2e;
 pub mod batch;

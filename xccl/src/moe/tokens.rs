@@ -103,7 +103,6 @@ impl Communicator {
         let max_tokens = self.cfg.max_tokens_per_rank;
         let row = self.layout.a2e;
         let payload = row.payload;
-        let meta_off = row.meta_offset();
         let local = self.topo.local_experts(self.rank).len();
 
         let topk = self.cfg.topk;
@@ -123,6 +122,7 @@ impl Communicator {
         let f = &*self.fabric;
         let (slots, layout) = (self.slots, &self.layout);
         let pull_buf = &mut self.pull_buf;
+        let experts = &mut self.experts_scratch;
         let direct = f.capabilities().load_store;
         let own = f.local_window();
         // Per source: its validated record and mode, and how many rows are copied.
@@ -167,33 +167,16 @@ impl Communicator {
                 .zip(dst.chunks_exact_mut(payload))
                 .enumerate()
             {
-                let (token, mask, weights) = row.decode_meta(&r[meta_off..]);
-                if token as usize >= max_tokens {
-                    return Err(Error::Protocol {
-                        peer: src,
-                        detail: format!("row names token {token}"),
-                    });
-                }
+                let token = row.decode_row(r, src, max_tokens, local, experts)?;
                 out.copy_from_slice(&r[..payload]);
                 let t = base + n;
                 batch.src_rank[t] = src as u32;
                 batch.src_token[t] = token;
-                let mut c = 0;
-                for j in super::a2e::mask_bits(mask) {
-                    if j >= local || c >= topk {
-                        return Err(Error::Protocol {
-                            peer: src,
-                            detail: format!(
-                                "row for local expert {j} (#{c}); this rank hosts {local}, topk {topk}"
-                            ),
-                        });
-                    }
-                    batch.local_expert[t * topk + c] = j as u32;
-                    batch.weight[t * topk + c] =
-                        f32::from_le_bytes(weights[4 * c..4 * c + 4].try_into().unwrap());
-                    c += 1;
+                for (c, &(j, w)) in experts.iter().enumerate() {
+                    batch.local_expert[t * topk + c] = j;
+                    batch.weight[t * topk + c] = w;
                 }
-                batch.expert_count[t] = c as u32;
+                batch.expert_count[t] = experts.len() as u32;
             }
             Ok(())
         };
@@ -291,20 +274,7 @@ impl Communicator {
         reduced: &[u8],
         mode: TransferMode,
     ) -> Result<()> {
-        self.require_role(Role::Expert, "E2A send")?;
-        let payload = self.cfg.hidden * self.cfg.dtype.size();
-        if batch.epoch == 0 {
-            return Err(Error::invalid(
-                "E2A send needs a batch filled by A2E receive",
-            ));
-        }
-        if reduced.len() != batch.num_tokens() * payload {
-            return Err(Error::invalid(format!(
-                "reduced has {} bytes; the batch has {} tokens of {payload} bytes",
-                reduced.len(),
-                batch.num_tokens()
-            )));
-        }
+        let payload = self.check_e2a_input(batch.epoch, reduced.len(), batch.num_tokens())?;
         self.e2a_send_rows(&batch.sources, mode, &mut |t, out, _| {
             out.copy_from_slice(&reduced[t * payload..(t + 1) * payload])
         })

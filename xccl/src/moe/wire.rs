@@ -335,6 +335,43 @@ impl A2eRow {
         let w0 = m0 + 8 * self.mask_words;
         (token, &meta[m0..w0], &meta[w0..w0 + 4 * self.topk])
     }
+
+    /// Decodes and validates a received row (`stride` bytes) from `src`: returns its source
+    /// token index and fills `experts` with its `(local expert, weight)` pairs, ascending.
+    ///
+    /// A token index of `max_tokens` or more, a local expert of `local` or more, or more than
+    /// `topk` experts is a [`Error::Protocol`] naming `src`.
+    pub fn decode_row(
+        &self,
+        row: &[u8],
+        src: usize,
+        max_tokens: usize,
+        local: usize,
+        experts: &mut Vec<(u32, f32)>,
+    ) -> Result<u32> {
+        let (token, mask, weights) = self.decode_meta(&row[self.meta_offset()..]);
+        let bad = |detail: String| Err(Error::Protocol { peer: src, detail });
+        if token as usize >= max_tokens {
+            return bad(format!(
+                "row names token {token}, max_tokens is {max_tokens}"
+            ));
+        }
+        experts.clear();
+        let words = mask
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+        for (slot, j) in super::layout::mask_bits(words).enumerate() {
+            if j >= local || slot >= self.topk {
+                return bad(format!(
+                    "row for local expert {j} (#{slot}); the rank hosts {local}, topk is {}",
+                    self.topk
+                ));
+            }
+            let w = f32::from_le_bytes(weights[4 * slot..4 * slot + 4].try_into().expect("4"));
+            experts.push((j as u32, w));
+        }
+        Ok(token)
+    }
 }
 
 /// Rounds `v` up to a multiple of `a` (a power of two).
