@@ -75,6 +75,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ExpertLayout::Token)]
     pub layout: ExpertLayout,
 
+    /// Bytes a sender writes between progress signals (receivers copy while senders write).
+    #[arg(long, default_value_t = xccl::moe::wire::CHUNK_BYTES, value_parser = clap::value_parser!(usize))]
+    pub chunk_bytes: usize,
+
     /// Measured iterations per token count.
     #[arg(long, default_value_t = 200)]
     pub iters: usize,

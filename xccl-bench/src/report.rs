@@ -253,6 +253,7 @@ pub fn to_json(
             "fabric": args.fabric.name(),
             "mode": args.mode.name(),
             "layout": args.layout.name(),
+            "chunk_bytes": args.chunk_bytes,
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,

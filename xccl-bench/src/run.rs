@@ -25,6 +25,7 @@ pub fn moe_config(args: &Args) -> MoeConfig {
     let mut cfg = MoeConfig::new(args.hidden, args.dtype, args.topk, args.max_tokens());
     cfg.mode = args.mode;
     cfg.timeout = args.timeout();
+    cfg.chunk_bytes = args.chunk_bytes;
     cfg
 }
 

@@ -25,3 +25,8 @@ pub use moe::dtype::{DType, Element};
 pub use moe::tokens::TokenBatch;
 pub use moe::wire::{MoeConfig, TransferMode};
 pub use topology::{Role, Topology, TopologyBuilder};
+
+/// The README's Rust example, compiled and run as a doc-test.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

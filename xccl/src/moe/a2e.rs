@@ -125,7 +125,7 @@ impl Communicator {
                 (unsafe { win.slice_mut(stage, bytes)? }, true)
             };
             let slot = self.slots.a2e_ready(self.rank);
-            let chunk = chunk_rows(row.stride);
+            let chunk = chunk_rows(row.stride, self.cfg.chunk_bytes);
             let mut done = 0;
             loop {
                 let n = chunk.min(count - done);

@@ -133,7 +133,7 @@ impl Communicator {
             )?;
             let remote = self.layout.e2a_recv(parity) + info.reply_offset * stride;
             let slot = self.slots.e2a_ready(self.rank);
-            let chunk = chunk_rows(stride);
+            let chunk = chunk_rows(stride, self.cfg.chunk_bytes);
             let mut done = 0;
             loop {
                 let n = chunk.min(count - done);

@@ -127,7 +127,10 @@ fn rows_larger_than_a_chunk_stream_in_pieces() {
     // 32 KiB rows: two rows per progress signal, so every message arrives in several chunks.
     let topo = Topology::contiguous(2, 2, 8).unwrap();
     let c = cfg(8192, DType::F32, 3, 16);
-    assert_eq!(crate::moe::wire::chunk_rows(8192 * 4 + 64), 1);
+    assert_eq!(
+        crate::moe::wire::chunk_rows(8192 * 4 + 64, c.chunk_bytes),
+        1
+    );
     run_local::<f32>(&topo, &c, &wl(15, 16, true), 6, BOTH).unwrap();
     run_local::<bf16>(
         &topo,

@@ -81,6 +81,9 @@ pub struct MoeConfig {
     pub mode: TransferMode,
     /// Deadline for every wait inside a call.
     pub timeout: Duration,
+    /// Bytes a sender writes between progress signals, so receivers copy while senders write
+    /// (a local choice: ranks need not agree).
+    pub chunk_bytes: usize,
 }
 
 impl MoeConfig {
@@ -93,6 +96,7 @@ impl MoeConfig {
             max_tokens_per_rank,
             mode: TransferMode::Push,
             timeout: Duration::from_secs(30),
+            chunk_bytes: CHUNK_BYTES,
         }
     }
 
@@ -112,6 +116,9 @@ impl MoeConfig {
         }
         if self.timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
+        }
+        if self.chunk_bytes == 0 {
+            return Err(Error::invalid("chunk_bytes must be positive"));
         }
         let layout = WindowLayout::new(topo, self)?;
         for r in 0..topo.world_size() {
@@ -266,12 +273,14 @@ impl Progress {
     }
 }
 
-/// Rows per progress signal for rows of `stride` bytes: about 64 KiB a chunk.
-pub fn chunk_rows(stride: usize) -> usize {
-    (CHUNK_BYTES / stride.max(1)).max(1)
+/// Rows per progress signal for rows of `stride` bytes and chunks of about `chunk_bytes`.
+pub fn chunk_rows(stride: usize, chunk_bytes: usize) -> usize {
+    (chunk_bytes / stride.max(1)).max(1)
 }
 
-/// Bytes between progress signals.
+/// Default bytes between progress signals ([`MoeConfig::chunk_bytes`]). Measured on the 2-core
+/// development machine (1A:1E, T=512, H=7168 bf16): one signal per message gave 0.30x memcpy
+/// for the round trip, 64 KiB and 256 KiB chunks 0.63x.
 pub const CHUNK_BYTES: usize = 64 << 10;
 
 /// Bytes a record slot takes in a window (one cache line).
@@ -529,6 +538,44 @@ mod tests {
         let mut torn = r;
         torn.count = 4;
         assert!(torn.validate(1, 7, 10).is_err(), "check word");
+    }
+
+    #[test]
+    fn config_rejects_zero_sizes_and_oversized_token_caps() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let ok = MoeConfig::new(8, DType::F32, 2, 4);
+        ok.validate(&topo).unwrap();
+        for bad in [
+            MoeConfig {
+                hidden: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                topk: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_tokens_per_rank: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_tokens_per_rank: MAX_PROGRESS_ROWS + 1,
+                ..ok.clone()
+            },
+            MoeConfig {
+                timeout: Duration::ZERO,
+                ..ok.clone()
+            },
+            MoeConfig {
+                chunk_bytes: 0,
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(&topo), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]
