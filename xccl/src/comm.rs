@@ -15,7 +15,7 @@ use std::time::Duration;
 use crate::bootstrap::Exchange;
 use crate::fabric::local::LocalFabric;
 use crate::fabric::shm::ShmFabric;
-use crate::fabric::{deadline_after, Fabric};
+use crate::fabric::{deadline_after, Capabilities, Fabric};
 use crate::moe::batch::{A2eHandle, ExpertBatch};
 use crate::moe::dtype::Element;
 use crate::moe::layout::DispatchLayout;
@@ -137,6 +137,26 @@ impl Communicator {
     pub fn local_group(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
         let fabrics = LocalFabric::create(&lens, Self::signal_slots(topo))?;
+        Self::init_group(fabrics, topo, cfg)
+    }
+
+    /// Like [`Communicator::local_group`] over a local fabric advertising `caps` (tests use it
+    /// to run the paths of fabrics without load/store access).
+    pub fn local_group_with(
+        topo: &Topology,
+        cfg: &MoeConfig,
+        caps: Capabilities,
+    ) -> Result<Vec<Communicator>> {
+        let lens = Self::window_lens(topo, cfg)?;
+        let fabrics = LocalFabric::create_with(&lens, Self::signal_slots(topo), caps)?;
+        Self::init_group(fabrics, topo, cfg)
+    }
+
+    fn init_group(
+        fabrics: Vec<LocalFabric>,
+        topo: &Topology,
+        cfg: &MoeConfig,
+    ) -> Result<Vec<Communicator>> {
         let topo = Arc::new(topo.clone());
         // Init is collective (a barrier inside), so each rank initialises on its own thread.
         std::thread::scope(|s| {

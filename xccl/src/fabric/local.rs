@@ -34,6 +34,7 @@ struct World {
     barrier: Mutex<BarrierState>,
     barrier_cv: Condvar,
     wait_policy: WaitPolicy,
+    caps: Capabilities,
 }
 
 /// One rank's endpoint of an in-process fabric.
@@ -46,6 +47,24 @@ impl LocalFabric {
     /// Creates a world of `window_lens.len()` ranks, rank `r` with a window of `window_lens[r]`
     /// bytes and `num_slots` signal slots; returns one endpoint per rank (move each to its thread).
     pub fn create(window_lens: &[usize], num_slots: usize) -> Result<Vec<LocalFabric>> {
+        Self::create_with(
+            window_lens,
+            num_slots,
+            Capabilities {
+                load_store: true,
+                remote_read: true,
+            },
+        )
+    }
+
+    /// Like [`LocalFabric::create`], advertising `caps`. Without `load_store`, peer windows are
+    /// not handed out and the protocol takes the paths an RDMA fabric takes (stage then `put`,
+    /// `get` into a landing buffer), so those paths are tested without a NIC.
+    pub fn create_with(
+        window_lens: &[usize],
+        num_slots: usize,
+        caps: Capabilities,
+    ) -> Result<Vec<LocalFabric>> {
         if window_lens.is_empty() {
             return Err(Error::invalid("a local fabric needs at least one rank"));
         }
@@ -74,6 +93,7 @@ impl LocalFabric {
             }),
             barrier_cv: Condvar::new(),
             wait_policy: WaitPolicy::for_ranks_on_host(n),
+            caps,
         });
         Ok((0..n)
             .map(|rank| LocalFabric {
@@ -125,10 +145,7 @@ impl Fabric for LocalFabric {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            load_store: true,
-            remote_read: true,
-        }
+        self.world.caps
     }
 
     fn window_len(&self, rank: usize) -> usize {
@@ -144,7 +161,11 @@ impl Fabric for LocalFabric {
     }
 
     fn peer_window(&self, peer: usize) -> Option<Window<'_>> {
-        self.window_of(peer).ok()
+        if self.world.caps.load_store {
+            self.window_of(peer).ok()
+        } else {
+            None
+        }
     }
 
     fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {

@@ -5,6 +5,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use proptest::prelude::*;
 
+use crate::fabric::Capabilities;
 use crate::harness::{attention_round, expert_round, expert_round_tokens, Workload};
 use crate::moe::dtype::{DType, Element};
 use crate::moe::wire::{MoeConfig, TransferMode};
@@ -20,7 +21,23 @@ fn run_local<T: Element>(
     rounds: u64,
     modes: &[TransferMode],
 ) -> Result<(), String> {
-    let comms = Communicator::local_group(topo, cfg).map_err(|e| e.to_string())?;
+    run_local_caps::<T>(topo, cfg, wl, rounds, modes, true)
+}
+
+/// [`run_local`] on a fabric with or without load/store access to peer windows.
+fn run_local_caps<T: Element>(
+    topo: &Topology,
+    cfg: &MoeConfig,
+    wl: &Workload,
+    rounds: u64,
+    modes: &[TransferMode],
+    load_store: bool,
+) -> Result<(), String> {
+    let caps = Capabilities {
+        load_store,
+        remote_read: true,
+    };
+    let comms = Communicator::local_group_with(topo, cfg, caps).map_err(|e| e.to_string())?;
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -138,6 +155,31 @@ fn rows_larger_than_a_chunk_stream_in_pieces() {
         &wl(16, 16, true),
         6,
         BOTH,
+    )
+    .unwrap();
+}
+
+#[test]
+fn fabrics_without_load_store_stage_put_and_get() {
+    // The paths an RDMA fabric takes: push stages rows then puts them, pull gets them into a
+    // landing buffer; with rows larger than a chunk, several puts and gets per message.
+    let topo = Topology::contiguous(3, 2, 8).unwrap();
+    run_local_caps::<bf16>(
+        &topo,
+        &cfg(32, DType::BF16, 3, 16),
+        &wl(17, 16, true),
+        8,
+        BOTH,
+        false,
+    )
+    .unwrap();
+    run_local_caps::<f32>(
+        &topo,
+        &cfg(8192, DType::F32, 3, 8),
+        &wl(18, 8, true),
+        4,
+        BOTH,
+        false,
     )
     .unwrap();
 }
