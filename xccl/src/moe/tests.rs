@@ -429,3 +429,85 @@ proptest! {
         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
     }
 }
+
+#[test]
+fn two_microbatches_in_flight_come_back_right() {
+    // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both parities in use at once.
+    use crate::moe::reference::{expected_combine, test_expert};
+    let topo = Topology::contiguous(2, 3, 9).unwrap();
+    let c = cfg(4096, DType::F32, 3, 12);
+    let w = wl(19, 12, true);
+    let comms = Communicator::local_group(&topo, &c).unwrap();
+    std::thread::scope(|s| {
+        for mut comm in comms {
+            let (topo, w) = (&topo, &w);
+            s.spawn(move || {
+                let hidden = 4096;
+                if comm.role() == Role::Expert {
+                    let mut batches = [TokenBatch::new(), TokenBatch::new()];
+                    for _ in 0..3 {
+                        for b in &mut batches {
+                            comm.a2e_recv_tokens(b, &mut |_, _| {}).unwrap();
+                        }
+                        for b in &batches {
+                            let locals = topo.local_experts(comm.rank());
+                            let rows = b.rows::<f32>().unwrap();
+                            let mut out = vec![0f32; rows.len()];
+                            let mut tmp = vec![0f32; hidden];
+                            for i in 0..b.num_tokens() {
+                                let (es, ws) = b.experts_of(i);
+                                for (&j, &wt) in es.iter().zip(ws) {
+                                    test_expert(
+                                        locals[j as usize],
+                                        &rows[i * hidden..][..hidden],
+                                        &mut tmp,
+                                    );
+                                    for (o, v) in out[i * hidden..][..hidden].iter_mut().zip(&tmp) {
+                                        *o += wt * v;
+                                    }
+                                }
+                            }
+                            comm.e2a_send_tokens(b, &out).unwrap();
+                        }
+                    }
+                    return;
+                }
+                for round in 0..3u64 {
+                    let inputs = [
+                        w.input(topo, 3, comm.rank(), 2 * round),
+                        w.input(topo, 3, comm.rank(), 2 * round + 1),
+                    ];
+                    let xs: Vec<Vec<f32>> = inputs
+                        .iter()
+                        .enumerate()
+                        .map(|(m, inp)| {
+                            w.hidden_states(
+                                comm.rank(),
+                                2 * round + m as u64,
+                                inp.num_tokens,
+                                hidden,
+                            )
+                        })
+                        .collect();
+                    let h0 = comm
+                        .a2e_send(&xs[0], &inputs[0].topk_idx, &inputs[0].topk_weights)
+                        .unwrap();
+                    let h1 = comm
+                        .a2e_send(&xs[1], &inputs[1].topk_idx, &inputs[1].topk_weights)
+                        .unwrap();
+                    for (m, h) in [h0, h1].into_iter().enumerate() {
+                        let mut out = vec![0f32; xs[m].len()];
+                        comm.e2a_recv(h, &mut out).unwrap();
+                        let want = expected_combine(topo, &inputs[m], &xs[m], hidden, &test_expert);
+                        for (g, r) in out.iter().zip(&want) {
+                            assert!(
+                                (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                                "microbatch {m}: {g} vs {r}"
+                            );
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
