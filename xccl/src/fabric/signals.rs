@@ -245,9 +245,8 @@ impl ControlArea {
         let mut iter: u32 = 0;
         let mut last_check = start;
         loop {
-            // SYNC POINT: Acquire pairs with `wake`; a signal after this load changes the value
-            // the futex compares against, so it cannot be slept through.
-            let seq = self.doorbell().load(Ordering::Acquire);
+            // Spinning reads only the awaited slots (through `poll`), never the doorbell, so a
+            // signaller's doorbell bump does not bounce a line the waiter keeps reading.
             let waiting = match poll() {
                 None => return Ok(()),
                 Some(w) => w,
@@ -278,6 +277,13 @@ impl ControlArea {
             if now - last_check >= LIVENESS_EVERY {
                 liveness(waiting.peer)?;
                 last_check = now;
+            }
+            // SYNC POINT: Acquire pairs with the SeqCst bump in `wake`. A signal whose bump this
+            // load saw is visible to the poll below; a later one changes the value the futex
+            // compares against, so it cannot be slept through.
+            let seq = self.doorbell().load(Ordering::Acquire);
+            if poll().is_none() {
+                return Ok(());
             }
             // SYNC POINT: SeqCst, pairs with the sleeper-count load in `wake`.
             self.sleepers().fetch_add(1, Ordering::SeqCst);

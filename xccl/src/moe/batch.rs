@@ -14,9 +14,14 @@ pub struct AlignedBytes {
 }
 
 impl AlignedBytes {
-    /// Resizes to `len` bytes; keeps capacity, so steady-state calls do not allocate.
+    /// Resizes to `len` bytes. The backing store only grows (new bytes zeroed once), so
+    /// steady-state calls neither allocate nor clear: bytes past the previous length keep
+    /// whatever an earlier call left there until the caller overwrites them.
     pub fn resize(&mut self, len: usize) {
-        self.words.resize(len.div_ceil(8), 0);
+        let words = len.div_ceil(8);
+        if self.words.len() < words {
+            self.words.resize(words, 0);
+        }
         self.len = len;
     }
 
