@@ -17,7 +17,9 @@ use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
 use super::layout::DispatchLayout;
-use super::wire::{chunk_rows, progress, Progress, Record, TransferMode};
+use std::ops::Range;
+
+use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -170,7 +172,7 @@ impl Communicator {
         batch.sources.clear();
         batch.sources.resize(sources.len(), SourceInfo::default());
         batch.arrival_order.clear();
-        let mut records: Vec<Option<(Record, TransferMode)>> = vec![None; sources.len()];
+        let mut records: Vec<Option<(Record, WireMode)>> = vec![None; sources.len()];
         let mut failure: Option<Error> = None;
         {
             let f = &*self.fabric;
@@ -241,69 +243,138 @@ impl Communicator {
         Ok(())
     }
 
+    /// Where rows `rows` of source `i`'s A2E message lie, read in place: this rank's receive
+    /// area (push), or the sender's staging (pull) or staging plus registered input (gather) in
+    /// its mapped window. `None` when the fabric cannot map peer windows and the rows must be
+    /// fetched with [`Communicator::a2e_fetch_rows`].
+    pub(crate) fn a2e_rows_in_place(
+        &self,
+        i: usize,
+        rec: &Record,
+        mode: WireMode,
+        parity: usize,
+        rows: Range<usize>,
+    ) -> Result<Option<SourceRows<'_>>> {
+        let fmt = self.layout.a2e;
+        let src = self.topo.attention_ranks()[i];
+        let f = &*self.fabric;
+        let bytes = rows.len() * fmt.stride;
+        Ok(Some(match (mode, f.peer_window(src)) {
+            (WireMode::Push, _) => {
+                let at = self.layout.a2e_recv(i, parity) + rows.start * fmt.stride;
+                // SAFETY: the sender signalled progress past these rows after writing them and
+                // writes this parity again only after our credit, sent once we are done.
+                SourceRows::Packed(unsafe { f.local_window().slice(at, bytes)? })
+            }
+            (WireMode::Pull, None) => return Ok(None),
+            (WireMode::Pull, Some(win)) => {
+                let at =
+                    self.layout.a2e_stage(parity) + (rec.offset as usize + rows.start) * fmt.stride;
+                // SAFETY: the sender's staging is stable from its signal until our credit.
+                SourceRows::Packed(unsafe { win.slice(at, bytes)? })
+            }
+            (WireMode::Gather, None) => {
+                return Err(Error::Protocol {
+                    peer: src,
+                    detail: "gather-mode A2E over a fabric without load/store access".into(),
+                })
+            }
+            (WireMode::Gather, Some(win)) => {
+                let metas = self.layout.a2e_stage(parity)
+                    + (rec.offset as usize + rows.start) * fmt.meta_stride;
+                let input = self.layout.a2e_input(parity);
+                // SAFETY: the sender's staging and registered input for this parity are stable
+                // from its signal until our credit (it waits for that credit before handing the
+                // input buffer out again).
+                unsafe {
+                    SourceRows::Gathered {
+                        metas: win.slice(metas, rows.len() * fmt.meta_stride)?,
+                        input: win.slice(input, self.cfg.max_tokens_per_rank * fmt.payload)?,
+                    }
+                }
+            }
+        }))
+    }
+
+    /// Fetches rows `rows` of source `i`'s pulled A2E message into `landing` (exactly their
+    /// size) with `get`, for fabrics without load/store access.
+    pub(crate) fn a2e_fetch_rows(
+        &self,
+        i: usize,
+        rec: &Record,
+        parity: usize,
+        rows: Range<usize>,
+        landing: &mut [u8],
+    ) -> Result<()> {
+        let fmt = self.layout.a2e;
+        let at = self.layout.a2e_stage(parity) + (rec.offset as usize + rows.start) * fmt.stride;
+        self.fabric.get(self.topo.attention_ranks()[i], at, landing)
+    }
+
     /// Copies every source's rows into `batch`, expert-major, straight from where they lie.
     fn arrange_expert_major(
         &mut self,
         batch: &mut ExpertBatch,
-        records: &[Option<(Record, TransferMode)>],
+        records: &[Option<(Record, WireMode)>],
         parity: usize,
+    ) -> Result<()> {
+        let stride = self.layout.a2e.stride;
+        let direct = self.fabric.capabilities().load_store;
+        // Without load/store access, fetch every pulled message into one landing buffer first.
+        let mut landing = std::mem::take(&mut self.pull_buf);
+        let mut fetched = Vec::with_capacity(records.len());
+        let mut total = 0;
+        for slot in records {
+            let (rec, mode) = slot.as_ref().expect("every record arrived");
+            let n = if *mode == WireMode::Pull && !direct {
+                rec.count as usize * stride
+            } else {
+                0
+            };
+            fetched.push(total..total + n);
+            total += n;
+        }
+        landing.resize(total, 0);
+        let mut experts = std::mem::take(&mut self.experts_scratch);
+        let mut result = Ok(());
+        for (i, slot) in records.iter().enumerate() {
+            let (rec, _) = slot.as_ref().expect("every record arrived");
+            if !fetched[i].is_empty() && result.is_ok() {
+                let rows = 0..rec.count as usize;
+                result =
+                    self.a2e_fetch_rows(i, rec, parity, rows, &mut landing[fetched[i].clone()]);
+            }
+        }
+        if result.is_ok() {
+            result = self.arrange_from(batch, records, parity, &landing, &fetched, &mut experts);
+        }
+        self.pull_buf = landing;
+        self.experts_scratch = experts;
+        result
+    }
+
+    /// Arranges rows expert-major, reading each source in place or from `landing`.
+    fn arrange_from(
+        &self,
+        batch: &mut ExpertBatch,
+        records: &[Option<(Record, WireMode)>],
+        parity: usize,
+        landing: &[u8],
+        fetched: &[Range<usize>],
+        experts: &mut Vec<(u32, f32)>,
     ) -> Result<()> {
         let row = self.layout.a2e;
         let local = self.topo.local_experts(self.rank).len();
+        let max_tokens = self.cfg.max_tokens_per_rank;
         let sources = self.topo.attention_ranks();
-        let direct = self.fabric.capabilities().load_store;
-
-        // Where each source's rows are: (which window, offset), fetching pull rows if needed.
-        let mut total_pull = 0;
-        for (rec, mode) in records.iter().flatten() {
-            if *mode == TransferMode::Pull && !direct {
-                total_pull += rec.count as usize * row.stride;
-            }
-        }
-        self.pull_buf.resize(total_pull, 0);
-        let mut views: Vec<&[u8]> = Vec::with_capacity(sources.len());
-        let mut pull_cursor = 0;
-        let own = self.fabric.local_window();
-        // Fetch first (needs &mut pull_buf), then borrow views.
-        let mut pull_ranges = Vec::with_capacity(sources.len());
+        let mut views = Vec::with_capacity(records.len());
         for (i, slot) in records.iter().enumerate() {
             let (rec, mode) = slot.as_ref().expect("every record arrived");
-            let bytes = rec.count as usize * row.stride;
-            if *mode == TransferMode::Pull && !direct {
-                let off = self.layout.a2e_stage(parity) + rec.offset as usize * row.stride;
-                self.fabric.get(
-                    sources[i],
-                    off,
-                    &mut self.pull_buf[pull_cursor..pull_cursor + bytes],
-                )?;
-                pull_ranges.push(Some(pull_cursor..pull_cursor + bytes));
-                pull_cursor += bytes;
-            } else {
-                pull_ranges.push(None);
-            }
-        }
-        for (i, slot) in records.iter().enumerate() {
-            let (rec, mode) = slot.as_ref().expect("every record arrived");
-            let bytes = rec.count as usize * row.stride;
-            let view: &[u8] = match (mode, &pull_ranges[i]) {
-                (_, Some(r)) => &self.pull_buf[r.clone()],
-                (TransferMode::Push, None) => {
-                    // SAFETY: the sender signalled epoch `e` after writing these rows and will
-                    // not write this parity again before our credit for `e`, sent after use.
-                    unsafe { own.slice(self.layout.a2e_recv(i, parity), bytes)? }
-                }
-                (TransferMode::Pull, None) => {
-                    let win = self
-                        .fabric
-                        .peer_window(sources[i])
-                        .expect("load/store fabric");
-                    let off = self.layout.a2e_stage(parity) + rec.offset as usize * row.stride;
-                    // SAFETY: as for push: the sender's staging for this parity is stable from
-                    // its signal until our credit.
-                    unsafe { win.slice(off, bytes)? }
-                }
-            };
-            views.push(view);
+            let rows = 0..rec.count as usize;
+            views.push(match self.a2e_rows_in_place(i, rec, *mode, parity, rows)? {
+                Some(v) => v,
+                None => SourceRows::Packed(&landing[fetched[i].clone()]),
+            });
         }
 
         // Pass 1: count rows per local expert and tokens, validating every row.
@@ -311,12 +382,10 @@ impl Communicator {
         batch.expert_offsets.resize(local + 1, 0);
         let mut tokens = 0usize;
         let mut rows = 0usize;
-        let max_tokens = self.cfg.max_tokens_per_rank;
-        let experts = &mut self.experts_scratch;
         for (i, view) in views.iter().enumerate() {
             batch.sources[i].first_token = tokens;
-            for r in view.chunks_exact(row.stride) {
-                row.decode_row(r, sources[i], max_tokens, local, experts)?;
+            for r in 0..view.len(&row) {
+                row.decode_row(view.meta(&row, r), sources[i], max_tokens, local, experts)?;
                 for &(j, _) in experts.iter() {
                     batch.expert_offsets[j as usize + 1] += 1;
                 }
@@ -341,17 +410,17 @@ impl Communicator {
         batch.token_rows.clear();
         batch.token_rows.reserve(rows);
         batch.token_row_start.push(0);
-        self.cursors.clear();
-        self.cursors
-            .extend_from_slice(&batch.expert_offsets[..local]);
+        let mut cursors = batch.expert_offsets[..local].to_vec();
         let out = batch.rows.bytes_mut();
         for (i, view) in views.iter().enumerate() {
-            for r in view.chunks_exact(row.stride) {
-                let token = row.decode_row(r, sources[i], max_tokens, local, experts)?;
+            for r in 0..view.len(&row) {
+                let token =
+                    row.decode_row(view.meta(&row, r), sources[i], max_tokens, local, experts)?;
+                let src_row = view.payload(&row, r, token);
                 for &(j, w) in experts.iter() {
-                    let dst = self.cursors[j as usize];
-                    self.cursors[j as usize] += 1;
-                    out[dst * payload..(dst + 1) * payload].copy_from_slice(&r[..payload]);
+                    let dst = cursors[j as usize];
+                    cursors[j as usize] += 1;
+                    out[dst * payload..(dst + 1) * payload].copy_from_slice(src_row);
                     batch.src_rank[dst] = sources[i] as u32;
                     batch.src_token[dst] = token;
                     batch.weight[dst] = w;
@@ -361,6 +430,50 @@ impl Communicator {
             }
         }
         Ok(())
+    }
+}
+
+/// One source's received A2E rows, read where they lie.
+pub(crate) enum SourceRows<'a> {
+    /// Full rows (payload, then metadata), `stride` apart.
+    Packed(&'a [u8]),
+    /// Metadata rows `meta_stride` apart; token `t`'s payload is row `t` of `input`.
+    Gathered {
+        /// The metadata rows.
+        metas: &'a [u8],
+        /// The sender's registered input, `[max_tokens, hidden]`.
+        input: &'a [u8],
+    },
+}
+
+impl SourceRows<'_> {
+    /// Number of rows.
+    pub(crate) fn len(&self, fmt: &A2eRow) -> usize {
+        match self {
+            SourceRows::Packed(b) => b.len() / fmt.stride,
+            SourceRows::Gathered { metas, .. } => metas.len() / fmt.meta_stride,
+        }
+    }
+
+    /// Metadata of row `r`.
+    pub(crate) fn meta(&self, fmt: &A2eRow, r: usize) -> &[u8] {
+        match self {
+            SourceRows::Packed(b) => &b[r * fmt.stride + fmt.meta_offset()..(r + 1) * fmt.stride],
+            SourceRows::Gathered { metas, .. } => {
+                &metas[r * fmt.meta_stride..(r + 1) * fmt.meta_stride]
+            }
+        }
+    }
+
+    /// Payload of row `r`, whose metadata named `token` (already checked below max_tokens).
+    pub(crate) fn payload(&self, fmt: &A2eRow, r: usize, token: u32) -> &[u8] {
+        match self {
+            SourceRows::Packed(b) => &b[r * fmt.stride..r * fmt.stride + fmt.payload],
+            SourceRows::Gathered { input, .. } => {
+                let t = token as usize;
+                &input[t * fmt.payload..(t + 1) * fmt.payload]
+            }
+        }
     }
 }
 

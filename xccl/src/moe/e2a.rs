@@ -12,7 +12,7 @@
 //! result is bitwise reproducible run to run.
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
-use super::wire::{chunk_rows, progress, Progress, Record, TransferMode};
+use super::wire::{chunk_rows, progress, Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -181,7 +181,7 @@ impl Communicator {
         // have all arrived (tokens below the watermark) is reduced, in expert-rank order, with
         // one H-wide f32 accumulator that stays in cache. Rows are read where they lie.
         let n = experts.len();
-        let mut recs: Vec<Option<(Record, TransferMode)>> = vec![None; n];
+        let mut recs: Vec<Option<(Record, WireMode)>> = vec![None; n];
         let mut delivered = vec![0usize; n];
         let mut fetched = vec![0usize; n];
         let mut next_token = 0usize;
@@ -223,6 +223,12 @@ impl Communicator {
                         let mut rec = Record::default();
                         own.read(layout.record(j, parity), bytemuck::bytes_of_mut(&mut rec))?;
                         let mode = rec.validate(d, epoch, max_rows)?;
+                        if mode == WireMode::Gather {
+                            return Err(Error::Protocol {
+                                peer: d,
+                                detail: "E2A record in gather mode (only A2E gathers)".into(),
+                            });
+                        }
                         if rec.count as usize != count {
                             return Err(Error::Protocol {
                                 peer: d,
@@ -237,7 +243,7 @@ impl Communicator {
                     }
                     let (rec, mode) = recs[j].expect("set above");
                     delivered[j] = progress.rows(count);
-                    if mode == TransferMode::Pull && !direct && delivered[j] > fetched[j] {
+                    if mode == WireMode::Pull && !direct && delivered[j] > fetched[j] {
                         let rows = fetched[j]..delivered[j];
                         let at =
                             layout.e2a_stage(parity) + (rec.offset as usize + rows.start) * stride;
@@ -281,17 +287,17 @@ impl Communicator {
                         let i = e - r.start;
                         let (rec, mode) = recs[j].expect("delivered rows have a record");
                         let row: &[u8] = match mode {
-                            TransferMode::Pull if !direct => {
+                            WireMode::Pull if !direct => {
                                 let at = (handle.offsets[j] + i) * stride;
                                 &pull_buf[at..at + payload]
                             }
-                            TransferMode::Push => {
+                            WireMode::Push => {
                                 let at = layout.e2a_recv(parity) + (handle.offsets[j] + i) * stride;
                                 // SAFETY: the expert rank signalled progress past this row after
                                 // writing it and writes this parity again only after our credit.
                                 unsafe { own.slice(at, payload)? }
                             }
-                            TransferMode::Pull => {
+                            WireMode::Pull | WireMode::Gather => {
                                 let win = f.peer_window(d).expect("load/store fabric");
                                 let at =
                                     layout.e2a_stage(parity) + (rec.offset as usize + i) * stride;

@@ -12,9 +12,10 @@
 use std::ops::Range;
 use std::time::Instant;
 
+use super::a2e::SourceRows;
 use super::batch::{AlignedBytes, SourceInfo};
 use super::dtype::Element;
-use super::wire::{Progress, Record, TransferMode};
+use super::wire::{Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -96,15 +97,7 @@ impl Communicator {
     ) -> Result<()> {
         self.require_role(Role::Expert, "A2E receive")?;
         let epoch = self.a2e_epoch + 1;
-        let parity = (epoch & 1) as usize;
-        let start = Instant::now();
-        let deadline = self.deadline();
         let sources = self.topo.attention_ranks().to_vec();
-        let max_tokens = self.cfg.max_tokens_per_rank;
-        let row = self.layout.a2e;
-        let payload = row.payload;
-        let local = self.topo.local_experts(self.rank).len();
-
         let topk = self.cfg.topk;
         batch.epoch = 0;
         batch.elem = self.cfg.dtype.size();
@@ -119,56 +112,68 @@ impl Communicator {
         batch.sources.resize(sources.len(), SourceInfo::default());
         batch.arrival_order.clear();
 
+        let mut landing = std::mem::take(&mut self.pull_buf);
+        let mut experts = std::mem::take(&mut self.experts_scratch);
+        let result = self.a2e_recv_tokens_into(batch, on_arrival, &mut landing, &mut experts);
+        self.pull_buf = landing;
+        self.experts_scratch = experts;
+        result?;
+        for &src in &sources {
+            self.fabric
+                .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
+        }
+        self.a2e_epoch = epoch;
+        batch.epoch = epoch;
+        Ok(())
+    }
+
+    /// The receive loop of [`Communicator::a2e_recv_tokens`] (no credits, no epoch update).
+    fn a2e_recv_tokens_into(
+        &self,
+        batch: &mut TokenBatch,
+        on_arrival: &mut dyn FnMut(&TokenBatch, Range<usize>),
+        landing: &mut Vec<u8>,
+        experts: &mut Vec<(u32, f32)>,
+    ) -> Result<()> {
+        let epoch = self.a2e_epoch + 1;
+        let parity = (epoch & 1) as usize;
+        let start = Instant::now();
+        let deadline = self.deadline();
+        let sources = self.topo.attention_ranks();
+        let max_tokens = self.cfg.max_tokens_per_rank;
+        let row = self.layout.a2e;
+        let payload = row.payload;
+        let local = self.topo.local_experts(self.rank).len();
+        let topk = self.cfg.topk;
         let f = &*self.fabric;
         let (slots, layout) = (self.slots, &self.layout);
-        let pull_buf = &mut self.pull_buf;
-        let experts = &mut self.experts_scratch;
-        let direct = f.capabilities().load_store;
         let own = f.local_window();
         // Per source: its validated record and mode, and how many rows are copied.
-        let mut state: Vec<Option<(Record, TransferMode, usize)>> = vec![None; sources.len()];
+        let mut state: Vec<Option<(Record, WireMode, usize)>> = vec![None; sources.len()];
         let mut done = vec![false; sources.len()];
         let mut missing = sources.len();
         let mut failure: Option<Error> = None;
-        // Copies rows `from..to` of source `i` into their reserved place in the batch.
+        // Copies rows `rows` of source `i` into their reserved place in the batch.
         let mut copy_rows = |i: usize,
                              rec: &Record,
-                             mode: TransferMode,
+                             mode: WireMode,
                              rows: Range<usize>,
                              batch: &mut TokenBatch|
          -> Result<()> {
             let src = sources[i];
-            let bytes = rows.len() * row.stride;
-            let view: &[u8] = match mode {
-                TransferMode::Push => {
-                    let at = layout.a2e_recv(i, parity) + rows.start * row.stride;
-                    // SAFETY: the sender signalled progress past these rows after writing them and
-                    // writes this parity again only after our credit, sent once we are done.
-                    unsafe { own.slice(at, bytes)? }
-                }
-                TransferMode::Pull => {
-                    let at =
-                        layout.a2e_stage(parity) + (rec.offset as usize + rows.start) * row.stride;
-                    if direct {
-                        let win = f.peer_window(src).expect("load/store fabric");
-                        // SAFETY: the sender's staging is stable from its signal to our credit.
-                        unsafe { win.slice(at, bytes)? }
-                    } else {
-                        pull_buf.resize(bytes, 0);
-                        f.get(src, at, pull_buf)?;
-                        &pull_buf[..]
-                    }
+            let view = match self.a2e_rows_in_place(i, rec, mode, parity, rows.clone())? {
+                Some(v) => v,
+                None => {
+                    landing.resize(rows.len() * row.stride, 0);
+                    self.a2e_fetch_rows(i, rec, parity, rows.clone(), landing)?;
+                    SourceRows::Packed(landing)
                 }
             };
             let base = batch.sources[i].first_token + rows.start;
             let dst = &mut batch.rows.bytes_mut()[base * payload..(base + rows.len()) * payload];
-            for (n, (r, out)) in view
-                .chunks_exact(row.stride)
-                .zip(dst.chunks_exact_mut(payload))
-                .enumerate()
-            {
-                let token = row.decode_row(r, src, max_tokens, local, experts)?;
-                out.copy_from_slice(&r[..payload]);
+            for (n, out) in dst.chunks_exact_mut(payload).enumerate() {
+                let token = row.decode_row(view.meta(&row, n), src, max_tokens, local, experts)?;
+                out.copy_from_slice(view.payload(&row, n, token));
                 let t = base + n;
                 batch.src_rank[t] = src as u32;
                 batch.src_token[t] = token;
@@ -247,16 +252,10 @@ impl Communicator {
                 what: "A2E rows",
             })
         })?;
-        if let Some(e) = failure {
-            return Err(e);
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        for &src in &sources {
-            self.fabric
-                .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
-        }
-        self.a2e_epoch = epoch;
-        batch.epoch = epoch;
-        Ok(())
     }
 
     /// E2A send, token-major: `reduced` holds one row per token of `batch` (`[num_tokens,

@@ -45,6 +45,37 @@ pub enum TransferMode {
     Pull = 1,
 }
 
+/// How a message's rows travel, as its record says (the receiver follows it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireMode {
+    /// Full rows (payload + metadata) were written into the receiver's window.
+    Push,
+    /// Full rows wait in the sender's staging area at the record's offset.
+    Pull,
+    /// Metadata rows wait in the sender's staging area; each payload is token `t`'s row of the
+    /// sender's registered input ([`WindowLayout::a2e_input`]): the receiver gathers them.
+    Gather,
+}
+
+impl WireMode {
+    fn code(self) -> u32 {
+        match self {
+            WireMode::Push => 0,
+            WireMode::Pull => 1,
+            WireMode::Gather => 2,
+        }
+    }
+}
+
+impl From<TransferMode> for WireMode {
+    fn from(m: TransferMode) -> Self {
+        match m {
+            TransferMode::Push => WireMode::Push,
+            TransferMode::Pull => WireMode::Pull,
+        }
+    }
+}
+
 impl TransferMode {
     /// Parses `"push"` or `"pull"`.
     pub fn parse(s: &str) -> Result<Self> {
@@ -172,9 +203,9 @@ pub struct Record {
     /// Row offset: in pull mode where the rows start in the sender's staging area; for A2E in
     /// push mode, where the destination's E2A replies go in the sender's E2A receive area.
     pub offset: u32,
-    /// [`TransferMode`] of this message.
+    /// [`WireMode`] of this message (0 push, 1 pull, 2 gather).
     pub mode: u32,
-    /// Check word: `!(epoch as u32) ^ count ^ offset.rotate_left(7)`; catches torn records.
+    /// Check word over the fields above; catches torn records.
     pub check: u32,
     /// Reserved, zero.
     pub reserved: u64,
@@ -182,12 +213,12 @@ pub struct Record {
 
 impl Record {
     /// A record with its check word filled in.
-    pub fn new(epoch: u64, count: u32, offset: u32, mode: TransferMode) -> Self {
+    pub fn new(epoch: u64, count: u32, offset: u32, mode: impl Into<WireMode>) -> Self {
         let mut r = Record {
             epoch,
             count,
             offset,
-            mode: mode as u32,
+            mode: mode.into().code(),
             check: 0,
             reserved: 0,
         };
@@ -200,7 +231,7 @@ impl Record {
     }
 
     /// Checks a received record against the epoch the receiver expects and the row capacity.
-    pub fn validate(&self, peer: usize, epoch: u64, max_rows: usize) -> Result<TransferMode> {
+    pub fn validate(&self, peer: usize, epoch: u64, max_rows: usize) -> Result<WireMode> {
         let bad = |detail: String| Err(Error::Protocol { peer, detail });
         if self.epoch != epoch {
             return bad(format!(
@@ -218,8 +249,9 @@ impl Record {
             ));
         }
         match self.mode {
-            0 => Ok(TransferMode::Push),
-            1 => Ok(TransferMode::Pull),
+            0 => Ok(WireMode::Push),
+            1 => Ok(WireMode::Pull),
+            2 => Ok(WireMode::Gather),
             m => bad(format!("record has unknown transfer mode {m}")),
         }
     }
@@ -299,6 +331,8 @@ pub struct A2eRow {
     pub topk: usize,
     /// Bytes from one row to the next (16-byte aligned).
     pub stride: usize,
+    /// Bytes from one metadata-only row to the next (gather mode; 16-byte aligned).
+    pub meta_stride: usize,
 }
 
 impl A2eRow {
@@ -313,6 +347,7 @@ impl A2eRow {
             mask_words,
             topk: cfg.topk,
             stride,
+            meta_stride: meta.next_multiple_of(16),
         }
     }
 
@@ -345,20 +380,21 @@ impl A2eRow {
         (token, &meta[m0..w0], &meta[w0..w0 + 4 * self.topk])
     }
 
-    /// Decodes and validates a received row (`stride` bytes) from `src`: returns its source
-    /// token index and fills `experts` with its `(local expert, weight)` pairs, ascending.
+    /// Decodes and validates a received row's metadata (`meta`, as [`A2eRow::encode_meta`]
+    /// wrote it) from `src`: returns its source token index and fills `experts` with its
+    /// `(local expert, weight)` pairs, ascending.
     ///
     /// A token index of `max_tokens` or more, a local expert of `local` or more, or more than
     /// `topk` experts is a [`Error::Protocol`] naming `src`.
     pub fn decode_row(
         &self,
-        row: &[u8],
+        meta: &[u8],
         src: usize,
         max_tokens: usize,
         local: usize,
         experts: &mut Vec<(u32, f32)>,
     ) -> Result<u32> {
-        let (token, mask, weights) = self.decode_meta(&row[self.meta_offset()..]);
+        let (token, mask, weights) = self.decode_meta(meta);
         let bad = |detail: String| Err(Error::Protocol { peer: src, detail });
         if token as usize >= max_tokens {
             return bad(format!(
@@ -430,7 +466,7 @@ impl Slots {
 pub struct WindowLayout {
     /// Rows of one A2E row format.
     pub a2e: A2eRow,
-    /// Bytes of one E2A row (payload, 16-byte aligned).
+    /// Bytes of one E2A row (the payload: staging and reply areas are dense `[rows, hidden]`).
     pub e2a_stride: usize,
     /// Rows an attention rank's staging/reply area holds per parity.
     pub attention_rows: usize,
@@ -451,7 +487,7 @@ impl WindowLayout {
         let a2e = A2eRow::new(cfg, topo);
         Ok(WindowLayout {
             a2e,
-            e2a_stride: align_up(cfg.hidden * cfg.dtype.size(), 16),
+            e2a_stride: cfg.hidden * cfg.dtype.size(),
             attention_rows: cfg.max_tokens_per_rank * cfg.topk.min(n),
             max_tokens: cfg.max_tokens_per_rank,
             num_attention: topo.attention_ranks().len(),
@@ -487,6 +523,12 @@ impl WindowLayout {
         self.a2e_stage(2) + parity * align_up(self.attention_rows * self.e2a_stride, 4096)
     }
 
+    /// Attention rank: start of the registered A2E input for `parity`: `[max_tokens, hidden]`
+    /// dense rows the caller writes (`Communicator::a2e_input`) and receivers gather from.
+    pub fn a2e_input(&self, parity: usize) -> usize {
+        self.e2a_recv(2) + parity * align_up(self.max_tokens * self.a2e.payload, 4096)
+    }
+
     fn a2e_recv_bytes(&self) -> usize {
         align_up(self.max_tokens * self.a2e.stride, 4096)
     }
@@ -510,7 +552,7 @@ impl WindowLayout {
     /// Window size of `rank`.
     pub fn window_len(&self, rank: usize) -> usize {
         match self.roles[rank] {
-            Role::Attention => self.e2a_recv(2),
+            Role::Attention => self.a2e_input(2),
             Role::Expert => self.e2a_stage(2),
         }
     }
@@ -529,7 +571,7 @@ mod tests {
     fn record_is_32_bytes_and_rejects_wrong_epoch_and_torn_fields() {
         assert_eq!(std::mem::size_of::<Record>(), 32);
         let r = Record::new(7, 3, 12, TransferMode::Pull);
-        assert_eq!(r.validate(1, 7, 10).unwrap(), TransferMode::Pull);
+        assert_eq!(r.validate(1, 7, 10).unwrap(), WireMode::Pull);
         assert!(matches!(
             r.validate(1, 8, 10),
             Err(Error::Protocol { peer: 1, .. })
