@@ -8,7 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::bf16;
-use xccl::harness::{attention_round, expert_round, expert_round_tokens, Workload};
+use xccl::harness::{
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with, Buffers,
+    Workload,
+};
 use xccl::{
     Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
 };
@@ -63,12 +66,20 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
             TransferMode::Push
         };
         comm.set_mode(mode);
+        // Registered buffers (gather-mode A2E, pulled E2A) every fourth round.
+        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
+            Buffers::Registered
+        } else {
+            Buffers::Copy
+        };
         let verdict = match comm.role() {
-            Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
+            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
             Role::Expert if round.is_multiple_of(2) => {
                 expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
             }
-            Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true),
+            Role::Expert => {
+                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
+            }
         };
         verdict.map_err(|e| e.to_string())??;
     }

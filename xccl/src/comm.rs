@@ -35,6 +35,10 @@ pub struct Communicator {
     pub(crate) rank: usize,
     pub(crate) a2e_epoch: u64,
     pub(crate) e2a_epoch: u64,
+    /// The A2E epoch whose registered input was handed out by `a2e_input`.
+    pub(crate) input_epoch: Option<u64>,
+    /// The E2A epoch whose output staging `e2a_output` handed out, and its batch's A2E epoch.
+    pub(crate) output_epoch: Option<(u64, u64)>,
     /// Generation of the last [`Communicator::barrier`].
     pub(crate) barrier_gen: u64,
     /// f32 accumulators reused by E2A.
@@ -103,6 +107,8 @@ impl Communicator {
             a2e_epoch: 0,
             e2a_epoch: 0,
             barrier_gen: 0,
+            input_epoch: None,
+            output_epoch: None,
             acc: Vec::new(),
             pull_buf: Vec::new(),
             cursors: Vec::new(),
@@ -288,6 +294,28 @@ impl Communicator {
                     peer,
                     what: "barrier",
                 })
+        })
+    }
+
+    /// Waits until every rank of `peers` has sent credit slot values of at least `epoch - 2`:
+    /// the buffers of `epoch`'s parity are no longer read. `slot_of` maps a peer to its slot.
+    pub(crate) fn wait_credits(
+        &self,
+        epoch: u64,
+        peers: &[usize],
+        slot_of: fn(&Slots, usize) -> usize,
+        what: &'static str,
+    ) -> Result<()> {
+        if epoch <= 2 {
+            return Ok(());
+        }
+        let need = epoch - 2;
+        let (f, slots) = (&*self.fabric, self.slots);
+        f.wait_until(self.deadline(), &mut || {
+            peers
+                .iter()
+                .find(|&&p| f.signal_value(slot_of(&slots, p)) < need)
+                .map(|&peer| crate::fabric::Waiting { peer, what })
         })
     }
 

@@ -76,12 +76,39 @@ pub fn attention_round<T: Element>(
     wl: &Workload,
     round: u64,
 ) -> Result<std::result::Result<(), String>> {
+    attention_round_with::<T>(comm, wl, round, Buffers::Copy)
+}
+
+/// Where A2E takes its rows from and where E2A puts its rows (see [`attention_round_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buffers {
+    /// The caller's own memory: `a2e_send`, `e2a_send_tokens`.
+    Copy,
+    /// Registered buffers in the window: `a2e_input` + `a2e_send_input`, `e2a_output` +
+    /// `e2a_send_output`.
+    Registered,
+}
+
+/// [`attention_round`] with the A2E rows written to the registered input
+/// ([`Communicator::a2e_input`]) when `buffers` is [`Buffers::Registered`].
+pub fn attention_round_with<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    buffers: Buffers,
+) -> Result<std::result::Result<(), String>> {
     let topo = comm.topology().clone();
     let (k, hidden) = (comm.config().topk, comm.config().hidden);
     let input = wl.input(&topo, k, comm.rank(), round);
     let x32 = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
     let x: Vec<T> = slice_from_f32(&x32);
-    let handle = comm.a2e_send(&x, &input.topk_idx, &input.topk_weights)?;
+    let handle = match buffers {
+        Buffers::Copy => comm.a2e_send(&x, &input.topk_idx, &input.topk_weights)?,
+        Buffers::Registered => {
+            comm.a2e_input::<T>()?[..x.len()].copy_from_slice(&x);
+            comm.a2e_send_input(input.num_tokens, &input.topk_idx, &input.topk_weights)?
+        }
+    };
     let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
     comm.e2a_recv(handle, &mut out)?;
     let got = slice_to_f32(&out);
@@ -216,6 +243,19 @@ pub fn expert_round_tokens<T: Element>(
     batch: &mut TokenBatch,
     check: bool,
 ) -> Result<std::result::Result<(), String>> {
+    expert_round_tokens_with::<T>(comm, wl, round, batch, check, Buffers::Copy)
+}
+
+/// [`expert_round_tokens`] computing into the registered output ([`Communicator::e2a_output`])
+/// when `buffers` is [`Buffers::Registered`].
+pub fn expert_round_tokens_with<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut TokenBatch,
+    check: bool,
+    buffers: Buffers,
+) -> Result<std::result::Result<(), String>> {
     let mut arrivals = 0usize;
     comm.a2e_recv_tokens(batch, &mut |_, _| arrivals += 1)?;
     let topo = comm.topology().clone();
@@ -244,7 +284,13 @@ pub fn expert_round_tokens<T: Element>(
         }
     }
     let out: Vec<T> = slice_from_f32(&reduced);
-    comm.e2a_send_tokens(batch, &out)?;
+    match buffers {
+        Buffers::Copy => comm.e2a_send_tokens(batch, &out)?,
+        Buffers::Registered => {
+            comm.e2a_output::<T>(batch)?.copy_from_slice(&out);
+            comm.e2a_send_output(batch)?;
+        }
+    }
     Ok(verdict)
 }
 

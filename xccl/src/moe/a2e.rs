@@ -16,10 +16,11 @@
 use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
+use super::dtype::Element;
 use super::layout::DispatchLayout;
 use std::ops::Range;
 
-use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, TransferMode, WireMode};
+use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, Slots, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -44,7 +45,74 @@ impl Communicator {
                 self.cfg.dtype.name()
             )));
         }
-        let num_tokens = x.len() / payload;
+        let layout = self.a2e_layout(x.len() / payload, topk_idx, topk_weights)?;
+        self.a2e_transmit(layout, Some(x), mode.into())
+    }
+
+    /// The registered A2E input of the next call: `[max_tokens_per_rank, hidden]` rows in this
+    /// rank's window. Write token `t`'s hidden state into row `t` (ideally the layer that
+    /// produces it writes there directly), then call [`Communicator::a2e_send_input`]: expert
+    /// ranks read the rows from here, so the dispatch costs one copy in all instead of two.
+    ///
+    /// Waits until the buffer's previous use (two calls back) has been consumed everywhere.
+    pub fn a2e_input<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.require_role(Role::Attention, "A2E input")?;
+        self.require_dtype::<T>()?;
+        let epoch = self.a2e_epoch + 1;
+        let experts = self.topo.expert_ranks().to_vec();
+        self.wait_credits(
+            epoch,
+            &experts,
+            Slots::a2e_credit,
+            "A2E credit (expert has not consumed an earlier dispatch)",
+        )?;
+        self.input_epoch = Some(epoch);
+        let at = self.layout.a2e_input((epoch & 1) as usize);
+        let len = self.cfg.max_tokens_per_rank * self.layout.a2e.payload;
+        // SAFETY: peers read this parity's input only between our signal of an epoch with this
+        // parity and their credit for it; the wait above covers epoch - 2, the last such epoch,
+        // and the `&mut self` borrow keeps us from signalling while the slice lives.
+        let bytes = unsafe { self.fabric.local_window().slice_mut(at, len)? };
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
+            Error::invalid(format!(
+                "registered input is not aligned for {}: {e}",
+                T::DTYPE.name()
+            ))
+        })
+    }
+
+    /// A2E send of the first `num_tokens` rows of the registered input
+    /// ([`Communicator::a2e_input`], which must have been called for this call). On fabrics
+    /// with load/store access only the routing metadata is written and expert ranks gather the
+    /// rows from the input; elsewhere rows are staged for them to pull.
+    pub fn a2e_send_input(
+        &mut self,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+    ) -> Result<A2eHandle> {
+        self.require_role(Role::Attention, "A2E send")?;
+        if self.input_epoch != Some(self.a2e_epoch + 1) {
+            return Err(Error::invalid(
+                "a2e_send_input needs a2e_input first: the rows must be written for this call",
+            ));
+        }
+        let layout = self.a2e_layout(num_tokens, topk_idx, topk_weights)?;
+        let mode = if self.fabric.capabilities().load_store {
+            WireMode::Gather
+        } else {
+            WireMode::Pull
+        };
+        self.a2e_transmit(layout, None, mode)
+    }
+
+    /// Checks the token count and builds the routing layout; nothing is written anywhere.
+    fn a2e_layout(
+        &mut self,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+    ) -> Result<DispatchLayout> {
         if num_tokens > self.cfg.max_tokens_per_rank {
             return Err(Error::invalid(format!(
                 "{num_tokens} tokens exceed max_tokens_per_rank {}",
@@ -63,30 +131,33 @@ impl Communicator {
             self.spare_layout = Some(layout);
             return Err(e);
         }
+        Ok(layout)
+    }
 
+    /// Sends one A2E call: rows from `x`, or from the registered input when `x` is `None`.
+    fn a2e_transmit(
+        &mut self,
+        layout: DispatchLayout,
+        x: Option<&[u8]>,
+        mode: WireMode,
+    ) -> Result<A2eHandle> {
         let epoch = self.a2e_epoch + 1;
         let parity = (epoch & 1) as usize;
-        let deadline = self.deadline();
+        let num_tokens = layout.num_tokens();
         let experts = self.topo.expert_ranks().to_vec();
         let src_index = self
             .topo
             .attention_index(self.rank)
             .expect("attention rank");
+        self.input_epoch = None;
 
         // Flow control: the parity's previous user (epoch - 2) must be consumed everywhere.
-        if epoch > 2 {
-            let need = epoch - 2;
-            let (f, slots) = (&*self.fabric, self.slots);
-            f.wait_until(deadline, &mut || {
-                experts
-                    .iter()
-                    .find(|&&d| f.signal_value(slots.a2e_credit(d)) < need)
-                    .map(|&peer| Waiting {
-                        peer,
-                        what: "A2E credit (expert has not consumed an earlier dispatch)",
-                    })
-            })?;
-        }
+        self.wait_credits(
+            epoch,
+            &experts,
+            Slots::a2e_credit,
+            "A2E credit (expert has not consumed an earlier dispatch)",
+        )?;
 
         let mut offsets = Vec::with_capacity(experts.len());
         let mut acc = 0usize;
@@ -98,12 +169,18 @@ impl Communicator {
         let n = experts.len();
         let direct = self.fabric.capabilities().load_store;
         let row = self.layout.a2e;
+        let own = self.fabric.local_window();
+        let x: &[u8] = match x {
+            Some(x) => x,
+            // SAFETY: the caller wrote the registered input before this call (`a2e_input`
+            // handed it out under `&mut self`); nobody writes it until our next `a2e_input`.
+            None => unsafe { own.slice(self.layout.a2e_input(parity), num_tokens * row.payload)? },
+        };
         for step in 0..n {
             let j = (src_index + step) % n;
             let d = experts[j];
             let entries = layout.entries(d);
             let count = entries.len();
-            let bytes = count * row.stride;
             // The record goes first: receivers may start on the first chunk.
             let rec = Record::new(epoch, count as u32, offsets[j] as u32, mode);
             self.fabric.put(
@@ -111,8 +188,23 @@ impl Communicator {
                 self.layout.record(src_index, parity),
                 bytemuck::bytes_of(&rec),
             )?;
+            let slot = self.slots.a2e_ready(self.rank);
+            if mode == WireMode::Gather {
+                // Metadata only: the receiver gathers payloads from our registered input.
+                let at = self.layout.a2e_stage(parity) + offsets[j] * row.meta_stride;
+                // SAFETY: as for staged rows below: peers read this staging only between our
+                // signal and their credit, and the credit wait covers the last such epoch.
+                let metas = unsafe { own.slice_mut(at, count * row.meta_stride)? };
+                for (e, meta) in entries.zip(metas.chunks_exact_mut(row.meta_stride)) {
+                    let t = layout.token(e) as u32;
+                    row.encode_meta(meta, t, layout.mask(e), layout.weights(e));
+                }
+                self.fabric.signal(d, slot, progress(epoch, count))?;
+                continue;
+            }
+            let bytes = count * row.stride;
             let remote = self.layout.a2e_recv(src_index, parity);
-            let (dst, staged) = if mode == TransferMode::Push && direct {
+            let (dst, staged) = if mode == WireMode::Push && direct {
                 let win = self.fabric.peer_window(d).expect("load/store fabric");
                 // SAFETY: the credit wait above guarantees that `d` finished reading this parity's
                 // rows from us (epoch - 2) and will not read them again before our signal of
@@ -120,13 +212,11 @@ impl Communicator {
                 (unsafe { win.slice_mut(remote, bytes)? }, false)
             } else {
                 let stage = self.layout.a2e_stage(parity) + offsets[j] * row.stride;
-                let win = self.fabric.local_window();
                 // SAFETY: our staging area for this parity is read by peers only between our
                 // signal of an epoch with this parity and their credit for it; the credit wait
                 // above covers epoch - 2, the last such epoch.
-                (unsafe { win.slice_mut(stage, bytes)? }, true)
+                (unsafe { own.slice_mut(stage, bytes)? }, true)
             };
-            let slot = self.slots.a2e_ready(self.rank);
             let chunk = chunk_rows(row.stride, self.cfg.chunk_bytes);
             let mut done = 0;
             loop {
@@ -139,7 +229,7 @@ impl Communicator {
                     &row,
                     part,
                 );
-                if staged && mode == TransferMode::Push {
+                if staged && mode == WireMode::Push {
                     self.fabric.put(d, remote + done * row.stride, part)?;
                 }
                 done += n;

@@ -12,7 +12,7 @@
 //! result is bitwise reproducible run to run.
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
-use super::wire::{chunk_rows, progress, Progress, Record, TransferMode, WireMode};
+use super::wire::{chunk_rows, progress, Progress, Record, Slots, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -31,19 +31,23 @@ impl Communicator {
     ) -> Result<()> {
         let payload = self.check_e2a_input(batch.epoch, expert_out.len(), batch.num_rows())?;
         let dtype = self.cfg.dtype;
-        self.e2a_send_rows(&batch.sources, mode, &mut |t, out, acc| {
-            let rows = batch.token_row_start[t] as usize..batch.token_row_start[t + 1] as usize;
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            for &r in &batch.token_rows[rows] {
-                let r = r as usize;
-                dtype.accumulate(
-                    &expert_out[r * payload..(r + 1) * payload],
-                    batch.weight[r],
-                    acc,
-                );
-            }
-            dtype.from_f32(acc, out);
-        })
+        self.e2a_send_rows(
+            &batch.sources,
+            mode,
+            Some(&mut |t, out, acc| {
+                let rows = batch.token_row_start[t] as usize..batch.token_row_start[t + 1] as usize;
+                acc.iter_mut().for_each(|a| *a = 0.0);
+                for &r in &batch.token_rows[rows] {
+                    let r = r as usize;
+                    dtype.accumulate(
+                        &expert_out[r * payload..(r + 1) * payload],
+                        batch.weight[r],
+                        acc,
+                    );
+                }
+                dtype.from_f32(acc, out);
+            }),
+        )
     }
 
     /// Checks an E2A send's input before anything is written: an expert rank, a batch that A2E
@@ -66,12 +70,14 @@ impl Communicator {
 
     /// The E2A sender's core: for each source in `sources` (rank order, with the tokens it sent
     /// at `first_token..first_token+count`), `fill(token, row, scratch)` writes each reply row
-    /// straight where it goes; then record and signal.
+    /// straight where it goes, then record and signal. Staged rows sit at their token's index
+    /// (`first_token + i`) in the staging area. With `fill` `None` the rows are already staged
+    /// ([`Communicator::e2a_output`]) and only records and signals go out (pull).
     pub(crate) fn e2a_send_rows(
         &mut self,
         sources: &[SourceInfo],
         mode: TransferMode,
-        fill: &mut FillRow<'_>,
+        mut fill: Option<&mut FillRow<'_>>,
     ) -> Result<()> {
         let ranks = self.topo.attention_ranks().to_vec();
         if sources.len() != ranks.len() || sources.iter().zip(&ranks).any(|(s, &r)| s.rank != r) {
@@ -79,27 +85,23 @@ impl Communicator {
         }
         let epoch = self.e2a_epoch + 1;
         let parity = (epoch & 1) as usize;
-        let deadline = self.deadline();
-        if epoch > 2 {
-            let need = epoch - 2;
-            let (f, slots) = (&*self.fabric, self.slots);
-            f.wait_until(deadline, &mut || {
-                ranks
-                    .iter()
-                    .find(|&&s| f.signal_value(slots.e2a_credit(s)) < need)
-                    .map(|&peer| Waiting {
-                        peer,
-                        what: "E2A credit (attention rank has not consumed an earlier combine)",
-                    })
-            })?;
-        }
+        self.wait_credits(
+            epoch,
+            &ranks,
+            Slots::e2a_credit,
+            "E2A credit (attention rank has not consumed an earlier combine)",
+        )?;
 
         let my_index = self.topo.expert_index(self.rank).expect("expert rank");
         let payload = self.cfg.hidden * self.cfg.dtype.size();
         let stride = self.layout.e2a_stride;
         let direct = self.fabric.capabilities().load_store;
         self.acc.resize(self.cfg.hidden, 0.0);
-        let mut stage_rows = 0usize;
+        let mode = if fill.is_none() {
+            TransferMode::Pull
+        } else {
+            mode
+        };
         let n = ranks.len();
         for step in 0..n {
             let i = (my_index + step) % n;
@@ -107,7 +109,7 @@ impl Communicator {
             let info = sources[i];
             let count = info.count;
             let bytes = count * stride;
-            let stage_off = self.layout.e2a_stage(parity) + stage_rows * stride;
+            let stage_off = self.layout.e2a_stage(parity) + info.first_token * stride;
             let (dst, offset) = if mode == TransferMode::Push && direct {
                 let win = self.fabric.peer_window(s).expect("load/store fabric");
                 let at = self.layout.e2a_recv(parity) + info.reply_offset * stride;
@@ -115,13 +117,12 @@ impl Communicator {
                 // no longer reads this reply range; only we write it.
                 (unsafe { win.slice_mut(at, bytes)? }, info.reply_offset)
             } else {
-                stage_rows += count;
                 let win = self.fabric.local_window();
                 // SAFETY: our staging for this parity is read by peers only between our signal
                 // and their credit; the credit wait above covers the previous such epoch.
                 (
                     unsafe { win.slice_mut(stage_off, bytes)? },
-                    stage_rows - count,
+                    info.first_token,
                 )
             };
             // The record goes first: the receiver may start on the first chunk.
@@ -133,6 +134,10 @@ impl Communicator {
             )?;
             let remote = self.layout.e2a_recv(parity) + info.reply_offset * stride;
             let slot = self.slots.e2a_ready(self.rank);
+            let Some(fill) = fill.as_deref_mut() else {
+                self.fabric.signal(s, slot, progress(epoch, count))?;
+                continue;
+            };
             let chunk = chunk_rows(stride, self.cfg.chunk_bytes);
             let mut done = 0;
             loop {

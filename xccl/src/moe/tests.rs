@@ -6,7 +6,10 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 
 use crate::fabric::Capabilities;
-use crate::harness::{attention_round, expert_round, expert_round_tokens, Workload};
+use crate::harness::{
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with, Buffers,
+    Workload,
+};
 use crate::moe::dtype::{DType, Element};
 use crate::moe::wire::{MoeConfig, TransferMode};
 use crate::topology::{Role, Topology, TopologyBuilder};
@@ -47,14 +50,27 @@ fn run_local_caps<T: Element>(
                     let mut tokens = TokenBatch::new();
                     for round in 0..rounds {
                         c.set_mode(modes[(round as usize + c.rank()) % modes.len()]);
+                        // Registered buffers every third round, on both sides independently.
+                        let buffers = if (round + c.rank() as u64) % 3 == 1 {
+                            Buffers::Registered
+                        } else {
+                            Buffers::Copy
+                        };
                         let verdict = match c.role() {
-                            Role::Attention => attention_round::<T>(&mut c, wl, round),
+                            Role::Attention => {
+                                attention_round_with::<T>(&mut c, wl, round, buffers)
+                            }
                             Role::Expert if (round + c.rank() as u64).is_multiple_of(2) => {
                                 expert_round::<T>(&mut c, wl, round, &mut batch, true)
                             }
-                            Role::Expert => {
-                                expert_round_tokens::<T>(&mut c, wl, round, &mut tokens, true)
-                            }
+                            Role::Expert => expert_round_tokens_with::<T>(
+                                &mut c,
+                                wl,
+                                round,
+                                &mut tokens,
+                                true,
+                                buffers,
+                            ),
                         };
                         verdict.map_err(|e| format!("rank {}: {e}", c.rank()))??;
                     }
@@ -509,5 +525,63 @@ fn two_microbatches_in_flight_come_back_right() {
                 }
             });
         }
+    });
+}
+
+#[test]
+fn registered_input_must_be_requested_before_sending_it() {
+    let err =
+        rejected_then_clean_round(|c| c.a2e_send_input(2, &[0, 1, 2, 3], &[0.5; 4]).unwrap_err());
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("a2e_input")),
+        "{err}"
+    );
+}
+
+#[test]
+fn registered_output_must_be_requested_for_the_same_batch() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let w = wl(20, 4, false);
+    std::thread::scope(|s| {
+        s.spawn(|| attention_round::<f32>(&mut attn, &w, 0).unwrap().unwrap());
+        let mut batch = TokenBatch::new();
+        expert.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+        let err = expert.e2a_send_output(&batch).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(ref m) if m.contains("e2a_output")),
+            "{err}"
+        );
+        let mut stale = batch.clone();
+        stale.epoch += 1;
+        expert.e2a_output::<f32>(&stale).unwrap();
+        let err = expert.e2a_send_output(&batch).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // Nothing was sent: the real reply still goes through and checks out.
+        let rows = batch.rows::<f32>().unwrap().to_vec();
+        let locals = topo.local_experts(1).to_vec();
+        let mut out = vec![0f32; rows.len()];
+        let mut tmp = vec![0f32; 8];
+        for i in 0..batch.num_tokens() {
+            let (es, ws) = batch.experts_of(i);
+            for (&j, &wt) in es.iter().zip(ws) {
+                crate::moe::reference::test_expert(
+                    locals[j as usize],
+                    &rows[i * 8..][..8],
+                    &mut tmp,
+                );
+                for (o, v) in out[i * 8..][..8].iter_mut().zip(&tmp) {
+                    *o += wt * v;
+                }
+            }
+        }
+        expert
+            .e2a_output::<f32>(&batch)
+            .unwrap()
+            .copy_from_slice(&out);
+        expert.e2a_send_output(&batch).unwrap();
     });
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use super::a2e::SourceRows;
 use super::batch::{AlignedBytes, SourceInfo};
 use super::dtype::Element;
-use super::wire::{Progress, Record, TransferMode, WireMode};
+use super::wire::{Progress, Record, Slots, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -274,8 +274,55 @@ impl Communicator {
         mode: TransferMode,
     ) -> Result<()> {
         let payload = self.check_e2a_input(batch.epoch, reduced.len(), batch.num_tokens())?;
-        self.e2a_send_rows(&batch.sources, mode, &mut |t, out, _| {
-            out.copy_from_slice(&reduced[t * payload..(t + 1) * payload])
+        self.e2a_send_rows(
+            &batch.sources,
+            mode,
+            Some(&mut |t, out, _| out.copy_from_slice(&reduced[t * payload..(t + 1) * payload])),
+        )
+    }
+
+    /// The registered E2A output of the next call: `[batch.num_tokens(), hidden]` rows in this
+    /// rank's window, row `i` for the batch's token `i`. Compute each token's reduced expert
+    /// output straight into it, then call [`Communicator::e2a_send_output`]: attention ranks
+    /// read the rows from here, so the combine costs one copy in all instead of two.
+    ///
+    /// Waits until the buffer's previous use (two calls back) has been consumed everywhere.
+    pub fn e2a_output<T: Element>(&mut self, batch: &TokenBatch) -> Result<&mut [T]> {
+        self.require_dtype::<T>()?;
+        let payload = self.check_e2a_input(batch.epoch, 0, 0)?;
+        let epoch = self.e2a_epoch + 1;
+        let ranks = self.topo.attention_ranks().to_vec();
+        self.wait_credits(
+            epoch,
+            &ranks,
+            Slots::e2a_credit,
+            "E2A credit (attention rank has not consumed an earlier combine)",
+        )?;
+        self.output_epoch = Some((epoch, batch.epoch));
+        let at = self.layout.e2a_stage((epoch & 1) as usize);
+        let len = batch.num_tokens() * payload;
+        // SAFETY: peers read this parity's staging only between our signal of an epoch with this
+        // parity and their credit for it; the wait above covers epoch - 2, the last such epoch,
+        // and the `&mut self` borrow keeps us from signalling while the slice lives.
+        let bytes = unsafe { self.fabric.local_window().slice_mut(at, len)? };
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
+            Error::invalid(format!(
+                "registered output is not aligned for {}: {e}",
+                T::DTYPE.name()
+            ))
         })
+    }
+
+    /// E2A send of the rows written into [`Communicator::e2a_output`] (which must have been
+    /// called for this call, with this batch): only records and signals go out; attention ranks
+    /// pull the rows.
+    pub fn e2a_send_output(&mut self, batch: &TokenBatch) -> Result<()> {
+        self.check_e2a_input(batch.epoch, 0, 0)?;
+        if self.output_epoch.take() != Some((self.e2a_epoch + 1, batch.epoch)) {
+            return Err(Error::invalid(
+                "e2a_send_output needs e2a_output first, for this call and this batch",
+            ));
+        }
+        self.e2a_send_rows(&batch.sources, TransferMode::Pull, None)
     }
 }
