@@ -75,6 +75,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ExpertLayout::Token)]
     pub layout: ExpertLayout,
 
+    /// Where rows come from and go to: `copy` (the caller's memory: `a2e_send`,
+    /// `e2a_send_tokens`) or `registered` (buffers in the window: the attention rank writes x
+    /// into `a2e_input` and expert ranks gather from it; the expert computes into `e2a_output`
+    /// and attention ranks pull from it). Registered needs `--layout token`.
+    #[arg(long, value_enum, default_value_t = BufferKind::Copy)]
+    pub buffers: BufferKind,
+
     /// Bytes a sender writes between progress signals (receivers copy while senders write).
     #[arg(long, default_value_t = xccl::moe::wire::CHUNK_BYTES, value_parser = clap::value_parser!(usize))]
     pub chunk_bytes: usize,
@@ -142,6 +149,25 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).map_err(|e| e.to_string())
 }
 
+/// Where rows come from and go to (see `--buffers`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BufferKind {
+    /// The caller's own memory.
+    Copy,
+    /// Registered buffers in the fabric window.
+    Registered,
+}
+
+impl BufferKind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            BufferKind::Copy => "copy",
+            BufferKind::Registered => "registered",
+        }
+    }
+}
+
 /// How expert ranks receive tokens (see `--layout`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum ExpertLayout {
@@ -187,6 +213,13 @@ impl Args {
         }
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(format!("--timeout must be positive, got {}", self.timeout));
+        }
+        if self.buffers == BufferKind::Registered && self.layout == ExpertLayout::Expert {
+            return Err(
+                "--buffers registered needs --layout token (expert-major rows are reduced \
+                        by xccl, not computed into a registered output)"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -181,12 +181,13 @@ impl Machine {
 pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) -> String {
     let mut s = String::new();
     s += &format!(
-        "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, layout {}, H={} {}, top-{} of {} experts{}\n",
+        "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, layout {}, buffers {}, H={} {}, top-{} of {} experts{}\n",
         args.attention,
         args.experts,
         args.fabric.name(),
         args.mode.name(),
         args.layout.name(),
+        args.buffers.name(),
         args.hidden,
         args.dtype.name(),
         args.topk,
@@ -253,6 +254,7 @@ pub fn to_json(
             "fabric": args.fabric.name(),
             "mode": args.mode.name(),
             "layout": args.layout.name(),
+            "buffers": args.buffers.name(),
             "chunk_bytes": args.chunk_bytes,
             "iters": args.iters,
             "warmup": args.warmup,

@@ -4,12 +4,14 @@
 use std::sync::Arc;
 
 use indicatif::ProgressBar;
-use xccl::harness::{attention_round, expert_round, expert_round_tokens, Workload};
+use xccl::harness::{
+    attention_round_with, expert_round, expert_round_tokens_with, Buffers, Workload,
+};
 use xccl::moe::dtype::slice_from_f32;
 use xccl::moe::reference::RankInput;
 use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, TokenBatch, Topology};
 
-use crate::cli::{Args, ExpertLayout};
+use crate::cli::{Args, BufferKind, ExpertLayout};
 
 /// Words recorded per rank per iteration: three timestamps (ns) and the rows this rank sent.
 pub const WORDS: usize = 4;
@@ -139,8 +141,17 @@ fn run_typed<T: Element>(
                 Role::Attention => {
                     let inp = inputs.get(it).expect("one input per round");
                     let n = inp.num_tokens * hidden;
+                    let registered = args.buffers == BufferKind::Registered;
+                    if registered {
+                        // The layer producing x would write it here; not part of the A2E.
+                        comm.a2e_input::<T>()?[..n].copy_from_slice(&x[..n]);
+                    }
                     let t0 = now_ns();
-                    let handle = comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?;
+                    let handle = if registered {
+                        comm.a2e_send_input(inp.num_tokens, &inp.topk_idx, &inp.topk_weights)?
+                    } else {
+                        comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?
+                    };
                     let t1 = now_ns();
                     let rows = handle.total_rows() as u64;
                     comm.e2a_recv(handle, &mut out[..n])?;
@@ -155,6 +166,17 @@ fn run_typed<T: Element>(
                     comm.e2a_send(&batch, batch.rows::<T>()?)?;
                     let t2 = now_ns();
                     [t0, t1, t2, batch.num_tokens() as u64]
+                }
+                Role::Expert if args.buffers == BufferKind::Registered => {
+                    comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
+                    let t0 = now_ns();
+                    // The identity "computes" into the registered output: between A2E and E2A.
+                    comm.e2a_output::<T>(&tokens_batch)?
+                        .copy_from_slice(tokens_batch.rows::<T>()?);
+                    let t1 = now_ns();
+                    comm.e2a_send_output(&tokens_batch)?;
+                    let t2 = now_ns();
+                    [t0, t1, t2, tokens_batch.num_tokens() as u64]
                 }
                 Role::Expert => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
@@ -171,15 +193,24 @@ fn run_typed<T: Element>(
             }
         }
         if args.check {
+            let buffers = match args.buffers {
+                BufferKind::Copy => Buffers::Copy,
+                BufferKind::Registered => Buffers::Registered,
+            };
             for it in 0..args.rounds() {
                 let verdict = match comm.role() {
-                    Role::Attention => attention_round::<T>(comm, &wl, round(s, it))?,
+                    Role::Attention => attention_round_with::<T>(comm, &wl, round(s, it), buffers)?,
                     Role::Expert if args.layout == ExpertLayout::Expert => {
                         expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?
                     }
-                    Role::Expert => {
-                        expert_round_tokens::<T>(comm, &wl, round(s, it), &mut tokens_batch, true)?
-                    }
+                    Role::Expert => expert_round_tokens_with::<T>(
+                        comm,
+                        &wl,
+                        round(s, it),
+                        &mut tokens_batch,
+                        true,
+                        buffers,
+                    )?,
                 };
                 if let Err(e) = verdict {
                     report.mismatches.push(format!("tokens {tokens}: {e}"));

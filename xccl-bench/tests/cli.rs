@@ -121,6 +121,7 @@ fn bad_flags_are_rejected_with_a_message() {
         &["--mode", "sideways"],
         &["--tokens", "1,x"],
         &["--fabric", "carrier-pigeon"],
+        &["--buffers", "registered", "--layout", "expert"],
     ] {
         let out = bench().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} accepted");
