@@ -297,24 +297,45 @@ impl Communicator {
         })
     }
 
-    /// Waits until every rank of `peers` has sent credit slot values of at least `epoch - 2`:
-    /// the buffers of `epoch`'s parity are no longer read. `slot_of` maps a peer to its slot.
-    pub(crate) fn wait_credits(
+    /// Waits until every expert rank has consumed the A2E call two before `epoch` (the last
+    /// user of `epoch`'s buffers).
+    pub(crate) fn wait_a2e_credits(&self, epoch: u64) -> Result<()> {
+        self.wait_credits(
+            epoch,
+            self.topo.expert_ranks(),
+            self.slots.a2e_credit(0),
+            "A2E credit (expert has not consumed an earlier dispatch)",
+        )
+    }
+
+    /// Waits until every attention rank has consumed the E2A call two before `epoch`.
+    pub(crate) fn wait_e2a_credits(&self, epoch: u64) -> Result<()> {
+        self.wait_credits(
+            epoch,
+            self.topo.attention_ranks(),
+            self.slots.e2a_credit(0),
+            "E2A credit (attention rank has not consumed an earlier combine)",
+        )
+    }
+
+    /// Waits until every rank of `peers` has signalled at least `epoch - 2` into its slot of
+    /// the credit group starting at slot `base` (slot `base + peer`).
+    fn wait_credits(
         &self,
         epoch: u64,
         peers: &[usize],
-        slot_of: fn(&Slots, usize) -> usize,
+        base: usize,
         what: &'static str,
     ) -> Result<()> {
         if epoch <= 2 {
             return Ok(());
         }
         let need = epoch - 2;
-        let (f, slots) = (&*self.fabric, self.slots);
+        let f = &*self.fabric;
         f.wait_until(self.deadline(), &mut || {
             peers
                 .iter()
-                .find(|&&p| f.signal_value(slot_of(&slots, p)) < need)
+                .find(|&&p| f.signal_value(base + p) < need)
                 .map(|&peer| crate::fabric::Waiting { peer, what })
         })
     }

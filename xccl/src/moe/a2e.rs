@@ -20,7 +20,7 @@ use super::dtype::Element;
 use super::layout::DispatchLayout;
 use std::ops::Range;
 
-use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, Slots, TransferMode, WireMode};
+use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -59,13 +59,7 @@ impl Communicator {
         self.require_role(Role::Attention, "A2E input")?;
         self.require_dtype::<T>()?;
         let epoch = self.a2e_epoch + 1;
-        let experts = self.topo.expert_ranks().to_vec();
-        self.wait_credits(
-            epoch,
-            &experts,
-            Slots::a2e_credit,
-            "A2E credit (expert has not consumed an earlier dispatch)",
-        )?;
+        self.wait_a2e_credits(epoch)?;
         self.input_epoch = Some(epoch);
         let at = self.layout.a2e_input((epoch & 1) as usize);
         let len = self.cfg.max_tokens_per_rank * self.layout.a2e.payload;
@@ -152,12 +146,7 @@ impl Communicator {
         self.input_epoch = None;
 
         // Flow control: the parity's previous user (epoch - 2) must be consumed everywhere.
-        self.wait_credits(
-            epoch,
-            &experts,
-            Slots::a2e_credit,
-            "A2E credit (expert has not consumed an earlier dispatch)",
-        )?;
+        self.wait_a2e_credits(epoch)?;
 
         let mut offsets = Vec::with_capacity(experts.len());
         let mut acc = 0usize;

@@ -12,7 +12,7 @@
 //! result is bitwise reproducible run to run.
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
-use super::wire::{chunk_rows, progress, Progress, Record, Slots, TransferMode, WireMode};
+use super::wire::{chunk_rows, progress, Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -85,12 +85,7 @@ impl Communicator {
         }
         let epoch = self.e2a_epoch + 1;
         let parity = (epoch & 1) as usize;
-        self.wait_credits(
-            epoch,
-            &ranks,
-            Slots::e2a_credit,
-            "E2A credit (attention rank has not consumed an earlier combine)",
-        )?;
+        self.wait_e2a_credits(epoch)?;
 
         let my_index = self.topo.expert_index(self.rank).expect("expert rank");
         let payload = self.cfg.hidden * self.cfg.dtype.size();

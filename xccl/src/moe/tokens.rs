@@ -15,7 +15,7 @@ use std::time::Instant;
 use super::a2e::SourceRows;
 use super::batch::{AlignedBytes, SourceInfo};
 use super::dtype::Element;
-use super::wire::{Progress, Record, Slots, TransferMode, WireMode};
+use super::wire::{Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;
 use crate::topology::Role;
@@ -291,13 +291,7 @@ impl Communicator {
         self.require_dtype::<T>()?;
         let payload = self.check_e2a_input(batch.epoch, 0, 0)?;
         let epoch = self.e2a_epoch + 1;
-        let ranks = self.topo.attention_ranks().to_vec();
-        self.wait_credits(
-            epoch,
-            &ranks,
-            Slots::e2a_credit,
-            "E2A credit (attention rank has not consumed an earlier combine)",
-        )?;
+        self.wait_e2a_credits(epoch)?;
         self.output_epoch = Some((epoch, batch.epoch));
         let at = self.layout.e2a_stage((epoch & 1) as usize);
         let len = batch.num_tokens() * payload;
