@@ -59,10 +59,7 @@ impl DType {
                 }
             }
             DType::BF16 => match bytemuck::try_cast_slice::<u8, u16>(src) {
-                Ok(s) => out
-                    .iter_mut()
-                    .zip(s)
-                    .for_each(|(o, &v)| *o = f32::from_bits((v as u32) << 16)),
+                Ok(s) => kernels::bf16_to_f32(s, out),
                 Err(_) => {
                     for (o, c) in out.iter_mut().zip(src.chunks_exact(2)) {
                         *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
@@ -77,7 +74,7 @@ impl DType {
         debug_assert_eq!(src.len(), acc.len() * self.size());
         match self {
             DType::F32 => match bytemuck::try_cast_slice::<u8, f32>(src) {
-                Ok(s) => acc.iter_mut().zip(s).for_each(|(a, &v)| *a += scale * v),
+                Ok(s) => kernels::f32_acc(s, scale, acc),
                 Err(_) => {
                     for (a, c) in acc.iter_mut().zip(src.chunks_exact(4)) {
                         *a += scale * f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -91,10 +88,7 @@ impl DType {
             }
             // bf16 -> f32 is a shift: exact, and the loop vectorises.
             DType::BF16 => match bytemuck::try_cast_slice::<u8, u16>(src) {
-                Ok(s) => acc
-                    .iter_mut()
-                    .zip(s)
-                    .for_each(|(a, &v)| *a += scale * f32::from_bits((v as u32) << 16)),
+                Ok(s) => kernels::bf16_acc(s, scale, acc),
                 Err(_) => {
                     for (a, c) in acc.iter_mut().zip(src.chunks_exact(2)) {
                         *a +=
@@ -116,13 +110,73 @@ impl DType {
                 }
             }
             DType::BF16 => match bytemuck::try_cast_slice_mut::<u8, u16>(out) {
-                Ok(o) => o.iter_mut().zip(src).for_each(|(o, &v)| *o = bf16_bits(v)),
+                Ok(o) => kernels::f32_to_bf16(src, o),
                 Err(_) => {
                     for (o, &v) in out.chunks_exact_mut(2).zip(src) {
                         o.copy_from_slice(&bf16_bits(v).to_le_bytes());
                     }
                 }
             },
+        }
+    }
+}
+
+/// The conversion and accumulation loops on aligned slices, each compiled twice: for the
+/// baseline target and with AVX2 (chosen at run time). No fused multiply-add, so both give the
+/// same bits.
+mod kernels {
+    use super::bf16_bits;
+
+    macro_rules! multiversion {
+        ($(#[$m:meta])* fn $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
+            $(#[$m])*
+            pub(super) fn $name($($arg: $ty),*) {
+                #[inline(always)]
+                fn generic($($arg: $ty),*) $body
+                #[cfg(target_arch = "x86_64")]
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2($($arg: $ty),*) {
+                    generic($($arg),*)
+                }
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU supports AVX2, checked just above.
+                    return unsafe { avx2($($arg),*) };
+                }
+                generic($($arg),*)
+            }
+        };
+    }
+
+    multiversion! {
+        /// `out[i] = bf16 src[i]` widened (a shift: exact).
+        fn bf16_to_f32(src: &[u16], out: &mut [f32]) {
+            out.iter_mut()
+                .zip(src)
+                .for_each(|(o, &v)| *o = f32::from_bits((v as u32) << 16));
+        }
+    }
+
+    multiversion! {
+        /// `acc[i] += scale * bf16 src[i]`.
+        fn bf16_acc(src: &[u16], scale: f32, acc: &mut [f32]) {
+            acc.iter_mut()
+                .zip(src)
+                .for_each(|(a, &v)| *a += scale * f32::from_bits((v as u32) << 16));
+        }
+    }
+
+    multiversion! {
+        /// `acc[i] += scale * src[i]`.
+        fn f32_acc(src: &[f32], scale: f32, acc: &mut [f32]) {
+            acc.iter_mut().zip(src).for_each(|(a, &v)| *a += scale * v);
+        }
+    }
+
+    multiversion! {
+        /// `out[i] = bf16(src[i])`, round to nearest even.
+        fn f32_to_bf16(src: &[f32], out: &mut [u16]) {
+            out.iter_mut().zip(src).for_each(|(o, &v)| *o = bf16_bits(v));
         }
     }
 }
