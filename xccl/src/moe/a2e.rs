@@ -138,7 +138,8 @@ impl Communicator {
         let epoch = self.a2e_epoch + 1;
         let parity = (epoch & 1) as usize;
         let num_tokens = layout.num_tokens();
-        let experts = self.topo.expert_ranks().to_vec();
+        let topo = self.topo.clone();
+        let experts = topo.expert_ranks();
         let src_index = self
             .topo
             .attention_index(self.rank)
@@ -150,7 +151,7 @@ impl Communicator {
 
         let mut offsets = Vec::with_capacity(experts.len());
         let mut acc = 0usize;
-        for &d in &experts {
+        for &d in experts {
             offsets.push(acc);
             acc += layout.count(d);
         }
@@ -245,7 +246,8 @@ impl Communicator {
         let parity = (epoch & 1) as usize;
         let start = Instant::now();
         let deadline = self.deadline();
-        let sources = self.topo.attention_ranks().to_vec();
+        let topo = self.topo.clone();
+        let sources = topo.attention_ranks();
         let max_tokens = self.cfg.max_tokens_per_rank;
 
         batch.sources.clear();
@@ -313,7 +315,7 @@ impl Communicator {
 
         self.arrange_expert_major(batch, &records, parity)?;
 
-        for &src in &sources {
+        for &src in sources {
             self.fabric
                 .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
         }
@@ -489,7 +491,9 @@ impl Communicator {
         batch.token_rows.clear();
         batch.token_rows.reserve(rows);
         batch.token_row_start.push(0);
-        let mut cursors = batch.expert_offsets[..local].to_vec();
+        let cursors = &mut batch.cursors;
+        cursors.clear();
+        cursors.extend_from_slice(&batch.expert_offsets[..local]);
         let out = batch.rows.bytes_mut();
         for (i, view) in views.iter().enumerate() {
             for r in 0..view.len(&row) {

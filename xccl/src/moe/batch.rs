@@ -88,6 +88,8 @@ pub struct ExpertBatch {
     pub token_row_start: Vec<u32>,
     /// Row indices of each received token's local experts.
     pub token_rows: Vec<u32>,
+    /// Scratch: next free row per local expert while rows are placed.
+    pub(crate) cursors: Vec<usize>,
 }
 
 impl ExpertBatch {

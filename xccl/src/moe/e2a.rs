@@ -79,8 +79,9 @@ impl Communicator {
         mode: TransferMode,
         mut fill: Option<&mut FillRow<'_>>,
     ) -> Result<()> {
-        let ranks = self.topo.attention_ranks().to_vec();
-        if sources.len() != ranks.len() || sources.iter().zip(&ranks).any(|(s, &r)| s.rank != r) {
+        let topo = self.topo.clone();
+        let ranks = topo.attention_ranks();
+        if sources.len() != ranks.len() || sources.iter().zip(ranks).any(|(s, &r)| s.rank != r) {
             return Err(Error::invalid("batch does not come from this communicator"));
         }
         let epoch = self.e2a_epoch + 1;
@@ -170,7 +171,8 @@ impl Communicator {
         let epoch = self.e2a_epoch + 1;
         let parity = (epoch & 1) as usize;
         let deadline = self.deadline();
-        let experts = self.topo.expert_ranks().to_vec();
+        let topo = self.topo.clone();
+        let experts = topo.expert_ranks();
         let hidden = self.cfg.hidden;
         let dtype = self.cfg.dtype;
         let stride = self.layout.e2a_stride;
@@ -337,7 +339,7 @@ impl Communicator {
         if let Some(e) = failure {
             return Err(e);
         }
-        for &d in &experts {
+        for &d in experts {
             self.fabric
                 .signal(d, self.slots.e2a_credit(self.rank), epoch)?;
         }

@@ -97,7 +97,8 @@ impl Communicator {
     ) -> Result<()> {
         self.require_role(Role::Expert, "A2E receive")?;
         let epoch = self.a2e_epoch + 1;
-        let sources = self.topo.attention_ranks().to_vec();
+        let topo = self.topo.clone();
+        let sources = topo.attention_ranks();
         let topk = self.cfg.topk;
         batch.epoch = 0;
         batch.elem = self.cfg.dtype.size();
@@ -118,7 +119,7 @@ impl Communicator {
         self.pull_buf = landing;
         self.experts_scratch = experts;
         result?;
-        for &src in &sources {
+        for &src in sources {
             self.fabric
                 .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
         }
