@@ -247,6 +247,40 @@ mod tests {
     }
 
     #[test]
+    fn sleeping_waiters_miss_no_wakeup_in_100k_rounds() {
+        // Waiters that sleep almost at once: every round crosses the futex path, and a lost
+        // wake-up would cost a 20 ms sleep chunk (2,000 s for 100k rounds).
+        let mut fabrics = LocalFabric::create(&[MIN_WINDOW; 2], min_slots(2)).unwrap();
+        for f in &mut fabrics {
+            f.set_wait_policy(crate::fabric::WaitPolicy {
+                spin_iters: 1,
+                yield_for: Duration::ZERO,
+            });
+        }
+        let start = Instant::now();
+        let budget = Duration::from_secs(30);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = fabrics
+                .iter()
+                .map(|f| {
+                    s.spawn(move || -> Result<()> {
+                        for _ in 0..100 {
+                            signal_ping_pong(f, 1_000)?;
+                            if start.elapsed() > budget {
+                                return Err(fail(format!("lost wake-ups: over {budget:?}")));
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap().unwrap();
+            }
+        });
+    }
+
+    #[test]
     fn local_wait_on_dropped_peer_fails_fast_naming_it() {
         let mut fabrics = LocalFabric::create(&[MIN_WINDOW; 2], 4).unwrap();
         let f1 = fabrics.pop().unwrap();

@@ -33,7 +33,6 @@ struct World {
     num_slots: usize,
     barrier: Mutex<BarrierState>,
     barrier_cv: Condvar,
-    wait_policy: WaitPolicy,
     caps: Capabilities,
 }
 
@@ -41,6 +40,7 @@ struct World {
 pub struct LocalFabric {
     world: Arc<World>,
     rank: usize,
+    wait_policy: WaitPolicy,
 }
 
 impl LocalFabric {
@@ -92,15 +92,21 @@ impl LocalFabric {
                 ..Default::default()
             }),
             barrier_cv: Condvar::new(),
-            wait_policy: WaitPolicy::for_ranks_on_host(n),
             caps,
         });
+        let wait_policy = WaitPolicy::for_ranks_on_host(n);
         Ok((0..n)
             .map(|rank| LocalFabric {
                 world: world.clone(),
                 rank,
+                wait_policy,
             })
             .collect())
+    }
+
+    /// Overrides how this rank's waits spin before sleeping.
+    pub fn set_wait_policy(&mut self, policy: WaitPolicy) {
+        self.wait_policy = policy;
     }
 
     fn peer(&self, peer: usize) -> Result<&RankMemory> {
@@ -194,12 +200,9 @@ impl Fabric for LocalFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let liveness = |peer: usize| self.check_peer(peer);
-        self.world.ranks[self.rank].control.wait_with(
-            self.world.wait_policy,
-            deadline,
-            poll,
-            &liveness,
-        )
+        self.world.ranks[self.rank]
+            .control
+            .wait_with(self.wait_policy, deadline, poll, &liveness)
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {

@@ -173,10 +173,17 @@ impl ControlArea {
 
     /// Stores `value` in slot `slot` and wakes sleepers. `owner` names this area's rank in errors.
     pub fn store(&self, slot: usize, value: u64, owner: usize) -> Result<()> {
-        // SYNC POINT: Release orders every earlier put of the signalling rank before the value;
-        // pairs with the Acquire load in `load`.
-        self.slot(slot, owner)?.store(value, Ordering::Release);
-        self.wake();
+        // SYNC POINT: the store orders every earlier put of the signalling rank before the value
+        // (pairs with the Acquire load in `load`). It is SeqCst for the Dekker pair with a waiter
+        // going to sleep (`wait_with`): the waiter bumps the sleeper count then re-polls the
+        // slot, we store the slot then read the count; so either its re-poll sees the value or
+        // we see the sleeper and bump the doorbell it sleeps on. A waiter that only spins costs
+        // no read-modify-write on its doorbell line.
+        self.slot(slot, owner)?.store(value, Ordering::SeqCst);
+        if self.sleepers().load(Ordering::SeqCst) > 0 {
+            self.doorbell().fetch_add(1, Ordering::SeqCst);
+            futex_wake(self.doorbell());
+        }
         Ok(())
     }
 
@@ -210,9 +217,9 @@ impl ControlArea {
 
     /// Wakes every sleeper on this area's doorbell (they re-poll).
     pub fn wake(&self) {
-        // SYNC POINT (Dekker pair with the sleeper in `wait_until`): the SeqCst increment and the SeqCst load of the
-        // sleeper count below, against the sleeper's SeqCst increment and the kernel's re-read of
-        // the doorbell: either the sleeper sees the new doorbell value or we see the sleeper.
+        // SYNC POINT (Dekker pair with the sleeper in `wait_with`): the SeqCst bump and the
+        // SeqCst load of the sleeper count, against the sleeper's SeqCst increment and the
+        // kernel's re-read of the doorbell: the sleeper sees the new value or we see it.
         self.doorbell().fetch_add(1, Ordering::SeqCst);
         if self.sleepers().load(Ordering::SeqCst) > 0 {
             futex_wake(self.doorbell());
@@ -278,15 +285,17 @@ impl ControlArea {
                 liveness(waiting.peer)?;
                 last_check = now;
             }
-            // SYNC POINT: Acquire pairs with the SeqCst bump in `wake`. A signal whose bump this
-            // load saw is visible to the poll below; a later one changes the value the futex
-            // compares against, so it cannot be slept through.
+            // SYNC POINT: Acquire pairs with the SeqCst doorbell bumps in `store` and `wake`. A
+            // signal whose bump this load saw is visible to the polls below; a later bump changes
+            // the value the futex compares against, so it cannot be slept through.
             let seq = self.doorbell().load(Ordering::Acquire);
             if poll().is_none() {
                 return Ok(());
             }
-            // SYNC POINT: SeqCst, pairs with the sleeper-count load in `wake`.
+            // SYNC POINT: SeqCst increment then fence, pairs with the SeqCst slot store and
+            // sleeper-count load in `store` and `wake` (see `store`).
             self.sleepers().fetch_add(1, Ordering::SeqCst);
+            std::sync::atomic::fence(Ordering::SeqCst);
             if poll().is_none() {
                 self.sleepers().fetch_sub(1, Ordering::SeqCst);
                 return Ok(());
