@@ -77,7 +77,25 @@ impl Communicator {
         &mut self,
         sources: &[SourceInfo],
         mode: TransferMode,
+        fill: Option<&mut FillRow<'_>>,
+    ) -> Result<()> {
+        let mut acc = std::mem::take(&mut self.acc);
+        acc.resize(self.cfg.hidden, 0.0);
+        let sent = self.e2a_transmit(sources, mode, fill, &mut acc);
+        self.acc = acc;
+        sent?;
+        self.e2a_epoch += 1;
+        Ok(())
+    }
+
+    /// [`Communicator::e2a_send_rows`] without the epoch update, on a shared borrow (so a
+    /// [`crate::moe::view::TokenView`] can read its rows in place while it fills the replies).
+    pub(crate) fn e2a_transmit(
+        &self,
+        sources: &[SourceInfo],
+        mode: TransferMode,
         mut fill: Option<&mut FillRow<'_>>,
+        acc: &mut [f32],
     ) -> Result<()> {
         let topo = self.topo.clone();
         let ranks = topo.attention_ranks();
@@ -92,7 +110,6 @@ impl Communicator {
         let payload = self.cfg.hidden * self.cfg.dtype.size();
         let stride = self.layout.e2a_stride;
         let direct = self.fabric.capabilities().load_store;
-        self.acc.resize(self.cfg.hidden, 0.0);
         let mode = if fill.is_none() {
             TransferMode::Pull
         } else {
@@ -141,7 +158,7 @@ impl Communicator {
                 let part = &mut dst[done * stride..(done + n) * stride];
                 let tokens = info.first_token + done..info.first_token + done + n;
                 for (t, out) in tokens.zip(part.chunks_exact_mut(stride)) {
-                    fill(t, &mut out[..payload], &mut self.acc);
+                    fill(t, &mut out[..payload], acc);
                 }
                 if mode == TransferMode::Push && !direct {
                     self.fabric.put(s, remote + done * stride, part)?;
@@ -153,7 +170,6 @@ impl Communicator {
                 }
             }
         }
-        self.e2a_epoch = epoch;
         Ok(())
     }
 
