@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use half::bf16;
 use xccl::harness::{
-    attention_round, attention_round_with, expert_round, expert_round_tokens_with, Buffers,
-    Workload,
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
+    expert_round_view, Buffers, Workload,
 };
 use xccl::{
     Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
@@ -76,6 +76,9 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
             Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
             Role::Expert if round.is_multiple_of(2) => {
                 expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            Role::Expert if round % 4 == 1 => {
+                expert_round_view::<bf16>(&mut comm, &wl, round, true)
             }
             Role::Expert => {
                 expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)

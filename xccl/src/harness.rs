@@ -269,7 +269,7 @@ pub fn expert_round_tokens_with<T: Element>(
         ));
     }
     if check && verdict.is_ok() {
-        verdict = check_tokens::<T>(comm, wl, round, batch, &rows);
+        verdict = check_tokens::<T>(&Expecting::of(comm), wl, round, batch, &rows);
     }
     let locals = topo.local_experts(comm.rank()).to_vec();
     let mut reduced = vec![0f32; rows.len()];
@@ -294,15 +294,75 @@ pub fn expert_round_tokens_with<T: Element>(
     Ok(verdict)
 }
 
+/// What a check needs to know about the expert rank that received a batch.
+struct Expecting {
+    topo: Topology,
+    k: usize,
+    hidden: usize,
+    rank: usize,
+}
+
+impl Expecting {
+    fn of(comm: &Communicator) -> Self {
+        Expecting {
+            topo: comm.topology().clone(),
+            k: comm.config().topk,
+            hidden: comm.config().hidden,
+            rank: comm.rank(),
+        }
+    }
+}
+
+/// Runs one expert-rank step of `round` through [`Communicator::a2e_recv_view`]: the rows are
+/// read in place (checked against the reference when `check`), and the gating-weighted sum of
+/// [`test_expert`] is computed straight into the reply rows.
+pub fn expert_round_view<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    let ctx = Expecting::of(comm);
+    let locals = ctx.topo.local_experts(ctx.rank).to_vec();
+    let hidden = ctx.hidden;
+    let mode = comm.config().mode;
+    let view = comm.a2e_recv_view()?;
+    let mut rows = Vec::with_capacity(view.num_tokens() * hidden);
+    for i in 0..view.num_tokens() {
+        rows.extend(slice_to_f32(view.row::<T>(i)?));
+    }
+    let verdict = if check {
+        check_tokens::<T>(&ctx, wl, round, view.meta(), &rows)
+    } else {
+        Ok(())
+    };
+    let meta = view.meta().clone();
+    let mut tmp = vec![0f32; hidden];
+    let mut acc = vec![0f32; hidden];
+    view.e2a_send::<T>(mode, |i, input, output| {
+        let x = slice_to_f32(input);
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        let (experts, weights) = meta.experts_of(i);
+        for (&j, &w) in experts.iter().zip(weights) {
+            test_expert(locals[j as usize], &x, &mut tmp);
+            acc.iter_mut().zip(&tmp).for_each(|(a, v)| *a += w * v);
+        }
+        for (o, &a) in output.iter_mut().zip(&acc) {
+            *o = T::from_f32(a);
+        }
+    })?;
+    Ok(verdict)
+}
+
 fn check_tokens<T: Element>(
-    comm: &Communicator,
+    ctx: &Expecting,
     wl: &Workload,
     round: u64,
     batch: &TokenBatch,
     rows: &[f32],
 ) -> std::result::Result<(), String> {
-    let topo = comm.topology();
-    let (k, hidden, rank) = (comm.config().topk, comm.config().hidden, comm.rank());
+    let topo = &ctx.topo;
+    let (k, hidden, rank) = (ctx.k, ctx.hidden, ctx.rank);
     let inputs: Vec<RankInput> = topo
         .attention_ranks()
         .iter()

@@ -23,6 +23,7 @@ pub use error::{Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch};
 pub use moe::dtype::{DType, Element};
 pub use moe::tokens::TokenBatch;
+pub use moe::view::TokenView;
 pub use moe::wire::{MoeConfig, TransferMode};
 pub use topology::{Role, Topology, TopologyBuilder};
 

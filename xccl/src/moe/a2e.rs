@@ -243,84 +243,105 @@ impl Communicator {
     pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
         self.require_role(Role::Expert, "A2E receive")?;
         let epoch = self.a2e_epoch + 1;
+        let records =
+            self.a2e_wait_complete(epoch, &mut batch.sources, &mut batch.arrival_order)?;
+        let records: Vec<Option<(Record, WireMode)>> = records.into_iter().map(Some).collect();
+        self.arrange_expert_major(batch, &records, (epoch & 1) as usize)?;
+        self.a2e_credit_all(epoch)?;
+        self.a2e_epoch = epoch;
+        batch.epoch = epoch;
+        Ok(())
+    }
+
+    /// Waits until every attention rank's message of `epoch` is complete (record validated, all
+    /// rows signalled), one pass over all sources per wake-up; fills `sources` (rank order) and
+    /// `arrival_order`. Returns each source's record and mode.
+    pub(crate) fn a2e_wait_complete(
+        &self,
+        epoch: u64,
+        sources_out: &mut Vec<SourceInfo>,
+        arrival_order: &mut Vec<u32>,
+    ) -> Result<Vec<(Record, WireMode)>> {
         let parity = (epoch & 1) as usize;
         let start = Instant::now();
-        let deadline = self.deadline();
-        let topo = self.topo.clone();
-        let sources = topo.attention_ranks();
+        let sources = self.topo.attention_ranks();
         let max_tokens = self.cfg.max_tokens_per_rank;
-
-        batch.sources.clear();
-        batch.sources.resize(sources.len(), SourceInfo::default());
-        batch.arrival_order.clear();
+        sources_out.clear();
+        sources_out.resize(sources.len(), SourceInfo::default());
+        arrival_order.clear();
         let mut records: Vec<Option<(Record, WireMode)>> = vec![None; sources.len()];
         let mut failure: Option<Error> = None;
-        {
-            let f = &*self.fabric;
-            let slots = self.slots;
-            let layout = &self.layout;
-            let win = f.local_window();
-            let mut missing = sources.len();
-            f.wait_until(deadline, &mut || {
-                let mut first_missing = None;
-                for (i, &src) in sources.iter().enumerate() {
-                    if records[i].is_some() {
-                        continue;
-                    }
-                    let progress = Progress::of(f.signal_value(slots.a2e_ready(src)), epoch);
-                    if progress == Progress::NotYet {
-                        first_missing.get_or_insert(src);
-                        continue;
-                    }
-                    let mut rec = Record::default();
-                    let checked = win
-                        .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
-                        .and_then(|_| rec.validate(src, epoch, max_tokens));
-                    if checked.is_ok() && progress.rows(rec.count as usize) < rec.count as usize {
-                        // Rows still streaming in: the expert-major layout needs them all.
-                        first_missing.get_or_insert(src);
-                        continue;
-                    }
-                    match checked {
-                        Ok(mode) => {
-                            records[i] = Some((rec, mode));
-                            batch.sources[i] = SourceInfo {
-                                rank: src,
-                                count: rec.count as usize,
-                                reply_offset: rec.offset as usize,
-                                first_token: 0,
-                                arrived_after: start.elapsed(),
-                            };
-                            batch.arrival_order.push(i as u32);
-                            missing -= 1;
-                        }
-                        Err(e) => {
-                            failure = Some(e);
-                            return None;
-                        }
-                    }
+        let f = &*self.fabric;
+        let (slots, layout) = (self.slots, &self.layout);
+        let win = f.local_window();
+        let mut missing = sources.len();
+        let mut first_token = 0;
+        f.wait_until(self.deadline(), &mut || {
+            let mut first_missing = None;
+            for (i, &src) in sources.iter().enumerate() {
+                if records[i].is_some() {
+                    continue;
                 }
-                if missing == 0 {
-                    return None;
+                let progress = Progress::of(f.signal_value(slots.a2e_ready(src)), epoch);
+                if progress == Progress::NotYet {
+                    first_missing.get_or_insert(src);
+                    continue;
                 }
-                first_missing.map(|peer| Waiting {
-                    peer,
-                    what: "A2E record",
-                })
-            })?;
-        }
+                let mut rec = Record::default();
+                let checked = win
+                    .read(layout.record(i, parity), bytemuck::bytes_of_mut(&mut rec))
+                    .and_then(|_| rec.validate(src, epoch, max_tokens));
+                let mode = match checked {
+                    Ok(mode) => mode,
+                    Err(e) => {
+                        failure = Some(e);
+                        return None;
+                    }
+                };
+                if progress.rows(rec.count as usize) < rec.count as usize {
+                    // Rows still streaming in.
+                    first_missing.get_or_insert(src);
+                    continue;
+                }
+                records[i] = Some((rec, mode));
+                sources_out[i] = SourceInfo {
+                    rank: src,
+                    count: rec.count as usize,
+                    reply_offset: rec.offset as usize,
+                    first_token: 0,
+                    arrived_after: start.elapsed(),
+                };
+                arrival_order.push(i as u32);
+                missing -= 1;
+            }
+            if missing == 0 {
+                return None;
+            }
+            first_missing.map(|peer| Waiting {
+                peer,
+                what: "A2E record",
+            })
+        })?;
         if let Some(e) = failure {
             return Err(e);
         }
+        // Tokens are numbered source by source, in rank order.
+        for s in sources_out.iter_mut() {
+            s.first_token = first_token;
+            first_token += s.count;
+        }
+        Ok(records
+            .into_iter()
+            .map(|r| r.expect("all arrived"))
+            .collect())
+    }
 
-        self.arrange_expert_major(batch, &records, parity)?;
-
-        for &src in sources {
+    /// Tells every attention rank that this rank is done with their rows of `epoch`.
+    pub(crate) fn a2e_credit_all(&self, epoch: u64) -> Result<()> {
+        for &src in self.topo.attention_ranks() {
             self.fabric
                 .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
         }
-        self.a2e_epoch = epoch;
-        batch.epoch = epoch;
         Ok(())
     }
 
@@ -529,7 +550,7 @@ pub(crate) enum SourceRows<'a> {
     },
 }
 
-impl SourceRows<'_> {
+impl<'a> SourceRows<'a> {
     /// Number of rows.
     pub(crate) fn len(&self, fmt: &A2eRow) -> usize {
         match self {
@@ -539,8 +560,8 @@ impl SourceRows<'_> {
     }
 
     /// Metadata of row `r`.
-    pub(crate) fn meta(&self, fmt: &A2eRow, r: usize) -> &[u8] {
-        match self {
+    pub(crate) fn meta(&self, fmt: &A2eRow, r: usize) -> &'a [u8] {
+        match *self {
             SourceRows::Packed(b) => &b[r * fmt.stride + fmt.meta_offset()..(r + 1) * fmt.stride],
             SourceRows::Gathered { metas, .. } => {
                 &metas[r * fmt.meta_stride..(r + 1) * fmt.meta_stride]
@@ -549,8 +570,8 @@ impl SourceRows<'_> {
     }
 
     /// Payload of row `r`, whose metadata named `token` (already checked below max_tokens).
-    pub(crate) fn payload(&self, fmt: &A2eRow, r: usize, token: u32) -> &[u8] {
-        match self {
+    pub(crate) fn payload(&self, fmt: &A2eRow, r: usize, token: u32) -> &'a [u8] {
+        match *self {
             SourceRows::Packed(b) => &b[r * fmt.stride..r * fmt.stride + fmt.payload],
             SourceRows::Gathered { input, .. } => {
                 let t = token as usize;

@@ -6,6 +6,7 @@
 //! - [`a2e`], [`e2a`]: the two directions, as methods of [`crate::Communicator`].
 //! - [`batch`]: what A2E hands back ([`batch::ExpertBatch`], [`batch::A2eHandle`]).
 //! - [`tokens`]: the token-major receive path ([`tokens::TokenBatch`]), no expert-major expansion.
+//! - [`view`]: token rows read in place until the E2A reply ([`view::TokenView`]).
 //! - [`dtype`]: element types and f32 conversions.
 //! - [`mod@reference`]: a single-process oracle of dispatch + combine for tests.
 
@@ -16,6 +17,7 @@ pub mod e2a;
 pub mod layout;
 pub mod reference;
 pub mod tokens;
+pub mod view;
 pub mod wire;
 
 #[cfg(test)]

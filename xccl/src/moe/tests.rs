@@ -7,8 +7,8 @@ use proptest::prelude::*;
 
 use crate::fabric::Capabilities;
 use crate::harness::{
-    attention_round, attention_round_with, expert_round, expert_round_tokens_with, Buffers,
-    Workload,
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
+    expert_round_view, Buffers, Workload,
 };
 use crate::moe::dtype::{DType, Element};
 use crate::moe::wire::{MoeConfig, TransferMode};
@@ -62,6 +62,9 @@ fn run_local_caps<T: Element>(
                             }
                             Role::Expert if (round + c.rank() as u64).is_multiple_of(2) => {
                                 expert_round::<T>(&mut c, wl, round, &mut batch, true)
+                            }
+                            Role::Expert if (round + c.rank() as u64) % 4 == 1 => {
+                                expert_round_view::<T>(&mut c, wl, round, true)
                             }
                             Role::Expert => expert_round_tokens_with::<T>(
                                 &mut c,
@@ -584,4 +587,30 @@ fn registered_output_must_be_requested_for_the_same_batch() {
             .copy_from_slice(&out);
         expert.e2a_send_output(&batch).unwrap();
     });
+}
+
+#[test]
+fn dropped_view_releases_the_senders_and_the_reply_times_out_naming_the_expert() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_millis(300);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let input = wl(21, 4, false).input(&topo, 2, 0, 0);
+    let h = attn
+        .a2e_send(&[1f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let view = expert.a2e_recv_view().unwrap();
+    assert_eq!(view.num_tokens(), 4);
+    assert_eq!(view.row::<f32>(3).unwrap(), &[1f32; 8]);
+    drop(view);
+    let credit = crate::moe::wire::Slots::new(2).a2e_credit(1);
+    assert_eq!(
+        attn.fabric().signal_value(credit),
+        1,
+        "the view's drop sent the A2E credit"
+    );
+    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
+    assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
 }

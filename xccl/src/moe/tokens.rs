@@ -119,10 +119,7 @@ impl Communicator {
         self.pull_buf = landing;
         self.experts_scratch = experts;
         result?;
-        for &src in sources {
-            self.fabric
-                .signal(src, self.slots.a2e_credit(self.rank), epoch)?;
-        }
+        self.a2e_credit_all(epoch)?;
         self.a2e_epoch = epoch;
         batch.epoch = epoch;
         Ok(())
