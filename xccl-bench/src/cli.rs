@@ -70,8 +70,9 @@ pub struct Args {
     pub mode: TransferMode,
 
     /// Layout of what expert ranks receive: `token` (one row per token as it crossed the wire,
-    /// E2A takes one reduced row per token) or `expert` (rows expanded per local expert,
-    /// expert-major; E2A reduces them with the gating weights).
+    /// E2A takes one reduced row per token), `expert` (rows expanded per local expert,
+    /// expert-major; E2A reduces them with the gating weights) or `view` (token rows read in
+    /// place, replies computed straight into the reply rows).
     #[arg(long, value_enum, default_value_t = ExpertLayout::Token)]
     pub layout: ExpertLayout,
 
@@ -175,6 +176,9 @@ pub enum ExpertLayout {
     Token,
     /// `a2e_recv` + `e2a_send`: one row per (token, local expert).
     Expert,
+    /// `a2e_recv_view` + `TokenView::e2a_send`: rows read where they landed, replies written
+    /// where they go.
+    View,
 }
 
 impl ExpertLayout {
@@ -183,6 +187,7 @@ impl ExpertLayout {
         match self {
             ExpertLayout::Token => "token",
             ExpertLayout::Expert => "expert",
+            ExpertLayout::View => "view",
         }
     }
 }

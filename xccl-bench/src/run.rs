@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use indicatif::ProgressBar;
 use xccl::harness::{
-    attention_round_with, expert_round, expert_round_tokens_with, Buffers, Workload,
+    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
+    Workload,
 };
 use xccl::moe::dtype::slice_from_f32;
 use xccl::moe::reference::RankInput;
@@ -167,6 +168,16 @@ fn run_typed<T: Element>(
                     let t2 = now_ns();
                     [t0, t1, t2, batch.num_tokens() as u64]
                 }
+                Role::Expert if args.layout == ExpertLayout::View => {
+                    let mode = comm.config().mode;
+                    let view = comm.a2e_recv_view()?;
+                    let t0 = now_ns();
+                    let n = view.num_tokens() as u64;
+                    // The identity, computed straight into the reply rows.
+                    view.e2a_send::<T>(mode, |_, input, output| output.copy_from_slice(input))?;
+                    let t2 = now_ns();
+                    [t0, t0, t2, n]
+                }
                 Role::Expert if args.buffers == BufferKind::Registered => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                     let t0 = now_ns();
@@ -202,6 +213,9 @@ fn run_typed<T: Element>(
                     Role::Attention => attention_round_with::<T>(comm, &wl, round(s, it), buffers)?,
                     Role::Expert if args.layout == ExpertLayout::Expert => {
                         expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?
+                    }
+                    Role::Expert if args.layout == ExpertLayout::View => {
+                        expert_round_view::<T>(comm, &wl, round(s, it), true)?
                     }
                     Role::Expert => expert_round_tokens_with::<T>(
                         comm,
