@@ -7,7 +7,7 @@
 
 use crate::moe::dtype::{slice_from_f32, slice_to_f32, Element};
 use crate::moe::reference::{
-    expected_combine, expected_dispatch, test_expert, RankInput, SplitMix64,
+    expected_combine, expected_dispatch, test_expert, ExpertRankRows, RankInput, SplitMix64,
 };
 use crate::topology::Topology;
 use crate::{Communicator, ExpertBatch, Result, TokenBatch};
@@ -152,7 +152,7 @@ pub fn expert_round<T: Element>(
     let rows: Vec<f32> = slice_to_f32(batch.rows::<T>()?);
     let mut verdict = Ok(());
     if check {
-        verdict = check_batch::<T>(comm, wl, round, batch, &rows);
+        verdict = check_batch::<T>(&Expecting::of(comm), wl, round, batch, &rows);
     }
     let locals = topo.local_experts(comm.rank()).to_vec();
     let mut out32 = vec![0f32; rows.len()];
@@ -171,25 +171,14 @@ pub fn expert_round<T: Element>(
 }
 
 fn check_batch<T: Element>(
-    comm: &Communicator,
+    ctx: &Expecting,
     wl: &Workload,
     round: u64,
     batch: &ExpertBatch,
     rows: &[f32],
 ) -> std::result::Result<(), String> {
-    let topo = comm.topology();
-    let (k, hidden) = (comm.config().topk, comm.config().hidden);
-    let inputs: Vec<RankInput> = topo
-        .attention_ranks()
-        .iter()
-        .map(|&a| wl.input(topo, k, a, round))
-        .collect();
-    let expected = expected_dispatch(topo, &inputs);
-    let me = expected
-        .iter()
-        .find(|e| e.rank == comm.rank())
-        .ok_or("no reference for this rank")?;
-    let rank = comm.rank();
+    let (inputs, me) = ctx.expected(wl, round)?;
+    let (hidden, rank) = (ctx.hidden, ctx.rank);
     if batch.num_local_experts() != me.per_local_expert.len() {
         return Err(format!(
             "rank {rank}: {} local experts, reference {}",
@@ -303,6 +292,25 @@ struct Expecting {
 }
 
 impl Expecting {
+    /// Every attention rank's routing of `round`, and what the reference says this rank gets.
+    fn expected(
+        &self,
+        wl: &Workload,
+        round: u64,
+    ) -> std::result::Result<(Vec<RankInput>, ExpertRankRows), String> {
+        let topo = &self.topo;
+        let inputs: Vec<RankInput> = topo
+            .attention_ranks()
+            .iter()
+            .map(|&a| wl.input(topo, self.k, a, round))
+            .collect();
+        let me = expected_dispatch(topo, &inputs)
+            .into_iter()
+            .find(|e| e.rank == self.rank)
+            .ok_or("no reference for this rank")?;
+        Ok((inputs, me))
+    }
+
     fn of(comm: &Communicator) -> Self {
         Expecting {
             topo: comm.topology().clone(),
@@ -361,18 +369,8 @@ fn check_tokens<T: Element>(
     batch: &TokenBatch,
     rows: &[f32],
 ) -> std::result::Result<(), String> {
-    let topo = &ctx.topo;
-    let (k, hidden, rank) = (ctx.k, ctx.hidden, ctx.rank);
-    let inputs: Vec<RankInput> = topo
-        .attention_ranks()
-        .iter()
-        .map(|&a| wl.input(topo, k, a, round))
-        .collect();
-    let expected = expected_dispatch(topo, &inputs);
-    let me = expected
-        .iter()
-        .find(|e| e.rank == rank)
-        .ok_or("no reference for this rank")?;
+    let (inputs, me) = ctx.expected(wl, round)?;
+    let (hidden, rank) = (ctx.hidden, ctx.rank);
     let mut want: std::collections::BTreeMap<(u32, u32), Vec<(u32, f32)>> = Default::default();
     for (j, list) in me.per_local_expert.iter().enumerate() {
         for &(src, tok, w) in list {
