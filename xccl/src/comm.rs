@@ -121,6 +121,21 @@ impl Communicator {
 
     /// Builds this rank's communicator over shared memory (ranks are processes on one host).
     /// Collective: every rank of `exchange` calls it with the same topology and config.
+    ///
+    /// ```no_run
+    /// use std::{sync::Arc, time::Duration};
+    /// use xccl::bootstrap::{TcpBootstrap, UniqueId};
+    /// use xccl::{Communicator, DType, MoeConfig, Topology};
+    ///
+    /// // One process makes the id and hands its hex form to every rank (env var, file, ...).
+    /// let id: UniqueId = std::env::var("XCCL_ID").unwrap().parse()?;
+    /// let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+    /// let boot = TcpBootstrap::connect(&id, rank, 4, Duration::from_secs(60))?;
+    /// let topo = Arc::new(Topology::contiguous(2, 2, 64)?);
+    /// let cfg = MoeConfig::new(7168, DType::BF16, 8, 128);
+    /// let comm = Communicator::init_shm(Arc::new(boot), topo, cfg)?;
+    /// # Ok::<(), xccl::Error>(())
+    /// ```
     pub fn init_shm(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
