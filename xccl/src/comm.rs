@@ -5,9 +5,12 @@
 //! each fabric needs comes from [`Communicator::window_lens`]. At init every rank checks that all
 //! peers were given the same topology and config (fingerprints exchanged through the windows).
 //!
-//! Attention ranks call [`Communicator::a2e_send`] then [`Communicator::e2a_recv`]; expert ranks
-//! call [`Communicator::a2e_recv`] then [`Communicator::e2a_send`]. Calls are collective in
-//! order: every rank makes the same sequence of A2E and E2A calls.
+//! Attention ranks call [`Communicator::a2e_send`] (or [`Communicator::a2e_input`] +
+//! [`Communicator::a2e_send_input`]) then [`Communicator::e2a_recv`]. Expert ranks receive with
+//! [`Communicator::a2e_recv`] (expert-major), [`Communicator::a2e_recv_tokens`] (token-major, per
+//! source as it arrives) or [`Communicator::a2e_recv_view`] (in place), and reply with the
+//! matching E2A send. Calls are collective in order: every rank makes the same sequence of A2E
+//! and E2A calls.
 
 use std::sync::Arc;
 use std::time::Duration;
