@@ -247,15 +247,7 @@ pub fn bind_addr_from(get: &dyn Fn(&str) -> Option<String>) -> Result<SocketAddr
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| map.get(k).cloned()
-    }
+    use crate::bootstrap::env::tests::env;
 
     #[test]
     fn id_round_trips_through_bytes_and_hex() {
