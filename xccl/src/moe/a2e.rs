@@ -3,23 +3,23 @@
 //! Sender (attention rank `s`, call epoch `e`, parity `p = e & 1`):
 //! 1. validate everything and build the [`DispatchLayout`]; nothing is written before this;
 //! 2. wait for credit `e - 2` from every expert rank (the parity's previous user is consumed);
-//! 3. per expert rank `d` (rotated by `s` to spread incast): encode the rows for `d` — straight
-//!    into `d`'s receive area (push, load/store fabrics), into local staging then `put` (push,
-//!    other fabrics), or into local staging only (pull) — then put the [`Record`] and signal
-//!    `a2e_ready[s] = e`.
+//! 3. per expert rank `d` (rotated by `s` to spread incast): put the [`Record`] first, then encode
+//!    the rows for `d` in chunks — straight into `d`'s receive area (push, load/store fabrics),
+//!    into local staging then `put` (push, other fabrics), or into local staging only (pull) —
+//!    signalling `a2e_ready[s] = progress(e, rows)` after each chunk. With a registered input
+//!    (gather) only metadata rows are written; receivers read the payloads from the input.
 //!
-//! Receiver (expert rank `d`): one pass over all sources per wake-up until every record of epoch
-//! `e` is in (arrival order and times are kept), then rows are arranged expert-major straight from
-//! where they lie (own window, or the sender's window for pull on load/store fabrics), and credit
-//! `e` goes back to every source.
+//! Receiver (expert rank `d`, [`Communicator::a2e_recv`]): one pass over all sources per wake-up
+//! until every message of epoch `e` is complete (arrival order and times are kept), then rows are
+//! arranged expert-major straight from where they lie ([`SourceRows`]), and credit `e` goes back
+//! to every source.
 
+use std::ops::Range;
 use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
 use super::dtype::Element;
 use super::layout::DispatchLayout;
-use std::ops::Range;
-
 use super::wire::{chunk_rows, progress, A2eRow, Progress, Record, TransferMode, WireMode};
 use crate::comm::Communicator;
 use crate::fabric::Waiting;

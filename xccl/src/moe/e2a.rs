@@ -1,15 +1,16 @@
 //! E2A (combine): expert ranks send weighted sums back; attention ranks add them up.
 //!
 //! Sender (expert rank `d`, E2A epoch `f`, parity `q`): after credit `f - 2` from every attention
-//! rank, for each source `s` and each token it sent, sums the outputs of the token's local experts
-//! weighted by the gating weights that came with it (f32), rounds once to the wire dtype and
-//! writes the row — into `s`'s reply area at the offset `s` named in its A2E record (push), or
-//! into local staging (pull) — then puts the record and signals `e2a_ready[d] = f`.
+//! rank, for each source `s` it puts the record, then writes the reply rows in chunks — each the
+//! gating-weighted sum of the token's local experts in f32, rounded once to the wire dtype (or
+//! the caller's already-reduced row) — into `s`'s reply area at the offset `s` named in its A2E
+//! record (push) or into its own staging at the token's index (pull), signalling
+//! `e2a_ready[d] = progress(f, rows)` after each chunk.
 //!
-//! Receiver (attention rank `s`): scans every expert rank's record in one pass per wake-up until
-//! all are in, then reduces token by token: each token's rows are added in expert-rank order into
-//! one H-wide f32 accumulator that stays in cache, and rounded once to the output dtype, so the
-//! result is bitwise reproducible run to run.
+//! Receiver (attention rank `s`): one pass over every expert rank's progress per wake-up; every
+//! token whose rows have all arrived (below the watermark) is reduced at once, its rows added in
+//! expert-rank order into one H-wide f32 accumulator that stays in cache and rounded once to the
+//! output dtype, so the result is bitwise reproducible run to run.
 
 use super::batch::{A2eHandle, ExpertBatch, SourceInfo};
 use super::wire::{chunk_rows, progress, Progress, Record, TransferMode, WireMode};
