@@ -11,7 +11,7 @@
 //!
 //! Receiver (expert rank `d`, [`Communicator::a2e_recv`]): one pass over all sources per wake-up
 //! until every message of epoch `e` is complete (arrival order and times are kept), then rows are
-//! arranged expert-major straight from where they lie ([`SourceRows`]), and credit `e` goes back
+//! arranged expert-major straight from where they lie (`SourceRows`), and credit `e` goes back
 //! to every source.
 
 use std::ops::Range;
