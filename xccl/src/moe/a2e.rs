@@ -245,7 +245,6 @@ impl Communicator {
         let epoch = self.a2e_epoch + 1;
         let records =
             self.a2e_wait_complete(epoch, &mut batch.sources, &mut batch.arrival_order)?;
-        let records: Vec<Option<(Record, WireMode)>> = records.into_iter().map(Some).collect();
         self.arrange_expert_major(batch, &records, (epoch & 1) as usize)?;
         self.a2e_credit_all(epoch)?;
         self.a2e_epoch = epoch;
@@ -417,7 +416,7 @@ impl Communicator {
     fn arrange_expert_major(
         &mut self,
         batch: &mut ExpertBatch,
-        records: &[Option<(Record, WireMode)>],
+        records: &[(Record, WireMode)],
         parity: usize,
     ) -> Result<()> {
         let stride = self.layout.a2e.stride;
@@ -426,8 +425,7 @@ impl Communicator {
         let mut landing = std::mem::take(&mut self.pull_buf);
         let mut fetched = Vec::with_capacity(records.len());
         let mut total = 0;
-        for slot in records {
-            let (rec, mode) = slot.as_ref().expect("every record arrived");
+        for (rec, mode) in records {
             let n = if *mode == WireMode::Pull && !direct {
                 rec.count as usize * stride
             } else {
@@ -439,8 +437,7 @@ impl Communicator {
         landing.resize(total, 0);
         let mut experts = std::mem::take(&mut self.experts_scratch);
         let mut result = Ok(());
-        for (i, slot) in records.iter().enumerate() {
-            let (rec, _) = slot.as_ref().expect("every record arrived");
+        for (i, (rec, _)) in records.iter().enumerate() {
             if !fetched[i].is_empty() && result.is_ok() {
                 let rows = 0..rec.count as usize;
                 result =
@@ -459,7 +456,7 @@ impl Communicator {
     fn arrange_from(
         &self,
         batch: &mut ExpertBatch,
-        records: &[Option<(Record, WireMode)>],
+        records: &[(Record, WireMode)],
         parity: usize,
         landing: &[u8],
         fetched: &[Range<usize>],
@@ -470,8 +467,7 @@ impl Communicator {
         let max_tokens = self.cfg.max_tokens_per_rank;
         let sources = self.topo.attention_ranks();
         let mut views = Vec::with_capacity(records.len());
-        for (i, slot) in records.iter().enumerate() {
-            let (rec, mode) = slot.as_ref().expect("every record arrived");
+        for (i, (rec, mode)) in records.iter().enumerate() {
             let rows = 0..rec.count as usize;
             views.push(match self.a2e_rows_in_place(i, rec, *mode, parity, rows)? {
                 Some(v) => v,
