@@ -144,12 +144,11 @@ impl TokenView<'_> {
                 self.num_tokens()
             )));
         }
+        // Sources hold consecutive token ranges in rank order: the first not ending by `i`.
         let s = self
             .meta
             .sources
-            .iter()
-            .rposition(|s| s.first_token <= i && s.count > 0)
-            .expect("a source holds every token");
+            .partition_point(|s| s.first_token + s.count <= i);
         let info = self.meta.sources[s];
         let r = i - info.first_token;
         let fmt = self.comm.layout.a2e;
