@@ -1,4 +1,5 @@
-//! Protocol tests over the in-process fabric: every result checked against the reference.
+//! Communicator tests over the in-process fabric: every result checked bit for bit against the
+//! reference, and every defined failure state (rejected calls, poisoning, aborts, bad peer data).
 
 use std::time::Duration;
 
@@ -6,12 +7,13 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 
 use crate::fabric::Capabilities;
-use crate::harness::{
-    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
-    expert_round_view, Buffers, Workload,
-};
+use crate::moe::config::{MoeConfig, TransferMode};
 use crate::moe::dtype::{DType, Element};
-use crate::moe::wire::{MoeConfig, TransferMode};
+use crate::testing::harness::{
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
+    expert_round_view, first_difference, token_replies, Buffers, Workload,
+};
+use crate::testing::reference::{expected_combine_exact, test_expert};
 use crate::topology::{Role, Topology, TopologyBuilder};
 use crate::{Communicator, Error, ExpertBatch, TokenBatch};
 
@@ -164,7 +166,7 @@ fn rows_larger_than_a_chunk_stream_in_pieces() {
     let topo = Topology::contiguous(2, 2, 8).unwrap();
     let c = cfg(8192, DType::F32, 3, 16);
     assert_eq!(
-        crate::moe::wire::chunk_rows(8192 * 4 + 64, c.chunk_bytes),
+        crate::moe::progress::chunk_rows(8192 * 4 + 64, c.chunk_bytes),
         1
     );
     run_local::<f32>(&topo, &c, &wl(15, 16, true), 6, BOTH).unwrap();
@@ -264,42 +266,38 @@ fn interleaved_roles_work() {
 fn results_are_bitwise_identical_run_to_run() {
     let topo = Topology::contiguous(2, 3, 12).unwrap();
     let c = cfg(16, DType::BF16, 4, 8);
-    let run =
-        || {
-            let comms = Communicator::local_group(&topo, &c).unwrap();
-            let w = wl(12, 8, false);
-            std::thread::scope(|s| {
-                let hs: Vec<_> =
-                    comms
-                        .into_iter()
-                        .map(|mut comm| {
-                            let w = w.clone();
-                            s.spawn(move || {
-                                if comm.role() == Role::Expert {
-                                    let mut b = ExpertBatch::new();
-                                    expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
-                                        .unwrap()
-                                        .unwrap();
-                                    return Vec::new();
-                                }
-                                let input = w.input(comm.topology(), 4, comm.rank(), 0);
-                                let x: Vec<bf16> = crate::moe::dtype::slice_from_f32(
-                                    &w.hidden_states(comm.rank(), 0, input.num_tokens, 16),
-                                );
-                                let h = comm
-                                    .a2e_send(&x, &input.topk_idx, &input.topk_weights)
-                                    .unwrap();
-                                let mut out = vec![bf16::ZERO; x.len()];
-                                comm.e2a_recv(h, &mut out).unwrap();
-                                out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
-                            })
-                        })
-                        .collect();
-                hs.into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
-            })
-        };
+    let run = || {
+        let comms = Communicator::local_group(&topo, &c).unwrap();
+        let w = wl(12, 8, false);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut comm| {
+                    let w = w.clone();
+                    s.spawn(move || {
+                        if comm.role() == Role::Expert {
+                            let mut b = ExpertBatch::new();
+                            expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
+                                .unwrap()
+                                .unwrap();
+                            return Vec::new();
+                        }
+                        let input = w.input(comm.topology(), 4, comm.rank(), 0);
+                        let x: Vec<bf16> = w.hidden_states(comm.rank(), 0, input.num_tokens, 16);
+                        let h = comm
+                            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+                            .unwrap();
+                        let mut out = vec![bf16::ZERO; x.len()];
+                        comm.e2a_recv(&h, &mut out).unwrap();
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
     assert_eq!(run(), run());
 }
 
@@ -399,10 +397,13 @@ fn mismatched_config_is_caught_at_init_naming_the_peer() {
     let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t2, b).err());
     let e0 = Communicator::new(Box::new(f0), topo, a).err();
     let e1 = h.join().unwrap();
-    assert!(
-        matches!(e0, Some(Error::Protocol { peer: 1, .. })),
-        "{e0:?}"
-    );
+    match e0 {
+        Some(Error::Protocol { peer: 1, detail }) => assert!(
+            detail.contains("topk = 3") && detail.contains("topk = 2"),
+            "names the field and both values: {detail}"
+        ),
+        other => panic!("{other:?}"),
+    }
     assert!(
         matches!(e1, Some(Error::Protocol { peer: 0, .. })),
         "{e1:?}"
@@ -422,7 +423,7 @@ fn missing_expert_rank_times_out_naming_it() {
     let h = attn
         .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
         .unwrap();
-    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
+    let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
     assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
 }
 
@@ -451,8 +452,7 @@ proptest! {
 
 #[test]
 fn two_microbatches_in_flight_come_back_right() {
-    // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both parities in use at once.
-    use crate::moe::reference::{expected_combine, test_expert};
+    // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both buffers in use at once.
     let topo = Topology::contiguous(2, 3, 9).unwrap();
     let c = cfg(4096, DType::F32, 3, 12);
     let w = wl(19, 12, true);
@@ -469,23 +469,8 @@ fn two_microbatches_in_flight_come_back_right() {
                             comm.a2e_recv_tokens(b, &mut |_, _| {}).unwrap();
                         }
                         for b in &batches {
-                            let locals = topo.local_experts(comm.rank());
-                            let rows = b.rows::<f32>().unwrap();
-                            let mut out = vec![0f32; rows.len()];
-                            let mut tmp = vec![0f32; hidden];
-                            for i in 0..b.num_tokens() {
-                                let (es, ws) = b.experts_of(i);
-                                for (&j, &wt) in es.iter().zip(ws) {
-                                    test_expert(
-                                        locals[j as usize],
-                                        &rows[i * hidden..][..hidden],
-                                        &mut tmp,
-                                    );
-                                    for (o, v) in out[i * hidden..][..hidden].iter_mut().zip(&tmp) {
-                                        *o += wt * v;
-                                    }
-                                }
-                            }
+                            let locals = topo.local_experts(comm.rank()).to_vec();
+                            let out: Vec<f32> = token_replies(&locals, b);
                             comm.e2a_send_tokens(b, &out).unwrap();
                         }
                     }
@@ -516,14 +501,14 @@ fn two_microbatches_in_flight_come_back_right() {
                         .unwrap();
                     for (m, h) in [h0, h1].into_iter().enumerate() {
                         let mut out = vec![0f32; xs[m].len()];
-                        comm.e2a_recv(h, &mut out).unwrap();
-                        let want = expected_combine(topo, &inputs[m], &xs[m], hidden, &test_expert);
-                        for (g, r) in out.iter().zip(&want) {
-                            assert!(
-                                (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
-                                "microbatch {m}: {g} vs {r}"
-                            );
-                        }
+                        comm.e2a_recv(&h, &mut out).unwrap();
+                        let want =
+                            expected_combine_exact(topo, &inputs[m], &xs[m], hidden, &test_expert);
+                        assert_eq!(
+                            first_difference(&out, &want, hidden),
+                            None,
+                            "microbatch {m}"
+                        );
                     }
                 }
             });
@@ -559,28 +544,14 @@ fn registered_output_must_be_requested_for_the_same_batch() {
             "{err}"
         );
         let mut stale = batch.clone();
-        stale.epoch += 1;
-        expert.e2a_output::<f32>(&stale).unwrap();
+        stale.recv.epoch += 1;
+        let err = expert.e2a_output::<f32>(&stale).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         let err = expert.e2a_send_output(&batch).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         // Nothing was sent: the real reply still goes through and checks out.
-        let rows = batch.rows::<f32>().unwrap().to_vec();
         let locals = topo.local_experts(1).to_vec();
-        let mut out = vec![0f32; rows.len()];
-        let mut tmp = vec![0f32; 8];
-        for i in 0..batch.num_tokens() {
-            let (es, ws) = batch.experts_of(i);
-            for (&j, &wt) in es.iter().zip(ws) {
-                crate::moe::reference::test_expert(
-                    locals[j as usize],
-                    &rows[i * 8..][..8],
-                    &mut tmp,
-                );
-                for (o, v) in out[i * 8..][..8].iter_mut().zip(&tmp) {
-                    *o += wt * v;
-                }
-            }
-        }
+        let out: Vec<f32> = token_replies(&locals, &batch);
         expert
             .e2a_output::<f32>(&batch)
             .unwrap()
@@ -590,10 +561,9 @@ fn registered_output_must_be_requested_for_the_same_batch() {
 }
 
 #[test]
-fn dropped_view_releases_the_senders_and_the_reply_times_out_naming_the_expert() {
+fn dropped_view_aborts_the_job_naming_the_expert_and_the_epoch() {
     let topo = Topology::contiguous(1, 1, 4).unwrap();
-    let mut c = cfg(8, DType::F32, 2, 4);
-    c.timeout = Duration::from_millis(300);
+    let c = cfg(8, DType::F32, 2, 4);
     let mut comms = Communicator::local_group(&topo, &c).unwrap();
     let mut expert = comms.pop().unwrap();
     let mut attn = comms.pop().unwrap();
@@ -605,12 +575,14 @@ fn dropped_view_releases_the_senders_and_the_reply_times_out_naming_the_expert()
     assert_eq!(view.num_tokens(), 4);
     assert_eq!(view.row::<f32>(3).unwrap(), &[1f32; 8]);
     drop(view);
-    let credit = crate::moe::wire::Slots::new(2).a2e_credit(1);
-    assert_eq!(
-        attn.fabric().signal_value(credit),
-        1,
-        "the view's drop sent the A2E credit"
+    let start = std::time::Instant::now();
+    let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("dropped its view of A2E epoch 1")),
+        "{err}"
     );
-    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
-    assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "seen at once, not at the deadline"
+    );
 }
