@@ -1,7 +1,7 @@
 //! The MoE exchange protocol: A2E (dispatch) and E2A (combine), as a layer of its own.
 //!
 //! The protocol's state lives in one type per role and direction, each working on a shared
-//! [`context::Context`] (fabric, topology, config, window layout, slots); the
+//! `context::Context` (fabric, topology, config, window layout, slots); the
 //! [`crate::Communicator`] builds them, checks that peers agree, and delegates. A row can be
 //! followed from `a2e_send` down to `Fabric::put` without leaving these files:
 //!

@@ -1,5 +1,5 @@
 //! Test tools, behind the `testing` feature: the single-process reference of dispatch and
-//! combine ([`reference`]) and deterministic workloads driven through a real communicator and
+//! combine ([`mod@reference`]) and deterministic workloads driven through a real communicator and
 //! checked against it bit for bit ([`harness`]). Used by the crate's tests, the multi-process
 //! tests and `xccl-bench --check`; not part of the library's default API.
 

@@ -2,7 +2,7 @@
 //! tested against, plus shared test helpers (a deterministic expert function and a routing generator).
 //!
 //! This module owns the *contract* of what the protocol delivers, written as plainly as possible and
-//! independently of [`DispatchLayout`](super::layout::DispatchLayout):
+//! independently of [`DispatchLayout`](crate::moe::routing::DispatchLayout):
 //!
 //! - [`expected_dispatch`]: for every expert rank, for every local expert, the rows it receives as
 //!   `(source rank, source token, weight)`, ordered by source rank, then source token. The real A2E
