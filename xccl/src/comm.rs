@@ -363,6 +363,12 @@ impl Communicator {
         self.ctx.layout.window_len(self.ctx.rank)
     }
 
+    /// The protocol context, for the crate's own tests.
+    #[cfg(test)]
+    pub(crate) fn ctx(&self) -> &Context {
+        &self.ctx
+    }
+
     /// The error that poisoned this communicator, if one did.
     pub fn poisoned(&self) -> Option<&Error> {
         self.poisoned.as_ref()
@@ -405,6 +411,9 @@ impl Communicator {
     fn call<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
+        }
+        if let Some((by, reason)) = self.ctx.fabric.aborted() {
+            return Err(self.fail(Error::Aborted { by, reason }));
         }
         self.ctx.begin_call();
         match f(&self.ctx, &mut self.side) {
