@@ -125,7 +125,8 @@ fn rank_main(rank: usize, m: usize, n: usize, rounds: usize) -> Result<(), Strin
         Role::Expert => {
             let mut batch = TokenBatch::new();
             for _ in 0..rounds {
-                comm.a2e_recv_tokens(&mut batch, &mut |_, _| {}).map_err(e)?;
+                comm.a2e_recv_tokens(&mut batch, &mut |_, _| {})
+                    .map_err(e)?;
                 // Each token's reply: sum over its local experts of weight * (2 * x).
                 let rows = batch.rows::<f32>().map_err(e)?;
                 let mut reduced = vec![0f32; rows.len()];

@@ -577,12 +577,21 @@ impl ShmFabric {
                 });
             }
         }
+        let wait_policy = WaitPolicy::for_ranks_on_host(size);
+        tracing::debug!(
+            rank,
+            world = size,
+            window_len,
+            num_slots,
+            ?wait_policy,
+            "shm fabric ready; segments unlinked"
+        );
         Ok(ShmFabric {
             exchange,
             rank,
             num_slots,
             segments,
-            wait_policy: WaitPolicy::for_ranks_on_host(size),
+            wait_policy,
         })
     }
 
@@ -908,9 +917,13 @@ mod tests {
                 return Ok(Duration::ZERO);
             }
             let start = Instant::now();
-            let r = f.wait_signal(0, 1, "nothing", crate::fabric::deadline_after(Duration::from_secs(20)), &|v| {
-                v > 0
-            });
+            let r = f.wait_signal(
+                0,
+                1,
+                "nothing",
+                crate::fabric::deadline_after(Duration::from_secs(20)),
+                &|v| v > 0,
+            );
             match r {
                 Err(Error::Aborted { by: 1, reason }) if reason.contains("lost its device") => {
                     Ok(start.elapsed())
