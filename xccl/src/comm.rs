@@ -41,6 +41,7 @@ use crate::moe::dispatch::{DispatchReceiver, DispatchSender};
 use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
 use crate::moe::slots::Slots;
+use crate::moe::stats::Stats;
 use crate::moe::view::{TokenView, ViewParts};
 use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
@@ -71,6 +72,21 @@ pub struct Communicator {
     poisoned: Option<Error>,
     /// Generation of the last [`Communicator::barrier`].
     barrier_gen: u64,
+    /// Counters of the last call, and of every call so far.
+    last_stats: Stats,
+    total_stats: Stats,
+}
+
+/// The error for a call that relays do not support (nothing is written: the call may be
+/// retried another way).
+fn through_relays(ctx: &Context, what: &str) -> Result<()> {
+    if ctx.topo.relay_plan().is_some() {
+        return Err(Error::invalid(format!(
+            "{what} is not supported through relays yet (relays take push transfers, \
+             caller buffers, expert-major or token-major receives and replies in the dtype)"
+        )));
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Communicator {
@@ -103,6 +119,28 @@ fn require_dtype<T: Element>(ctx: &Context) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// E2A send of an expert rank through relays: its replies to every relay, then, on a relay, the
+/// reduction and forwarding of its members' rows. Nothing is written before the checks pass.
+fn relayed_e2a(
+    ctx: &Context,
+    dispatch: &mut DispatchReceiver,
+    combine: &mut CombineSender,
+    epoch: u64,
+    sources: &[crate::SourceInfo],
+    mode: TransferMode,
+    replies: Replies<'_>,
+) -> Result<()> {
+    if mode == TransferMode::Pull {
+        through_relays(ctx, "pull E2A")?;
+    }
+    if ctx.cfg.e2a_quant != crate::Quant::None {
+        through_relays(ctx, "INT8 E2A")?;
+    }
+    let deadline = ctx.call_deadline();
+    combine.send_relayed(ctx, epoch, sources, replies, deadline)?;
+    dispatch.relay_e2a(ctx, epoch, deadline)
 }
 
 fn check_len(what: &str, bytes: usize, rows: usize, payload: usize) -> Result<()> {
@@ -148,6 +186,8 @@ impl Communicator {
             side,
             poisoned: None,
             barrier_gen: 0,
+            last_stats: Stats::default(),
+            total_stats: Stats::default(),
         };
         comm.init_slots()?;
         comm.handshake()?;
@@ -400,9 +440,31 @@ impl Communicator {
         Ok(())
     }
 
-    /// Metadata records one A2E call writes in the whole job (one per (attention, expert) pair).
+    /// Metadata records one A2E call writes in the whole job, by formula: one per (attention,
+    /// expert) pair, or with relays one per attention rank plus one per (relay, expert rank).
+    /// [`Communicator::total_stats`] counts the records actually written.
     pub fn a2e_records_per_call(&self) -> usize {
-        self.ctx.attention().len() * self.ctx.experts().len()
+        let (m, n) = (self.ctx.attention().len(), self.ctx.experts().len());
+        match self.ctx.topo.relay_plan() {
+            Some(plan) => plan.records_per_call(m, n),
+            None => m * n,
+        }
+    }
+
+    /// What the last call on this communicator counted (records, rows, bytes and time waited
+    /// per peer, relay forwards); a failed call's counts too.
+    pub fn last_call_stats(&self) -> &Stats {
+        &self.last_stats
+    }
+
+    /// What every call on this communicator counted, added up.
+    pub fn total_stats(&self) -> &Stats {
+        &self.total_stats
+    }
+
+    /// Clears the totals of [`Communicator::total_stats`].
+    pub fn reset_stats(&mut self) {
+        self.total_stats = Stats::default();
     }
 
     /// Aborts the job with `reason`: every rank's current and future waits fail with
@@ -427,7 +489,10 @@ impl Communicator {
             return Err(self.fail(Error::Aborted { by, reason }));
         }
         self.ctx.begin_call();
-        match f(&self.ctx, &mut self.side) {
+        let result = f(&self.ctx, &mut self.side);
+        self.last_stats.clone_from(&self.ctx.stats.borrow());
+        self.total_stats.add(&self.last_stats);
+        match result {
             Ok(r) => Ok(r),
             Err(e) => Err(self.fail(e)),
         }
@@ -557,6 +622,9 @@ impl Communicator {
         mode: TransferMode,
     ) -> Result<A2eHandle> {
         self.attention("A2E send", |ctx, dispatch, _| {
+            if mode == TransferMode::Pull {
+                through_relays(ctx, "pull A2E")?;
+            }
             let deadline = ctx.call_deadline();
             dispatch.send(ctx, x, topk_idx, topk_weights, mode.into(), deadline)
         })
@@ -572,6 +640,7 @@ impl Communicator {
     pub fn a2e_input<T: Element>(&mut self) -> Result<&mut [T]> {
         self.attention("A2E input", |ctx, dispatch, _| {
             require_dtype::<T>(ctx)?;
+            through_relays(ctx, "the registered A2E input")?;
             dispatch.prepare_input(ctx, ctx.call_deadline())
         })?;
         let Side::Attention { dispatch, .. } = &mut self.side else {
@@ -602,6 +671,7 @@ impl Communicator {
         topk_weights: &[f32],
     ) -> Result<A2eHandle> {
         self.attention("A2E send", |ctx, dispatch, _| {
+            through_relays(ctx, "the registered A2E input")?;
             let deadline = ctx.call_deadline();
             dispatch.send_input(ctx, num_tokens, topk_idx, topk_weights, deadline)
         })
@@ -667,6 +737,7 @@ impl Communicator {
     /// returns a view over them where they lie. Reply with [`TokenView::e2a_send`].
     pub fn a2e_recv_view(&mut self) -> Result<TokenView<'_>> {
         let parts = self.expert("A2E receive", |ctx, dispatch, _| {
+            through_relays(ctx, "the A2E view")?;
             ViewParts::receive(ctx, dispatch, ctx.call_deadline())
         })?;
         let Side::Expert { dispatch, combine } = &mut self.side else {
@@ -702,14 +773,26 @@ impl Communicator {
             )?;
             let replies = Replies::Reduce { batch, out };
             let deadline = ctx.call_deadline();
-            combine.send(
-                ctx,
-                batch.recv.epoch,
-                batch.sources(),
-                mode,
-                replies,
-                deadline,
-            )?;
+            if ctx.topo.relay_plan().is_some() {
+                relayed_e2a(
+                    ctx,
+                    dispatch,
+                    combine,
+                    batch.recv.epoch,
+                    batch.sources(),
+                    mode,
+                    replies,
+                )?;
+            } else {
+                combine.send(
+                    ctx,
+                    batch.recv.epoch,
+                    batch.sources(),
+                    mode,
+                    replies,
+                    deadline,
+                )?;
+            }
             dispatch.replied();
             Ok(())
         })
@@ -746,14 +829,26 @@ impl Communicator {
             )?;
             let deadline = ctx.call_deadline();
             let replies = Replies::Tokens(reduced);
-            combine.send(
-                ctx,
-                batch.recv.epoch,
-                batch.sources(),
-                mode,
-                replies,
-                deadline,
-            )?;
+            if ctx.topo.relay_plan().is_some() {
+                relayed_e2a(
+                    ctx,
+                    dispatch,
+                    combine,
+                    batch.recv.epoch,
+                    batch.sources(),
+                    mode,
+                    replies,
+                )?;
+            } else {
+                combine.send(
+                    ctx,
+                    batch.recv.epoch,
+                    batch.sources(),
+                    mode,
+                    replies,
+                    deadline,
+                )?;
+            }
             dispatch.replied();
             Ok(())
         })
@@ -769,6 +864,7 @@ impl Communicator {
         let epoch = batch.recv.epoch;
         self.expert("E2A output", |ctx, dispatch, combine| {
             require_dtype::<T>(ctx)?;
+            through_relays(ctx, "the registered E2A output")?;
             dispatch.check_reply(ctx, batch.recv.comm, epoch)?;
             combine.prepare_output(ctx, epoch, ctx.call_deadline())
         })?;
@@ -795,6 +891,7 @@ impl Communicator {
     /// called for this batch): only records and signals go out; attention ranks pull the rows.
     pub fn e2a_send_output(&mut self, batch: &TokenBatch) -> Result<()> {
         self.expert("E2A send", |ctx, dispatch, combine| {
+            through_relays(ctx, "the registered E2A output")?;
             dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
             if !combine.take_output(batch.recv.epoch) {
                 return Err(Error::invalid(

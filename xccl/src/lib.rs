@@ -6,7 +6,7 @@
 //!   shared memory ([`fabric::shm`]) or threads in one process ([`fabric::local`]).
 //! - [`bootstrap`]: rendezvous of the ranks of one job (unique id or launcher environment),
 //!   allgather, barrier, out-of-band abort.
-//! - [`topology`]: roles, expert placement with replicas; pure data.
+//! - [`topology`]: roles, expert placement with replicas, relay plan; pure data.
 //! - [`moe`]: the A2E (dispatch) and E2A (combine) wire protocol, one type per role and
 //!   direction.
 //! - [`Communicator`]: builds and checks everything, delegates, and owns the failure state.
@@ -34,8 +34,9 @@ pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
 pub use moe::dtype::{DType, Element};
 pub use moe::quant::Quant;
+pub use moe::stats::{PeerStats, Stats};
 pub use moe::view::TokenView;
-pub use topology::{Role, Topology, TopologyBuilder};
+pub use topology::{RelayPlan, Role, Topology, TopologyBuilder};
 
 /// The README's Rust example, compiled and run as a doc-test.
 #[doc = include_str!("../../README.md")]

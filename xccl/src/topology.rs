@@ -74,6 +74,153 @@ pub struct Topology {
     max_local: usize,
     /// Precomputed [`Topology::fingerprint`].
     fingerprint: u64,
+    /// The relay plan, when A2E and E2A go through relays ([`Topology::with_relays`]).
+    relays: Option<RelayPlan>,
+}
+
+/// Which expert ranks relay ("trampoline") the traffic of which attention ranks.
+///
+/// With a plan, each attention rank sends its whole A2E to one relay (fan-out 1), which forwards
+/// each row to its final expert rank; E2A goes back the same way, the relay summing each token's
+/// contributions before it forwards one row per token. A relay is also an ordinary expert rank.
+///
+/// Attention ranks are assigned to relays in contiguous blocks of their attention index, as
+/// equal as possible (sizes differ by at most one): relay `k` serves attention indices
+/// `k * M / R .. (k + 1) * M / R`. Pure data: every rank computes the same plan.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RelayPlan {
+    /// Global ranks of the relays, ascending.
+    relays: Vec<usize>,
+    /// For each attention index, its relay's index in `relays`.
+    of_attention: Vec<usize>,
+    /// For each relay index, the attention indices it serves, ascending.
+    members: Vec<Vec<usize>>,
+    /// For each global rank, its index among the relays.
+    relay_index: Vec<Option<usize>>,
+    /// For each attention index, its position among its relay's members.
+    member_slot: Vec<usize>,
+}
+
+/// Attention ranks one relay serves by default ([`RelayPlan::default_count`]).
+pub const ATTENTION_PER_RELAY: usize = 10;
+
+impl RelayPlan {
+    /// The default number of relays for `m` attention and `n` expert ranks: one per
+    /// [`ATTENTION_PER_RELAY`] attention ranks, at least 1 and at most `n` (16 for 160 x 288:
+    /// 160 + 16 x 288 = 4,768 records per A2E instead of 46,080).
+    pub fn default_count(m: usize, n: usize) -> usize {
+        m.div_ceil(ATTENTION_PER_RELAY).clamp(1, n.max(1))
+    }
+
+    /// `count` relays spread evenly over the expert ranks of `topo` (relay `k` is expert index
+    /// `k * N / count`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless `1 <= count <= N`.
+    pub fn spread(topo: &Topology, count: usize) -> Result<RelayPlan> {
+        let n = topo.expert.len();
+        if count == 0 || count > n {
+            return Err(Error::invalid(format!(
+                "{count} relays requested; the job has {n} expert ranks (1 to {n} relays)"
+            )));
+        }
+        let ranks = (0..count).map(|k| topo.expert[k * n / count]).collect();
+        Self::explicit(topo, ranks)
+    }
+
+    /// Relays at the given global ranks (expert ranks, distinct; any order).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the rank when one is not an expert rank or is listed
+    /// twice, or when the list is empty.
+    pub fn explicit(topo: &Topology, mut ranks: Vec<usize>) -> Result<RelayPlan> {
+        if ranks.is_empty() {
+            return Err(Error::invalid("a relay plan needs at least one relay"));
+        }
+        ranks.sort_unstable();
+        for w in ranks.windows(2) {
+            if w[0] == w[1] {
+                return Err(Error::invalid(format!(
+                    "rank {} is listed as a relay twice",
+                    w[0]
+                )));
+            }
+        }
+        let mut relay_index = vec![None; topo.world_size()];
+        for (k, &r) in ranks.iter().enumerate() {
+            if r >= topo.world_size() || topo.roles[r] != Role::Expert {
+                return Err(Error::invalid(format!(
+                    "relay rank {r} is not an expert rank of this job"
+                )));
+            }
+            relay_index[r] = Some(k);
+        }
+        let (m, count) = (topo.attention.len(), ranks.len());
+        let mut members = vec![Vec::new(); count];
+        let mut of_attention = Vec::with_capacity(m);
+        let mut member_slot = Vec::with_capacity(m);
+        for a in 0..m {
+            // Contiguous balanced blocks: attention index a goes to relay floor(a * R / M).
+            let k = a * count / m;
+            of_attention.push(k);
+            member_slot.push(members[k].len());
+            members[k].push(a);
+        }
+        Ok(RelayPlan {
+            relays: ranks,
+            of_attention,
+            members,
+            relay_index,
+            member_slot,
+        })
+    }
+
+    /// Global ranks of the relays, ascending.
+    pub fn relays(&self) -> &[usize] {
+        &self.relays
+    }
+
+    /// Number of relays.
+    pub fn count(&self) -> usize {
+        self.relays.len()
+    }
+
+    /// The relay index (into [`RelayPlan::relays`]) of attention index `attention_index`.
+    pub fn relay_of(&self, attention_index: usize) -> usize {
+        self.of_attention[attention_index]
+    }
+
+    /// The global rank of attention index `attention_index`'s relay.
+    pub fn relay_rank_of(&self, attention_index: usize) -> usize {
+        self.relays[self.of_attention[attention_index]]
+    }
+
+    /// Relay `k`'s forwarding table: the attention indices it serves, ascending. Every one of
+    /// them sends it all of its A2E rows; it forwards each to its final expert rank.
+    pub fn members(&self, k: usize) -> &[usize] {
+        &self.members[k]
+    }
+
+    /// Most attention ranks one relay serves.
+    pub fn max_members(&self) -> usize {
+        self.members.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// Position of attention index `attention_index` among its relay's members.
+    pub fn member_slot(&self, attention_index: usize) -> usize {
+        self.member_slot[attention_index]
+    }
+
+    /// Global rank `rank`'s index among the relays, if it is one.
+    pub fn relay_index(&self, rank: usize) -> Option<usize> {
+        self.relay_index.get(rank).copied().flatten()
+    }
+
+    /// Metadata records of one A2E call through this plan: one per attention rank (to its
+    /// relay) plus one per (relay, expert rank). E2A writes as many.
+    pub fn records_per_call(&self, num_attention: usize, num_expert: usize) -> usize {
+        num_attention + self.count() * num_expert
+    }
 }
 
 /// Builds and validates a [`Topology`].
@@ -253,6 +400,7 @@ impl TopologyBuilder {
             local,
             max_local,
             fingerprint,
+            relays: None,
         })
     }
 }
@@ -454,10 +602,51 @@ impl Topology {
         self.max_local.div_ceil(64).max(1)
     }
 
-    /// A stable 64-bit hash (FNV-1a) of the roles and the placement, replica order included. Equal
-    /// topologies have equal fingerprints on every platform and in every process.
+    /// A stable 64-bit hash (FNV-1a) of the roles and the placement, replica order included, and
+    /// of the relay plan when there is one. Equal topologies have equal fingerprints on every
+    /// platform and in every process.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// This topology with A2E and E2A going through `plan`'s relays (see [`RelayPlan`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `plan` was made for a different set of ranks.
+    pub fn with_relay_plan(mut self, plan: RelayPlan) -> Result<Topology> {
+        if plan.of_attention.len() != self.attention.len()
+            || plan.relay_index.len() != self.world_size()
+            || plan.relays.iter().any(|&r| self.roles[r] != Role::Expert)
+        {
+            return Err(Error::invalid(
+                "the relay plan was made for a different topology",
+            ));
+        }
+        let mut h = self.fingerprint;
+        fnv(&mut h, b"relays");
+        for &r in &plan.relays {
+            fnv(&mut h, &(r as u64).to_le_bytes());
+        }
+        self.fingerprint = h;
+        self.relays = Some(plan);
+        Ok(self)
+    }
+
+    /// This topology with `count` relays spread over the expert ranks ([`RelayPlan::spread`]);
+    /// `None` picks [`RelayPlan::default_count`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless `1 <= count <= N`.
+    pub fn with_relays(self, count: Option<usize>) -> Result<Topology> {
+        let count = count
+            .unwrap_or_else(|| RelayPlan::default_count(self.attention.len(), self.expert.len()));
+        let plan = RelayPlan::spread(&self, count)?;
+        self.with_relay_plan(plan)
+    }
+
+    /// The relay plan, if A2E and E2A go through relays.
+    pub fn relay_plan(&self) -> Option<&RelayPlan> {
+        self.relays.as_ref()
     }
 }
 
@@ -471,6 +660,46 @@ pub(crate) mod tests {
             Err(Error::InvalidArgument(m)) => m,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn relay_plans_are_balanced_and_checked() {
+        let t = Topology::contiguous(160, 288, 288).unwrap();
+        assert_eq!(RelayPlan::default_count(160, 288), 16);
+        assert_eq!(RelayPlan::default_count(3, 2), 1);
+        assert_eq!(RelayPlan::default_count(32, 2), 2);
+        let p = RelayPlan::spread(&t, 16).unwrap();
+        assert_eq!(p.records_per_call(160, 288), 4_768);
+        for k in 0..16 {
+            assert_eq!(p.members(k).len(), 10);
+            assert_eq!(p.relays()[k], 160 + k * 18);
+        }
+        let p = RelayPlan::spread(&t, 7).unwrap();
+        let sizes: Vec<usize> = (0..7).map(|k| p.members(k).len()).collect();
+        assert!(
+            sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1,
+            "{sizes:?}"
+        );
+        for a in 0..160 {
+            let k = p.relay_of(a);
+            assert_eq!(p.members(k)[p.member_slot(a)], a);
+            assert_eq!(p.relay_index(p.relay_rank_of(a)), Some(k));
+        }
+        assert!(RelayPlan::spread(&t, 0).is_err());
+        assert!(RelayPlan::spread(&t, 289).is_err());
+        assert!(
+            RelayPlan::explicit(&t, vec![3]).is_err(),
+            "attention rank as relay"
+        );
+        assert!(RelayPlan::explicit(&t, vec![200, 200]).is_err());
+        let relayed = t.clone().with_relays(None).unwrap();
+        assert_ne!(relayed.fingerprint(), t.fingerprint());
+        assert_eq!(relayed.relay_plan().unwrap().count(), 16);
+        let small = Topology::contiguous(2, 3, 6).unwrap();
+        assert!(t
+            .clone()
+            .with_relay_plan(RelayPlan::spread(&small, 1).unwrap())
+            .is_err());
     }
 
     #[test]

@@ -178,11 +178,7 @@ impl CombineSender {
             };
             // The record goes first: the receiver may start on the first chunk.
             let rec = Record::with_payload(epoch, count as u32, offset as u32, mode, int8);
-            ctx.put(
-                s,
-                ctx.layout.record(my_index, buf),
-                bytemuck::bytes_of(&rec),
-            )?;
+            ctx.put_record(s, ctx.layout.record(my_index, buf), &rec)?;
             if matches!(replies, Replies::Staged) {
                 ctx.signal(s, slot, progress(epoch, count))?;
                 continue;
@@ -192,37 +188,111 @@ impl CombineSender {
                 let rows = done..(done + chunk).min(count);
                 let first = info.first_token + rows.start;
                 let at = base + rows.start * stride;
-                match &mut replies {
-                    Replies::Reduce { batch, out } => {
-                        for k in 0..rows.len() {
-                            self.reduce(ctx, batch, out, first + k);
-                            self.put_row(ctx, int8, first + k, dst, at + k * stride)?;
-                        }
-                    }
-                    Replies::Tokens(reduced) if int8 => {
-                        for k in 0..rows.len() {
-                            let t = first + k;
-                            self.row.copy_from_slice(&reduced[t * p..(t + 1) * p]);
-                            self.put_row(ctx, true, t, dst, at + k * stride)?;
-                        }
-                    }
-                    Replies::Tokens(reduced) => {
-                        let bytes = &reduced[first * p..(first + rows.len()) * p];
-                        ctx.put(dst, at, bytes)?;
-                    }
-                    Replies::Fill(fill) => {
-                        for k in 0..rows.len() {
-                            fill(ctx, first + k, dst, at + k * stride)?;
-                        }
-                    }
-                    Replies::Staged => unreachable!("handled above"),
-                }
+                self.fill_rows(ctx, &mut replies, int8, first, rows.len(), dst, at)?;
                 done = rows.end;
                 ctx.signal(s, slot, progress(epoch, done))?;
                 if done == count {
                     break;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Writes the replies of batch tokens `first..first + n` at `(dst, at)`, one row after the
+    /// other.
+    #[allow(clippy::too_many_arguments)]
+    fn fill_rows(
+        &mut self,
+        ctx: &Context,
+        replies: &mut Replies<'_>,
+        int8: bool,
+        first: usize,
+        n: usize,
+        dst: usize,
+        at: usize,
+    ) -> Result<()> {
+        let p = ctx.layout.e2a_stride;
+        let stride = ctx.layout.e2a_stride_for(int8);
+        match replies {
+            Replies::Reduce { batch, out } => {
+                for k in 0..n {
+                    self.reduce(ctx, batch, out, first + k);
+                    self.put_row(ctx, int8, first + k, dst, at + k * stride)?;
+                }
+            }
+            Replies::Tokens(reduced) if int8 => {
+                for k in 0..n {
+                    let t = first + k;
+                    self.row.copy_from_slice(&reduced[t * p..(t + 1) * p]);
+                    self.put_row(ctx, true, t, dst, at + k * stride)?;
+                }
+            }
+            Replies::Tokens(reduced) => {
+                ctx.put(dst, at, &reduced[first * p..(first + n) * p])?;
+            }
+            Replies::Fill(fill) => {
+                for k in 0..n {
+                    fill(ctx, first + k, dst, at + k * stride)?;
+                }
+            }
+            Replies::Staged => unreachable!("staged replies write no rows"),
+        }
+        Ok(())
+    }
+
+    /// [`CombineSender::send`] through relays: after credit `e - max_in_flight` from every
+    /// relay, for each relay (rotated by this rank's index) the replies for each of its
+    /// members' tokens go into the member's reply area on the relay at the offset the relay's
+    /// header named, then one record and one signal per relay. Push, in the dtype.
+    pub(crate) fn send_relayed(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        sources: &[SourceInfo],
+        mut replies: Replies<'_>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let ranks = ctx.attention();
+        if sources.len() != ranks.len() || sources.iter().zip(ranks).any(|(s, &r)| s.rank != r) {
+            return Err(Error::invalid("batch does not come from this communicator"));
+        }
+        ctx.wait_credits(
+            epoch,
+            plan.relays(),
+            ctx.slots.e2a_credit(0),
+            "E2A credit (relay has not consumed an earlier combine)",
+            deadline,
+        )?;
+        let l = &ctx.layout;
+        let buf = l.buffer(epoch);
+        let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
+        let p = l.e2a_stride;
+        self.acc.resize(ctx.cfg.hidden, 0.0);
+        self.row.resize(p, 0);
+        let r_count = plan.count();
+        for step in 0..r_count {
+            let k = (my_index + step) % r_count;
+            let relay = plan.relays()[k];
+            let mut total = 0;
+            for (m, &ai) in plan.members(k).iter().enumerate() {
+                let info = sources[ai];
+                let at = l.relay_e2a(m, buf) + info.reply_offset * p;
+                self.fill_rows(
+                    ctx,
+                    &mut replies,
+                    false,
+                    info.first_token,
+                    info.count,
+                    relay,
+                    at,
+                )?;
+                total += info.count;
+            }
+            let rec = Record::new(epoch, total as u32, 0, WireMode::Push);
+            ctx.put_record(relay, l.relay_e2a_record(my_index, buf), &rec)?;
+            ctx.signal(relay, ctx.slots.e2a_ready(ctx.rank), progress(epoch, total))?;
         }
         Ok(())
     }
@@ -273,6 +343,78 @@ pub(crate) struct CombineReceiver {
 }
 
 impl CombineReceiver {
+    /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
+    /// token from this rank's relay, copied as it is; then the relay is credited.
+    fn recv_relayed(
+        &mut self,
+        ctx: &Context,
+        sent: &Sent,
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<()> {
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let epoch = sent.epoch;
+        let l = &ctx.layout;
+        let buf = l.buffer(epoch);
+        let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+        let relay = plan.relay_rank_of(index);
+        let j = ctx
+            .topo
+            .expert_index(relay)
+            .expect("relays are expert ranks");
+        let t = sent.num_tokens;
+        let mut rec: Option<Record> = None;
+        let mut failure: Option<Error> = None;
+        ctx.wait(deadline, &mut || {
+            let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(relay)), epoch);
+            if p == Progress::NotYet {
+                return Some(Waiting {
+                    peer: relay,
+                    what: "relayed E2A",
+                });
+            }
+            if rec.is_none() {
+                let checked = ctx.read_record(l.record(j, buf)).and_then(|r| {
+                    let mode = r.validate(relay, epoch, t)?;
+                    if r.count as usize != t || r.offset != 0 || mode != WireMode::Push || r.int8() {
+                        return Err(Error::Protocol {
+                            peer: relay,
+                            detail: format!(
+                                "relayed E2A of epoch {epoch} brings {} rows at offset {}                                  ({mode:?}, int8 {}); {t} tokens were sent, push in the dtype",
+                                r.count,
+                                r.offset,
+                                r.int8()
+                            ),
+                        });
+                    }
+                    Ok(r)
+                });
+                match checked {
+                    Ok(r) => {
+                        ctx.note_rows_received(relay, t);
+                        rec = Some(r);
+                    }
+                    Err(e) => {
+                        failure = Some(e);
+                        return None;
+                    }
+                }
+            }
+            if p.rows(t) < t {
+                return Some(Waiting {
+                    peer: relay,
+                    what: "relayed E2A rows",
+                });
+            }
+            None
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
+        ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)
+    }
+
     /// Receives the E2A of `sent` and writes each token's combined row into `out`
     /// (`[num_tokens, hidden]` bytes, checked by the caller); then credits every expert rank.
     pub(crate) fn recv(
@@ -282,6 +424,9 @@ impl CombineReceiver {
         out: &mut [u8],
         deadline: Instant,
     ) -> Result<()> {
+        if ctx.topo.relay_plan().is_some() {
+            return self.recv_relayed(ctx, sent, out, deadline);
+        }
         let epoch = sent.epoch;
         let buf = ctx.layout.buffer(epoch);
         let experts = ctx.experts();
@@ -330,13 +475,9 @@ impl CombineReceiver {
                     continue;
                 }
                 if recs[j].is_none() {
-                    let mut rec = Record::default();
-                    ctx.get(
-                        ctx.rank,
-                        ctx.layout.record(j, buf),
-                        bytemuck::bytes_of_mut(&mut rec),
-                    )?;
+                    let rec = ctx.read_record(ctx.layout.record(j, buf))?;
                     let mode = rec.validate(d, epoch, max_rows)?;
+                    ctx.note_rows_received(d, rec.count as usize);
                     let bad = |detail: String| Err(Error::Protocol { peer: d, detail });
                     if rec.count as usize != count {
                         return bad(format!(

@@ -8,12 +8,14 @@
 //! published leaves everything as it was (retry the call), an error after it poisons the
 //! communicator and aborts the job.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::config::MoeConfig;
+use super::record::Record;
 use super::slots::Slots;
+use super::stats::Stats;
 use super::window_layout::WindowLayout;
 use crate::fabric::{Fabric, Waiting};
 use crate::topology::Topology;
@@ -34,6 +36,8 @@ pub(crate) struct Context {
     /// A per-process unique id of this communicator, stamped on handles and batches.
     pub(crate) id: u64,
     published: Cell<bool>,
+    /// Counters of the current call.
+    pub(crate) stats: RefCell<Stats>,
 }
 
 impl Context {
@@ -69,6 +73,7 @@ impl Context {
                 )));
             }
         }
+        let topo_world = topo.world_size();
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Context {
             rank: fabric.rank(),
@@ -79,6 +84,7 @@ impl Context {
             slots,
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             published: Cell::new(false),
+            stats: RefCell::new(Stats::new(topo_world)),
         })
     }
 
@@ -87,9 +93,12 @@ impl Context {
         crate::fabric::deadline_after(self.cfg.timeout)
     }
 
-    /// Starts a call: nothing published yet.
+    /// Starts a call: nothing published yet, counters of the call cleared.
     pub(crate) fn begin_call(&self) {
         self.published.set(false);
+        let mut s = self.stats.borrow_mut();
+        s.clear();
+        s.calls = 1;
     }
 
     /// Whether the current call has written anything a peer may read.
@@ -100,7 +109,38 @@ impl Context {
     /// `put` that notes the call has published.
     pub(crate) fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {
         self.published.set(true);
+        if let Some(p) = self.stats.borrow_mut().peers.get_mut(peer) {
+            p.bytes_put += data.len() as u64;
+        }
         self.fabric.put(peer, offset, data)
+    }
+
+    /// Puts `rec` at `offset` of `peer`'s window, counting a record written and its rows.
+    pub(crate) fn put_record(&self, peer: usize, offset: usize, rec: &Record) -> Result<()> {
+        {
+            let mut s = self.stats.borrow_mut();
+            s.records_written += 1;
+            if let Some(p) = s.peers.get_mut(peer) {
+                p.rows_sent += u64::from(rec.count);
+            }
+        }
+        self.put(peer, offset, bytemuck::bytes_of(rec))
+    }
+
+    /// Reads the record at `offset` of this rank's window, written by `peer`, counting a record
+    /// polled (its rows are counted once it validates: [`Context::note_rows_received`]).
+    pub(crate) fn read_record(&self, offset: usize) -> Result<Record> {
+        let mut rec = Record::default();
+        self.get(self.rank, offset, bytemuck::bytes_of_mut(&mut rec))?;
+        self.stats.borrow_mut().records_polled += 1;
+        Ok(rec)
+    }
+
+    /// Counts `rows` announced by `peer` in a validated record.
+    pub(crate) fn note_rows_received(&self, peer: usize, rows: usize) {
+        if let Some(p) = self.stats.borrow_mut().peers.get_mut(peer) {
+            p.rows_received += rows as u64;
+        }
     }
 
     /// `signal` that notes the call has published.
@@ -111,6 +151,11 @@ impl Context {
 
     /// `get` from `rank`'s window (this rank's own included).
     pub(crate) fn get(&self, rank: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
+        if rank != self.rank {
+            if let Some(p) = self.stats.borrow_mut().peers.get_mut(rank) {
+                p.bytes_got += buf.len() as u64;
+            }
+        }
         self.fabric.get(rank, offset, buf)
     }
 
@@ -128,13 +173,32 @@ impl Context {
         self.fabric.signal_value(slot)
     }
 
-    /// Waits until `poll` returns `None`.
+    /// Waits until `poll` returns `None`. The time between two looks is charged to the peer
+    /// the earlier look was waiting for.
     pub(crate) fn wait(
         &self,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        self.fabric.wait_until(deadline, poll)
+        let mut last: Option<(usize, Instant)> = None;
+        let charge = |last: &mut Option<(usize, Instant)>, now: Instant| {
+            if let Some((peer, since)) = last.take() {
+                if let Some(p) = self.stats.borrow_mut().peers.get_mut(peer) {
+                    p.waited += now - since;
+                }
+            }
+        };
+        let result = self.fabric.wait_until(deadline, &mut || {
+            let w = poll();
+            let now = Instant::now();
+            charge(&mut last, now);
+            if let Some(w) = &w {
+                last = Some((w.peer, now));
+            }
+            w
+        });
+        charge(&mut last, Instant::now());
+        result
     }
 
     /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most
@@ -153,6 +217,29 @@ impl Context {
         missing
             .into_iter()
             .try_for_each(|p| self.fabric.check_peer(p))
+    }
+
+    /// [`Context::check_awaited`] for waits on peers that may leave the job right after their
+    /// last signal: a peer found gone is reported only if `still_missing(peer)`, asked after
+    /// the liveness check, says its data has still not arrived (a rank marks itself departed
+    /// after its last signal, so a second look sees everything it sent).
+    pub(crate) fn check_awaited_again(
+        &self,
+        missing: impl IntoIterator<Item = usize>,
+        next: &mut Instant,
+        still_missing: &dyn Fn(usize) -> bool,
+    ) -> Result<()> {
+        let now = Instant::now();
+        if now < *next {
+            return Ok(());
+        }
+        *next = now + AWAITED_CHECK_EVERY;
+        missing
+            .into_iter()
+            .try_for_each(|p| match self.fabric.check_peer(p) {
+                Err(e) if still_missing(p) => Err(e),
+                _ => Ok(()),
+            })
     }
 
     /// The attention ranks, in rank order.
@@ -191,7 +278,8 @@ impl Context {
                     .filter(|&p| self.slot_value(base + p) < need)
             };
             let first = lagging().next()?;
-            if let Err(e) = self.check_awaited(lagging(), &mut next) {
+            let still = |p: usize| self.slot_value(base + p) < need;
+            if let Err(e) = self.check_awaited_again(lagging(), &mut next, &still) {
                 failure = Some(e);
                 return None;
             }

@@ -28,6 +28,7 @@ use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use super::regions;
+use super::relay::{read_header, Relay};
 use super::routing::DispatchLayout;
 use crate::fabric::Waiting;
 use crate::{Error, Result};
@@ -247,9 +248,18 @@ impl DispatchSender {
         deadline: Instant,
     ) -> Result<A2eHandle> {
         let epoch = self.last_epoch + 1;
+        let relay;
+        let credit_from = match ctx.topo.relay_plan() {
+            Some(plan) => {
+                let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+                relay = [plan.relay_rank_of(index)];
+                &relay[..]
+            }
+            None => ctx.experts(),
+        };
         if let Err(e) = ctx.wait_credits(
             epoch,
-            ctx.experts(),
+            credit_from,
             ctx.slots.a2e_credit(0),
             "A2E credit (expert has not consumed an earlier dispatch)",
             deadline,
@@ -290,6 +300,9 @@ impl DispatchSender {
         let plan = &sent.layout;
         let int8 = mode != WireMode::Gather && ctx.cfg.a2e_quant == Quant::Int8;
         let stride = row.stride_for(int8);
+        if let Some(plan) = ctx.topo.relay_plan() {
+            return self.write_relayed(ctx, sent, epoch, payloads, int8, plan);
+        }
         for step in 0..n {
             let j = (src_index + step) % n;
             let d = experts[j];
@@ -297,7 +310,7 @@ impl DispatchSender {
             let count = entries.len();
             // The record goes first: receivers may start on the first chunk.
             let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8);
-            ctx.put(d, layout.record(src_index, buf), bytemuck::bytes_of(&rec))?;
+            ctx.put_record(d, layout.record(src_index, buf), &rec)?;
             if mode == WireMode::Gather {
                 // Metadata only: the receiver gathers payloads from our registered input.
                 self.stage.resize(count * row.meta_stride, 0);
@@ -336,6 +349,57 @@ impl DispatchSender {
             }
         }
         Ok(())
+    }
+
+    /// Writes call `epoch` to this rank's relay: route table, one record, then every row
+    /// (grouped by destination in expert-rank order) in chunks, signalling as it goes.
+    fn write_relayed(
+        &mut self,
+        ctx: &Context,
+        sent: &Sent,
+        epoch: u64,
+        payloads: Payloads<'_>,
+        int8: bool,
+        plan: &crate::topology::RelayPlan,
+    ) -> Result<()> {
+        let layout = &ctx.layout;
+        let buf = layout.buffer(epoch);
+        let src_index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+        let relay = plan.relay_rank_of(src_index);
+        let m = plan.member_slot(src_index);
+        let plan_rows = &sent.layout;
+        let mut table = Vec::with_capacity(4 * (1 + ctx.experts().len()));
+        table.extend_from_slice(&(sent.num_tokens as u32).to_le_bytes());
+        for &d in ctx.experts() {
+            table.extend_from_slice(&(plan_rows.count(d) as u32).to_le_bytes());
+        }
+        ctx.put(relay, layout.relay_table(m, buf), &table)?;
+        let count = plan_rows.total_entries();
+        let rec = Record::with_payload(epoch, count as u32, 0, WireMode::Push, int8);
+        ctx.put_record(relay, layout.record(src_index, buf), &rec)?;
+        let slot = ctx.slots.a2e_ready(ctx.rank);
+        let stride = layout.a2e.stride_for(int8);
+        let base = layout.relay_a2e(m, buf);
+        let direct = ctx.mapped(relay);
+        let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
+        let mut done = 0;
+        loop {
+            let rows = done..(done + chunk).min(count);
+            let at = base + rows.start * stride;
+            if direct && !int8 {
+                self.put_rows(ctx, plan_rows, rows.clone(), payloads, relay, at)?;
+            } else if direct {
+                self.put_rows_int8(ctx, plan_rows, rows.clone(), payloads, relay, at)?;
+            } else {
+                self.stage_rows(ctx, plan_rows, rows.clone(), payloads, int8)?;
+                ctx.put(relay, at, &self.stage)?;
+            }
+            done = rows.end;
+            ctx.signal(relay, slot, progress(epoch, done))?;
+            if done == count {
+                return Ok(());
+            }
+        }
     }
 
     /// Copies token `t`'s payload row into `out` (from the caller's bytes or the registered
@@ -785,6 +849,8 @@ pub(crate) struct DispatchReceiver {
     row_token: Vec<u32>,
     row_start: Vec<u32>,
     row_experts: Vec<(u32, f32)>,
+    /// The relay's state (used when this rank is a relay).
+    pub(crate) relay: Relay,
 }
 
 impl DispatchReceiver {
@@ -798,6 +864,7 @@ impl DispatchReceiver {
             row_token: Vec::new(),
             row_start: Vec::new(),
             row_experts: Vec::new(),
+            relay: Relay::default(),
         }
     }
 
@@ -845,13 +912,31 @@ impl DispatchReceiver {
         }
     }
 
+    /// On a relay, the relay side of E2A call `epoch` ([`Relay::combine_e2a`]); nothing on
+    /// other ranks.
+    pub(crate) fn relay_e2a(&mut self, ctx: &Context, epoch: u64, deadline: Instant) -> Result<()> {
+        match ctx.topo.relay_plan() {
+            Some(plan) if plan.relay_index(ctx.rank).is_some() => {
+                self.relay.combine_e2a(ctx, epoch, deadline)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The oldest call has been replied to.
     pub(crate) fn replied(&mut self) {
         self.unreplied.pop_front();
     }
 
-    /// Tells every attention rank that this rank is done with their rows of `epoch`.
+    /// Tells every attention rank (every relay, with relays) that this rank is done with their
+    /// rows of `epoch`.
     pub(crate) fn credit(&self, ctx: &Context, epoch: u64) -> Result<()> {
+        if let Some(plan) = ctx.topo.relay_plan() {
+            for &r in plan.relays() {
+                ctx.signal(r, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+            }
+            return Ok(());
+        }
         for &src in ctx.attention() {
             ctx.signal(src, ctx.slots.a2e_credit(ctx.rank), epoch)?;
         }
@@ -868,6 +953,9 @@ impl DispatchReceiver {
         on: &mut dyn FnMut(&mut RowReader, Arrival<'_>) -> Result<()>,
     ) -> Result<u64> {
         self.check_room(ctx)?;
+        if ctx.topo.relay_plan().is_some() {
+            return self.receive_relayed(ctx, stream, deadline, on);
+        }
         let epoch = self.last_epoch + 1;
         let buf = ctx.layout.buffer(epoch);
         let start = Instant::now();
@@ -896,14 +984,10 @@ impl DispatchReceiver {
                     continue;
                 }
                 if messages[i].is_none() {
-                    let mut rec = Record::default();
-                    ctx.get(
-                        ctx.rank,
-                        ctx.layout.record(i, buf),
-                        bytemuck::bytes_of_mut(&mut rec),
-                    )?;
+                    let rec = ctx.read_record(ctx.layout.record(i, buf))?;
                     let mode = rec.validate(src, epoch, max_tokens)?;
                     rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
+                    ctx.note_rows_received(src, rec.count as usize);
                     messages[i] = Some(Message {
                         index: i,
                         src,
@@ -936,6 +1020,97 @@ impl DispatchReceiver {
             }
             let awaited = (0..sources.len()).filter(|&i| !done[i]).map(|i| sources[i]);
             ctx.check_awaited(awaited, &mut next_check)?;
+            Ok(waiting)
+        };
+        ctx.wait(deadline, &mut || match pass() {
+            Ok(w) => w,
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok(epoch)
+    }
+
+    /// [`DispatchReceiver::receive`] through relays: a relay first forwards its members' rows
+    /// ([`Relay::forward_a2e`]); then one header per relay is awaited, and each of its members
+    /// is reported as a message of its own whose rows lie where the direct path would have
+    /// pushed them (so every layout reads them the same way).
+    fn receive_relayed(
+        &mut self,
+        ctx: &Context,
+        stream: bool,
+        deadline: Instant,
+        on: &mut dyn FnMut(&mut RowReader, Arrival<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let epoch = self.last_epoch + 1;
+        let buf = ctx.layout.buffer(epoch);
+        let start = Instant::now();
+        if plan.relay_index(ctx.rank).is_some() {
+            self.relay.forward_a2e(ctx, epoch, deadline)?;
+        }
+        let relays = plan.relays();
+        let attention = ctx.attention();
+        self.messages.clear();
+        self.messages.resize(attention.len(), None);
+        let mut done = vec![false; relays.len()];
+        let mut missing = relays.len();
+        let mut entries = Vec::new();
+        let mut failure: Option<Error> = None;
+        let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
+        let (messages, reader) = (&mut self.messages, &mut self.reader);
+        let mut pass = || -> Result<Option<Waiting>> {
+            let mut waiting = None;
+            for (k, &r) in relays.iter().enumerate() {
+                if done[k] {
+                    continue;
+                }
+                if Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) == Progress::NotYet {
+                    waiting.get_or_insert(Waiting {
+                        peer: r,
+                        what: "relay header",
+                    });
+                    continue;
+                }
+                read_header(ctx, r, k, epoch, &mut entries)?;
+                for (&ai, e) in plan.members(k).iter().zip(&entries) {
+                    let rec = Record::with_payload(
+                        epoch,
+                        e.count as u32,
+                        e.offset as u32,
+                        WireMode::Push,
+                        e.int8,
+                    );
+                    messages[ai] = Some(Message {
+                        index: ai,
+                        src: attention[ai],
+                        rec,
+                        mode: WireMode::Push,
+                        buf,
+                        int8: e.int8,
+                    });
+                    let msg = messages[ai].as_ref().expect("set");
+                    on(reader, Arrival::Record(msg))?;
+                    if stream && e.count > 0 {
+                        on(reader, Arrival::Rows(msg, 0..e.count))?;
+                    }
+                    on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                }
+                done[k] = true;
+                missing -= 1;
+            }
+            if missing == 0 {
+                return Ok(None);
+            }
+            let awaited = (0..relays.len()).filter(|&k| !done[k]).map(|k| relays[k]);
+            let still = |r: usize| {
+                Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) == Progress::NotYet
+            };
+            ctx.check_awaited_again(awaited, &mut next_check, &still)?;
             Ok(waiting)
         };
         ctx.wait(deadline, &mut || match pass() {

@@ -16,6 +16,8 @@
 //! | [`slots`] | which signal slot means what |
 //! | [`window_layout`] | where every region lies in every rank's window |
 //! | `dispatch` | A2E: `DispatchSender` (attention), `DispatchReceiver` (expert) |
+//! | `relay` | A2E and E2A through relays: the relay's forwarding and its exact reduction |
+//! | [`stats`] | [`Stats`]: records, rows, bytes and waits per peer, per call and in total |
 //! | `combine` | E2A: `CombineSender` (expert), `CombineReceiver` (attention); the exact arithmetic |
 //! | [`view`] | [`TokenView`]: rows read in place until the E2A reply |
 //! | [`batch`] | what the calls hand back |
@@ -33,13 +35,16 @@ pub mod progress;
 pub mod quant;
 pub mod record;
 mod regions;
+pub(crate) mod relay;
 pub mod routing;
 pub mod rows;
 pub mod slots;
+pub mod stats;
 pub mod view;
 pub mod window_layout;
 
 pub use batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use config::{MoeConfig, TransferMode};
 pub use quant::Quant;
+pub use stats::{PeerStats, Stats};
 pub use view::TokenView;

@@ -14,6 +14,14 @@
 //! Expert rank: handshake | A2E record area (per attention rank, per buffer) | A2E receive area
 //! (per attention rank, per buffer, `max_tokens` rows) | E2A staging (per buffer,
 //! `M * max_tokens` rows).
+//!
+//! With relays ([`crate::topology::RelayPlan`]) every expert rank also has, after its E2A
+//! staging: relay headers (per relay, per buffer: one record plus a `(count, offset, flags)`
+//! entry per member attention rank) and E2A record slots (per expert rank, per buffer: the
+//! replies relayed through this rank); and a relay, per member attention rank and buffer: the
+//! member's route table (its token count and its row count per expert rank), its A2E rows
+//! (`max_tokens * min(topk, N)`, grouped by destination) and the E2A replies of every expert
+//! rank for them (same shape).
 
 use super::config::MoeConfig;
 use super::rows::A2eRow;
@@ -47,7 +55,13 @@ pub struct WindowLayout {
     num_attention: usize,
     num_expert: usize,
     roles: Vec<Role>,
+    /// Relays: (number of relays, most members of one relay, members of each rank's relay
+    /// role (0 for non-relays)).
+    relays: Option<(usize, usize, Vec<usize>)>,
 }
+
+/// Bytes of one relay-header entry: `(count, offset, flags, reserved)` as u32.
+pub const RELAY_ENTRY: usize = 16;
 
 impl WindowLayout {
     /// Computes the layout for a topology and config.
@@ -63,6 +77,12 @@ impl WindowLayout {
             num_attention: topo.attention_ranks().len(),
             num_expert: n,
             roles: (0..topo.world_size()).map(|r| topo.role(r)).collect(),
+            relays: topo.relay_plan().map(|p| {
+                let members = (0..topo.world_size())
+                    .map(|r| p.relay_index(r).map_or(0, |k| p.members(k).len()))
+                    .collect();
+                (p.count(), p.max_members(), members)
+            }),
         }
     }
 
@@ -137,11 +157,70 @@ impl WindowLayout {
         self.a2e_recv(self.num_attention, 0) + buffer * page(self.expert_rows() * self.e2a_room())
     }
 
+    /// Bytes of one relay header: a record and one entry per member (room for the largest
+    /// relay), one cache line multiple.
+    pub fn relay_header_bytes(&self) -> usize {
+        let most = self.relays.as_ref().map_or(0, |r| r.1);
+        (32 + RELAY_ENTRY * most).next_multiple_of(RECORD_SLOT)
+    }
+
+    /// Expert rank (relays only): start of the header relay `relay_index` writes for `buffer`.
+    pub fn relay_header(&self, relay_index: usize, buffer: usize) -> usize {
+        self.e2a_stage(self.depth) + (self.depth * relay_index + buffer) * self.relay_header_bytes()
+    }
+
+    /// Expert rank (relays only): the record slot for expert index `expert_index`'s E2A
+    /// replies relayed through this rank, `buffer`.
+    pub fn relay_e2a_record(&self, expert_index: usize, buffer: usize) -> usize {
+        let r = self.relays.as_ref().map_or(0, |r| r.0);
+        page(self.relay_header(r, 0)) + (self.depth * expert_index + buffer) * RECORD_SLOT
+    }
+
+    fn relay_areas_start(&self) -> usize {
+        page(self.relay_e2a_record(self.num_expert, 0))
+    }
+
+    /// Bytes of a member's route table: its token count, then its row count per expert rank.
+    pub fn route_table_bytes(&self) -> usize {
+        (4 * (1 + self.num_expert)).next_multiple_of(RECORD_SLOT)
+    }
+
+    fn relay_member_bytes(&self) -> usize {
+        page(self.route_table_bytes())
+            + self.a2e_stage_bytes()
+            + page(self.attention_rows * self.e2a_room())
+    }
+
+    fn relay_member(&self, slot: usize, buffer: usize) -> usize {
+        self.relay_areas_start() + (self.depth * slot + buffer) * self.relay_member_bytes()
+    }
+
+    /// Relay: the route table of member `slot` (its position among the relay's members).
+    pub fn relay_table(&self, slot: usize, buffer: usize) -> usize {
+        self.relay_member(slot, buffer)
+    }
+
+    /// Relay: the A2E rows of member `slot`, grouped by destination.
+    pub fn relay_a2e(&self, slot: usize, buffer: usize) -> usize {
+        self.relay_member(slot, buffer) + page(self.route_table_bytes())
+    }
+
+    /// Relay: the E2A replies for member `slot`'s rows, at the rows' offsets.
+    pub fn relay_e2a(&self, slot: usize, buffer: usize) -> usize {
+        self.relay_a2e(slot, buffer) + self.a2e_stage_bytes()
+    }
+
+    /// Bytes of one E2A row's room in relay areas (either format).
+    pub fn e2a_row_room(&self) -> usize {
+        self.e2a_room()
+    }
+
     /// Window size of `rank`.
     pub fn window_len(&self, rank: usize) -> usize {
-        match self.roles[rank] {
-            Role::Attention => self.a2e_input(self.depth),
-            Role::Expert => self.e2a_stage(self.depth),
+        match (self.roles[rank], &self.relays) {
+            (Role::Attention, _) => self.a2e_input(self.depth),
+            (Role::Expert, None) => self.e2a_stage(self.depth),
+            (Role::Expert, Some((_, _, members))) => self.relay_member(members[rank], 0),
         }
     }
 

@@ -1,0 +1,573 @@
+//! A2E and E2A through relays ("trampolines"): the relay's side of both hops.
+//!
+//! With a [`crate::topology::RelayPlan`], attention rank `a` (member slot `m` of relay `r`)
+//! sends its whole A2E call to `r` only: its route table (token count, rows per expert rank)
+//! into `r`'s table area, one [`Record`] (the total row count), then its rows, grouped by
+//! destination in expert-rank order, in chunks into `r`'s member area, signalling
+//! `a2e_ready[a]` on `r` as it goes. Rows are the direct path's rows (one per (token,
+//! destination rank), payload, token index, local-expert mask and weights, INT8 or not).
+//!
+//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) forwards each member's rows as
+//! soon as that member's message is complete (per source, not after the whole call): the rows
+//! for expert rank `d` go straight into `d`'s receive area for attention rank `a`, exactly where
+//! the direct path would have pushed them. Once every member is forwarded it writes one header
+//! per expert rank: a record (total rows, a hash of the entries in its offset field) and one
+//! `(count, reply offset, flags)` entry per member, then one signal `a2e_ready[r]`. An expert rank
+//! therefore polls one record per relay, not one per attention rank. The relay keeps the token
+//! index of every forwarded row for the E2A.
+//!
+//! E2A: every expert rank writes its replies for the tokens of relay `r`'s members into `r`'s
+//! member areas at the offsets the header named, then one record per relay. The relay
+//! ([`Relay::combine_e2a`], inside its own E2A send) waits for every expert rank, then for each
+//! member and token replays the attention side's arithmetic of the direct path exactly (see
+//! `moe::combine`): no contribution gives zeros, one is copied as it is, several are summed in
+//! f32 in ascending expert-rank order starting from the first, then rounded once. It forwards one
+//! fully reduced row per token; the attention rank copies it as it is. The result is therefore
+//! identical bit for bit to the direct path's.
+//!
+//! Every record, route table and header is checked against the exact region it may address
+//! (counts against the member's token count and the area's rows, sums against the record, the
+//! header's entries against the hash in its record, token indices against the member's token
+//! count, tokens strictly ascending within one destination), and errors name the peer that
+//! wrote them.
+//!
+//! Not through relays (rejected with an error by the communicator): pull transfers, registered
+//! input and output, views, INT8 E2A replies (the relay would requantize: not bit-identical).
+//! INT8 A2E rows are forwarded as they are.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::context::{Context, AWAITED_CHECK_EVERY};
+use super::hash::Fnv;
+use super::progress::{progress, Progress};
+use super::record::{Record, WireMode};
+use super::window_layout::RELAY_ENTRY;
+use crate::fabric::Waiting;
+use crate::{Error, Result};
+
+/// What a relay keeps of one member's A2E call until its E2A.
+#[derive(Debug, Default)]
+pub(crate) struct MemberCall {
+    /// The member's token count.
+    pub(crate) num_tokens: usize,
+    /// Rows per expert index.
+    pub(crate) counts: Vec<u32>,
+    /// Row offset of each expert index's rows (prefix sums of `counts`).
+    pub(crate) offsets: Vec<u32>,
+    /// Token index of every row, in wire order.
+    pub(crate) tokens: Vec<u32>,
+    /// The rows are INT8.
+    pub(crate) int8: bool,
+}
+
+/// What a relay keeps of one A2E call until its E2A.
+#[derive(Debug, Default)]
+pub(crate) struct RelayCall {
+    pub(crate) epoch: u64,
+    pub(crate) members: Vec<MemberCall>,
+}
+
+/// The relay's state: calls forwarded and not yet reduced, and scratch space.
+#[derive(Debug, Default)]
+pub(crate) struct Relay {
+    calls: VecDeque<RelayCall>,
+    spare: Vec<RelayCall>,
+    scratch: Vec<u8>,
+    acc: Vec<f32>,
+    out: Vec<u8>,
+    count: Vec<u32>,
+    first: Vec<u32>,
+}
+
+/// The hash of a header's entries, carried in its record's offset field.
+pub(crate) fn entries_hash(entries: &[u8]) -> u32 {
+    let mut h = Fnv::new();
+    for c in entries.chunks(8) {
+        let mut w = [0u8; 8];
+        w[..c.len()].copy_from_slice(c);
+        h.u64(u64::from_le_bytes(w));
+    }
+    let v = h.finish();
+    (v ^ (v >> 32)) as u32
+}
+
+/// One member's entry of a relay header, as an expert rank reads it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HeaderEntry {
+    /// Rows for this expert rank.
+    pub(crate) count: usize,
+    /// Where its replies go (row offset in the member's E2A area on the relay).
+    pub(crate) offset: usize,
+    /// The rows are INT8.
+    pub(crate) int8: bool,
+}
+
+/// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
+/// expert rank's window: every entry's rows must fit the receive area (`max_tokens`) and its
+/// reply offset the member's reply area (`attention_rows`), the counts must add up to the
+/// record's and the entries hash to the value the record carries.
+pub(crate) fn read_header(
+    ctx: &Context,
+    relay: usize,
+    k: usize,
+    epoch: u64,
+    out: &mut Vec<HeaderEntry>,
+) -> Result<Record> {
+    let l = &ctx.layout;
+    let plan = ctx.topo.relay_plan().expect("relayed");
+    let g = plan.members(k).len();
+    let buf = l.buffer(epoch);
+    let at = l.relay_header(k, buf);
+    let rec = ctx.read_record(at)?;
+    let (max_tokens, rows) = (ctx.cfg.max_tokens_per_rank, l.attention_rows);
+    let mode = rec.validate(relay, epoch, g * max_tokens)?;
+    let bad = |detail: String| {
+        Err(Error::Protocol {
+            peer: relay,
+            detail,
+        })
+    };
+    if mode != WireMode::Push {
+        return bad(format!(
+            "relay header of epoch {epoch} is not a push message"
+        ));
+    }
+    let mut bytes = vec![0u8; g * RELAY_ENTRY];
+    ctx.get(ctx.rank, at + 32, &mut bytes)?;
+    if entries_hash(&bytes) != rec.offset {
+        return bad(format!(
+            "relay header of epoch {epoch}: its entries do not match the hash in its record"
+        ));
+    }
+    out.clear();
+    let mut sum = 0;
+    for (m, e) in bytes.chunks_exact(RELAY_ENTRY).enumerate() {
+        let word =
+            |i: usize| u32::from_le_bytes(e[4 * i..4 * i + 4].try_into().expect("4")) as usize;
+        let entry = HeaderEntry {
+            count: word(0),
+            offset: word(1),
+            int8: word(2) & 1 != 0,
+        };
+        if entry.count > max_tokens || entry.offset + entry.count > rows {
+            return bad(format!(
+                "relay header of epoch {epoch}: member {m} has {} rows at offset {}, the areas \
+                 hold {max_tokens} rows per source and {rows} reply rows",
+                entry.count, entry.offset
+            ));
+        }
+        sum += entry.count;
+        out.push(entry);
+    }
+    if sum != rec.count as usize {
+        return bad(format!(
+            "relay header of epoch {epoch}: entries add up to {sum} rows, the record says {}",
+            rec.count
+        ));
+    }
+    ctx.note_rows_received(relay, sum);
+    Ok(rec)
+}
+
+impl Relay {
+    /// Relay side of A2E call `epoch`: waits for each member's message, forwards its rows to
+    /// their final expert ranks as soon as it is complete, then writes one header per expert
+    /// rank and credits the members.
+    pub(crate) fn forward_a2e(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<()> {
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let k = plan.relay_index(ctx.rank).expect("a relay");
+        let members = plan.members(k);
+        let l = &ctx.layout;
+        let buf = l.buffer(epoch);
+        let experts = ctx.experts();
+        let attention = ctx.attention();
+        let n = experts.len();
+        ctx.wait_credits(
+            epoch,
+            experts,
+            ctx.slots.a2e_credit(0),
+            "A2E credit (expert has not consumed an earlier relayed dispatch)",
+            deadline,
+        )?;
+        let g = members.len();
+        let mut call = self.spare.pop().unwrap_or_default();
+        call.epoch = epoch;
+        call.members.resize_with(g, MemberCall::default);
+        let mut recs: Vec<Option<Record>> = vec![None; g];
+        let mut done = vec![false; g];
+        let mut missing = g;
+        let mut failure = None;
+        let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
+        let scratch = &mut self.scratch;
+        let mut pass = || -> Result<Option<Waiting>> {
+            let mut waiting = None;
+            for (m, &ai) in members.iter().enumerate() {
+                if done[m] {
+                    continue;
+                }
+                let a = attention[ai];
+                let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(a)), epoch);
+                if p == Progress::NotYet {
+                    waiting.get_or_insert(Waiting {
+                        peer: a,
+                        what: "relayed A2E record",
+                    });
+                    continue;
+                }
+                if recs[m].is_none() {
+                    let rec = ctx.read_record(l.record(ai, buf))?;
+                    let mode = rec.validate(a, epoch, l.attention_rows)?;
+                    if mode != WireMode::Push {
+                        return Err(Error::Protocol {
+                            peer: a,
+                            detail: format!("A2E of epoch {epoch} to its relay is not a push"),
+                        });
+                    }
+                    ctx.note_rows_received(a, rec.count as usize);
+                    recs[m] = Some(rec);
+                }
+                let rec = recs[m].expect("set above");
+                if p.rows(rec.count as usize) < rec.count as usize {
+                    waiting.get_or_insert(Waiting {
+                        peer: a,
+                        what: "relayed A2E rows",
+                    });
+                    continue;
+                }
+                forward_member(ctx, epoch, m, ai, &rec, &mut call.members[m], scratch)?;
+                done[m] = true;
+                missing -= 1;
+            }
+            if missing == 0 {
+                return Ok(None);
+            }
+            let awaited = (0..g).filter(|&m| !done[m]).map(|m| attention[members[m]]);
+            let still = |a: usize| {
+                let v = ctx.slot_value(ctx.slots.a2e_ready(a));
+                let i = attention.iter().position(|&x| x == a).expect("member");
+                let m = members.iter().position(|&x| x == i).expect("member");
+                let count = recs[m].map_or(usize::MAX, |r| r.count as usize);
+                Progress::of(v, epoch).rows(count) < count
+            };
+            ctx.check_awaited_again(awaited, &mut next_check, &still)?;
+            Ok(waiting)
+        };
+        ctx.wait(deadline, &mut || match pass() {
+            Ok(w) => w,
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        // One header per expert rank (rotated by the relay's index to spread incast).
+        let mut entries = vec![0u8; g * RELAY_ENTRY];
+        for step in 0..n {
+            let j = (k + step) % n;
+            let d = experts[j];
+            let mut total = 0u32;
+            for (mc, e) in call
+                .members
+                .iter()
+                .zip(entries.chunks_exact_mut(RELAY_ENTRY))
+            {
+                let words = [mc.counts[j], mc.offsets[j], u32::from(mc.int8), 0];
+                total += mc.counts[j];
+                for (w, v) in e.chunks_exact_mut(4).zip(words) {
+                    w.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            let at = l.relay_header(k, buf);
+            let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
+            ctx.put(d, at + 32, &entries)?;
+            ctx.put_record(d, at, &rec)?;
+            ctx.signal(
+                d,
+                ctx.slots.a2e_ready(ctx.rank),
+                progress(epoch, total as usize),
+            )?;
+        }
+        // The members' rows are out of this rank's areas: their buffers may be reused.
+        for &ai in members {
+            ctx.signal(attention[ai], ctx.slots.a2e_credit(ctx.rank), epoch)?;
+        }
+        self.calls.push_back(call);
+        Ok(())
+    }
+
+    /// Relay side of E2A call `epoch`: waits for every expert rank's replies for this relay's
+    /// members, reduces each token exactly as the direct path's attention rank would, sends one
+    /// row per token to each member and credits the expert ranks.
+    pub(crate) fn combine_e2a(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<()> {
+        let Some(call) = self.calls.front() else {
+            return Err(Error::invalid(format!(
+                "relay has no forwarded A2E for the E2A of epoch {epoch}"
+            )));
+        };
+        if call.epoch != epoch {
+            return Err(Error::invalid(format!(
+                "relay's oldest forwarded A2E is epoch {}, the E2A is for epoch {epoch}",
+                call.epoch
+            )));
+        }
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let k = plan.relay_index(ctx.rank).expect("a relay");
+        let members = plan.members(k);
+        let l = &ctx.layout;
+        let buf = l.buffer(epoch);
+        let experts = ctx.experts();
+        let attention = ctx.attention();
+        let n = experts.len();
+        let expected: Vec<usize> = (0..n)
+            .map(|j| call.members.iter().map(|mc| mc.counts[j] as usize).sum())
+            .collect();
+        let mut seen = vec![false; n];
+        let mut complete = vec![false; n];
+        let mut missing = n;
+        let mut failure = None;
+        let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
+        let mut pass = || -> Result<Option<Waiting>> {
+            let mut waiting = None;
+            for (j, &d) in experts.iter().enumerate() {
+                if complete[j] {
+                    continue;
+                }
+                let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
+                if p == Progress::NotYet {
+                    waiting.get_or_insert(Waiting {
+                        peer: d,
+                        what: "relayed E2A record",
+                    });
+                    continue;
+                }
+                if !seen[j] {
+                    let rec = ctx.read_record(l.relay_e2a_record(j, buf))?;
+                    let mode = rec.validate(d, epoch, expected[j])?;
+                    if rec.count as usize != expected[j] || mode != WireMode::Push || rec.int8() {
+                        return Err(Error::Protocol {
+                            peer: d,
+                            detail: format!(
+                                "relayed E2A of epoch {epoch} brings {} rows ({mode:?}, int8 {}), \
+                                 {} were dispatched to it through this relay (push, dtype)",
+                                rec.count,
+                                rec.int8(),
+                                expected[j]
+                            ),
+                        });
+                    }
+                    ctx.note_rows_received(d, expected[j]);
+                    seen[j] = true;
+                }
+                if p.rows(expected[j]) < expected[j] {
+                    waiting.get_or_insert(Waiting {
+                        peer: d,
+                        what: "relayed E2A rows",
+                    });
+                    continue;
+                }
+                complete[j] = true;
+                missing -= 1;
+            }
+            if missing == 0 {
+                return Ok(None);
+            }
+            let awaited = (0..n).filter(|&j| !complete[j]).map(|j| experts[j]);
+            let still = |d: usize| {
+                let j = ctx.topo.expert_index(d).expect("expert");
+                let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
+                p.rows(expected[j]) < expected[j] || (p == Progress::NotYet)
+            };
+            ctx.check_awaited_again(awaited, &mut next_check, &still)?;
+            Ok(waiting)
+        };
+        ctx.wait(deadline, &mut || match pass() {
+            Ok(w) => w,
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let member_ranks: Vec<usize> = members.iter().map(|&ai| attention[ai]).collect();
+        ctx.wait_credits(
+            epoch,
+            &member_ranks,
+            ctx.slots.e2a_credit(0),
+            "E2A credit (attention rank has not consumed an earlier relayed combine)",
+            deadline,
+        )?;
+        let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
+        let call = self.calls.pop_front().expect("checked above");
+        for (m, mc) in call.members.iter().enumerate() {
+            self.reduce_member(ctx, buf, m, mc)?;
+            let a = member_ranks[m];
+            let t = mc.num_tokens;
+            ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride])?;
+            let rec = Record::new(epoch, t as u32, 0, WireMode::Push);
+            ctx.put_record(a, l.record(my_index, buf), &rec)?;
+            ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, t))?;
+            ctx.stats.borrow_mut().relay_rows_forwarded += t as u64;
+        }
+        for &d in experts {
+            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        }
+        self.spare.push(call);
+        Ok(())
+    }
+
+    /// Reduces member `m`'s replies into `self.out` (`[num_tokens, hidden]` in the dtype), in
+    /// the direct path's order: contributions by ascending expert rank, the first copied (one)
+    /// or converted (several), the others added in f32, one rounding.
+    fn reduce_member(
+        &mut self,
+        ctx: &Context,
+        buf: usize,
+        m: usize,
+        mc: &MemberCall,
+    ) -> Result<()> {
+        let l = &ctx.layout;
+        let (p, hidden, dtype) = (l.e2a_stride, ctx.cfg.hidden, ctx.cfg.dtype);
+        let t_count = mc.num_tokens;
+        let rows = mc.tokens.len();
+        self.scratch.resize(rows * p, 0);
+        ctx.get(ctx.rank, l.relay_e2a(m, buf), &mut self.scratch)?;
+        self.count.clear();
+        self.count.resize(t_count, 0);
+        self.first.clear();
+        self.first.resize(t_count, 0);
+        for (i, &t) in mc.tokens.iter().enumerate() {
+            let t = t as usize;
+            if self.count[t] == 0 {
+                self.first[t] = i as u32;
+            }
+            self.count[t] += 1;
+        }
+        self.acc.clear();
+        self.acc.resize(t_count * hidden, 0.0);
+        let mut added = vec![0u32; t_count];
+        // Rows are in expert-rank order, so this visits each token's contributions in the
+        // direct path's order.
+        for (i, &t) in mc.tokens.iter().enumerate() {
+            let t = t as usize;
+            if self.count[t] < 2 {
+                continue;
+            }
+            let row = &self.scratch[i * p..(i + 1) * p];
+            let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
+            if added[t] == 0 {
+                dtype.to_f32(row, acc);
+            } else {
+                dtype.accumulate(row, 1.0, acc);
+            }
+            added[t] += 1;
+        }
+        self.out.resize(t_count * p, 0);
+        for t in 0..t_count {
+            let out = &mut self.out[t * p..(t + 1) * p];
+            match self.count[t] {
+                0 => out.fill(0),
+                1 => {
+                    let i = self.first[t] as usize;
+                    out.copy_from_slice(&self.scratch[i * p..(i + 1) * p]);
+                }
+                _ => dtype.from_f32(&self.acc[t * hidden..(t + 1) * hidden], out),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Checks member `m`'s (attention index `ai`) complete message of call `epoch`, notes its route
+/// and token indices in `mc`, and forwards its rows for every expert rank into that rank's
+/// receive area for `ai`.
+fn forward_member(
+    ctx: &Context,
+    epoch: u64,
+    m: usize,
+    ai: usize,
+    rec: &Record,
+    mc: &mut MemberCall,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let l = &ctx.layout;
+    let buf = l.buffer(epoch);
+    let experts = ctx.experts();
+    let n = experts.len();
+    let a = ctx.attention()[ai];
+    let bad = |detail: String| Err(Error::Protocol { peer: a, detail });
+    let mut table = vec![0u8; 4 * (n + 1)];
+    ctx.get(ctx.rank, l.relay_table(m, buf), &mut table)?;
+    let word = |i: usize| u32::from_le_bytes(table[4 * i..4 * i + 4].try_into().expect("4"));
+    let t_count = word(0) as usize;
+    if t_count > ctx.cfg.max_tokens_per_rank {
+        return bad(format!(
+            "route table of epoch {epoch} names {t_count} tokens, max_tokens is {}",
+            ctx.cfg.max_tokens_per_rank
+        ));
+    }
+    mc.num_tokens = t_count;
+    mc.int8 = rec.int8();
+    mc.counts.clear();
+    mc.offsets.clear();
+    let mut sum = 0usize;
+    for j in 0..n {
+        let c = word(j + 1);
+        if c as usize > t_count {
+            return bad(format!(
+                "route table of epoch {epoch} sends {c} rows to rank {}, it has {t_count} tokens",
+                experts[j]
+            ));
+        }
+        mc.offsets.push(sum as u32);
+        mc.counts.push(c);
+        sum += c as usize;
+    }
+    if sum != rec.count as usize {
+        return bad(format!(
+            "route table of epoch {epoch} adds up to {sum} rows, its record says {}",
+            rec.count
+        ));
+    }
+    let stride = l.a2e.stride_for(mc.int8);
+    let meta = l.a2e.meta_offset_for(mc.int8);
+    scratch.resize(sum * stride, 0);
+    ctx.get(ctx.rank, l.relay_a2e(m, buf), scratch)?;
+    mc.tokens.clear();
+    for j in 0..n {
+        let (start, c) = (mc.offsets[j] as usize, mc.counts[j] as usize);
+        let mut last: Option<u32> = None;
+        for i in start..start + c {
+            let at = i * stride + meta;
+            let t = u32::from_le_bytes(scratch[at..at + 4].try_into().expect("4"));
+            if t as usize >= t_count || last.is_some_and(|p| t <= p) {
+                return bad(format!(
+                    "A2E row {i} of epoch {epoch} names token {t}: tokens for one rank must be \
+                     ascending and below the {t_count} sent"
+                ));
+            }
+            last = Some(t);
+            mc.tokens.push(t);
+        }
+        if c > 0 {
+            let rows = &scratch[start * stride..(start + c) * stride];
+            ctx.put(experts[j], l.a2e_recv(ai, buf), rows)?;
+            ctx.stats.borrow_mut().relay_rows_forwarded += c as u64;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! [`Stats`]: what a communicator counted — per call and in total.
+//!
+//! Every figure comes from running the protocol: records are counted where they are written and
+//! where they are read, rows where records announce them, bytes at every `put` and `get`, and
+//! time waited at every wait, charged to the peer the wait was for (the first one missing each
+//! time the wait looked).
+
+use std::time::Duration;
+
+/// What one rank exchanged with one peer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PeerStats {
+    /// Rows this rank announced to the peer in records it wrote.
+    pub rows_sent: u64,
+    /// Rows the peer announced to this rank in records this rank read.
+    pub rows_received: u64,
+    /// Bytes this rank wrote into the peer's window (`put`), records and rows.
+    pub bytes_put: u64,
+    /// Bytes this rank read from the peer's window (`get`: pulled rows).
+    pub bytes_got: u64,
+    /// Time this rank waited for the peer (signals, records, rows, credits).
+    pub waited: Duration,
+}
+
+impl PeerStats {
+    fn add(&mut self, o: &PeerStats) {
+        self.rows_sent += o.rows_sent;
+        self.rows_received += o.rows_received;
+        self.bytes_put += o.bytes_put;
+        self.bytes_got += o.bytes_got;
+        self.waited += o.waited;
+    }
+}
+
+/// Counters of one rank: of one call ([`crate::Communicator::last_call_stats`]) or of every
+/// call so far ([`crate::Communicator::total_stats`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Calls counted.
+    pub calls: u64,
+    /// Metadata records this rank wrote (one per message, relay headers included).
+    pub records_written: u64,
+    /// Metadata records this rank read and validated.
+    pub records_polled: u64,
+    /// Rows this rank forwarded as a relay (A2E rows to final expert ranks and reduced E2A rows
+    /// to attention ranks).
+    pub relay_rows_forwarded: u64,
+    /// Per global rank (this rank's own entry counts writes into its own window).
+    pub peers: Vec<PeerStats>,
+}
+
+/// A peer waited on more than this many times as long as the median of the peers waited on
+/// is a straggler ([`Stats::straggler`]).
+pub const STRAGGLER_FACTOR: u32 = 4;
+
+/// Waits shorter than this are noise, never a straggler.
+pub const STRAGGLER_MIN: Duration = Duration::from_micros(200);
+
+impl Stats {
+    pub(crate) fn new(world: usize) -> Self {
+        Stats {
+            peers: vec![PeerStats::default(); world],
+            ..Stats::default()
+        }
+    }
+
+    pub(crate) fn clear(&mut self) {
+        let world = self.peers.len();
+        *self = Stats::new(world);
+    }
+
+    pub(crate) fn add(&mut self, o: &Stats) {
+        self.calls += o.calls;
+        self.records_written += o.records_written;
+        self.records_polled += o.records_polled;
+        self.relay_rows_forwarded += o.relay_rows_forwarded;
+        if self.peers.len() < o.peers.len() {
+            self.peers.resize(o.peers.len(), PeerStats::default());
+        }
+        for (a, b) in self.peers.iter_mut().zip(&o.peers) {
+            a.add(b);
+        }
+    }
+
+    /// The peer waited on longest, and for how long (`None` when no wait took any time).
+    pub fn slowest_peer(&self) -> Option<(usize, Duration)> {
+        self.peers
+            .iter()
+            .enumerate()
+            .map(|(p, s)| (p, s.waited))
+            .filter(|(_, w)| !w.is_zero())
+            .max_by_key(|&(p, w)| (w, std::cmp::Reverse(p)))
+    }
+
+    /// The straggler: the slowest peer, when it was waited on at least [`STRAGGLER_MIN`] and
+    /// more than [`STRAGGLER_FACTOR`] times the median wait of the peers waited on at all.
+    pub fn straggler(&self) -> Option<usize> {
+        let (peer, worst) = self.slowest_peer()?;
+        let mut waits: Vec<Duration> = self
+            .peers
+            .iter()
+            .map(|s| s.waited)
+            .filter(|w| !w.is_zero())
+            .collect();
+        waits.sort_unstable();
+        let median = waits[waits.len() / 2];
+        (worst >= STRAGGLER_MIN && (waits.len() == 1 || worst > median * STRAGGLER_FACTOR))
+            .then_some(peer)
+    }
+
+    /// Total bytes put into peers' windows (this rank's own excluded).
+    pub fn bytes_put_to_peers(&self, me: usize) -> u64 {
+        self.peers
+            .iter()
+            .enumerate()
+            .filter(|&(p, _)| p != me)
+            .map(|(_, s)| s.bytes_put)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn straggler_is_named_only_when_far_slower_than_the_rest() {
+        let mut s = Stats::new(4);
+        assert_eq!(s.straggler(), None);
+        for (p, us) in [(0, 300), (1, 310), (2, 290)] {
+            s.peers[p].waited = Duration::from_micros(us);
+        }
+        assert_eq!(s.slowest_peer(), Some((1, Duration::from_micros(310))));
+        assert_eq!(s.straggler(), None);
+        s.peers[3].waited = Duration::from_millis(5);
+        assert_eq!(s.straggler(), Some(3));
+        let mut t = Stats::new(4);
+        t.add(&s);
+        t.add(&s);
+        assert_eq!(t.peers[3].waited, Duration::from_millis(10));
+    }
+}
