@@ -38,6 +38,14 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8)
         }
+        ["moe_relay", m, n, r, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            relayed_rounds(ctx, p(m)?, p(n)?, p(r)?, p(rounds)? as u64)
+        }
+        ["rtt", relays, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            round_trip(ctx, p(relays)?, p(rounds)?)
+        }
         ["moe_kill"] => killed_expert(ctx),
         _ => Err(format!("unknown scenario {scenario:?}")),
     }
@@ -100,6 +108,110 @@ fn checked_rounds(
             }
         };
         verdict.map_err(|e| e.to_string())??;
+    }
+    Ok(())
+}
+
+/// Checked rounds through `r` relays: push, caller buffers, expert-major and token-major
+/// receives alternating, INT8 A2E on every third round of odd attention ranks.
+fn relayed_rounds(ctx: &ChildCtx, m: usize, n: usize, r: usize, rounds: u64) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx
+        .connect(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let topo = Topology::contiguous(m, n, 4 * n.max(2))
+        .and_then(|t| t.with_relays(Some(r)))
+        .map_err(|e| e.to_string())?;
+    let mut comm = Communicator::init_shm(ex, Arc::new(topo), cfg).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 0x7e1a + (m * 10 + n) as u64,
+        tokens: 24,
+        vary: true,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
+    for round in 0..rounds {
+        let verdict = match comm.role() {
+            Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
+            Role::Expert if round.is_multiple_of(2) => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            Role::Expert => expert_round_tokens_with::<bf16>(
+                &mut comm,
+                &wl,
+                round,
+                &mut tokens,
+                true,
+                Buffers::Copy,
+            ),
+        };
+        verdict.map_err(|e| e.to_string())??;
+    }
+    let records = comm.total_stats().records_written;
+    xccl_tests::announce(&format!("rank {} wrote {records} records", ctx.rank));
+    Ok(())
+}
+
+/// 1A:2E round trips (A2E + expert-major receive + E2A) of 128 tokens, H = 7168 bf16, K = 2,
+/// unchecked after a checked warm-up; with `relays` = 1 expert rank 1 relays. The attention
+/// rank prints the median round trip.
+fn round_trip(ctx: &ChildCtx, relays: usize, rounds: usize) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(7168, DType::BF16, 2, 128);
+    cfg.timeout = Duration::from_secs(60);
+    let ex = ctx
+        .connect(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let mut topo = Topology::contiguous(1, 2, 8).map_err(|e| e.to_string())?;
+    if relays > 0 {
+        topo = topo.with_relays(Some(relays)).map_err(|e| e.to_string())?;
+    }
+    let mut comm = Communicator::init_shm(ex, Arc::new(topo), cfg).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 3,
+        tokens: 128,
+        vary: false,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let mut times = Vec::with_capacity(rounds);
+    for round in 0..rounds as u64 {
+        let check = round < 3;
+        let start = std::time::Instant::now();
+        let verdict = match comm.role() {
+            Role::Attention if check => attention_round::<bf16>(&mut comm, &wl, round),
+            Role::Attention => {
+                let topo = comm.topology().clone();
+                let input = wl.input(&topo, 2, 0, 0);
+                let x: Vec<bf16> = wl.hidden_states(0, 0, input.num_tokens, 7168);
+                let h = comm
+                    .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+                    .map_err(|e| e.to_string())?;
+                let mut out = vec![bf16::ZERO; x.len()];
+                comm.e2a_recv(&h, &mut out).map_err(|e| e.to_string())?;
+                Ok(Ok(()))
+            }
+            Role::Expert => expert_round::<bf16>(
+                &mut comm,
+                &wl,
+                if check { round } else { 0 },
+                &mut batch,
+                check,
+            ),
+        };
+        verdict.map_err(|e| e.to_string())??;
+        times.push(start.elapsed());
+    }
+    if comm.role() == Role::Attention {
+        times.sort_unstable();
+        let median = times[times.len() / 2];
+        let stats = comm.total_stats();
+        xccl_tests::announce(&format!(
+            "rtt relays={relays}: median {:.1} us over {rounds} round trips; records written {}",
+            median.as_secs_f64() * 1e6,
+            stats.records_written
+        ));
     }
     Ok(())
 }
@@ -193,5 +305,31 @@ fn killed_expert_is_reported_by_the_survivors() {
     );
     for r in [0, 2] {
         assert!(st[r].success(), "rank {r} failed: {}", job.output(r));
+    }
+}
+
+#[test]
+fn relayed_two_attention_three_expert_over_shm_matches_reference() {
+    Job::spawn(ENTRY, "moe_relay:2:3:1:60", 5).expect_success(Duration::from_secs(60));
+}
+
+#[test]
+fn relayed_three_attention_two_expert_two_relays_over_shm_matches_reference() {
+    Job::spawn(ENTRY, "moe_relay:3:2:2:60", 5).expect_success(Duration::from_secs(60));
+}
+
+/// The relay's cost: 1A:2E round trips with and without a relay (run with `--nocapture` to see
+/// the medians).
+#[test]
+fn round_trip_with_and_without_a_relay_over_shm() {
+    for relays in [0, 1] {
+        let mut job = Job::spawn(ENTRY, &format!("rtt:{relays}:300"), 3);
+        job.expect_success(Duration::from_secs(120));
+        let out = job.output(0);
+        let line = out
+            .lines()
+            .find(|l| l.contains("rtt relays="))
+            .unwrap_or("no rtt line");
+        eprintln!("{line}");
     }
 }
