@@ -1303,3 +1303,134 @@ fn counters_add_up_between_peers_and_name_the_slowest() {
     assert_eq!(stats[relay].slowest_peer().unwrap().0, 1);
     assert!(stats[relay].peers[1].waited >= Duration::from_millis(20));
 }
+
+/// Runs `rounds` calls with DP domains: every expert rank takes part in every call, an attention
+/// rank only in its domain's turns. Every mode, layout and buffer kind, checked bit for bit; each
+/// expert-major and token-major batch is checked to hold rows of the call's domain only.
+fn run_domains<T: Element>(
+    topo: &Topology,
+    cfg: &MoeConfig,
+    wl: &Workload,
+    rounds: u64,
+) -> Result<(), String> {
+    let comms = Communicator::local_group(topo, cfg).map_err(|e| e.to_string())?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|mut c| {
+                s.spawn(move || -> Result<(), String> {
+                    let mut batch = ExpertBatch::new();
+                    let mut tokens = TokenBatch::new();
+                    let topo = c.topology().clone();
+                    for round in 0..rounds {
+                        c.set_mode(BOTH[(round as usize + c.rank()) % 2]);
+                        let buffers = if (round + c.rank() as u64) % 3 == 1 {
+                            Buffers::Registered
+                        } else {
+                            Buffers::Copy
+                        };
+                        let domain: Vec<u32> = topo
+                            .call_sources(round)
+                            .iter()
+                            .map(|&i| topo.attention_ranks()[i] as u32)
+                            .collect();
+                        let one_domain = |sources: &[crate::SourceInfo]| match sources
+                            .iter()
+                            .find(|s| s.count() > 0 && !domain.contains(&(s.rank() as u32)))
+                        {
+                            Some(s) => Err(format!(
+                                "round {round}: rows of rank {} outside domain {domain:?}",
+                                s.rank()
+                            )),
+                            None => Ok(()),
+                        };
+                        let verdict = match c.role() {
+                            Role::Attention if !topo.in_call(c.rank(), round) => continue,
+                            Role::Attention => {
+                                attention_round_with::<T>(&mut c, wl, round, buffers)
+                            }
+                            Role::Expert if (round + c.rank() as u64).is_multiple_of(2) => {
+                                expert_round::<T>(&mut c, wl, round, &mut batch, true)
+                                    .map(|v| v.and_then(|()| one_domain(batch.sources())))
+                            }
+                            Role::Expert if (round + c.rank() as u64) % 4 == 1 => {
+                                expert_round_view::<T>(&mut c, wl, round, true)
+                            }
+                            Role::Expert => expert_round_tokens_with::<T>(
+                                &mut c,
+                                wl,
+                                round,
+                                &mut tokens,
+                                true,
+                                buffers,
+                            )
+                            .map(|v| v.and_then(|()| one_domain(tokens.sources()))),
+                        };
+                        verdict.map_err(|e| format!("rank {}: {e}", c.rank()))??;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| "rank panicked".to_string())?)
+            .collect::<Result<Vec<()>, String>>()
+            .map(|_| ())
+    })
+}
+
+#[test]
+fn dp_domains_take_turns_and_match_the_reference_bit_for_bit() {
+    for d in [1, 2, 3] {
+        let topo = Topology::contiguous(6, 3, 12)
+            .unwrap()
+            .with_domains(d)
+            .unwrap();
+        let mut c = cfg(40, DType::BF16, 3, 10);
+        c.max_in_flight = 1;
+        run_domains::<bf16>(&topo, &c, &wl(90 + d as u64, 10, true), 12).unwrap();
+        let mut c = cfg(24, DType::F32, 4, 8);
+        c.max_in_flight = 1;
+        run_domains::<f32>(&topo, &c, &wl(95 + d as u64, 8, true), 9).unwrap();
+        let mut c = int8_cfg(64, DType::F16, Quant::Int8, Quant::Int8);
+        c.max_in_flight = 1;
+        run_domains::<f16>(&topo, &c, &wl(99 + d as u64, 12, true), 6).unwrap();
+    }
+}
+
+/// Window bytes per rank with D = 1, 2, 3 domains at 160 x 288 (attention ranks grouped in
+/// domains of 160 / D here, to show the expert-side saving) and at the deployment shape of 3
+/// domains of 160 attention ranks.
+#[test]
+fn dp_domains_size_expert_windows_for_one_domain() {
+    let mut c = cfg(7168, DType::BF16, 8, 64);
+    c.max_in_flight = 1;
+    let mut last = usize::MAX;
+    for (m, d) in [(160, 1), (160, 2), (160, 3), (480, 1), (480, 3)] {
+        let topo = Topology::contiguous(m, 288, 288)
+            .unwrap()
+            .with_domains(d)
+            .unwrap();
+        let lens = Communicator::window_lens(&topo, &c).unwrap();
+        let (att, exp) = (lens[0], lens[m]);
+        eprintln!(
+            "M={m} N=288 D={d}: window bytes per attention rank {att}, per expert rank {exp} \
+             ({:.1} MiB)",
+            exp as f64 / (1 << 20) as f64
+        );
+        if m == 160 {
+            assert!(exp < last, "expert windows shrink with D");
+            last = exp;
+        }
+    }
+    let topo = Topology::contiguous(3, 2, 4)
+        .unwrap()
+        .with_domains(3)
+        .unwrap();
+    let two = cfg(8, DType::F32, 2, 4);
+    assert!(
+        Communicator::local_group(&topo, &two).is_err(),
+        "domains need max_in_flight 1"
+    );
+}

@@ -76,6 +76,11 @@ pub struct Topology {
     fingerprint: u64,
     /// The relay plan, when A2E and E2A go through relays ([`Topology::with_relays`]).
     relays: Option<RelayPlan>,
+    /// Attention indices per DP domain ([`Topology::with_domains`]); one domain of every
+    /// attention rank without domains.
+    domains: Vec<Vec<usize>>,
+    /// For each attention index, its domain and its position in it.
+    domain_of: Vec<(usize, usize)>,
 }
 
 /// Which expert ranks relay ("trampoline") the traffic of which attention ranks.
@@ -387,6 +392,7 @@ impl TopologyBuilder {
         }
         let max_local = local.iter().map(Vec::len).max().unwrap_or(0);
 
+        let num_attention = attention.len();
         let fingerprint = fingerprint_of(&roles, &map);
         Ok(Topology {
             roles,
@@ -401,6 +407,8 @@ impl TopologyBuilder {
             max_local,
             fingerprint,
             relays: None,
+            domains: vec![(0..num_attention).collect()],
+            domain_of: (0..num_attention).map(|a| (0, a)).collect(),
         })
     }
 }
@@ -648,6 +656,67 @@ impl Topology {
     pub fn relay_plan(&self) -> Option<&RelayPlan> {
         self.relays.as_ref()
     }
+
+    /// This topology with its attention ranks partitioned into `count` DP domains: contiguous
+    /// blocks of attention index, sizes within one. Calls take turns: call `i` (the `i`-th after
+    /// `epoch_base`, from 0) belongs to domain `i % count`, and only that domain's attention
+    /// ranks take part in it (the others skip it), so an expert rank's receive areas hold one
+    /// domain's rows.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] unless `1 <= count <= M`.
+    pub fn with_domains(mut self, count: usize) -> Result<Topology> {
+        let m = self.attention.len();
+        if count == 0 || count > m {
+            return Err(Error::invalid(format!(
+                "{count} DP domains requested; the job has {m} attention ranks (1 to {m} domains)"
+            )));
+        }
+        self.domains = vec![Vec::new(); count];
+        self.domain_of.clear();
+        for a in 0..m {
+            let d = a * count / m;
+            self.domain_of.push((d, self.domains[d].len()));
+            self.domains[d].push(a);
+        }
+        let mut h = self.fingerprint;
+        fnv(&mut h, b"domains");
+        fnv(&mut h, &(count as u64).to_le_bytes());
+        self.fingerprint = h;
+        Ok(self)
+    }
+
+    /// Number of DP domains (1 without domains).
+    pub fn num_domains(&self) -> usize {
+        self.domains.len()
+    }
+
+    /// The attention indices of domain `d`, ascending.
+    pub fn domain(&self, d: usize) -> &[usize] {
+        &self.domains[d]
+    }
+
+    /// The domain of attention index `attention_index`, and its position in it.
+    pub fn domain_of(&self, attention_index: usize) -> (usize, usize) {
+        self.domain_of[attention_index]
+    }
+
+    /// Most attention ranks in one domain: the sources an expert rank's receive areas hold.
+    pub fn max_domain_size(&self) -> usize {
+        self.domains.iter().map(Vec::len).max().unwrap_or(0)
+    }
+
+    /// The attention indices taking part in call `call` (0 for the first call after
+    /// `epoch_base`): every attention rank without domains, else domain `call % D`'s.
+    pub fn call_sources(&self, call: u64) -> &[usize] {
+        &self.domains[(call % self.domains.len() as u64) as usize]
+    }
+
+    /// Whether global rank `rank` (an attention rank) takes part in call `call`.
+    pub fn in_call(&self, rank: usize, call: u64) -> bool {
+        self.attention_index(rank)
+            .is_some_and(|a| self.domain_of[a].0 as u64 == call % self.domains.len() as u64)
+    }
 }
 
 #[cfg(test)]
@@ -700,6 +769,27 @@ pub(crate) mod tests {
             .clone()
             .with_relay_plan(RelayPlan::spread(&small, 1).unwrap())
             .is_err());
+    }
+
+    #[test]
+    fn domains_partition_attention_ranks_in_balanced_blocks() {
+        let t = Topology::contiguous(7, 2, 4).unwrap();
+        assert_eq!(t.num_domains(), 1);
+        assert_eq!(t.call_sources(5).len(), 7);
+        let d = t.clone().with_domains(3).unwrap();
+        assert_ne!(d.fingerprint(), t.fingerprint());
+        let sizes: Vec<usize> = (0..3).map(|i| d.domain(i).len()).collect();
+        assert_eq!(sizes.iter().sum::<usize>(), 7);
+        assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+        assert_eq!(d.max_domain_size(), 3);
+        for a in 0..7 {
+            let (dom, pos) = d.domain_of(a);
+            assert_eq!(d.domain(dom)[pos], a);
+            assert!(d.in_call(a, dom as u64) && d.in_call(a, dom as u64 + 3));
+            assert!(!d.in_call(a, dom as u64 + 1));
+        }
+        assert!(t.clone().with_domains(0).is_err());
+        assert!(t.with_domains(8).is_err());
     }
 
     #[test]

@@ -82,7 +82,7 @@ impl CombineSender {
     ) -> Result<()> {
         ctx.wait_credits(
             epoch,
-            ctx.attention(),
+            &ctx.previous_sources(epoch),
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier combine)",
             deadline,
@@ -142,7 +142,7 @@ impl CombineSender {
         let buf = ctx.layout.buffer(epoch);
         ctx.wait_credits(
             epoch,
-            ranks,
+            &ctx.previous_sources(epoch),
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier combine)",
             deadline,
@@ -159,8 +159,13 @@ impl CombineSender {
         self.row.resize(p, 0);
         self.qrow.resize(int8_payload(ctx.cfg.hidden), 0);
         let n = ranks.len();
+        let part = ctx.call_sources(epoch);
         for step in 0..n {
             let i = (my_index + step) % n;
+            if part.len() != n && !part.contains(&i) {
+                // Not in this call's DP domain: no message.
+                continue;
+            }
             let s = ranks[i];
             let info = sources[i];
             let count = info.count;

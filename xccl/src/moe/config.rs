@@ -143,6 +143,21 @@ impl MoeConfig {
                 EPOCH_MASK
             )));
         }
+        if topo.num_domains() > 1 {
+            if self.max_in_flight != 1 {
+                return Err(Error::invalid(format!(
+                    "DP domains take turns one call at a time: max_in_flight must be 1 with {} \
+                     domains (it is {})",
+                    topo.num_domains(),
+                    self.max_in_flight
+                )));
+            }
+            if topo.relay_plan().is_some() {
+                return Err(Error::invalid(
+                    "DP domains together with relays are not supported yet",
+                ));
+            }
+        }
         let layout = WindowLayout::new(topo, self);
         for r in 0..topo.world_size() {
             if layout.window_len(r) > (u32::MAX as usize) * 16 {

@@ -242,6 +242,25 @@ impl Context {
             })
     }
 
+    /// The call index of `epoch` (0 for the first call after `epoch_base`).
+    pub(crate) fn call_of(&self, epoch: u64) -> u64 {
+        epoch.wrapping_sub(self.cfg.epoch_base + 1)
+    }
+
+    /// The attention indices taking part in call `epoch` (every attention rank without DP
+    /// domains).
+    pub(crate) fn call_sources(&self, epoch: u64) -> &[usize] {
+        self.topo.call_sources(self.call_of(epoch))
+    }
+
+    /// The global ranks of the attention ranks that took part in the call whose buffers call
+    /// `epoch` reuses (`epoch - max_in_flight`): the ones whose credits free them.
+    pub(crate) fn previous_sources(&self, epoch: u64) -> Vec<usize> {
+        let prev = epoch.saturating_sub(self.cfg.max_in_flight as u64);
+        let all = self.attention();
+        self.call_sources(prev).iter().map(|&i| all[i]).collect()
+    }
+
     /// The attention ranks, in rank order.
     pub(crate) fn attention(&self) -> &[usize] {
         self.topo.attention_ranks()

@@ -84,6 +84,19 @@ impl DispatchSender {
         }
     }
 
+    /// The epoch of this rank's next call: the next one, or with DP domains the next of its
+    /// domain's turns.
+    fn next_epoch(&self, ctx: &Context) -> u64 {
+        let d = ctx.topo.num_domains() as u64;
+        let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+        let mine = ctx.topo.domain_of(index).0 as u64;
+        let mut e = self.last_epoch + 1;
+        while ctx.call_of(e) % d != mine {
+            e += 1;
+        }
+        e
+    }
+
     /// Fails at once when `max_in_flight` calls already wait for their E2A.
     fn check_room(&self, ctx: &Context) -> Result<()> {
         let depth = ctx.cfg.max_in_flight;
@@ -176,7 +189,7 @@ impl DispatchSender {
     /// notes that the caller writes the rows for this call.
     pub(crate) fn prepare_input(&mut self, ctx: &Context, deadline: Instant) -> Result<()> {
         self.check_room(ctx)?;
-        let epoch = self.last_epoch + 1;
+        let epoch = self.next_epoch(ctx);
         ctx.wait_credits(
             epoch,
             ctx.experts(),
@@ -194,7 +207,7 @@ impl DispatchSender {
     // exclusivity comes from the protocol (see the SAFETY comment), not from a Rust borrow.
     #[allow(clippy::mut_from_ref)]
     pub(crate) fn input<'c>(&mut self, ctx: &'c Context) -> Result<Option<&'c mut [u8]>> {
-        let epoch = self.last_epoch + 1;
+        let epoch = self.next_epoch(ctx);
         if self.input_epoch != Some(epoch) {
             return Err(Error::invalid("the registered input was not prepared"));
         }
@@ -219,7 +232,7 @@ impl DispatchSender {
         topk_weights: &[f32],
         deadline: Instant,
     ) -> Result<A2eHandle> {
-        let epoch = self.last_epoch + 1;
+        let epoch = self.next_epoch(ctx);
         if self.input_epoch != Some(epoch) {
             return Err(Error::invalid(
                 "a2e_send_input needs a2e_input first: the rows must be written for this call",
@@ -247,7 +260,7 @@ impl DispatchSender {
         mode: WireMode,
         deadline: Instant,
     ) -> Result<A2eHandle> {
-        let epoch = self.last_epoch + 1;
+        let epoch = self.next_epoch(ctx);
         let relay;
         let credit_from = match ctx.topo.relay_plan() {
             Some(plan) => {
@@ -806,12 +819,16 @@ enum Arrival<'m> {
 }
 
 impl Received {
-    /// Clears the per-call fields for a call from `sources` sources.
-    fn begin(&mut self, comm: u64, sources: usize) {
+    /// Clears the per-call fields for a call whose possible sources are `ranks` (every
+    /// attention rank; with DP domains those outside the call's domain stay empty).
+    fn begin(&mut self, comm: u64, ranks: &[usize]) {
         self.comm = comm;
         self.epoch = 0;
         self.sources.clear();
-        self.sources.resize(sources, SourceInfo::default());
+        self.sources.extend(ranks.iter().map(|&rank| SourceInfo {
+            rank,
+            ..SourceInfo::default()
+        }));
         self.arrival_order.clear();
     }
 
@@ -960,12 +977,17 @@ impl DispatchReceiver {
         let buf = ctx.layout.buffer(epoch);
         let start = Instant::now();
         let sources = ctx.attention();
+        // With DP domains only the call's domain takes part; the others stay `done`.
+        let part = ctx.call_sources(epoch);
         let (max_tokens, attention_rows) = (ctx.cfg.max_tokens_per_rank, ctx.layout.attention_rows);
         self.messages.clear();
         self.messages.resize(sources.len(), None);
         let mut handled = vec![0usize; sources.len()];
-        let mut done = vec![false; sources.len()];
-        let mut missing = sources.len();
+        let mut done = vec![true; sources.len()];
+        for &i in part {
+            done[i] = false;
+        }
+        let mut missing = part.len();
         let mut failure: Option<Error> = None;
         let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
         let (messages, reader) = (&mut self.messages, &mut self.reader);
@@ -1141,7 +1163,7 @@ impl DispatchReceiver {
         deadline: Instant,
     ) -> Result<()> {
         let recv = &mut batch.recv;
-        recv.begin(ctx.id, ctx.attention().len());
+        recv.begin(ctx.id, ctx.attention());
         let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
             recv.note(&arrival);
             Ok(())
@@ -1158,7 +1180,7 @@ impl DispatchReceiver {
     fn arrange_expert_major(&mut self, ctx: &Context, batch: &mut ExpertBatch) -> Result<()> {
         let local = ctx.topo.local_experts(ctx.rank).len();
         let payload = ctx.layout.a2e.payload;
-        let messages: Vec<Message> = self.messages.iter().map(|m| m.expect("complete")).collect();
+        let messages: Vec<Message> = self.messages.iter().filter_map(|m| *m).collect();
 
         // Pass 1: decode and validate every row; count rows per local expert.
         self.row_token.clear();
@@ -1167,10 +1189,13 @@ impl DispatchReceiver {
         self.row_start.push(0);
         batch.expert_offsets.clear();
         batch.expert_offsets.resize(local + 1, 0);
+        // Tokens by source in rank order (a source outside the call's DP domain has none).
         let mut first_token = 0;
-        for (i, msg) in messages.iter().enumerate() {
-            batch.recv.sources[i].first_token = first_token;
-            first_token += msg.count();
+        for (info, m) in batch.recv.sources.iter_mut().zip(&self.messages) {
+            info.first_token = first_token;
+            first_token += m.map_or(0, |m| m.count());
+        }
+        for msg in &messages {
             self.reader.prepare(ctx, msg, 0..msg.count())?;
             for r in 0..msg.count() {
                 let token = self.reader.decode(ctx, msg, r)?;
@@ -1262,7 +1287,7 @@ impl DispatchReceiver {
     ) -> Result<()> {
         let payload = ctx.layout.a2e.payload;
         batch.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
-        batch.recv.begin(ctx.id, ctx.attention().len());
+        batch.recv.begin(ctx.id, ctx.attention());
         batch.recv.int8 = ctx.cfg.keep_int8;
         let epoch = self.receive(ctx, true, deadline, &mut |reader, arrival| {
             batch.recv.note(&arrival);
@@ -1317,13 +1342,26 @@ impl DispatchReceiver {
         deadline: Instant,
     ) -> Result<(u64, Vec<Message>)> {
         meta.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
-        meta.recv.begin(ctx.id, ctx.attention().len());
+        meta.recv.begin(ctx.id, ctx.attention());
         let recv = &mut meta.recv;
         let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
             recv.note(&arrival);
             Ok(())
         })?;
-        let messages: Vec<Message> = self.messages.iter().map(|m| m.expect("complete")).collect();
+        // Every source in rank order; those outside the call's DP domain as empty messages.
+        let buf = ctx.layout.buffer(epoch);
+        let messages: Vec<Message> = (self.messages.iter().enumerate())
+            .map(|(i, m)| {
+                m.unwrap_or(Message {
+                    index: i,
+                    src: ctx.attention()[i],
+                    rec: Record::default(),
+                    mode: WireMode::Push,
+                    buf,
+                    int8: false,
+                })
+            })
+            .collect();
         let total: usize = messages.iter().map(Message::count).sum();
         meta.grow(total, 0, false);
         let mut first = 0;

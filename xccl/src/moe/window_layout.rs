@@ -55,6 +55,11 @@ pub struct WindowLayout {
     num_attention: usize,
     num_expert: usize,
     roles: Vec<Role>,
+    /// For each attention index, its receive slot on expert ranks (its position in its DP
+    /// domain; its index without domains).
+    recv_slot: Vec<usize>,
+    /// Sources an expert rank's receive areas hold (the largest domain; M without domains).
+    recv_sources: usize,
     /// Relays: (number of relays, most members of one relay, members of each rank's relay
     /// role (0 for non-relays)).
     relays: Option<(usize, usize, Vec<usize>)>,
@@ -77,6 +82,10 @@ impl WindowLayout {
             num_attention: topo.attention_ranks().len(),
             num_expert: n,
             roles: (0..topo.world_size()).map(|r| topo.role(r)).collect(),
+            recv_slot: (0..topo.attention_ranks().len())
+                .map(|a| topo.domain_of(a).1)
+                .collect(),
+            recv_sources: topo.max_domain_size(),
             relays: topo.relay_plan().map(|p| {
                 let members = (0..topo.world_size())
                     .map(|r| p.relay_index(r).map_or(0, |k| p.members(k).len()))
@@ -142,19 +151,26 @@ impl WindowLayout {
         page(self.max_tokens * self.a2e.stride.max(self.a2e.int8_stride))
     }
 
-    /// Expert rank: start of the A2E receive area of attention index `src_index`, `buffer`.
+    /// Expert rank: start of the A2E receive area of attention index `src_index`, `buffer`
+    /// (with DP domains, the sources at one position of every domain share an area: one
+    /// domain's call at a time uses it).
     pub fn a2e_recv(&self, src_index: usize, buffer: usize) -> usize {
-        self.records_end(Role::Expert) + (self.depth * src_index + buffer) * self.a2e_recv_bytes()
+        self.a2e_recv_slot(self.recv_slot[src_index], buffer)
     }
 
-    /// Rows an expert rank's E2A staging holds per buffer.
+    fn a2e_recv_slot(&self, slot: usize, buffer: usize) -> usize {
+        self.records_end(Role::Expert) + (self.depth * slot + buffer) * self.a2e_recv_bytes()
+    }
+
+    /// Rows an expert rank's E2A staging holds per buffer (one domain's tokens).
     pub fn expert_rows(&self) -> usize {
-        self.num_attention * self.max_tokens
+        self.recv_sources * self.max_tokens
     }
 
     /// Expert rank: start of the E2A staging area of `buffer`.
     pub fn e2a_stage(&self, buffer: usize) -> usize {
-        self.a2e_recv(self.num_attention, 0) + buffer * page(self.expert_rows() * self.e2a_room())
+        self.a2e_recv_slot(self.recv_sources, 0)
+            + buffer * page(self.expert_rows() * self.e2a_room())
     }
 
     /// Bytes of one relay header: a record and one entry per member (room for the largest

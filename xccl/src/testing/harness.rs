@@ -48,12 +48,18 @@ impl Workload {
         }
     }
 
-    /// Routing of attention rank `rank` in `round`.
+    /// Routing of attention rank `rank` in `round` (no tokens when DP domains leave `rank` out
+    /// of `round`).
     pub fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput {
+        let tokens = if topo.in_call(rank, round) {
+            self.num_tokens(rank, round)
+        } else {
+            0
+        };
         RankInput::random(
             rank,
             self.mix(rank, round),
-            self.num_tokens(rank, round),
+            tokens,
             k,
             topo.num_experts(),
             self.skew,
@@ -312,10 +318,10 @@ pub fn expert_round_tokens_with<T: Element>(
     let ctx = Expecting::of(comm);
     let rows: &[T] = batch.rows::<T>()?;
     let mut verdict = Ok(());
-    if arrivals != ctx.topo.attention_ranks().len() {
+    let sources = ctx.topo.call_sources(round).len();
+    if arrivals != sources {
         verdict = Err(format!(
-            "{arrivals} arrival callbacks for {} sources",
-            ctx.topo.attention_ranks().len()
+            "{arrivals} arrival callbacks for {sources} sources"
         ));
     }
     if check && verdict.is_ok() {
