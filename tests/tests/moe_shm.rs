@@ -1,7 +1,8 @@
 //! A2E + E2A between real processes over shared memory, every result checked against the
 //! single-process reference, bit for bit: 1A:1E, 2A:2E, 3A:1E, 1A:3E, INT8 on the wire, 10,000
-//! back-to-back rounds with a random token count per round, and an expert rank SIGKILLed
-//! mid-run.
+//! back-to-back rounds with a random token count per round, an expert rank SIGKILLed mid-run,
+//! relays (2A:3E with 1 relay; 3A:2E with 2 relays and 3 DP domains) and the 1A:2E round trip
+//! with and without a relay.
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
@@ -38,9 +39,9 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8)
         }
-        ["moe_relay", m, n, r, rounds] => {
+        ["moe_relay", m, n, r, d, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
-            relayed_rounds(ctx, p(m)?, p(n)?, p(r)?, p(rounds)? as u64)
+            relayed_rounds(ctx, (p(m)?, p(n)?), p(r)?, p(d)?, p(rounds)? as u64)
         }
         ["rtt", relays, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
@@ -112,16 +113,27 @@ fn checked_rounds(
     Ok(())
 }
 
-/// Checked rounds through `r` relays: push, caller buffers, expert-major and token-major
-/// receives alternating, INT8 A2E on every third round of odd attention ranks.
-fn relayed_rounds(ctx: &ChildCtx, m: usize, n: usize, r: usize, rounds: u64) -> Result<(), String> {
+/// Checked rounds through `r` relays (none when 0) and `d` DP domains (attention ranks take part in their
+/// domain's turns only): push, caller buffers, expert-major and token-major receives
+/// alternating.
+fn relayed_rounds(
+    ctx: &ChildCtx,
+    (m, n): (usize, usize),
+    r: usize,
+    d: usize,
+    rounds: u64,
+) -> Result<(), String> {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
     cfg.timeout = Duration::from_secs(30);
+    if d > 1 {
+        cfg.max_in_flight = 1;
+    }
     let ex = ctx
         .connect(Duration::from_secs(30))
         .map_err(|e| e.to_string())?;
     let topo = Topology::contiguous(m, n, 4 * n.max(2))
-        .and_then(|t| t.with_relays(Some(r)))
+        .and_then(|t| if r > 0 { t.with_relays(Some(r)) } else { Ok(t) })
+        .and_then(|t| t.with_domains(d))
         .map_err(|e| e.to_string())?;
     let mut comm = Communicator::init_shm(ex, Arc::new(topo), cfg).map_err(|e| e.to_string())?;
     let wl = Workload {
@@ -134,6 +146,7 @@ fn relayed_rounds(ctx: &ChildCtx, m: usize, n: usize, r: usize, rounds: u64) -> 
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
         let verdict = match comm.role() {
+            Role::Attention if !comm.topology().in_call(ctx.rank, round) => continue,
             Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
             Role::Expert if round.is_multiple_of(2) => {
                 expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
@@ -310,12 +323,17 @@ fn killed_expert_is_reported_by_the_survivors() {
 
 #[test]
 fn relayed_two_attention_three_expert_over_shm_matches_reference() {
-    Job::spawn(ENTRY, "moe_relay:2:3:1:60", 5).expect_success(Duration::from_secs(60));
+    Job::spawn(ENTRY, "moe_relay:2:3:1:1:60", 5).expect_success(Duration::from_secs(60));
 }
 
 #[test]
-fn relayed_three_attention_two_expert_two_relays_over_shm_matches_reference() {
-    Job::spawn(ENTRY, "moe_relay:3:2:2:60", 5).expect_success(Duration::from_secs(60));
+fn relayed_three_attention_two_expert_two_relays_three_domains_over_shm_matches_reference() {
+    Job::spawn(ENTRY, "moe_relay:3:2:2:3:60", 5).expect_success(Duration::from_secs(60));
+}
+
+#[test]
+fn dp_domains_over_shm_match_reference() {
+    Job::spawn(ENTRY, "moe_relay:3:2:0:3:30", 5).expect_success(Duration::from_secs(60));
 }
 
 /// The relay's cost: 1A:2E round trips with and without a relay (run with `--nocapture` to see

@@ -1052,6 +1052,11 @@ fn run_relayed<T: Element>(
                     for round in 0..rounds {
                         let before = c.total_stats().clone();
                         let verdict = match c.role() {
+                            Role::Attention if !c.topology().in_call(c.rank(), round) => {
+                                // Not this rank's DP domain's turn.
+                                counts.push(RoundRecords::default());
+                                continue;
+                            }
                             Role::Attention => attention_round::<T>(&mut c, wl, round),
                             Role::Expert if (round + c.rank() as u64).is_multiple_of(2) => {
                                 expert_round::<T>(&mut c, wl, round, &mut batch, true)
@@ -1433,4 +1438,23 @@ fn dp_domains_size_expert_windows_for_one_domain() {
         Communicator::local_group(&topo, &two).is_err(),
         "domains need max_in_flight 1"
     );
+}
+
+#[test]
+fn relays_with_dp_domains_match_the_reference() {
+    for (m, n, r, d) in [(3, 2, 2, 3), (6, 4, 2, 2), (5, 3, 1, 3)] {
+        let topo = Topology::contiguous(m, n, 4 * n)
+            .unwrap()
+            .with_relays(Some(r))
+            .unwrap()
+            .with_domains(d)
+            .unwrap();
+        let mut c = cfg(32, DType::BF16, 3, 8);
+        c.max_in_flight = 1;
+        let rec = run_relayed::<bf16>(&topo, &c, &wl(110, 8, true), 9, true).unwrap();
+        for (round, x) in rec.iter().enumerate() {
+            let members = topo.call_sources(round as u64).len();
+            assert_eq!(x.a2e, (members + r * n) as u64, "round {round}");
+        }
+    }
 }

@@ -152,11 +152,6 @@ impl MoeConfig {
                     self.max_in_flight
                 )));
             }
-            if topo.relay_plan().is_some() {
-                return Err(Error::invalid(
-                    "DP domains together with relays are not supported yet",
-                ));
-            }
         }
         let layout = WindowLayout::new(topo, self);
         for r in 0..topo.world_size() {

@@ -1100,6 +1100,20 @@ impl DispatchReceiver {
                 }
                 read_header(ctx, r, k, epoch, &mut entries)?;
                 for (&ai, e) in plan.members(k).iter().zip(&entries) {
+                    if !ctx.topo.in_call(attention[ai], ctx.call_of(epoch)) {
+                        // Outside the call's DP domain: nothing may come from it.
+                        if e.count > 0 {
+                            return Err(Error::Protocol {
+                                peer: r,
+                                detail: format!(
+                                    "relay header of epoch {epoch} carries {} rows of rank {}, \
+                                     which is outside the call's DP domain",
+                                    e.count, attention[ai]
+                                ),
+                            });
+                        }
+                        continue;
+                    }
                     let rec = Record::with_payload(
                         epoch,
                         e.count as u32,

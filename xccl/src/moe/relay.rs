@@ -200,8 +200,22 @@ impl Relay {
         call.epoch = epoch;
         call.members.resize_with(g, MemberCall::default);
         let mut recs: Vec<Option<Record>> = vec![None; g];
-        let mut done = vec![false; g];
-        let mut missing = g;
+        // With DP domains, members outside the call's domain send nothing: empty routes.
+        let call_no = ctx.call_of(epoch);
+        let mut done: Vec<bool> = members
+            .iter()
+            .map(|&ai| !ctx.topo.in_call(attention[ai], call_no))
+            .collect();
+        for (mc, _) in call.members.iter_mut().zip(&done).filter(|(_, d)| **d) {
+            mc.num_tokens = 0;
+            mc.int8 = false;
+            mc.counts.clear();
+            mc.counts.resize(n, 0);
+            mc.offsets.clear();
+            mc.offsets.resize(n, 0);
+            mc.tokens.clear();
+        }
+        let mut missing = done.iter().filter(|d| !**d).count();
         let mut failure = None;
         let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
         let scratch = &mut self.scratch;
@@ -404,18 +418,26 @@ impl Relay {
             return Err(e);
         }
         let member_ranks: Vec<usize> = members.iter().map(|&ai| attention[ai]).collect();
+        let previous = ctx.previous_sources(epoch);
+        let credit_from: Vec<usize> = (member_ranks.iter().copied())
+            .filter(|a| previous.contains(a))
+            .collect();
         ctx.wait_credits(
             epoch,
-            &member_ranks,
+            &credit_from,
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier relayed combine)",
             deadline,
         )?;
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
         let call = self.calls.pop_front().expect("checked above");
+        let call_no = ctx.call_of(epoch);
         for (m, mc) in call.members.iter().enumerate() {
-            self.reduce_member(ctx, buf, m, mc)?;
             let a = member_ranks[m];
+            if !ctx.topo.in_call(a, call_no) {
+                continue;
+            }
+            self.reduce_member(ctx, buf, m, mc)?;
             let t = mc.num_tokens;
             ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride])?;
             let rec = Record::new(epoch, t as u32, 0, WireMode::Push);
