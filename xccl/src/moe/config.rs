@@ -143,15 +143,13 @@ impl MoeConfig {
                 EPOCH_MASK
             )));
         }
-        if topo.num_domains() > 1 {
-            if self.max_in_flight != 1 {
-                return Err(Error::invalid(format!(
-                    "DP domains take turns one call at a time: max_in_flight must be 1 with {} \
-                     domains (it is {})",
-                    topo.num_domains(),
-                    self.max_in_flight
-                )));
-            }
+        if topo.num_domains() > 1 && self.max_in_flight != 1 {
+            return Err(Error::invalid(format!(
+                "DP domains take turns one call at a time: max_in_flight must be 1 with {} \
+                 domains (it is {})",
+                topo.num_domains(),
+                self.max_in_flight
+            )));
         }
         let layout = WindowLayout::new(topo, self);
         for r in 0..topo.world_size() {

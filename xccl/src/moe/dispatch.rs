@@ -867,7 +867,7 @@ pub(crate) struct DispatchReceiver {
     row_start: Vec<u32>,
     row_experts: Vec<(u32, f32)>,
     /// The relay's state (used when this rank is a relay).
-    pub(crate) relay: Relay,
+    pub(crate) relay: Box<Relay>,
 }
 
 impl DispatchReceiver {
@@ -881,7 +881,7 @@ impl DispatchReceiver {
             row_token: Vec::new(),
             row_start: Vec::new(),
             row_experts: Vec::new(),
-            relay: Relay::default(),
+            relay: Box::default(),
         }
     }
 

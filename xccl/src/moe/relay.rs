@@ -547,12 +547,11 @@ fn forward_member(
     mc.counts.clear();
     mc.offsets.clear();
     let mut sum = 0usize;
-    for j in 0..n {
+    for (j, &d) in experts.iter().enumerate() {
         let c = word(j + 1);
         if c as usize > t_count {
             return bad(format!(
-                "route table of epoch {epoch} sends {c} rows to rank {}, it has {t_count} tokens",
-                experts[j]
+                "route table of epoch {epoch} sends {c} rows to rank {d}, it has {t_count} tokens"
             ));
         }
         mc.offsets.push(sum as u32);
@@ -570,7 +569,7 @@ fn forward_member(
     scratch.resize(sum * stride, 0);
     ctx.get(ctx.rank, l.relay_a2e(m, buf), scratch)?;
     mc.tokens.clear();
-    for j in 0..n {
+    for (j, &d) in experts.iter().enumerate() {
         let (start, c) = (mc.offsets[j] as usize, mc.counts[j] as usize);
         let mut last: Option<u32> = None;
         for i in start..start + c {
@@ -587,7 +586,7 @@ fn forward_member(
         }
         if c > 0 {
             let rows = &scratch[start * stride..(start + c) * stride];
-            ctx.put(experts[j], l.a2e_recv(ai, buf), rows)?;
+            ctx.put(d, l.a2e_recv(ai, buf), rows)?;
             ctx.stats.borrow_mut().relay_rows_forwarded += c as u64;
         }
     }
