@@ -19,6 +19,7 @@ use crate::Result;
 
 pub mod conformance;
 pub mod local;
+pub mod ofi;
 pub mod shm;
 mod signals;
 mod window;

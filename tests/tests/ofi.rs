@@ -1,0 +1,246 @@
+//! The libfabric (`ofi`) fabric between real processes over the real tcp provider: the fabric
+//! conformance suite with 2, 3 and 4 ranks on loopback, many puts in flight before a signal,
+//! A2E/E2A checked against the reference, a SIGKILLed rank reported by rank, and a multi-host
+//! job across network namespaces joined by veth pairs.
+//!
+//! Every test re-runs this binary as its ranks (see `xccl_tests::Job`); `child_rank_entry` is the
+//! ranks' entry point and does nothing in the parent.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use xccl::bootstrap::Exchange;
+use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
+use xccl::fabric::ofi::{OfiFabric, OfiOptions};
+use xccl::fabric::{deadline_after, Fabric};
+use xccl::harness::{attention_round, expert_round, Workload};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Role, Topology, TransferMode};
+use xccl_tests::{announce, child_main, ChildCtx, Job};
+
+const ENTRY: &str = "child_rank_entry";
+const CONNECT: Duration = Duration::from_secs(30);
+/// Environment variable telling a child rank which local address to open its endpoint on.
+const ADDR_ENV: &str = "XCCL_OFI_ADDR";
+
+#[test]
+fn child_rank_entry() {
+    child_main(dispatch);
+}
+
+fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
+    let parts: Vec<&str> = scenario.split(':').collect();
+    let r = match parts.as_slice() {
+        ["conformance"] => conformance_rank(ctx),
+        ["puts_in_flight"] => puts_in_flight(ctx),
+        ["killed"] => killed(ctx),
+        ["moe", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+        }
+        ["conformance_then_moe", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            conformance_rank(ctx).map_err(|e| e.to_string())?;
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+        }
+        _ => return Err(format!("unknown scenario {scenario:?}")),
+    };
+    r.map_err(|e| e.to_string())
+}
+
+fn options() -> OfiOptions {
+    OfiOptions {
+        provider: Some("tcp;ofi_rxm".into()),
+        addr: Some(std::env::var(ADDR_ENV).unwrap_or_else(|_| "127.0.0.1".into())),
+        timeout: Duration::from_secs(30),
+    }
+}
+
+fn join(ctx: &ChildCtx, window: usize, slots: usize) -> xccl::Result<OfiFabric> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    OfiFabric::with_options(ex, window, slots, &options())
+}
+
+fn fail(detail: String) -> Error {
+    Error::Protocol {
+        peer: usize::MAX,
+        detail,
+    }
+}
+
+fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx, MIN_WINDOW, min_slots(ctx.size))?;
+    let start = Instant::now();
+    conformance::run_all(&f)?;
+    announce(&format!("conformance in {:?}", start.elapsed()));
+    Ok(())
+}
+
+/// Every rank streams many puts (small and large, overlapping in flight) into every peer,
+/// then signals once; the receiver checks every byte right after the signal, 50 rounds.
+fn puts_in_flight(ctx: &ChildCtx) -> xccl::Result<()> {
+    const WINDOW: usize = 4 << 20;
+    let f = join(ctx, WINDOW, min_slots(ctx.size))?;
+    let (me, n) = (ctx.rank, ctx.size);
+    let region = WINDOW / n;
+    let piece = |round: u64, src: usize, i: usize, len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|b| (b as u64 ^ round.wrapping_mul(131) ^ (src * 17 + i * 3) as u64) as u8)
+            .collect()
+    };
+    let sizes = [8usize, 100, 4096, 65536, 200_000];
+    for round in 1..=50u64 {
+        for peer in (0..n).filter(|&p| p != me) {
+            let mut off = me * region;
+            for (i, &len) in sizes.iter().cycle().take(40).enumerate() {
+                if off + len > (me + 1) * region {
+                    break;
+                }
+                f.put(peer, off, &piece(round, me, i, len))?;
+                off += len;
+            }
+            f.signal(peer, me, round)?;
+        }
+        for src in (0..n).filter(|&p| p != me) {
+            f.wait_signal(src, src, "puts then signal", deadline_after(CONNECT), &|v| {
+                v >= round
+            })?;
+            let win = f.local_window();
+            let mut off = src * region;
+            for (i, &len) in sizes.iter().cycle().take(40).enumerate() {
+                if off + len > (src + 1) * region {
+                    break;
+                }
+                let mut got = vec![0u8; len];
+                win.read(off, &mut got)?;
+                if got != piece(round, src, i, len) {
+                    return Err(fail(format!(
+                        "rank {me}: put {i} ({len} bytes) from rank {src} not visible after its \
+                         signal in round {round}"
+                    )));
+                }
+                off += len;
+            }
+        }
+        f.barrier(CONNECT)?;
+    }
+    announce("50 rounds of puts in flight checked");
+    Ok(())
+}
+
+/// Rank 1 is SIGKILLed after init; rank 0 waits on a signal from it and must get
+/// `PeerFailed` naming rank 1 within the liveness bound; rank 2 (if any) does the same.
+fn killed(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx, MIN_WINDOW, min_slots(ctx.size))?;
+    f.barrier(CONNECT)?;
+    if ctx.rank == 1 {
+        // SAFETY: kill(2) on this process's own pid; takes no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let start = Instant::now();
+    let r = f.wait_signal(
+        0,
+        1,
+        "a signal from a dying peer",
+        deadline_after(Duration::from_secs(30)),
+        &|v| v > 0,
+    );
+    let took = start.elapsed();
+    match r {
+        Err(Error::PeerFailed { peer: 1, detail })
+            if took < xccl::fabric::ofi::LIVENESS_TIMEOUT + Duration::from_secs(2) =>
+        {
+            announce(&format!("noticed in {took:?}: {detail}"));
+            Ok(())
+        }
+        other => Err(fail(format!(
+            "expected PeerFailed naming rank 1, got {other:?} after {took:?}"
+        ))),
+    }
+}
+
+fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
+    let mut comm =
+        Communicator::init_ofi(ex, topo, cfg, &options()).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 0x0f1 + (m * 10 + n) as u64,
+        tokens: 24,
+        vary: true,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let start = Instant::now();
+    for round in 0..rounds {
+        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
+            TransferMode::Pull
+        } else {
+            TransferMode::Push
+        };
+        comm.set_mode(mode);
+        let verdict = match comm.role() {
+            Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
+            Role::Expert => expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true),
+        };
+        verdict.map_err(|e| e.to_string())??;
+    }
+    announce(&format!("{rounds} checked rounds in {:?}", start.elapsed()));
+    Ok(())
+}
+
+// ---- parent side ----
+
+fn run_ok(scenario: &str, size: usize, timeout: Duration) -> Duration {
+    let start = Instant::now();
+    let mut job = Job::spawn(ENTRY, scenario, size);
+    job.expect_success(timeout);
+    let took = start.elapsed();
+    println!(
+        "{scenario} with {size} processes: {took:?}; rank 0 said: {}",
+        job.output(0).trim()
+    );
+    took
+}
+
+#[test]
+fn ofi_conformance_with_2_processes() {
+    run_ok("conformance", 2, Duration::from_secs(60));
+}
+
+#[test]
+fn ofi_conformance_with_3_processes() {
+    run_ok("conformance", 3, Duration::from_secs(60));
+}
+
+#[test]
+fn ofi_conformance_with_4_processes() {
+    run_ok("conformance", 4, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_signal_is_ordered_after_many_puts_in_flight() {
+    run_ok("puts_in_flight", 3, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_one_attention_one_expert_matches_reference() {
+    run_ok("moe:1:1:100", 2, Duration::from_secs(60));
+}
+
+#[test]
+fn ofi_two_attention_two_expert_matches_reference() {
+    run_ok("moe:2:2:60", 4, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_sigkilled_rank_is_reported_by_rank() {
+    let mut job = Job::spawn(ENTRY, "killed", 3);
+    job.wait(Duration::from_secs(30));
+    job.assert_killed(1);
+    job.assert_succeeded(0);
+    job.assert_succeeded(2);
+    println!("survivors: {} / {}", job.output(0).trim(), job.output(2).trim());
+}
