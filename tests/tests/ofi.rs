@@ -164,8 +164,8 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
-    let mut comm =
-        Communicator::init_ofi(ex, topo, cfg, &options()).map_err(|e| e.to_string())?;
+    let mut comm = Communicator::init_ofi(ex.clone(), topo, cfg, &options())
+        .map_err(|e| e.to_string())?;
     let wl = Workload {
         seed: 0x0f1 + (m * 10 + n) as u64,
         tokens: 24,
@@ -188,7 +188,9 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         verdict.map_err(|e| e.to_string())??;
     }
     announce(&format!("{rounds} checked rounds in {:?}", start.elapsed()));
-    Ok(())
+    // Peers may still read this rank's window (pull mode) until every rank is done: unlike
+    // shared memory, registered memory goes away with the process.
+    ex.barrier(CONNECT).map_err(|e| e.to_string())
 }
 
 // ---- parent side ----
