@@ -105,7 +105,7 @@ fn puts_in_flight(ctx: &ChildCtx) -> xccl::Result<()> {
             f.wait_signal(src, src, "puts then signal", deadline_after(CONNECT), &|v| {
                 v >= round
             })?;
-            let win = f.local_window();
+            let win = f.local_window().expect("ofi windows are host memory");
             let mut off = src * region;
             for (i, &len) in sizes.iter().cycle().take(40).enumerate() {
                 if off + len > (src + 1) * region {

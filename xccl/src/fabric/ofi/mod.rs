@@ -81,6 +81,7 @@ use std::time::{Duration, Instant};
 use xccl_sys::ofi as sys;
 
 use self::endpoint::{CqEntry, Endpoint};
+use super::signals::ABORT_REASON_BYTES;
 use super::{AlignedBuf, Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
 use crate::bootstrap::Exchange;
 use crate::{Error, Result};
@@ -98,7 +99,7 @@ const HEARTBEAT_EVERY: Duration = Duration::from_millis(250);
 
 /// Tag at the start of each rank's advert ("XCCLOFI1").
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLOFI1");
-const ADVERT_WORDS: usize = 9;
+const ADVERT_WORDS: usize = 10;
 
 /// Remote CQ data (32 bits, so that 4-byte providers work): kind (2) | sender (14) | slot (16).
 const KIND_SIGNAL: u64 = 1;
@@ -149,6 +150,7 @@ struct Advert {
     remote_base: u64,
     num_slots: usize,
     mailbox_off: usize,
+    abort_off: usize,
     window_off: usize,
     window_len: usize,
     pid: u32,
@@ -163,6 +165,7 @@ impl Advert {
             self.remote_base,
             self.num_slots as u64,
             self.mailbox_off as u64,
+            self.abort_off as u64,
             self.window_off as u64,
             self.window_len as u64,
             u64::from(self.pid),
@@ -190,10 +193,10 @@ impl Advert {
         }
         let size = |v: u64| usize::try_from(v).map_err(|_| bad(format!("{v} out of range")));
         let name = &blob[ADVERT_WORDS * 8..];
-        if name.len() as u64 != w[8] {
+        if name.len() as u64 != w[9] {
             return Err(bad(format!(
                 "ofi advert names a {}-byte address but carries {}",
-                w[8],
+                w[9],
                 name.len()
             )));
         }
@@ -202,9 +205,10 @@ impl Advert {
             remote_base: w[2],
             num_slots: size(w[3])?,
             mailbox_off: size(w[4])?,
-            window_off: size(w[5])?,
-            window_len: size(w[6])?,
-            pid: u32::try_from(w[7]).map_err(|_| bad("pid out of range".into()))?,
+            abort_off: size(w[5])?,
+            window_off: size(w[6])?,
+            window_len: size(w[7])?,
+            pid: u32::try_from(w[8]).map_err(|_| bad("pid out of range".into()))?,
             name: name.to_vec(),
         })
     }
@@ -217,6 +221,7 @@ struct Peer {
     key: u64,
     remote_base: u64,
     mailbox_off: usize,
+    abort_off: usize,
     window_off: usize,
     window_len: usize,
 }
@@ -249,6 +254,8 @@ struct Shared {
     rank: usize,
     num_slots: usize,
     mailbox_off: usize,
+    /// One abort-reason buffer of `ABORT_REASON_BYTES` per sender.
+    abort_off: usize,
     window_off: usize,
     window_len: usize,
     peers: Vec<Peer>,
@@ -343,7 +350,9 @@ impl OfiFabric {
         let page = page_size();
         let mailbox_off = ControlArea::bytes_for(num_slots);
         let mailbox_len = size * (num_slots + 1) * 8;
-        let window_off = round_up(mailbox_off + mailbox_len, page).ok_or_else(too_large)?;
+        let abort_off = mailbox_off + mailbox_len;
+        let window_off =
+            round_up(abort_off + size * ABORT_REASON_BYTES, page).ok_or_else(too_large)?;
         let region_len = window_off.checked_add(window_len).ok_or_else(too_large)?;
         let region = AlignedBuf::zeroed(region_len)?;
         // SAFETY: the buffer is page-aligned, zeroed and at least bytes_for(num_slots) long;
@@ -376,6 +385,7 @@ impl OfiFabric {
             remote_base: ep.remote_base,
             num_slots,
             mailbox_off,
+            abort_off,
             window_off,
             window_len,
             pid: std::process::id(),
@@ -410,6 +420,7 @@ impl OfiFabric {
                 key: ad.key,
                 remote_base: ad.remote_base,
                 mailbox_off: ad.mailbox_off,
+                abort_off: ad.abort_off,
                 window_off: ad.window_off,
                 window_len: ad.window_len,
             });
@@ -421,6 +432,7 @@ impl OfiFabric {
             rank,
             num_slots,
             mailbox_off,
+            abort_off,
             window_off,
             window_len,
             outstanding: (0..size).map(|_| AtomicUsize::new(0)).collect(),
@@ -529,6 +541,14 @@ impl Shared {
         Ok(())
     }
 
+    /// Out-of-band abort, then every peer (see [`Fabric::check_peers`]).
+    fn check_peers(&self) -> Result<()> {
+        if let Some((by, reason)) = self.exchange.poll_abort() {
+            return Err(Error::Aborted { by, reason });
+        }
+        (0..self.peers.len()).try_for_each(|p| self.check_peer(p))
+    }
+
     /// Reads and handles completions. `block_ms > 0` waits that long for one (progress thread
     /// only). Returns how many were handled; 0 if another thread is reading the CQ.
     fn progress(&self, block_ms: i32) -> usize {
@@ -632,7 +652,22 @@ impl Shared {
                 let value = word.load(Ordering::Acquire);
                 let _ = self.control.store(slot, value, self.rank);
             }
-            KIND_ABORT => self.control.set_abort(sender),
+            KIND_ABORT => {
+                let len = slot.min(ABORT_REASON_BYTES);
+                let off = self.abort_off + sender * ABORT_REASON_BYTES;
+                let mut bytes = vec![0u8; len];
+                // SAFETY: the sender's reason buffer lies inside the region; the provider placed
+                // the write before reporting its completion, and only that sender writes it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.region.ptr().as_ptr().add(off),
+                        bytes.as_mut_ptr(),
+                        len,
+                    )
+                };
+                self.control
+                    .set_abort(sender, &String::from_utf8_lossy(&bytes));
+            }
             _ => {}
         }
     }
@@ -868,8 +903,8 @@ impl Fabric for OfiFabric {
         self.shared.num_slots
     }
 
-    fn local_window(&self) -> Window<'_> {
-        self.shared.window()
+    fn local_window(&self) -> Option<Window<'_>> {
+        Some(self.shared.window())
     }
 
     fn peer_window(&self, _peer: usize) -> Option<Window<'_>> {
@@ -1010,12 +1045,7 @@ impl Fabric for OfiFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let s = &self.shared;
-        let liveness = |peer: usize| {
-            if let Some((by, reason)) = s.exchange.poll_abort() {
-                return Err(Error::Aborted { by, reason });
-            }
-            s.check_peer(peer)
-        };
+        let liveness = || s.check_peers();
         let mut polled = || {
             s.progress(0);
             poll()
@@ -1028,31 +1058,39 @@ impl Fabric for OfiFabric {
         self.shared.exchange.barrier(timeout)
     }
 
-    fn abort(&self) {
+    fn abort(&self, reason: &str) {
         let s = &self.shared;
-        s.control.set_abort(s.rank);
+        s.control.set_abort(s.rank, reason);
+        let mut cut = reason.len().min(ABORT_REASON_BYTES);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        // At least one byte on the wire (the length travels in the CQ data).
+        let bytes: Box<[u8]> = if cut == 0 {
+            Box::new([0u8])
+        } else {
+            reason.as_bytes()[..cut].into()
+        };
         for (peer, p) in s.peers.iter().enumerate() {
             if peer == s.rank || s.failed[peer].get().is_some() {
                 continue;
             }
-            let remote =
-                p.remote_base + (p.mailbox_off + (s.rank * (s.num_slots + 1) + s.num_slots) * 8) as u64;
-            let _ = s.write(
-                peer,
-                remote,
-                Box::new([0u8; 8]),
-                Some(encode(KIND_ABORT, s.rank, 0)),
-                false,
-            );
+            let remote = p.remote_base + (p.abort_off + s.rank * ABORT_REASON_BYTES) as u64;
+            let data = encode(KIND_ABORT, s.rank, cut);
+            let _ = s.write(peer, remote, bytes.clone(), Some(data), false);
         }
+        // Bounded: a peer that cannot be reached is dead anyway.
         let _ = s.flush(Instant::now() + Duration::from_secs(2));
-        let _ = s
-            .exchange
-            .broadcast_abort(&format!("rank {} aborted the ofi fabric", s.rank));
+        // Ranks that lost their connection to us, or wait on the bootstrap, hear it out of band.
+        let _ = s.exchange.broadcast_abort(reason);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         self.shared.check_peer(peer)
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        self.shared.check_peers()
     }
 }
 
@@ -1087,6 +1125,7 @@ mod tests {
             remote_base: 0x7f00_0000_1000,
             num_slots: 9,
             mailbox_off: 1024,
+            abort_off: 2048,
             window_off: 8192,
             window_len: 65536,
             pid: 42,
@@ -1094,7 +1133,7 @@ mod tests {
         };
         assert_eq!(Advert::decode(&a.encode(), 3).unwrap(), a);
         assert!(matches!(
-            Advert::decode(&[0u8; 80], 3),
+            Advert::decode(&[0u8; 88], 3),
             Err(Error::Protocol { peer: 3, .. })
         ));
         let mut short = a.encode();
