@@ -8,6 +8,10 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+# libfabric for the ofi fabric (its tests use the real tcp provider), clang for bindgen.
+[ -f /usr/include/rdma/fabric.h ] || need+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || need+=(libfabric-bin)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "ci/test.sh: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -16,6 +20,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
 
+echo "== ofi bindings"
+ci/gen-ofi-bindings.sh --check
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== clippy"

@@ -143,9 +143,13 @@ impl Job {
     /// test function `entry` (the one that calls [`child_main`]) with scenario `scenario`.
     pub fn spawn(entry: &str, scenario: &str, size: usize) -> Job {
         let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
-        Job::spawn_with(entry, scenario, size, &|job_id| {
-            UniqueId::start_root(bind, RootConfig::new(job_id))
-        }, &|_, _| {})
+        Job::spawn_with(
+            entry,
+            scenario,
+            size,
+            &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
+            &|_, _| {},
+        )
     }
 
     /// [`Job::spawn`] with the bootstrap root made by `start_root(job_id)` (e.g. bound in

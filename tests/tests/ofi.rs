@@ -102,9 +102,13 @@ fn puts_in_flight(ctx: &ChildCtx) -> xccl::Result<()> {
             f.signal(peer, me, round)?;
         }
         for src in (0..n).filter(|&p| p != me) {
-            f.wait_signal(src, src, "puts then signal", deadline_after(CONNECT), &|v| {
-                v >= round
-            })?;
+            f.wait_signal(
+                src,
+                src,
+                "puts then signal",
+                deadline_after(CONNECT),
+                &|v| v >= round,
+            )?;
             let win = f.local_window().expect("ofi windows are host memory");
             let mut off = src * region;
             for (i, &len) in sizes.iter().cycle().take(40).enumerate() {
@@ -164,8 +168,8 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
-    let mut comm = Communicator::init_ofi(ex.clone(), topo, cfg, &options())
-        .map_err(|e| e.to_string())?;
+    let mut comm =
+        Communicator::init_ofi(ex.clone(), topo, cfg, &options()).map_err(|e| e.to_string())?;
     let wl = Workload {
         seed: 0x0f1 + (m * 10 + n) as u64,
         tokens: 24,
@@ -244,7 +248,11 @@ fn ofi_sigkilled_rank_is_reported_by_rank() {
     job.assert_killed(1);
     job.assert_succeeded(0);
     job.assert_succeeded(2);
-    println!("survivors: {} / {}", job.output(0).trim(), job.output(2).trim());
+    println!(
+        "survivors: {} / {}",
+        job.output(0).trim(),
+        job.output(2).trim()
+    );
 }
 
 // ---- multi-host: ranks in separate network namespaces joined by a veth pair ----
@@ -283,18 +291,39 @@ impl Netns {
                 format!("10.77.{}.2", pid % 250),
             ],
         };
-        let veth = [format!("xv{}a", pid % 10_000_000), format!("xv{}b", pid % 10_000_000)];
+        let veth = [
+            format!("xv{}a", pid % 10_000_000),
+            format!("xv{}b", pid % 10_000_000),
+        ];
         ip(&["netns", "add", &ns.names[0]])?;
         // From here on `ns` drops (deletes) whatever was made.
         ip(&["netns", "add", &ns.names[1]])?;
         ip(&[
-            "link", "add", &veth[0], "netns", &ns.names[0], "type", "veth", "peer", "name",
-            &veth[1], "netns", &ns.names[1],
+            "link",
+            "add",
+            &veth[0],
+            "netns",
+            &ns.names[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &veth[1],
+            "netns",
+            &ns.names[1],
         ])?;
-        for i in 0..2 {
+        for (i, dev) in veth.iter().enumerate() {
             let n = &ns.names[i];
-            ip(&["-n", n, "addr", "add", &format!("{}/24", ns.addrs[i]), "dev", &veth[i]])?;
-            ip(&["-n", n, "link", "set", &veth[i], "up"])?;
+            ip(&[
+                "-n",
+                n,
+                "addr",
+                "add",
+                &format!("{}/24", ns.addrs[i]),
+                "dev",
+                dev,
+            ])?;
+            ip(&["-n", n, "link", "set", dev, "up"])?;
             ip(&["-n", n, "link", "set", "lo", "up"])?;
         }
         Ok(ns)
@@ -333,10 +362,7 @@ fn root_in_netns(
             ));
         }
         let bind: std::net::SocketAddr = format!("{addr}:0").parse().expect("socket address");
-        xccl::bootstrap::UniqueId::start_root(
-            bind,
-            xccl::bootstrap::RootConfig::new(job_id),
-        )
+        xccl::bootstrap::UniqueId::start_root(bind, xccl::bootstrap::RootConfig::new(job_id))
     })
     .join()
     .expect("root thread")

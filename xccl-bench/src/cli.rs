@@ -134,6 +134,8 @@ pub enum FabricKind {
     Shm,
     /// Threads of one process.
     Local,
+    /// libfabric (`XCCL_OFI_PROVIDER`, default `tcp;ofi_rxm`; `XCCL_OFI_ADDR` picks the interface).
+    Ofi,
 }
 
 impl FabricKind {
@@ -142,6 +144,7 @@ impl FabricKind {
         match self {
             FabricKind::Shm => "shm",
             FabricKind::Local => "local",
+            FabricKind::Ofi => "ofi",
         }
     }
 }

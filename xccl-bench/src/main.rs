@@ -87,14 +87,22 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     if env.rank == 0 {
         write_routing(args)?;
     }
-    let fabric = ShmFabric::with_timeout(
-        env.exchange.clone(),
-        lens[env.rank],
-        Communicator::signal_slots(&topo),
-        args.timeout(),
-    )
-    .map_err(e)?;
-    let mut comm = Communicator::new(Box::new(fabric), Arc::new(topo), cfg).map_err(e)?;
+    let slots = Communicator::signal_slots(&topo);
+    let fabric: Box<dyn xccl::fabric::Fabric> = if args.fabric == FabricKind::Ofi {
+        let opts = xccl::fabric::ofi::OfiOptions {
+            timeout: args.timeout(),
+            ..Default::default()
+        };
+        let ex = env.exchange.clone();
+        Box::new(
+            xccl::fabric::ofi::OfiFabric::with_options(ex, lens[env.rank], slots, &opts)
+                .map_err(e)?,
+        )
+    } else {
+        let ex = env.exchange.clone();
+        Box::new(ShmFabric::with_timeout(ex, lens[env.rank], slots, args.timeout()).map_err(e)?)
+    };
+    let mut comm = Communicator::new(fabric, Arc::new(topo), cfg).map_err(e)?;
     let records = comm.a2e_records_per_call();
     let pb = (env.rank == 0).then(|| progress(args));
     let report = match run::run_rank(&mut comm, args, pb.as_ref()) {

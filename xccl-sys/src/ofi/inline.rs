@@ -187,7 +187,19 @@ pub unsafe fn fi_mr_reg(
     // SAFETY: `domain` is live (caller), so `mr` points at its MR ops.
     let (f, this) = unsafe { (op!((*(*domain).mr).reg), &raw mut (*domain).fid) };
     // SAFETY: arguments as the caller guarantees.
-    unsafe { f(this, buf, len, acs, offset, requested_key, flags, mr, context) }
+    unsafe {
+        f(
+            this,
+            buf,
+            len,
+            acs,
+            offset,
+            requested_key,
+            flags,
+            mr,
+            context,
+        )
+    }
 }
 
 /// `fi_mr_key`: the key peers address the region with.

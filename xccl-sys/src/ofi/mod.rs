@@ -155,7 +155,7 @@ impl Api {
                 Ok(p)
             }
         };
-        // SAFETY (every transmute below): each symbol is the libfabric export of that name at
+        // SAFETY: for every transmute below, the symbol is the libfabric export of that name at
         // the version whose prototype the 1.17 headers declare, which is the function pointer
         // type it is transmuted to; data and function pointers have the same size on the
         // platforms dlvsym exists on.

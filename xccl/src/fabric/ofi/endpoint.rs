@@ -151,17 +151,11 @@ impl Endpoint {
             (*h.fabric_attr).prov_name = libc::strdup(prov.as_ptr());
             let mut info = null_mut();
             let (node_p, flags) = match &node_c {
-                Some(n) => (n.as_ptr(), u64::from(sys::FI_SOURCE)),
+                Some(n) => (n.as_ptr(), sys::FI_SOURCE),
                 None => (null(), 0),
             };
-            let rc = (self.api.getinfo)(
-                sys::FI_API_VERSION,
-                node_p,
-                null(),
-                flags,
-                hints,
-                &mut info,
-            );
+            let rc =
+                (self.api.getinfo)(sys::FI_API_VERSION, node_p, null(), flags, hints, &mut info);
             (self.api.freeinfo)(hints);
             self.info = info;
             rc
@@ -202,7 +196,8 @@ impl Endpoint {
                 manual_progress: d.data_progress == sys::FI_PROGRESS_MANUAL,
             };
         }
-        if self.provider.mr_mode & sys::FI_MR_LOCAL != 0 || self.provider.mr_mode & sys::FI_MR_RAW != 0
+        if self.provider.mr_mode & sys::FI_MR_LOCAL != 0
+            || self.provider.mr_mode & sys::FI_MR_RAW != 0
         {
             return Err(unavailable(format!(
                 "provider {} requires memory-registration mode {:#x} (FI_MR_LOCAL/FI_MR_RAW), \
@@ -222,9 +217,8 @@ impl Endpoint {
     fn open_objects(&mut self) -> Result<()> {
         // SAFETY: `self.info` is the valid fi_info from getinfo; every out-pointer is a field of
         // `self`, which Drop closes if set.
-        let rc = unsafe {
-            (self.api.fabric)((*self.info).fabric_attr, &mut self.fabric, null_mut())
-        };
+        let rc =
+            unsafe { (self.api.fabric)((*self.info).fabric_attr, &mut self.fabric, null_mut()) };
         self.check(rc.into(), || "fi_fabric".into())?;
         // SAFETY: as above; `fabric` is open.
         let rc = unsafe { fi::fi_domain(self.fabric, self.info, &mut self.domain, null_mut()) };
@@ -281,9 +275,8 @@ impl Endpoint {
     }
 
     fn register(&mut self, region: NonNull<u8>, len: usize) -> Result<()> {
-        let access = u64::from(
-            sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
-        );
+        let access =
+            u64::from(sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE);
         // SAFETY: `region..region+len` is memory the fabric owns and keeps allocated until after
         // this endpoint is dropped (field order in `Shared`); `domain` is open.
         let rc = unsafe {
@@ -304,7 +297,9 @@ impl Endpoint {
             // SAFETY: mr and ep are open.
             unsafe {
                 let rc = fi::fi_mr_bind(self.mr, &raw mut (*self.ep).fid, 0);
-                self.check(rc.into(), || "binding the memory region to the endpoint".into())?;
+                self.check(rc.into(), || {
+                    "binding the memory region to the endpoint".into()
+                })?;
                 let rc = fi::fi_mr_enable(self.mr);
                 self.check(rc.into(), || "enabling the memory region".into())?;
             }
@@ -312,7 +307,9 @@ impl Endpoint {
         // SAFETY: mr is open.
         self.key = unsafe { fi::fi_mr_key(self.mr) };
         if self.key == sys::FI_KEY_NOTAVAIL {
-            return Err(unavailable("the provider gave no key for the window".into()));
+            return Err(unavailable(
+                "the provider gave no key for the window".into(),
+            ));
         }
         self.remote_base = if self.provider.mr_mode & sys::FI_MR_VIRT_ADDR != 0 {
             region.as_ptr() as u64
@@ -446,7 +443,13 @@ impl Endpoint {
         let mut buf = [0 as libc::c_char; 256];
         // SAFETY: `cq` open; err_data comes from this entry; `buf` writable for its length.
         let prov = unsafe {
-            let p = fi::fi_cq_strerror(self.cq, e.prov_errno, e.err_data, buf.as_mut_ptr(), buf.len());
+            let p = fi::fi_cq_strerror(
+                self.cq,
+                e.prov_errno,
+                e.err_data,
+                buf.as_mut_ptr(),
+                buf.len(),
+            );
             if p.is_null() {
                 String::new()
             } else {

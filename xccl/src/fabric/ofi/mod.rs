@@ -179,7 +179,10 @@ impl Advert {
     fn decode(blob: &[u8], peer: usize) -> Result<Self> {
         let bad = |detail: String| Error::Protocol { peer, detail };
         if blob.len() < ADVERT_WORDS * 8 {
-            return Err(bad(format!("ofi advert of {} bytes is too short", blob.len())));
+            return Err(bad(format!(
+                "ofi advert of {} bytes is too short",
+                blob.len()
+            )));
         }
         let w: Vec<u64> = blob[..ADVERT_WORDS * 8]
             .chunks_exact(8)
@@ -757,7 +760,10 @@ impl Shared {
         let r = self.post_retrying(peer, "an RMA write", deadline, &|| {
             // SAFETY: the buffer is owned by op `id`, which stays in the table until its
             // completion is read (or forever, if none comes).
-            unsafe { self.ep.post_write(p.addr, ptr, len, remote, p.key, data, id) }
+            unsafe {
+                self.ep
+                    .post_write(p.addr, ptr, len, remote, p.key, data, id)
+            }
         });
         if let Err(e) = r {
             // Never posted: nothing will complete it.
@@ -855,7 +861,10 @@ impl Shared {
             let id = self.new_op(peer, Box::new(beat), true, true);
             let (ptr, len) = self.buf_ptr(id);
             // SAFETY: the buffer is owned by op `id` until its completion.
-            let rc = unsafe { self.ep.post_write(p.addr, ptr, len, remote, p.key, Some(data), id) };
+            let rc = unsafe {
+                self.ep
+                    .post_write(p.addr, ptr, len, remote, p.key, Some(data), id)
+            };
             if rc != 0 {
                 // Not posted (queue full or error): try again next period.
                 self.drop_op(id);
@@ -867,9 +876,12 @@ impl Shared {
     /// Waits (bounded) for every outstanding write.
     fn flush(&self, deadline: Instant) -> Result<()> {
         for peer in 0..self.peers.len() {
-            self.wait_op(peer, "completion of earlier writes (flush)", deadline, &|| {
-                self.outstanding[peer].load(Ordering::Acquire) == 0
-            })?;
+            self.wait_op(
+                peer,
+                "completion of earlier writes (flush)",
+                deadline,
+                &|| self.outstanding[peer].load(Ordering::Acquire) == 0,
+            )?;
         }
         Ok(())
     }
@@ -1021,7 +1033,8 @@ impl Fabric for OfiFabric {
             deadline,
             &|| s.outstanding[peer].load(Ordering::Acquire) == 0,
         )?;
-        let remote = p.remote_base + (p.mailbox_off + (s.rank * (s.num_slots + 1) + slot) * 8) as u64;
+        let remote =
+            p.remote_base + (p.mailbox_off + (s.rank * (s.num_slots + 1) + slot) * 8) as u64;
         s.write(
             peer,
             remote,
