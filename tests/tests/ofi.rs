@@ -34,6 +34,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["conformance"] => conformance_rank(ctx),
         ["puts_in_flight"] => puts_in_flight(ctx),
         ["killed"] => killed(ctx),
+        ["micro", fabric] => micro(ctx, fabric),
         ["moe", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
@@ -161,6 +162,60 @@ fn killed(ctx: &ChildCtx) -> xccl::Result<()> {
             "expected PeerFailed naming rank 1, got {other:?} after {took:?}"
         ))),
     }
+}
+
+/// Fabric-level figures between ranks 0 and 1: signal ping-pong round trip (p50 of 2,000) and
+/// put bandwidth (64 puts of 1 MiB, then a signal, acknowledged), on `ofi` or `shm`.
+fn micro(ctx: &ChildCtx, fabric: &str) -> xccl::Result<()> {
+    const MIB: usize = 1 << 20;
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let f: Box<dyn Fabric> = match fabric {
+        "shm" => Box::new(xccl::fabric::shm::ShmFabric::new(ex, 4 * MIB, 4)?),
+        _ => Box::new(OfiFabric::with_options(ex, 4 * MIB, 4, &options())?),
+    };
+    let peer = 1 - ctx.rank;
+    let mut rtts = Vec::with_capacity(2000);
+    for i in 1..=2200u64 {
+        let t = Instant::now();
+        if ctx.rank == 0 {
+            f.signal(peer, 0, i)?;
+            f.wait_signal(0, peer, "pong", deadline_after(CONNECT), &|v| v >= i)?;
+        } else {
+            f.wait_signal(0, peer, "ping", deadline_after(CONNECT), &|v| v >= i)?;
+            f.signal(peer, 0, i)?;
+        }
+        if i > 200 {
+            rtts.push(t.elapsed());
+        }
+    }
+    rtts.sort();
+    f.barrier(CONNECT)?;
+    let chunk = vec![0x5au8; MIB];
+    let rounds = 8u64;
+    let t = Instant::now();
+    for r in 1..=rounds {
+        if ctx.rank == 0 {
+            for i in 0..64 {
+                f.put(peer, (i % 4) * MIB, &chunk)?;
+            }
+            f.signal(peer, 1, r)?;
+            f.wait_signal(1, peer, "ack", deadline_after(CONNECT), &|v| v >= r)?;
+        } else {
+            f.wait_signal(1, peer, "data", deadline_after(CONNECT), &|v| v >= r)?;
+            f.signal(peer, 1, r)?;
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if ctx.rank == 0 {
+        announce(&format!(
+            "MICRO {fabric}: ping-pong round trip p50 {:.1} us p99 {:.1} us; put bandwidth {:.2} GB/s \
+             (64 x 1 MiB puts + signal, {rounds} rounds)",
+            rtts[rtts.len() / 2].as_secs_f64() * 1e6,
+            rtts[rtts.len() * 99 / 100].as_secs_f64() * 1e6,
+            (rounds * 64 * MIB as u64) as f64 / secs / 1e9
+        ));
+    }
+    f.barrier(CONNECT)
 }
 
 fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
@@ -432,4 +487,65 @@ fn ofi_across_network_namespaces_conformance_and_moe() {
     run_across_netns(&ns, "conformance", 4, Duration::from_secs(90));
     run_across_netns(&ns, "moe:2:2:40", 4, Duration::from_secs(90));
     run_across_netns(&ns, "moe:1:3:40", 4, Duration::from_secs(90));
+}
+
+/// Prints fabric-level latency and bandwidth of ofi (tcp provider, loopback) beside shm on this
+/// machine (no assertion on the figures: they depend on the load).
+#[test]
+fn ofi_vs_shm_fabric_figures() {
+    for fabric in ["shm", "ofi"] {
+        let mut job = Job::spawn(ENTRY, &format!("micro:{fabric}"), 2);
+        job.expect_success(Duration::from_secs(120));
+        let out = job.output(0);
+        let line = out
+            .lines()
+            .find(|l| l.contains("MICRO"))
+            .unwrap_or("(no figures)");
+        println!("{}", line.trim_start_matches("test child_rank_entry ... "));
+    }
+}
+
+/// Asking for a provider libfabric does not have is an error naming it: no fallback to another.
+/// (A core provider name may resolve to itself under a utility provider that adds RMA, as
+/// `tcp` does to `tcp;ofi_rxm`; the provider actually opened is logged.)
+#[test]
+fn ofi_missing_provider_is_an_error_naming_it() {
+    for provider in ["no-such-provider", "verbs-that-is-not-here"] {
+        let ex: Arc<dyn Exchange> = Arc::new(
+            xccl::bootstrap::ThreadExchange::group(1)
+                .pop()
+                .expect("one rank"),
+        );
+        match OfiFabric::new(ex, MIN_WINDOW, 4, Some(provider)) {
+            Err(Error::FabricUnavailable { fabric, detail }) => {
+                assert_eq!(fabric, "ofi");
+                assert!(detail.contains(provider), "{detail}");
+                println!("{detail}");
+            }
+            other => panic!("{provider}: expected FabricUnavailable, got {other:?}"),
+        }
+    }
+}
+
+/// One rank alone: puts, gets and signals to itself are local copies; the window is host memory.
+#[test]
+fn ofi_single_rank_addresses_itself() {
+    let ex: Arc<dyn Exchange> = Arc::new(
+        xccl::bootstrap::ThreadExchange::group(1)
+            .pop()
+            .expect("one rank"),
+    );
+    let f = OfiFabric::with_options(ex, MIN_WINDOW, 4, &options()).expect("ofi on loopback");
+    assert_eq!(f.provider(), "tcp;ofi_rxm");
+    f.put(0, 100, b"hello").unwrap();
+    let mut buf = [0u8; 5];
+    f.get(0, 100, &mut buf).unwrap();
+    assert_eq!(&buf, b"hello");
+    f.signal(0, 3, 42).unwrap();
+    assert_eq!(f.signal_value(3), 42);
+    assert!(f.local_window().is_some());
+    assert!(matches!(
+        f.put(0, MIN_WINDOW - 2, b"abc"),
+        Err(Error::OutOfWindow { peer: 0, .. })
+    ));
 }

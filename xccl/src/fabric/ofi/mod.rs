@@ -58,17 +58,24 @@
 //! [`OfiOptions::addr`] / `XCCL_OFI_ADDR` (an address of this host), else the provider's first.
 //!
 //! # Hardware
-//! What would change on hardware that could not be tested here:
-//! - **verbs** (`verbs;ofi_rxm`): needs `FI_MR_LOCAL` (local buffers registered, descriptors
-//!   passed): the bounce buffers of put/get would become a registered staging pool and their
-//!   `desc` passed; `FI_MR_ALLOCATED`/`FI_MR_PROV_KEY`/`FI_MR_VIRT_ADDR` are already honoured.
-//!   Registration of device memory (`FI_HMEM`, CUDA/Ascend) is not requested.
-//! - **EFA**: no ordering and no `FI_DELIVERY_COMPLETE` on older firmware (the completion-based
-//!   signal would need to use `FI_TRANSMIT_COMPLETE` plus a read-back or EFA's RDMA-write
-//!   support); 4 bytes of CQ data (the encoding below fits); `FI_CONTEXT2` mode (the context
-//!   would become a real `fi_context2` per operation instead of an integer).
-//! - Inject sizes (`tx_attr.inject_size`): small signals could use `FI_INJECT` to skip the copy.
-//! - Auto-progress providers would not need the progress thread for data, only for heartbeats.
+//! What would change on hardware that could not be tested here (only the tcp provider runs on
+//! the development machine):
+//! - **verbs** (`verbs;ofi_rxm`, InfiniBand/RoCE): requires `FI_MR_LOCAL`, which this fabric
+//!   refuses today: the put/get bounce buffers would become a registered staging pool whose
+//!   `fi_mr_desc` is passed with each operation. `FI_MR_VIRT_ADDR`, `FI_MR_PROV_KEY` and
+//!   `FI_MR_ALLOCATED` (which verbs also sets) are already honoured. Device memory (`FI_HMEM`:
+//!   CUDA, Ascend) is not registered; windows are host memory.
+//! - **EFA**: needs `FI_CONTEXT2` mode (the integer context would become a real `fi_context2`
+//!   per operation, kept in the op table); RMA is unordered, which the completion-based signal
+//!   already assumes, but `FI_DELIVERY_COMPLETE` and RDMA read/write depend on the device
+//!   generation and provider version, so older EFA would need a read-back fence instead; 4 bytes
+//!   of CQ data, which the 32-bit signal encoding fits.
+//! - Inject sizes (`tx_attr.inject_size`, 64 B on tcp): small signals could use `FI_INJECT` to
+//!   skip the bounce copy; queue depths (`tx_attr.size`) bound puts in flight (`-FI_EAGAIN` is
+//!   already handled by progressing and retrying).
+//! - Auto-progress providers would need the progress thread only for heartbeats and wake-ups.
+//! - Peers on one host are found dead in milliseconds by shm's pidfd; across hosts the 3 s
+//!   heartbeat bound applies unless a completion to the dead peer fails first.
 
 mod endpoint;
 
