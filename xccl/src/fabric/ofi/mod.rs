@@ -274,6 +274,10 @@ struct Shared {
     cq_lock: Mutex<()>,
     /// Writes posted to each peer and not yet completed.
     outstanding: Vec<AtomicUsize>,
+    /// Operations (not heartbeats) posted and not yet completed: while any are, the progress
+    /// thread polls instead of blocking in `fi_cq_sread` (the provider only pushes queued sends
+    /// from inside a call, and a blocked reader holds the CQ lock that waiters would use).
+    inflight: AtomicUsize,
     heartbeat_pending: Vec<AtomicBool>,
     failed: Vec<OnceLock<String>>,
     /// Milliseconds since `epoch` when each peer was last heard from.
@@ -446,6 +450,7 @@ impl OfiFabric {
             window_off,
             window_len,
             outstanding: (0..size).map(|_| AtomicUsize::new(0)).collect(),
+            inflight: AtomicUsize::new(0),
             heartbeat_pending: (0..size).map(|_| AtomicBool::new(false)).collect(),
             failed: (0..size).map(|_| OnceLock::new()).collect(),
             last_heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
@@ -610,7 +615,7 @@ impl Shared {
         let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let forget = match ops.table.get_mut(&id) {
             Some(op) => {
-                op.done = Some(Ok(()));
+                self.finish(op, Ok(()));
                 op.fire_and_forget
             }
             None => false,
@@ -619,6 +624,23 @@ impl Shared {
             if let Some(op) = ops.table.remove(&id) {
                 self.retire(&op);
             }
+        }
+    }
+
+    /// Records the outcome of an operation (once).
+    fn finish(&self, op: &mut Op, result: std::result::Result<(), String>) {
+        if op.done.is_none() && !op.heartbeat {
+            self.inflight.fetch_sub(1, Ordering::AcqRel);
+        }
+        op.done = Some(result);
+    }
+
+    /// Removes an operation that was never posted.
+    fn unpost(&self, id: u64) {
+        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut op) = ops.table.remove(&id) {
+            self.finish(&mut op, Err("not posted".into()));
+            self.retire(&op);
         }
     }
 
@@ -636,7 +658,7 @@ impl Shared {
             return;
         };
         let peer = op.peer;
-        op.done = Some(Err(detail.clone()));
+        self.finish(op, Err(detail.clone()));
         if op.fire_and_forget {
             if let Some(op) = ops.table.remove(&context) {
                 self.retire(&op);
@@ -684,6 +706,9 @@ impl Shared {
 
     /// Registers an operation owning `buf`; returns its id (the libfabric context).
     fn new_op(&self, peer: usize, buf: Box<[u8]>, fire_and_forget: bool, heartbeat: bool) -> u64 {
+        if !heartbeat {
+            self.inflight.fetch_add(1, Ordering::AcqRel);
+        }
         let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         ops.next += 1;
         let id = ops.next;
@@ -704,11 +729,6 @@ impl Shared {
         let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let op = ops.table.get_mut(&id).expect("op registered just before");
         (op.buf.as_mut_ptr(), op.buf.len())
-    }
-
-    fn drop_op(&self, id: u64) {
-        let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
-        ops.table.remove(&id);
     }
 
     /// Posts `post` (which returns a libfabric code) until it is accepted, driving progress on
@@ -774,10 +794,7 @@ impl Shared {
         });
         if let Err(e) = r {
             // Never posted: nothing will complete it.
-            let mut ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(op) = ops.table.remove(&id) {
-                self.retire(&op);
-            }
+            self.unpost(id);
             return Err(e);
         }
         Ok(())
@@ -827,7 +844,8 @@ impl Shared {
         let mut last_beat = Instant::now() - HEARTBEAT_EVERY;
         let mut idle = 0u32;
         while !self.stop.load(Ordering::Acquire) {
-            let block = if self.ep.provider.cq_can_block && idle > 16 {
+            let quiet = self.inflight.load(Ordering::Acquire) == 0;
+            let block = if self.ep.provider.cq_can_block && quiet && idle > 16 {
                 1
             } else {
                 0
@@ -842,7 +860,7 @@ impl Shared {
                     } else {
                         std::thread::sleep(Duration::from_micros(100));
                     }
-                } else if idle <= 16 {
+                } else if idle <= 16 || !quiet {
                     std::thread::yield_now();
                 }
             }
@@ -874,8 +892,7 @@ impl Shared {
             };
             if rc != 0 {
                 // Not posted (queue full or error): try again next period.
-                self.drop_op(id);
-                self.heartbeat_pending[peer].store(false, Ordering::Release);
+                self.unpost(id);
             }
         }
     }
@@ -992,7 +1009,7 @@ impl Fabric for OfiFabric {
                 unsafe { s.ep.post_read(p.addr, ptr, len, remote, p.key, id) }
             });
             if let Err(e) = posted {
-                s.drop_op(id);
+                s.unpost(id);
                 return Err(e);
             }
             let finished = || {
