@@ -56,6 +56,14 @@
 //! [`OfiOptions::provider`], else `XCCL_OFI_PROVIDER`, else `tcp;ofi_rxm`. A missing provider, or
 //! one without RMA, is an error naming it; there is no fallback. The interface is chosen by
 //! [`OfiOptions::addr`] / `XCCL_OFI_ADDR` (an address of this host), else the provider's first.
+//! Rank 0 logs the provider, fabric, domain (interface), registration mode and progress model
+//! it got on stderr (`XCCL_OFI_QUIET=1` silences it); [`OfiFabric::provider`] returns the name.
+//!
+//! # Init
+//! Two allgathers: the adverts (address, key, base, layout), then each rank's outcome of
+//! addressing every peer, so that a rank that cannot join makes every rank fail at once, naming
+//! it. A rank must not drop its fabric while peers may still read its window or wait on it
+//! (its registered memory goes away with it): end a job with a barrier.
 //!
 //! # Hardware
 //! What would change on hardware that could not be tested here (only the tcp provider runs on
@@ -315,6 +323,34 @@ fn round_up(v: usize, to: usize) -> Option<usize> {
     v.checked_add(to - 1).map(|x| x / to * to)
 }
 
+/// Checks `peer`'s advert against this rank's and inserts its address.
+fn attach_peer(ep: &Endpoint, peer: usize, blob: &[u8], num_slots: usize) -> Result<Peer> {
+    let ad = Advert::decode(blob, peer)?;
+    if ad.num_slots != num_slots {
+        return Err(Error::Protocol {
+            peer,
+            detail: format!(
+                "rank {peer} has {} signal slots, this rank {num_slots}: every rank must pass \
+                 the same count",
+                ad.num_slots
+            ),
+        });
+    }
+    let addr = ep.insert_peer(&ad.name).map_err(|e| Error::PeerFailed {
+        peer,
+        detail: format!("cannot address rank {peer}: {e}"),
+    })?;
+    Ok(Peer {
+        addr,
+        key: ad.key,
+        remote_base: ad.remote_base,
+        mailbox_off: ad.mailbox_off,
+        abort_off: ad.abort_off,
+        window_off: ad.window_off,
+        window_len: ad.window_len,
+    })
+}
+
 impl OfiFabric {
     /// Opens this rank's endpoint with `window_len` bytes of window and `num_slots` signal
     /// slots, on `provider` (`None`: `XCCL_OFI_PROVIDER`, else [`DEFAULT_PROVIDER`]).
@@ -412,32 +448,31 @@ impl OfiFabric {
                 blobs.len()
             )));
         }
-        let mut peers = Vec::with_capacity(size);
-        for (peer, blob) in blobs.iter().enumerate() {
-            let ad = Advert::decode(blob, peer)?;
-            if ad.num_slots != num_slots {
-                return Err(Error::Protocol {
+        let attached: Result<Vec<Peer>> = blobs
+            .iter()
+            .enumerate()
+            .map(|(peer, blob)| attach_peer(&ep, peer, blob, num_slots))
+            .collect();
+        // Second round: every rank learns whether every other rank could address every peer,
+        // so that one failure fails every rank at once, naming it, instead of a timeout later.
+        let status = match &attached {
+            Ok(_) => vec![0u8],
+            Err(e) => {
+                let mut s = vec![1u8];
+                s.extend_from_slice(e.to_string().as_bytes());
+                s
+            }
+        };
+        let outcomes = exchange.allgather(&status, opts.timeout)?;
+        let peers = attached?;
+        for (peer, outcome) in outcomes.iter().enumerate() {
+            if outcome.first() != Some(&0) {
+                let why = String::from_utf8_lossy(outcome.get(1..).unwrap_or_default());
+                return Err(Error::PeerFailed {
                     peer,
-                    detail: format!(
-                        "rank {peer} has {} signal slots, this rank {num_slots}: every rank \
-                         must pass the same count",
-                        ad.num_slots
-                    ),
+                    detail: format!("could not join the ofi fabric: {why}"),
                 });
             }
-            let addr = ep.insert_peer(&ad.name).map_err(|e| Error::PeerFailed {
-                peer,
-                detail: format!("cannot address rank {peer}: {e}"),
-            })?;
-            peers.push(Peer {
-                addr,
-                key: ad.key,
-                remote_base: ad.remote_base,
-                mailbox_off: ad.mailbox_off,
-                abort_off: ad.abort_off,
-                window_off: ad.window_off,
-                window_len: ad.window_len,
-            });
         }
         let shared = Arc::new(Shared {
             ep,
@@ -472,8 +507,8 @@ impl OfiFabric {
             progress: Some(progress),
             wait_policy: WaitPolicy::for_ranks_on_host(size),
         };
-        // Every rank has its endpoint and peers addressed before anyone writes.
-        fabric.shared.exchange.barrier(opts.timeout)?;
+        // Every rank has its endpoint and peers addressed (the status round) before anyone
+        // writes; heartbeats count from here.
         fabric.shared.touch_all();
         Ok(fabric)
     }
@@ -1145,6 +1180,65 @@ impl Drop for OfiFabric {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bootstrap::ThreadExchange;
+    use crate::fabric::conformance::{self, min_slots, MIN_WINDOW};
+
+    fn on_threads<T: Send>(n: usize, per_rank: impl Fn(Arc<dyn Exchange>) -> T + Sync) -> Vec<T> {
+        let exchanges: Vec<Arc<dyn Exchange>> = ThreadExchange::group(n)
+            .into_iter()
+            .map(|e| Arc::new(e) as Arc<dyn Exchange>)
+            .collect();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = exchanges
+                .into_iter()
+                .map(|ex| {
+                    let f = &per_rank;
+                    s.spawn(move || f(ex))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank thread panicked"))
+                .collect()
+        })
+    }
+
+    fn loopback() -> OfiOptions {
+        OfiOptions {
+            provider: Some(DEFAULT_PROVIDER.into()),
+            addr: Some("127.0.0.1".into()),
+            timeout: Duration::from_secs(20),
+        }
+    }
+
+    #[test]
+    fn ofi_fabric_on_threads_passes_conformance_with_3_ranks() {
+        let results = on_threads(3, |ex| {
+            let f = OfiFabric::with_options(ex, MIN_WINDOW, min_slots(3), &loopback())?;
+            conformance::run_all(&f)
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        }
+    }
+
+    #[test]
+    fn different_slot_counts_fail_every_rank_naming_the_peer() {
+        let results = on_threads(2, |ex| {
+            let slots = 4 + ex.rank();
+            OfiFabric::with_options(ex, MIN_WINDOW, slots, &loopback()).map(drop)
+        });
+        assert!(
+            matches!(&results[0], Err(Error::Protocol { peer: 1, .. })),
+            "{:?}",
+            results[0]
+        );
+        assert!(
+            matches!(&results[1], Err(Error::Protocol { peer: 0, .. })),
+            "{:?}",
+            results[1]
+        );
+    }
 
     #[test]
     fn cq_data_round_trips_in_32_bits() {
