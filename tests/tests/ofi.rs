@@ -14,8 +14,13 @@ use xccl::bootstrap::Exchange;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::ofi::{OfiFabric, OfiOptions};
 use xccl::fabric::{deadline_after, Fabric};
-use xccl::harness::{attention_round, expert_round, Workload};
-use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Role, Topology, TransferMode};
+use xccl::testing::harness::{
+    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
+    Workload,
+};
+use xccl::{
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+};
 use xccl_tests::{announce, child_main, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
@@ -35,6 +40,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["puts_in_flight"] => puts_in_flight(ctx),
         ["killed"] => killed(ctx),
         ["micro", fabric] => micro(ctx, fabric),
+        ["moe_kill"] => return killed_expert(ctx),
         ["moe", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
@@ -218,6 +224,55 @@ fn micro(ctx: &ChildCtx, fabric: &str) -> xccl::Result<()> {
     f.barrier(CONNECT)
 }
 
+/// 1 attention rank, 2 expert ranks; expert rank 1 is SIGKILLed after 5 good rounds. The
+/// attention rank's next round must fail with `PeerFailed` naming rank 1 within the liveness
+/// bound; expert rank 2 completes its round (or, if the liveness check sees rank 1 first, fails
+/// naming rank 1 too).
+fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(16, DType::BF16, 2, 8);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Arc::new(Topology::contiguous(1, 2, 8).map_err(|e| e.to_string())?);
+    let mut comm = Communicator::init_ofi(ex, topo, cfg, &options()).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 9,
+        tokens: 8,
+        vary: false,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let round = |comm: &mut Communicator, batch: &mut ExpertBatch, r: u64| match comm.role() {
+        Role::Attention => attention_round_with::<bf16>(comm, &wl, r, Buffers::Copy),
+        Role::Expert => expert_round::<bf16>(comm, &wl, r, batch, true),
+    };
+    for r in 0..5 {
+        round(&mut comm, &mut batch, r).map_err(|e| e.to_string())??;
+    }
+    if ctx.rank == 1 {
+        // SAFETY: kill(2) on this process's own pid; takes no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let start = Instant::now();
+    let r = round(&mut comm, &mut batch, 5);
+    let bound = xccl::fabric::ofi::LIVENESS_TIMEOUT + Duration::from_secs(2);
+    match (ctx.rank, r) {
+        (2, Ok(Ok(()))) => Ok(()),
+        (0 | 2, Err(Error::PeerFailed { peer: 1, detail })) if start.elapsed() < bound => {
+            announce(&format!(
+                "rank {}: noticed in {:?}: {detail}",
+                ctx.rank,
+                start.elapsed()
+            ));
+            Ok(())
+        }
+        (_, other) => Err(format!(
+            "rank {}: expected PeerFailed naming rank 1 within {bound:?}, got {other:?} after {:?}",
+            ctx.rank,
+            start.elapsed()
+        )),
+    }
+}
+
 fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
     cfg.timeout = Duration::from_secs(30);
@@ -232,17 +287,33 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         skew: None,
     };
     let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
     let start = Instant::now();
     for round in 0..rounds {
+        // As in moe_shm.rs: push and pull per call and per rank, the caller's or registered
+        // buffers, and the expert-major, view and token-major receive paths.
         let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
             TransferMode::Pull
         } else {
             TransferMode::Push
         };
         comm.set_mode(mode);
+        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
+            Buffers::Registered
+        } else {
+            Buffers::Copy
+        };
         let verdict = match comm.role() {
-            Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
-            Role::Expert => expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true),
+            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
+            Role::Expert if round.is_multiple_of(2) => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            Role::Expert if round % 4 == 1 => {
+                expert_round_view::<bf16>(&mut comm, &wl, round, true)
+            }
+            Role::Expert => {
+                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
+            }
         };
         verdict.map_err(|e| e.to_string())??;
     }
@@ -294,6 +365,23 @@ fn ofi_one_attention_one_expert_matches_reference() {
 #[test]
 fn ofi_two_attention_two_expert_matches_reference() {
     run_ok("moe:2:2:60", 4, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_killed_expert_is_reported_by_the_survivors() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut job = Job::spawn(ENTRY, "moe_kill", 3);
+    let st = job.wait(Duration::from_secs(60));
+    assert_eq!(
+        st[1].signal(),
+        Some(libc::SIGKILL),
+        "rank 1: {}",
+        job.output(1)
+    );
+    for r in [0, 2] {
+        assert!(st[r].success(), "rank {r} failed: {}", job.output(r));
+    }
+    println!("attention rank: {}", job.output(0).trim());
 }
 
 #[test]

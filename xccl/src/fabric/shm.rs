@@ -711,6 +711,10 @@ impl Fabric for ShmFabric {
         let _ = self.exchange.broadcast_abort(reason);
     }
 
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.segments[self.rank].control.aborted_by()
+    }
+
     fn check_peer(&self, peer: usize) -> Result<()> {
         let s = self.segment(peer)?;
         s.liveness.check(peer, s.pid)
