@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use xccl::bootstrap::Exchange;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
-use xccl::fabric::ofi::{OfiFabric, OfiOptions};
+use xccl::fabric::ofi::{OfiFabric, OfiOptions, SignalOrdering};
 use xccl::fabric::{deadline_after, Fabric};
 use xccl::testing::harness::{
     attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
@@ -37,7 +37,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     let parts: Vec<&str> = scenario.split(':').collect();
     let r = match parts.as_slice() {
         ["conformance"] => conformance_rank(ctx),
-        ["puts_in_flight"] => puts_in_flight(ctx),
+        ["puts_in_flight", ordering] => puts_in_flight(ctx, ordering),
         ["killed"] => killed(ctx),
         ["micro", fabric] => micro(ctx, fabric),
         ["moe_kill"] => return killed_expert(ctx),
@@ -60,6 +60,7 @@ fn options() -> OfiOptions {
         provider: Some("tcp;ofi_rxm".into()),
         addr: Some(std::env::var(ADDR_ENV).unwrap_or_else(|_| "127.0.0.1".into())),
         timeout: Duration::from_secs(30),
+        ordering: None,
     }
 }
 
@@ -85,9 +86,19 @@ fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
 
 /// Every rank streams many puts (small and large, overlapping in flight) into every peer,
 /// then signals once; the receiver checks every byte right after the signal, 50 rounds.
-fn puts_in_flight(ctx: &ChildCtx) -> xccl::Result<()> {
+fn puts_in_flight(ctx: &ChildCtx, ordering: &str) -> xccl::Result<()> {
     const WINDOW: usize = 4 << 20;
-    let f = join(ctx, WINDOW, min_slots(ctx.size))?;
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let mut opts = options();
+    opts.ordering = Some(match ordering {
+        "completion" => SignalOrdering::Completion,
+        _ => SignalOrdering::Ordered { max: 0 },
+    });
+    let f = OfiFabric::with_options(ex, WINDOW, min_slots(ctx.size), &opts)?;
+    let got = f.signal_ordering();
+    if (ordering == "completion") != (got == SignalOrdering::Completion) {
+        return Err(fail(format!("asked for {ordering} signals, got {got:?}")));
+    }
     let (me, n) = (ctx.rank, ctx.size);
     let region = WINDOW / n;
     let piece = |round: u64, src: usize, i: usize, len: usize| -> Vec<u8> {
@@ -135,7 +146,7 @@ fn puts_in_flight(ctx: &ChildCtx) -> xccl::Result<()> {
         }
         f.barrier(CONNECT)?;
     }
-    announce("50 rounds of puts in flight checked");
+    announce(&format!("50 rounds of puts in flight checked ({got:?})"));
     Ok(())
 }
 
@@ -353,8 +364,13 @@ fn ofi_conformance_with_4_processes() {
 }
 
 #[test]
-fn ofi_signal_is_ordered_after_many_puts_in_flight() {
-    run_ok("puts_in_flight", 3, Duration::from_secs(90));
+fn ofi_signal_is_ordered_after_many_puts_in_flight_by_provider_ordering() {
+    run_ok("puts_in_flight:ordered", 3, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_signal_is_ordered_after_many_puts_in_flight_by_completion() {
+    run_ok("puts_in_flight:completion", 3, Duration::from_secs(90));
 }
 
 #[test]

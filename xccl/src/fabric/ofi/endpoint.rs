@@ -30,6 +30,9 @@ pub(super) struct ProviderInfo {
     pub cq_can_block: bool,
     /// `FI_PROGRESS_MANUAL` data progress (the provider only moves data inside calls).
     pub manual_progress: bool,
+    /// RMA writes are placed in order (`FI_ORDER_RMA_WAW` asked for and granted on transmit and
+    /// receive), up to this size (`max_order_waw_size`); `None` when they are not.
+    pub ordered_writes: Option<usize>,
 }
 
 /// One rank's libfabric resources; closed in reverse order on drop.
@@ -94,12 +97,17 @@ impl Endpoint {
                 max_msg_size: 0,
                 cq_can_block: false,
                 manual_progress: true,
+                ordered_writes: None,
             },
             key: 0,
             remote_base: 0,
             name: Vec::new(),
         };
-        ep.getinfo(provider, node)?;
+        // Ask for write-after-write ordering first (it lets a signal follow puts without waiting
+        // for their completion), then take the provider as it is.
+        if ep.getinfo(provider, node, true).is_err() {
+            ep.getinfo(provider, node, false)?;
+        }
         ep.open_objects()?;
         ep.register(region, region_len)?;
         Ok(ep)
@@ -118,7 +126,12 @@ impl Endpoint {
         }
     }
 
-    fn getinfo(&mut self, provider: &str, node: Option<&str>) -> Result<()> {
+    fn getinfo(&mut self, provider: &str, node: Option<&str>, ordered: bool) -> Result<()> {
+        if !self.info.is_null() {
+            // SAFETY: a list from an earlier fi_getinfo of this value, not used elsewhere.
+            unsafe { (self.api.freeinfo)(self.info) };
+            self.info = null_mut();
+        }
         let prov = CString::new(provider)
             .map_err(|_| Error::invalid(format!("provider name {provider:?} contains NUL")))?;
         let node_c = node
@@ -141,6 +154,10 @@ impl Endpoint {
                 | u64::from(sys::FI_REMOTE_WRITE);
             h.mode = 0;
             (*h.ep_attr).type_ = sys::FI_EP_RDM;
+            if ordered {
+                (*h.tx_attr).msg_order = sys::FI_ORDER_RMA_WAW;
+                (*h.rx_attr).msg_order = sys::FI_ORDER_RMA_WAW;
+            }
             let d = &mut *h.domain_attr;
             d.threading = sys::FI_THREAD_SAFE;
             // The registration modes this code honours (see `register`).
@@ -185,6 +202,11 @@ impl Endpoint {
                 )));
             }
             let d = &*i.domain_attr;
+            let waw = |order: u64| order & sys::FI_ORDER_RMA_WAW != 0;
+            let ordered_writes = (waw((*i.tx_attr).msg_order)
+                && waw((*i.rx_attr).msg_order)
+                && (*i.ep_attr).max_order_waw_size > 0)
+                .then_some((*i.ep_attr).max_order_waw_size);
             self.provider = ProviderInfo {
                 name: cstr((*i.fabric_attr).prov_name),
                 fabric: cstr((*i.fabric_attr).name),
@@ -194,6 +216,7 @@ impl Endpoint {
                 max_msg_size: (*i.ep_attr).max_msg_size,
                 cq_can_block: false,
                 manual_progress: d.data_progress == sys::FI_PROGRESS_MANUAL,
+                ordered_writes,
             };
         }
         if self.provider.mr_mode & sys::FI_MR_LOCAL != 0

@@ -107,6 +107,23 @@ pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
 pub const PROVIDER_ENV: &str = "XCCL_OFI_PROVIDER";
 /// Environment variable naming the local address (interface) to open the endpoint on.
 pub const ADDR_ENV: &str = "XCCL_OFI_ADDR";
+/// Environment variable choosing how a signal is ordered after puts: `ordered` (the provider's
+/// write-after-write ordering; an error if it has none) or `completion` (wait for the puts'
+/// delivery completion); unset: `ordered` where the provider grants it, else `completion`.
+pub const ORDERING_ENV: &str = "XCCL_OFI_ORDERING";
+
+/// How a signal is ordered after the puts before it (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalOrdering {
+    /// The provider places RMA writes in order (`FI_ORDER_RMA_WAW`) up to `max` bytes each:
+    /// puts are cut to that size and the signal write follows them without waiting.
+    Ordered {
+        /// `max_order_waw_size`.
+        max: usize,
+    },
+    /// The signal waits for the delivery completion of every earlier put to that peer.
+    Completion,
+}
 /// A peer not heard from for this long is reported failed.
 pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(3);
 /// How often the progress thread sends heartbeats.
@@ -146,6 +163,10 @@ pub struct OfiOptions {
     pub addr: Option<String>,
     /// Bound of the init rendezvous and of every internal wait (get, flush, signal fence).
     pub timeout: Duration,
+    /// `Some(SignalOrdering::Completion)` forces completion-based ordering even where the
+    /// provider orders writes; `Some(Ordered { .. })` requires provider ordering; `None`:
+    /// `XCCL_OFI_ORDERING`, else the provider's ordering where it has it.
+    pub ordering: Option<SignalOrdering>,
 }
 
 impl Default for OfiOptions {
@@ -154,6 +175,7 @@ impl Default for OfiOptions {
             provider: None,
             addr: None,
             timeout: Duration::from_secs(60),
+            ordering: None,
         }
     }
 }
@@ -291,6 +313,9 @@ struct Shared {
     /// Milliseconds since `epoch` when each peer was last heard from.
     last_heard: Vec<AtomicU64>,
     epoch: Instant,
+    ordering: SignalOrdering,
+    /// Largest single RMA this fabric posts (puts and gets are cut to it).
+    max_op: usize,
     stop: AtomicBool,
     exchange: Arc<dyn Exchange>,
     timeout: Duration,
@@ -411,9 +436,42 @@ impl OfiFabric {
             unsafe { ControlArea::init(region.ptr(), num_slots, rank, std::process::id()) };
 
         let ep = Endpoint::open(&provider, addr.as_deref(), region.ptr(), region_len)?;
+        let wanted = match opts.ordering {
+            Some(o) => Some(o),
+            None => match std::env::var(ORDERING_ENV).as_deref() {
+                Ok("completion") => Some(SignalOrdering::Completion),
+                Ok("ordered") => Some(SignalOrdering::Ordered { max: 0 }),
+                Ok("") | Err(_) => None,
+                Ok(other) => {
+                    return Err(Error::invalid(format!(
+                        "{ORDERING_ENV}={other}: expected `ordered` or `completion`"
+                    )))
+                }
+            },
+        };
+        let ordering = match (wanted, ep.provider.ordered_writes) {
+            (Some(SignalOrdering::Completion), _) | (None, None) => SignalOrdering::Completion,
+            (_, Some(max)) => SignalOrdering::Ordered { max },
+            (Some(SignalOrdering::Ordered { .. }), None) => {
+                return Err(Error::FabricUnavailable {
+                    fabric: "ofi".into(),
+                    detail: format!(
+                        "provider {} does not order RMA writes (FI_ORDER_RMA_WAW), which \
+                         ordered signals need",
+                        ep.provider.name
+                    ),
+                })
+            }
+        };
+        let max_op = match ordering {
+            SignalOrdering::Ordered { max } => max.min(ep.provider.max_msg_size),
+            SignalOrdering::Completion => ep.provider.max_msg_size,
+        }
+        .max(4096);
         if std::env::var_os("XCCL_OFI_QUIET").is_none() && rank == 0 {
             eprintln!(
-                "xccl ofi: provider {} (fabric {}, domain {}, mr_mode {:#x}, {} progress, cq {})",
+                "xccl ofi: provider {} (fabric {}, domain {}, mr_mode {:#x}, {} progress, cq {}, \
+                 signals {:?})",
                 ep.provider.name,
                 ep.provider.fabric,
                 ep.provider.domain,
@@ -428,6 +486,7 @@ impl OfiFabric {
                 } else {
                     "polled"
                 },
+                ordering,
             );
         }
         let mine = Advert {
@@ -493,6 +552,8 @@ impl OfiFabric {
             ops: Mutex::new(Ops::default()),
             cq_lock: Mutex::new(()),
             epoch: Instant::now(),
+            ordering,
+            max_op,
             stop: AtomicBool::new(false),
             exchange,
             timeout: opts.timeout,
@@ -511,6 +572,11 @@ impl OfiFabric {
         // writes; heartbeats count from here.
         fabric.shared.touch_all();
         Ok(fabric)
+    }
+
+    /// How signals are ordered after puts on this fabric.
+    pub fn signal_ordering(&self) -> SignalOrdering {
+        self.shared.ordering
     }
 
     /// The provider actually opened (`prov_name`).
@@ -1003,7 +1069,7 @@ impl Fabric for OfiFabric {
         if data.is_empty() {
             return Ok(());
         }
-        let max = s.ep.provider.max_msg_size.max(4096);
+        let max = s.max_op;
         for (i, chunk) in data.chunks(max).enumerate() {
             let remote = p.remote_base + (p.window_off + offset + i * max) as u64;
             s.write(peer, remote, chunk.into(), None, false)?;
@@ -1033,7 +1099,7 @@ impl Fabric for OfiFabric {
             return Ok(());
         }
         let deadline = Instant::now() + s.timeout;
-        let max = s.ep.provider.max_msg_size.max(4096);
+        let max = s.max_op;
         for (i, out) in buf.chunks_mut(max).enumerate() {
             let remote = p.remote_base + (p.window_off + offset + i * max) as u64;
             let id = s.new_op(peer, vec![0u8; out.len()].into(), false, false);
@@ -1083,15 +1149,19 @@ impl Fabric for OfiFabric {
             return s.control.store(slot, value, peer);
         }
         s.check_peer(peer)?;
-        // Ordering by completion: every earlier put to `peer` is delivered before the signal is
-        // posted.
-        let deadline = Instant::now() + s.timeout;
-        s.wait_op(
-            peer,
-            "delivery of earlier puts before a signal",
-            deadline,
-            &|| s.outstanding[peer].load(Ordering::Acquire) == 0,
-        )?;
+        if s.ordering == SignalOrdering::Completion {
+            // Ordering by completion: every earlier put to `peer` is delivered before the signal
+            // is posted.
+            let deadline = Instant::now() + s.timeout;
+            s.wait_op(
+                peer,
+                "delivery of earlier puts before a signal",
+                deadline,
+                &|| s.outstanding[peer].load(Ordering::Acquire) == 0,
+            )?;
+        }
+        // Ordered: the provider places this write after every earlier one to `peer` (each at
+        // most `max_order_waw_size`), and reports it at the target only once placed.
         let remote =
             p.remote_base + (p.mailbox_off + (s.rank * (s.num_slots + 1) + slot) * 8) as u64;
         s.write(
@@ -1208,6 +1278,7 @@ mod tests {
             provider: Some(DEFAULT_PROVIDER.into()),
             addr: Some("127.0.0.1".into()),
             timeout: Duration::from_secs(20),
+            ordering: None,
         }
     }
 
