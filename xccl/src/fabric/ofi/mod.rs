@@ -25,22 +25,35 @@
 //!   write completes), posted with `FI_DELIVERY_COMPLETE`: its completion means the bytes are in
 //!   the target's memory, not merely handed to the transport.
 //! - `get` = RMA read into a bounce buffer, complete on return.
-//! - `signal` = **waits for the delivery completion of every earlier put to that peer**, then
-//!   writes the value into this rank's mailbox for that slot at the peer, with remote CQ data
-//!   naming (sender, slot). libfabric only orders transport headers by default, and EFA does not
-//!   order RMA at all, so ordering is by completion, not by hoping for order. The target's
-//!   completion queue reports the write; whoever reads it (the progress thread or a spinning
-//!   waiter, one at a time) copies the mailbox into the slot with the control area's Release
-//!   store and futex wake ([`ControlArea::store`]), so a torn 8-byte network write is never seen
-//!   by a waiter and sleepers are woken. `flush` waits for every outstanding operation.
+//! - `signal` = an 8-byte write of the value into this rank's mailbox for that slot at the peer,
+//!   with remote CQ data naming (sender, slot), ordered after every earlier put to that peer in
+//!   one of two ways ([`SignalOrdering`], chosen at init and logged):
+//!   - **ordered** (where the provider grants `FI_ORDER_RMA_WAW` on transmit and receive, as
+//!     `tcp;ofi_rxm` does): puts are cut to `max_order_waw_size`, and the signal write is posted
+//!     at once: the provider places writes to one peer in order and reports the signal at the
+//!     target only once it is placed, so every earlier put is in memory by then;
+//!   - **completion** (every other provider, e.g. EFA, which does not order RMA; or forced by
+//!     `XCCL_OFI_ORDERING=completion`): the signal first waits for the delivery completion of
+//!     every earlier put to that peer. libfabric only orders transport headers unless asked, so
+//!     there is no third way of hoping for order.
+//!
+//!   The target's completion queue reports the signal write; whoever reads it (the progress
+//!   thread or a spinning waiter, one at a time) copies the mailbox into the slot with the
+//!   control area's Release store and futex wake ([`ControlArea::store`]), so a torn 8-byte
+//!   network write is never seen by a waiter and sleepers are woken. `flush` waits for every
+//!   outstanding operation (all delivery-complete). Both orderings are tested with many puts in
+//!   flight (`tests/tests/ofi.rs`).
 //! - Puts and gets to this rank itself are memcpys into / out of the own window.
 //!
 //! # Progress
 //! A progress thread per fabric reads the completion queue (tcp and most providers have
-//! `FI_PROGRESS_MANUAL` data progress: nothing moves unless someone calls into libfabric). It
-//! blocks in `fi_cq_sread` (1 ms chunks) when the CQ has a wait object, else polls with short
-//! sleeps. Waiters run the control area's spin-then-futex loop; while spinning they also read
-//! the CQ themselves (if the progress thread is not), so a hot wait costs no thread hop.
+//! `FI_PROGRESS_MANUAL` data progress: nothing moves unless someone calls into libfabric). While
+//! operations of this rank are in flight, or a wait has just started, it polls (yielding between
+//! polls); otherwise it blocks in `fi_cq_sread` (1 ms chunks) when the CQ has a wait object, else
+//! polls with 100 us sleeps. Waiters run the control area's spin-then-futex loop; while spinning
+//! they also read the CQ themselves (when the progress thread is not), so a hot wait costs no
+//! thread hop, and a long wait sleeps on the futex that the progress thread's slot stores wake.
+//! Reading the CQ is serialised by a lock, so two signals to one slot land in completion order.
 //!
 //! # Liveness
 //! Two sources, both checked between sleeps of every wait: **completion errors** (a write or read
@@ -126,6 +139,9 @@ pub enum SignalOrdering {
 }
 /// A peer not heard from for this long is reported failed.
 pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(3);
+/// Idle polls (each a yield) the progress thread makes while a wait is on before it blocks in
+/// `fi_cq_sread` (about the spin phase of [`WaitPolicy::DEDICATED`]).
+const POLL_WHILE_WAITED: u32 = 512;
 /// How often the progress thread sends heartbeats.
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(250);
 
@@ -308,6 +324,9 @@ struct Shared {
     /// thread polls instead of blocking in `fi_cq_sread` (the provider only pushes queued sends
     /// from inside a call, and a blocked reader holds the CQ lock that waiters would use).
     inflight: AtomicUsize,
+    /// Threads of this rank inside a wait: while there are, the progress thread keeps polling
+    /// for a while before it blocks, so the spin phase of a wait sees completions at once.
+    waiters: AtomicUsize,
     heartbeat_pending: Vec<AtomicBool>,
     failed: Vec<OnceLock<String>>,
     /// Milliseconds since `epoch` when each peer was last heard from.
@@ -545,6 +564,7 @@ impl OfiFabric {
             window_len,
             outstanding: (0..size).map(|_| AtomicUsize::new(0)).collect(),
             inflight: AtomicUsize::new(0),
+            waiters: AtomicUsize::new(0),
             heartbeat_pending: (0..size).map(|_| AtomicBool::new(false)).collect(),
             failed: (0..size).map(|_| OnceLock::new()).collect(),
             last_heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
@@ -946,7 +966,12 @@ impl Shared {
         let mut idle = 0u32;
         while !self.stop.load(Ordering::Acquire) {
             let quiet = self.inflight.load(Ordering::Acquire) == 0;
-            let block = if self.ep.provider.cq_can_block && quiet && idle > 16 {
+            let patience = if self.waiters.load(Ordering::Acquire) > 0 {
+                POLL_WHILE_WAITED
+            } else {
+                16
+            };
+            let block = if self.ep.provider.cq_can_block && quiet && idle > patience {
                 1
             } else {
                 0
@@ -961,7 +986,7 @@ impl Shared {
                     } else {
                         std::thread::sleep(Duration::from_micros(100));
                     }
-                } else if idle <= 16 || !quiet {
+                } else if idle <= patience || !quiet {
                     std::thread::yield_now();
                 }
             }
@@ -1192,8 +1217,12 @@ impl Fabric for OfiFabric {
             s.progress(0);
             poll()
         };
-        s.control
-            .wait_with(self.wait_policy, deadline, &mut polled, &liveness)
+        s.waiters.fetch_add(1, Ordering::AcqRel);
+        let r = s
+            .control
+            .wait_with(self.wait_policy, deadline, &mut polled, &liveness);
+        s.waiters.fetch_sub(1, Ordering::AcqRel);
+        r
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {
