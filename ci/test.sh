@@ -36,6 +36,11 @@ if [ -n "$left" ]; then
   echo "ci/test.sh: /dev/shm holds xccl segments after the tests: $left" >&2
   exit 1
 fi
+left=$(ip netns list 2>/dev/null | grep '^xccl-' || true)
+if [ -n "$left" ]; then
+  echo "ci/test.sh: network namespaces of the ofi tests left behind: $left" >&2
+  exit 1
+fi
 passed=$(grep -E '^test result:' target/test-output.txt | awk '{p+=$4; f+=$6} END {print p+0, f+0}')
 set -- $passed
 echo "summary: $1 passed, $2 failed"
