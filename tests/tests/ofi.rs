@@ -244,7 +244,8 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(1, 2, 8).map_err(|e| e.to_string())?);
-    let mut comm = Communicator::init_ofi(ex, topo, cfg, &options()).map_err(|e| e.to_string())?;
+    let mut comm =
+        Communicator::init_ofi_with(ex, topo, cfg, &options()).map_err(|e| e.to_string())?;
     let wl = Workload {
         seed: 9,
         tokens: 8,
@@ -289,8 +290,8 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
-    let mut comm =
-        Communicator::init_ofi(ex.clone(), topo, cfg, &options()).map_err(|e| e.to_string())?;
+    let mut comm = Communicator::init_ofi_with(ex.clone(), topo, cfg, &options())
+        .map_err(|e| e.to_string())?;
     let wl = Workload {
         seed: 0x0f1 + (m * 10 + n) as u64,
         tokens: 24,

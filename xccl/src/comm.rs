@@ -204,9 +204,23 @@ impl Communicator {
     }
 
     /// Joins a job over the libfabric fabric (`ofi`, ranks on any hosts): like
-    /// [`Communicator::init_shm`], with the provider and interface from `opts`
-    /// (`XCCL_OFI_PROVIDER`, `XCCL_OFI_ADDR` or `tcp;ofi_rxm` by default).
+    /// [`Communicator::init_shm`], with the provider from `XCCL_OFI_PROVIDER` (default
+    /// `tcp;ofi_rxm`) and the interface from `XCCL_OFI_ADDR` (default: the provider's first).
     pub fn init_ofi(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
+        Self::init_ofi_with(
+            exchange,
+            topo,
+            cfg,
+            &crate::fabric::ofi::OfiOptions::default(),
+        )
+    }
+
+    /// [`Communicator::init_ofi`] with explicit options (provider, interface, timeouts).
+    pub fn init_ofi_with(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
         cfg: MoeConfig,

@@ -125,15 +125,20 @@ impl Api {
 
     /// Opens `libfabric.so.1` and resolves the versioned symbols.
     pub fn load() -> Result<Api, LoadError> {
-        let name = c"libfabric.so.1";
+        Self::load_from(c"libfabric.so.1")
+    }
+
+    /// Opens the shared object `name` (a libfabric) and resolves the versioned symbols.
+    pub fn load_from(name: &CStr) -> Result<Api, LoadError> {
         // SAFETY: dlopen with a valid NUL-terminated name; RTLD_NOW resolves everything up front
         // so a broken library fails here, not later in a call.
         let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
         if handle.is_null() {
             return Err(LoadError {
                 detail: format!(
-                    "cannot open {LIBRARY} ({}): install libfabric (Debian/Ubuntu: \
+                    "cannot open {} ({}): install libfabric (Debian/Ubuntu: \
                      apt-get install libfabric1; RHEL: dnf install libfabric)",
+                    name.to_string_lossy(),
                     dlerror_string()
                 ),
             });
@@ -201,5 +206,37 @@ impl Api {
             // SAFETY: non-null, NUL-terminated static string from libfabric.
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_an_error_that_says_what_to_install() {
+        let e = Api::load_from(c"libfabric-not-here.so.1").unwrap_err();
+        assert!(e.detail.contains("libfabric-not-here.so.1"), "{e}");
+        assert!(e.detail.contains("apt-get install libfabric1"), "{e}");
+    }
+
+    #[test]
+    fn a_library_without_the_symbols_is_an_error_naming_the_symbol() {
+        let e = Api::load_from(c"libc.so.6").unwrap_err();
+        assert!(e.detail.contains("fi_getinfo@FABRIC_1.3"), "{e}");
+    }
+
+    #[test]
+    fn the_installed_libfabric_loads_at_the_header_version() {
+        let api = Api::get().expect("libfabric1 is installed where the tests run");
+        // SAFETY: fi_version takes nothing and returns the library's API version.
+        let v = unsafe { (api.version)() };
+        assert!(
+            v >= FI_API_VERSION,
+            "libfabric {:#x} older than the headers",
+            v
+        );
+        let text = api.error_string(-(FI_EAGAIN as i64));
+        assert!(text.contains("temporarily unavailable"), "{text}");
     }
 }
