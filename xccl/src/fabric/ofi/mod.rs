@@ -713,9 +713,14 @@ impl Shared {
                     break;
                 }
             } else if n == -(sys::FI_EAVAIL as isize) {
+                let mut any = false;
                 while let Some((context, detail)) = self.ep.read_error() {
                     self.fail_op(context, detail);
                     handled += 1;
+                    any = true;
+                }
+                if !any {
+                    break;
                 }
             } else {
                 // -FI_EAGAIN (nothing) or a CQ-level error; the latter shows up as op timeouts
