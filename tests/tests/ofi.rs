@@ -19,7 +19,8 @@ use xccl::testing::harness::{
     Workload,
 };
 use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
+    TransferMode,
 };
 use xccl_tests::{announce, child_main, ChildCtx, Job};
 
@@ -43,12 +44,11 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["moe_kill"] => return killed_expert(ctx),
         ["moe", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
-            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::None);
         }
-        ["conformance_then_moe", m, n, rounds] => {
+        ["moe_int8", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
-            conformance_rank(ctx).map_err(|e| e.to_string())?;
-            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8);
         }
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
@@ -285,8 +285,17 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
     }
 }
 
-fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+/// Checked rounds; with `quant` INT8, A2E and E2A both quantize (bit-exact reference too).
+fn checked_rounds(
+    ctx: &ChildCtx,
+    m: usize,
+    n: usize,
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
+    cfg.a2e_quant = quant;
+    cfg.e2a_quant = quant;
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
@@ -382,6 +391,11 @@ fn ofi_one_attention_one_expert_matches_reference() {
 #[test]
 fn ofi_two_attention_two_expert_matches_reference() {
     run_ok("moe:2:2:60", 4, Duration::from_secs(90));
+}
+
+#[test]
+fn ofi_int8_on_the_wire_matches_reference() {
+    run_ok("moe_int8:2:2:40", 4, Duration::from_secs(90));
 }
 
 #[test]
@@ -592,6 +606,7 @@ fn ofi_across_network_namespaces_conformance_and_moe() {
     run_across_netns(&ns, "conformance", 4, Duration::from_secs(90));
     run_across_netns(&ns, "moe:2:2:40", 4, Duration::from_secs(90));
     run_across_netns(&ns, "moe:1:3:40", 4, Duration::from_secs(90));
+    run_across_netns(&ns, "moe_int8:2:2:20", 4, Duration::from_secs(90));
 }
 
 /// Prints fabric-level latency and bandwidth of ofi (tcp provider, loopback) beside shm on this
