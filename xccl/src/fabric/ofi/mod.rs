@@ -12,6 +12,7 @@
 //! |---|---|
 //! | 0 | the rank's [`ControlArea`] (header, doorbell, abort word, signal slots) |
 //! | `mailbox_off` | one 64-bit mailbox per (sender rank, slot), plus one heartbeat word per sender |
+//! | `abort_off` | one abort-reason buffer (256 bytes) per sender |
 //! | `window_off` (page-aligned) | the data window, `window_len` bytes |
 //!
 //! Addresses (`fi_getname`), keys and base addresses are allgathered through the bootstrap.
@@ -60,8 +61,10 @@
 //! to a dead peer fails on its connection; the peer is marked failed with libfabric's reason) and
 //! **heartbeats**: the progress thread writes a heartbeat word with CQ data to every peer every
 //! 250 ms, and a peer not heard from (heartbeat or any signal) for [`LIVENESS_TIMEOUT`] is
-//! reported failed. A SIGKILLed rank on loopback is usually seen within milliseconds (its sockets
-//! close); a host that vanishes is seen within the timeout. `wait_until` also returns
+//! reported failed. On `tcp;ofi_rxm` a SIGKILLed rank is reported after about 3 s in the tests
+//! (rxm gives up reconnecting and fails the pending write, "Transport endpoint is not connected",
+//! about when the heartbeat bound expires); a host that vanishes is seen within the timeout.
+//! Every error names the rank. `wait_until` also returns
 //! [`Error::Aborted`] when the bootstrap relays an out-of-band abort
 //! ([`Exchange::poll_abort`]).
 //!
