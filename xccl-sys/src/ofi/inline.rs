@@ -396,3 +396,15 @@ pub unsafe fn fi_cq_strerror(
     // SAFETY: arguments as the caller guarantees.
     unsafe { f(cq, prov_errno, err_data, buf, len) }
 }
+
+/// `fi_trywait`: 0 when it is safe to block on the wait objects of `fids` (nothing is pending),
+/// `-FI_EAGAIN` when completions must be read first.
+///
+/// # Safety
+/// `fabric` live; `fids` points to `count` live objects of that fabric with wait objects.
+pub unsafe fn fi_trywait(fabric: *mut fid_fabric, fids: *mut *mut fid, count: c_int) -> c_int {
+    // SAFETY: `fabric` is live (caller).
+    let f = unsafe { op!((*(*fabric).ops).trywait) };
+    // SAFETY: arguments as the caller guarantees.
+    unsafe { f(fabric, fids, count) }
+}

@@ -28,6 +28,9 @@ pub(super) struct ProviderInfo {
     pub max_msg_size: usize,
     /// Whether the CQ has a wait object (`fi_cq_sread` blocks until a completion).
     pub cq_can_block: bool,
+    /// The CQ's wait object as a file descriptor (`FI_WAIT_FD`), which the progress thread can
+    /// poll without holding the CQ (so waiters may read it meanwhile).
+    pub wait_fd: Option<c_int>,
     /// `FI_PROGRESS_MANUAL` data progress (the provider only moves data inside calls).
     pub manual_progress: bool,
     /// RMA writes are placed in order (`FI_ORDER_RMA_WAW` asked for and granted on transmit and
@@ -96,6 +99,7 @@ impl Endpoint {
                 cq_data_size: 0,
                 max_msg_size: 0,
                 cq_can_block: false,
+                wait_fd: None,
                 manual_progress: true,
                 ordered_writes: None,
             },
@@ -215,6 +219,7 @@ impl Endpoint {
                 cq_data_size: d.cq_data_size,
                 max_msg_size: (*i.ep_attr).max_msg_size,
                 cq_can_block: false,
+                wait_fd: None,
                 manual_progress: d.data_progress == sys::FI_PROGRESS_MANUAL,
                 ordered_writes,
             };
@@ -249,7 +254,7 @@ impl Endpoint {
 
         // A CQ that can block (`fi_cq_sread`) if the provider has a wait object, else one that
         // is only polled.
-        for wait_obj in [sys::FI_WAIT_UNSPEC, sys::FI_WAIT_NONE] {
+        for wait_obj in [sys::FI_WAIT_FD, sys::FI_WAIT_UNSPEC, sys::FI_WAIT_NONE] {
             // SAFETY: a zeroed fi_cq_attr is the documented default; `domain` is open.
             let rc = unsafe {
                 let mut attr: sys::fi_cq_attr = std::mem::zeroed();
@@ -260,6 +265,18 @@ impl Endpoint {
             };
             if rc == 0 {
                 self.provider.cq_can_block = wait_obj != sys::FI_WAIT_NONE;
+                if wait_obj == sys::FI_WAIT_FD {
+                    let mut fd: c_int = -1;
+                    // SAFETY: `cq` is open with an fd wait object; FI_GETWAIT writes an int.
+                    let rc = unsafe {
+                        fi::fi_control(
+                            &raw mut (*self.cq).fid,
+                            sys::FI_GETWAIT as c_int,
+                            (&raw mut fd).cast(),
+                        )
+                    };
+                    self.provider.wait_fd = (rc == 0 && fd >= 0).then_some(fd);
+                }
                 break;
             }
             if wait_obj == sys::FI_WAIT_NONE {
@@ -452,6 +469,28 @@ impl Endpoint {
             // SAFETY: as above.
             unsafe { fi::fi_cq_read(self.cq, out.as_mut_ptr().cast(), out.len()) }
         }
+    }
+
+    /// Blocks up to `timeout_ms` on the CQ's wait fd, without reading the CQ, if `fi_trywait`
+    /// says nothing is pending. Returns at once otherwise (or without a wait fd).
+    pub fn wait_for_activity(&self, timeout_ms: i32) {
+        let Some(fd) = self.provider.wait_fd else {
+            return;
+        };
+        let mut fids = [self.cq.cast::<sys::fid>()];
+        // SAFETY: `fabric` and `cq` are open; `fids` holds one live object with a wait fd.
+        let rc = unsafe { fi::fi_trywait(self.fabric, fids.as_mut_ptr(), 1) };
+        if rc != 0 {
+            return;
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; the fd belongs to the open CQ. Errors and EINTR only end
+        // the wait early, and the caller reads the CQ next anyway.
+        unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
     }
 
     /// The next error completion: its context and a description.

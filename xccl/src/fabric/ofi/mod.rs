@@ -50,8 +50,8 @@
 //! A progress thread per fabric reads the completion queue (tcp and most providers have
 //! `FI_PROGRESS_MANUAL` data progress: nothing moves unless someone calls into libfabric). While
 //! operations of this rank are in flight, or a wait has just started, it polls (yielding between
-//! polls); otherwise it blocks in `fi_cq_sread` (1 ms chunks) when the CQ has a wait object, else
-//! polls with 100 us sleeps. Waiters run the control area's spin-then-futex loop; while spinning
+//! polls); otherwise it blocks in 1 ms chunks: on the CQ's wait fd (`FI_WAIT_FD`, after
+//! `fi_trywait`) without holding the CQ, else in `fi_cq_sread`, else in 100 us sleeps. Waiters run the control area's spin-then-futex loop; while spinning
 //! they also read the CQ themselves (when the progress thread is not), so a hot wait costs no
 //! thread hop, and a long wait sleeps on the futex that the progress thread's slot stores wake.
 //! Reading the CQ is serialised by a lock, so two signals to one slot land in completion order.
@@ -503,8 +503,10 @@ impl OfiFabric {
                 } else {
                     "auto"
                 },
-                if ep.provider.cq_can_block {
-                    "blocking"
+                if ep.provider.wait_fd.is_some() {
+                    "wait fd"
+                } else if ep.provider.cq_can_block {
+                    "sread"
                 } else {
                     "polled"
                 },
@@ -979,22 +981,26 @@ impl Shared {
             } else {
                 16
             };
-            let block = if self.ep.provider.cq_can_block && quiet && idle > patience {
-                1
+            let sleepy = quiet && idle > patience;
+            let provider = &self.ep.provider;
+
+            // Blocking: on the wait fd without the CQ lock where there is one (waiters may read
+            // the CQ meanwhile), else in fi_cq_sread, else a short sleep.
+            let handled = if sleepy && provider.wait_fd.is_some() {
+                self.ep.wait_for_activity(1);
+                self.progress(0)
+            } else if sleepy && provider.cq_can_block {
+                self.progress(1)
             } else {
-                0
+                self.progress(0)
             };
-            if self.progress(block) > 0 {
+            if handled > 0 {
                 idle = 0;
             } else {
                 idle = idle.saturating_add(1);
-                if !self.ep.provider.cq_can_block {
-                    if idle < 64 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(Duration::from_micros(100));
-                    }
-                } else if idle <= patience || !quiet {
+                if sleepy && !provider.cq_can_block {
+                    std::thread::sleep(Duration::from_micros(100));
+                } else if !sleepy {
                     std::thread::yield_now();
                 }
             }
