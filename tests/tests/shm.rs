@@ -170,7 +170,7 @@ fn third_rank_goes(ctx: &ChildCtx, dies: bool) -> xccl::Result<()> {
         2 if dies => sigkill_self(),
         2 => {
             drop(f);
-            return Ok(());
+            Ok(())
         }
         1 => {
             // Long enough, when rank 2 dies, for rank 0 to notice first even on a loaded host.
