@@ -40,6 +40,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["conformance"] => conformance_rank(ctx),
         ["puts_in_flight", ordering] => puts_in_flight(ctx, ordering),
         ["killed"] => killed(ctx),
+        ["departure"] => departure(ctx),
         ["micro", fabric] => micro(ctx, fabric),
         ["moe_kill"] => return killed_expert(ctx),
         ["moe", m, n, rounds] => {
@@ -286,6 +287,40 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
 }
 
 /// Checked rounds; with `quant` INT8, A2E and E2A both quantize (bit-exact reference too).
+/// Rank 2 leaves cleanly right after init; rank 1 signals rank 0 only after the liveness bound
+/// has passed, so rank 0's wait must tell "left" from "died" to succeed; a wait on rank 2 itself
+/// then fails at once, naming it.
+fn departure(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx, MIN_WINDOW, min_slots(ctx.size))?;
+    f.barrier(CONNECT)?;
+    match ctx.rank {
+        2 => return Ok(()),
+        1 => {
+            std::thread::sleep(xccl::fabric::ofi::LIVENESS_TIMEOUT + Duration::from_secs(1));
+            f.signal(0, 0, 7)?;
+        }
+        _ => {
+            f.wait_signal(0, 1, "a late signal", deadline_after(CONNECT), &|v| v == 7)?;
+            let start = Instant::now();
+            match f.wait_signal(1, 2, "a rank that left", deadline_after(CONNECT), &|v| {
+                v > 0
+            }) {
+                Err(Error::PeerFailed { peer: 2, detail })
+                    if start.elapsed() < Duration::from_secs(1) =>
+                {
+                    announce(&format!("rank 2: {detail}"));
+                }
+                other => {
+                    return Err(fail(format!(
+                        "expected PeerFailed naming rank 2 at once, got {other:?}"
+                    )))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn checked_rounds(
     ctx: &ChildCtx,
     m: usize,
@@ -413,6 +448,11 @@ fn ofi_killed_expert_is_reported_by_the_survivors() {
         assert!(st[r].success(), "rank {r} failed: {}", job.output(r));
     }
     println!("attention rank: {}", job.output(0).trim());
+}
+
+#[test]
+fn ofi_rank_that_left_cleanly_is_not_taken_for_dead() {
+    run_ok("departure", 3, Duration::from_secs(60));
 }
 
 #[test]

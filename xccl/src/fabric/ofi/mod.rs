@@ -61,7 +61,10 @@
 //! to a dead peer fails on its connection; the peer is marked failed with libfabric's reason) and
 //! **heartbeats**: the progress thread writes a heartbeat word with CQ data to every peer every
 //! 250 ms, and a peer not heard from (heartbeat or any signal) for [`LIVENESS_TIMEOUT`] is
-//! reported failed. On `tcp;ofi_rxm` a SIGKILLed rank is reported after about 3 s in the tests
+//! reported failed. A rank that leaves cleanly (drops its fabric after its last call) first
+//! tells every peer so (a last heartbeat marked "departing", after its outstanding writes): waits
+//! on other ranks then ignore its silence, and a wait on it fails at once, naming it. On
+//! `tcp;ofi_rxm` a SIGKILLed rank is reported after about 3 s in the tests
 //! (rxm gives up reconnecting and fails the pending write, "Transport endpoint is not connected",
 //! about when the heartbeat bound expires); a host that vanishes is seen within the timeout.
 //! Every error names the rank. `wait_until` also returns
@@ -156,6 +159,8 @@ const ADVERT_WORDS: usize = 10;
 const KIND_SIGNAL: u64 = 1;
 const KIND_HEARTBEAT: u64 = 2;
 const KIND_ABORT: u64 = 3;
+/// Slot field of a heartbeat that says the sender leaves the job cleanly.
+const DEPARTING: usize = 1;
 const MAX_RANKS: usize = 1 << 14;
 const MAX_SLOTS: usize = (1 << 16) - 1;
 
@@ -332,6 +337,8 @@ struct Shared {
     waiters: AtomicUsize,
     heartbeat_pending: Vec<AtomicBool>,
     failed: Vec<OnceLock<String>>,
+    /// Peers that left the job cleanly (their fabric dropped after their last call).
+    departed: Vec<AtomicBool>,
     /// Milliseconds since `epoch` when each peer was last heard from.
     last_heard: Vec<AtomicU64>,
     epoch: Instant,
@@ -572,6 +579,7 @@ impl OfiFabric {
             waiters: AtomicUsize::new(0),
             heartbeat_pending: (0..size).map(|_| AtomicBool::new(false)).collect(),
             failed: (0..size).map(|_| OnceLock::new()).collect(),
+            departed: (0..size).map(|_| AtomicBool::new(false)).collect(),
             last_heard: (0..size).map(|_| AtomicU64::new(0)).collect(),
             peers,
             ops: Mutex::new(Ops::default()),
@@ -665,6 +673,12 @@ impl Shared {
         if peer == self.rank {
             return Ok(());
         }
+        if self.departed[peer].load(Ordering::Acquire) {
+            return Err(Error::PeerFailed {
+                peer,
+                detail: "left the job (its ofi fabric was dropped)".into(),
+            });
+        }
         if let Some(detail) = self.failed[peer].get() {
             return Err(Error::PeerFailed {
                 peer,
@@ -682,12 +696,15 @@ impl Shared {
         Ok(())
     }
 
-    /// Out-of-band abort, then every peer (see [`Fabric::check_peers`]).
+    /// Out-of-band abort, then every peer that has not left the job cleanly (see
+    /// [`Fabric::check_peers`]).
     fn check_peers(&self) -> Result<()> {
         if let Some((by, reason)) = self.exchange.poll_abort() {
             return Err(Error::Aborted { by, reason });
         }
-        (0..self.peers.len()).try_for_each(|p| self.check_peer(p))
+        (0..self.peers.len())
+            .filter(|&p| !self.departed[p].load(Ordering::Acquire))
+            .try_for_each(|p| self.check_peer(p))
     }
 
     /// Reads and handles completions. `block_ms > 0` waits that long for one (progress thread
@@ -814,6 +831,10 @@ impl Shared {
                 let word = unsafe { &*self.region.ptr().as_ptr().add(off).cast::<AtomicU64>() };
                 let value = word.load(Ordering::Acquire);
                 let _ = self.control.store(slot, value, self.rank);
+            }
+            KIND_HEARTBEAT if slot == DEPARTING => {
+                self.departed[sender].store(true, Ordering::Release);
+                self.control.wake();
             }
             KIND_ABORT => {
                 let len = slot.min(ABORT_REASON_BYTES);
@@ -1038,16 +1059,22 @@ impl Shared {
     }
 
     /// Waits (bounded) for every outstanding write.
+    /// Waits (bounded) for every outstanding write to every peer; a peer that fails does not
+    /// stop the wait for the others. The error names the first peer that failed.
     fn flush(&self, deadline: Instant) -> Result<()> {
+        let mut first = Ok(());
         for peer in 0..self.peers.len() {
-            self.wait_op(
+            let r = self.wait_op(
                 peer,
                 "completion of earlier writes (flush)",
                 deadline,
                 &|| self.outstanding[peer].load(Ordering::Acquire) == 0,
-            )?;
+            );
+            if first.is_ok() {
+                first = r;
+            }
         }
-        Ok(())
+        first
     }
 }
 
@@ -1226,7 +1253,10 @@ impl Fabric for OfiFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let s = &self.shared;
-        let liveness = || s.check_peers();
+        let liveness = |awaited: usize| {
+            s.check_peer(awaited)?;
+            s.check_peers()
+        };
         let mut polled = || {
             s.progress(0);
             poll()
@@ -1277,12 +1307,29 @@ impl Fabric for OfiFabric {
     fn check_peers(&self) -> Result<()> {
         self.shared.check_peers()
     }
+
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.shared.control.aborted_by()
+    }
 }
 
 impl Drop for OfiFabric {
     fn drop(&mut self) {
-        // Deliver what was posted (bounded), then stop progress and close the endpoint.
-        let _ = self.shared.flush(Instant::now() + Duration::from_secs(2));
+        // Deliver what was posted (bounded), tell the peers this rank leaves cleanly (so waits on
+        // other ranks do not take its silence for a crash), then stop progress and close.
+        let s = &self.shared;
+        let _ = s.flush(Instant::now() + Duration::from_secs(2));
+        s.control.set_departed();
+        for (peer, p) in s.peers.iter().enumerate() {
+            if peer == s.rank || s.failed[peer].get().is_some() {
+                continue;
+            }
+            let remote = p.remote_base
+                + (p.mailbox_off + (s.rank * (s.num_slots + 1) + s.num_slots) * 8) as u64;
+            let data = encode(KIND_HEARTBEAT, s.rank, DEPARTING);
+            let _ = s.write(peer, remote, Box::new([0u8; 8]), Some(data), false);
+        }
+        let _ = s.flush(Instant::now() + Duration::from_secs(2));
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.progress.take() {
             let _ = t.join();
