@@ -65,7 +65,7 @@ fn main() -> ExitCode {
                     let mut tokens = TokenBatch::new();
                     for round in 0..calls {
                         let r = round + c.rank() as u64;
-                        c.set_mode(if r % 3 == 0 {
+                        c.set_mode(if r.is_multiple_of(3) {
                             TransferMode::Pull
                         } else {
                             TransferMode::Push
@@ -79,7 +79,7 @@ fn main() -> ExitCode {
                             Role::Attention => {
                                 attention_round_with::<bf16>(&mut c, wl, round, buffers)
                             }
-                            Role::Expert if r % 3 == 0 => {
+                            Role::Expert if r.is_multiple_of(3) => {
                                 expert_round::<bf16>(&mut c, wl, round, &mut batch, true)
                             }
                             Role::Expert if r % 3 == 1 => {
