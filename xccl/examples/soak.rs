@@ -115,8 +115,7 @@ fn main() -> ExitCode {
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
-            .collect()
+            .try_for_each(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
     });
     let (warm, end) = (*rss_warm.lock().expect("lock"), rss());
     println!(
