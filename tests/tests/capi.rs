@@ -39,15 +39,20 @@ fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The directory holding `libxccl.so`.
+/// The directory holding `libxccl.so` and `libxccl.a`: `target/<profile>/deps`, where the
+/// build of this very test put them (`cargo build` copies them up to `target/<profile>`, which
+/// may be older), else `target/<profile>`.
 fn lib_dir() -> PathBuf {
-    let dir = profile_dir();
-    assert!(
-        dir.join("libxccl.so").exists(),
-        "{} has no libxccl.so: run `cargo build -p xccl --release` (cargo test --workspace builds it)",
-        dir.display()
-    );
-    dir
+    let profile = profile_dir();
+    [profile.join("deps"), profile.clone()]
+        .into_iter()
+        .find(|d| d.join("libxccl.so").exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "no libxccl.so under {}: run `cargo build -p xccl --release`",
+                profile.display()
+            )
+        })
 }
 
 fn out_dir() -> PathBuf {
@@ -363,4 +368,62 @@ fn python_ctypes_example_two_ranks_mpirun_and_four_ranks_torchrun() {
             assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
         }
     }
+}
+
+#[test]
+fn install_step_pkg_config_and_static_library_build_the_example() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let prefix = out_dir().join(format!("prefix-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    let st = Command::new(repo().join("ci/install-capi.sh"))
+        .arg(&prefix)
+        .env("XCCL_LIB_DIR", lib_dir())
+        .status()
+        .expect("running ci/install-capi.sh");
+    assert!(st.success(), "ci/install-capi.sh failed");
+    let pkg = |args: &[&str]| {
+        let out = Command::new("pkg-config")
+            .args(args)
+            .arg("xccl")
+            .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
+            .output()
+            .expect("running pkg-config");
+        assert!(out.status.success(), "pkg-config {args:?} xccl failed");
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    assert_eq!(pkg(&["--modversion"]).trim(), env!("CARGO_PKG_VERSION"));
+    let example = repo().join("examples/c/xccl_example.c");
+    // Shared: the README's command line, plus an rpath to the prefix.
+    let shared = prefix.join("xccl_example");
+    let libdir = prefix.join("lib");
+    let mut cc = Command::new("gcc");
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg(&example)
+        .args(pkg(&["--cflags", "--libs"]).split_whitespace())
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .arg("-o")
+        .arg(&shared);
+    assert!(cc.status().expect("gcc").success(), "{cc:?} failed");
+    // Static: libxccl.a and the private libraries pkg-config lists.
+    let fully = prefix.join("xccl_example_static");
+    let mut cc = Command::new("gcc");
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg(&example)
+        .args(pkg(&["--cflags"]).split_whitespace())
+        .arg(libdir.join("libxccl.a"))
+        .args(
+            pkg(&["--libs", "--static"])
+                .split_whitespace()
+                .filter(|a| *a != "-lxccl"),
+        )
+        .arg("-o")
+        .arg(&fully);
+    assert!(cc.status().expect("gcc").success(), "{cc:?} failed");
+    for exe in [&shared, &fully] {
+        let mut launcher = Command::new(exe);
+        launcher.arg("2");
+        let logs = Ranks::spawn("installed_example", vec![launcher]).expect_success(TIMEOUT);
+        assert!(logs[0].contains("all 2 ranks ok"), "{}", logs[0]);
+    }
+    let _ = std::fs::remove_dir_all(&prefix);
 }

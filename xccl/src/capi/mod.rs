@@ -16,7 +16,7 @@
 //!
 //! `xcclCommAbort` must work while another thread is blocked in a call on the same
 //! communicator, which holds the communicator's lock. So the communicator is built on a
-//! [`SharedFabric`] whose fabric this module also keeps: abort raises the fabric's abort flag
+//! `SharedFabric` whose fabric this module also keeps: abort raises the fabric's abort flag
 //! directly, the blocked wait sees it within milliseconds and returns `Aborted`.
 
 #![allow(non_camel_case_types, non_snake_case)]
@@ -277,7 +277,7 @@ struct Comm {
     last_error: Mutex<String>,
 }
 
-/// An opaque C handle: an id from [`NEXT_ID`], never an address.
+/// An opaque C handle (`xcclComm_t`): an id from a counter, never an address.
 pub enum xcclComm {}
 /// Opaque A2E handle (an id).
 pub enum xcclA2EHandle {}
