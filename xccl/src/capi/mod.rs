@@ -1355,10 +1355,8 @@ mod tests {
         assert_eq!(code, XCCL_INTERNAL_ERROR, "{}", last_error(comms[0]));
         let mut async_err = XCCL_SUCCESS;
         // SAFETY: a valid out-pointer.
-        assert_eq!(
-            unsafe { xcclCommGetAsyncError(comms[0], &mut async_err) },
-            XCCL_SUCCESS
-        );
+        let code = unsafe { xcclCommGetAsyncError(comms[0], &mut async_err) };
+        assert_eq!(code, XCCL_SUCCESS);
         assert_eq!(async_err, XCCL_INTERNAL_ERROR);
         // The peer's blocked receive returns xcclAborted naming the panic.
         let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
