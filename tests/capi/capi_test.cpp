@@ -1,7 +1,14 @@
 // C++17 test of the C ABI (built by tests/tests/capi.rs with g++ -std=c++17 -Wall -Wextra
 // -Werror): an explicit expert placement with replicas, the zero-copy forms (registered A2E
-// input, registered E2A output) with two calls in flight, checked bit for bit, and RAII
-// ownership of the communicator.
+// input, registered E2A output) with two calls in flight, in f32 or (--bf16) bfloat16, checked
+// bit for bit, and RAII ownership of the communicator.
+//
+// In bf16 the reference is the exact f32 result rounded once to bf16: each token has two
+// experts, and a contribution of one expert (w * x * (e + 1), a small integer times a power of
+// two) is exact in bf16, so the documented roundings (once per expert rank, once on the
+// attention rank when several contributions are summed) reduce to one rounding of the exact
+// sum.
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -22,10 +29,36 @@ using Comm = std::unique_ptr<xcclComm, CommDeleter>;
 
 constexpr int kRounds = 6;
 
+// Element types: f32 as is, bf16 as its bits (round to nearest even; no NaNs here).
+struct Bf16 {
+  uint16_t bits;
+};
+inline float to_float(float v) { return v; }
+inline float to_float(Bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <typename E>
+E from_float(float f);
+template <>
+float from_float<float>(float f) {
+  return f;
+}
+template <>
+Bf16 from_float<Bf16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+template <typename E>
 void attention(xcclComm_t comm, int rank) {
   for (int round = 0; round < kRounds; round += 2) {
     xcclA2EHandle_t handles[2] = {nullptr, nullptr};
-    std::vector<float> want[2];
+    std::vector<E> want[2];
     int T[2];
     for (int i = 0; i < 2; i++) {
       int r = round + i;
@@ -33,26 +66,32 @@ void attention(xcclComm_t comm, int rank) {
       std::vector<float> x(MAX_TOKENS * HIDDEN), w(MAX_TOKENS * TOPK);
       std::vector<int> idx(MAX_TOKENS * TOPK);
       make_inputs(rank, r, T[i], x.data(), idx.data(), w.data());
-      want[i].resize(MAX_TOKENS * HIDDEN);
-      reference(T[i], x.data(), idx.data(), w.data(), want[i].data());
+      std::vector<float> exact(MAX_TOKENS * HIDDEN);
+      reference(T[i], x.data(), idx.data(), w.data(), exact.data());
+      for (float v : exact) want[i].push_back(from_float<E>(v));
       void* input = nullptr;
       CHECK(xcclA2EInput(comm, &input));
-      std::memcpy(input, x.data(), static_cast<size_t>(T[i]) * HIDDEN * sizeof(float));
+      for (int k = 0; k < T[i] * HIDDEN; k++) static_cast<E*>(input)[k] = from_float<E>(x[k]);
       CHECK(xcclA2ESendInput(comm, T[i], idx.data(), w.data(), &handles[i]));
     }
     // A third call in flight fails at once and changes nothing.
     xcclA2EHandle_t extra = nullptr;
     EXPECT(xcclA2ESendInput(comm, 0, nullptr, nullptr, &extra), xcclInvalidArgument);
     // E2A completes in A2E order: the newer handle first is rejected; both stay valid.
-    std::vector<float> out(MAX_TOKENS * HIDDEN);
+    std::vector<E> out(MAX_TOKENS * HIDDEN);
     EXPECT(xcclE2ARecv(comm, handles[1], out.data()), xcclInvalidArgument);
     for (int i = 0; i < 2; i++) {
       CHECK(xcclE2ARecv(comm, handles[i], out.data()));
-      compare(round + i, T[i], out.data(), want[i].data());
+      if (std::memcmp(out.data(), want[i].data(), static_cast<size_t>(T[i]) * HIDDEN * sizeof(E)) != 0)
+        for (int k = 0; k < T[i] * HIDDEN; k++)
+          if (std::memcmp(&out[k], &want[i][k], sizeof(E)) != 0)
+            FAIL("round %d: out[%d][%d] = %.9g, expected %.9g", round + i, k / HIDDEN, k % HIDDEN,
+                 static_cast<double>(to_float(out[k])), static_cast<double>(to_float(want[i][k])));
     }
   }
 }
 
+template <typename E>
 void expert(xcclComm_t comm, const std::vector<int>& experts) {
   for (int round = 0; round < kRounds; round += 2) {
     xcclTokenBatch_t batches[2] = {nullptr, nullptr};
@@ -62,16 +101,16 @@ void expert(xcclComm_t comm, const std::vector<int>& experts) {
       CHECK(xcclTokenBatchGetInfo(b, &info));
       void* output = nullptr;
       CHECK(xcclE2AOutput(comm, b, &output));
-      auto* red = static_cast<float*>(output);
-      auto* rows = static_cast<const float*>(info.rows);
+      auto* red = static_cast<E*>(output);
+      auto* rows = static_cast<const E*>(info.rows);
       for (size_t i = 0; i < info.numTokens; i++)
         for (int h = 0; h < HIDDEN; h++) {
           float acc = 0.0f;
           for (uint32_t c = 0; c < info.expertCount[i]; c++) {
             int e = experts.at(info.localExperts[i * info.topk + c]);
-            acc += info.weights[i * info.topk + c] * expert_fn(e, rows[i * HIDDEN + h]);
+            acc += info.weights[i * info.topk + c] * expert_fn(e, to_float(rows[i * HIDDEN + h]));
           }
-          red[i * HIDDEN + h] = acc;
+          red[i * HIDDEN + h] = from_float<E>(acc);
         }
       CHECK(xcclE2ASendOutput(comm, b));
     }
@@ -81,8 +120,16 @@ void expert(xcclComm_t comm, const std::vector<int>& experts) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --bf16 (first) selects bfloat16 rows; the rest are the common arguments.
+  const bool bf16 = argc > 1 && std::strcmp(argv[1], "--bf16") == 0;
+  if (bf16) {
+    argv[1] = argv[0];
+    argv++;
+    argc--;
+  }
   Args a = parse_args(argc, argv);
   xcclConfig_t cfg = test_config(a.nranks);
+  if (bf16) cfg.dtype = xcclBfloat16;
   // Explicit placement over the expert ranks (m..n-1): expert e on m + e % nexp, experts 0 and
   // 3 with a second replica on the next expert rank.
   const int m = a.nranks / 2, nexp = a.nranks - m;
@@ -109,10 +156,17 @@ int main(int argc, char** argv) {
   xcclResult_t async = xcclInternalError;
   CHECK(xcclCommGetAsyncError(comm.get(), &async));
   if (async != xcclSuccess) FAIL("async error %d", static_cast<int>(async));
-  if (role == xcclRoleAttention)
-    attention(comm.get(), a.rank);
+  size_t rowBytes = 0, maxTokens = 0, maxRows = 0;
+  CHECK(xcclCommBufferSizes(comm.get(), &rowBytes, &maxTokens, &maxRows));
+  if (rowBytes != HIDDEN * (bf16 ? 2u : 4u)) FAIL("rowBytes %zu", rowBytes);
+  if (role == xcclRoleAttention && bf16)
+    attention<Bf16>(comm.get(), a.rank);
+  else if (role == xcclRoleAttention)
+    attention<float>(comm.get(), a.rank);
+  else if (bf16)
+    expert<Bf16>(comm.get(), experts);
   else
-    expert(comm.get(), experts);
+    expert<float>(comm.get(), experts);
   std::printf("rank %d: ok\n", a.rank);
   return 0;
 }

@@ -53,14 +53,14 @@ typedef struct {
   xcclUniqueId id;
 } Args;
 
-static int hexval(char c) {
+static inline int hexval(char c) {
   if (c >= '0' && c <= '9') return c - '0';
   if (c >= 'a' && c <= 'f') return c - 'a' + 10;
   if (c >= 'A' && c <= 'F') return c - 'A' + 10;
   return -1;
 }
 
-static Args parse_args(int argc, char** argv) {
+static inline Args parse_args(int argc, char** argv) {
   Args a;
   int i;
   memset(&a, 0, sizeof a);
@@ -97,7 +97,7 @@ static Args parse_args(int argc, char** argv) {
 }
 
 /* The config every rank of the test uses: half attention ranks, f32, exact workload. */
-static xcclConfig_t test_config(int nranks) {
+static inline xcclConfig_t test_config(int nranks) {
   xcclConfig_t cfg = XCCL_CONFIG_INITIALIZER;
   cfg.numAttentionRanks = nranks / 2;
   cfg.numExperts = NUM_EXPERTS;
@@ -109,12 +109,12 @@ static xcclConfig_t test_config(int nranks) {
   return cfg;
 }
 
-static int tokens_of(int rank, int round) {
+static inline int tokens_of(int rank, int round) {
   return round == 1 ? 0 : MAX_TOKENS - (rank + round) % 3; /* round 1 sends 0 tokens */
 }
 
 /* Attention rank `rank`'s inputs of round `round`: x [T, HIDDEN], idx and w [T, TOPK]. */
-static void make_inputs(int rank, int round, int T, float* x, int* idx, float* w) {
+static inline void make_inputs(int rank, int round, int T, float* x, int* idx, float* w) {
   int t, h, k;
   for (t = 0; t < T; t++) {
     for (h = 0; h < HIDDEN; h++) x[t * HIDDEN + h] = (float)((rank * 31 + round * 7 + t * 3 + h) % 17 - 8);
@@ -126,10 +126,10 @@ static void make_inputs(int rank, int round, int T, float* x, int* idx, float* w
 }
 
 /* The expert function: expert e scales its input by e + 1 (exact on these values). */
-static float expert_fn(int e, float v) { return v * (float)(e + 1); }
+static inline float expert_fn(int e, float v) { return v * (float)(e + 1); }
 
 /* The exact combined output. */
-static void reference(int T, const float* x, const int* idx, const float* w, float* out) {
+static inline void reference(int T, const float* x, const int* idx, const float* w, float* out) {
   int t, h, k;
   for (t = 0; t < T; t++)
     for (h = 0; h < HIDDEN; h++) {
@@ -140,7 +140,7 @@ static void reference(int T, const float* x, const int* idx, const float* w, flo
     }
 }
 
-static void compare(int round, int T, const float* got, const float* want) {
+static inline void compare(int round, int T, const float* got, const float* want) {
   int i;
   if (T > 0 && memcmp(got, want, (size_t)T * HIDDEN * sizeof(float)) != 0) {
     for (i = 0; i < T * HIDDEN; i++)
@@ -150,7 +150,7 @@ static void compare(int round, int T, const float* got, const float* want) {
   }
 }
 
-static xcclComm_t init_comm(const Args* a, const xcclConfig_t* cfg) {
+static inline xcclComm_t init_comm(const Args* a, const xcclConfig_t* cfg) {
   xcclComm_t comm = NULL;
   if (a->env) {
     CHECK(xcclCommInitFromEnv(&comm, cfg));

@@ -179,15 +179,16 @@ fn assert_no_leftovers(job_id: u64) {
     assert!(left.is_empty(), "the job left {left:?} in /dev/shm");
 }
 
-/// Runs `exe` as `n` ranks joined by a unique id on the command line.
-fn run_with_unique_id(exe: &Path, n: usize) {
+/// Runs `exe` as `n` ranks joined by a unique id on the command line (after `first_args`).
+fn run_with_unique_id(exe: &Path, n: usize, first_args: &[&str]) {
     let job_id = unique_job_id();
     let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
     let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
     let cmds = (0..n)
         .map(|r| {
             let mut c = Command::new(exe);
-            c.args(["--id", &id.to_string(), "--rank", &r.to_string()])
+            c.args(first_args)
+                .args(["--id", &id.to_string(), "--rank", &r.to_string()])
                 .args(["--nranks", &n.to_string()]);
             c
         })
@@ -272,7 +273,7 @@ fn run_with_launcher_env(argv: &[&str], style: &str, n: usize) -> Vec<String> {
 fn c11_program_four_ranks_joined_by_unique_id() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let exe = compile(&repo().join("tests/capi/capi_test.c"), "capi_test_c");
-    run_with_unique_id(&exe, 4);
+    run_with_unique_id(&exe, 4, &[]);
 }
 
 #[test]
@@ -288,7 +289,8 @@ fn c11_program_two_ranks_joined_by_launcher_env() {
 fn cpp17_program_explicit_placement_and_registered_buffers() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let exe = compile(&repo().join("tests/capi/capi_test.cpp"), "capi_test_cpp");
-    run_with_unique_id(&exe, 3);
+    run_with_unique_id(&exe, 3, &[]);
+    run_with_unique_id(&exe, 2, &["--bf16"]);
     let exe = exe.to_string_lossy().into_owned();
     run_with_launcher_env(&[&exe, "--env"], "torchrun", 4);
 }
