@@ -303,9 +303,9 @@ typedef struct xcclA2EHandle* xcclA2EHandle_t;
  *  pointers may be NULL. Validates everything before anything goes out. Blocks until the rows
  *  are handed to the fabric (a free buffer may need the E2A of call e - maxInFlight on the
  *  peers). Writes the call's handle to `*handle`; pass it to xcclE2ARecv.
- *  Errors: xcclInvalidArgument (NULL, numTokens, an expert id out of range or repeated in a
- *  row, a non-finite weight, too many calls in flight), xcclInvalidUsage (expert rank),
- *  xcclTimeout, xcclRemoteError, xcclAborted. */
+ *  Errors: xcclInvalidArgument (NULL, numTokens, an expert id out of range, a non-finite
+ *  weight, too many calls in flight), xcclInvalidUsage (expert rank), xcclTimeout,
+ *  xcclRemoteError, xcclAborted. */
 xcclResult_t xcclA2ESend(xcclComm_t comm, const void* x, int numTokens, const int32_t* topkIdx,
                          const float* topkWeights, xcclA2EHandle_t* handle);
 

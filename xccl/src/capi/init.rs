@@ -74,9 +74,7 @@ pub unsafe extern "C" fn xcclGetVersion(version: *mut c_int) -> xcclResult_t {
 #[no_mangle]
 pub unsafe extern "C" fn xcclGetUniqueId(uniqueId: *mut xcclUniqueId) -> xcclResult_t {
     guard("xcclGetUniqueId", || {
-        if uniqueId.is_null() {
-            return Err(Fail::invalid("uniqueId is NULL"));
-        }
+        check_ptr(uniqueId, "uniqueId")?;
         let id = UniqueId::new()?;
         let mut out = xcclUniqueId { internal: [0; 128] };
         for (o, b) in out.internal.iter_mut().zip(id.to_bytes()) {
@@ -146,9 +144,7 @@ pub unsafe extern "C" fn xcclCommInitRankConfig(
     config: *const xcclConfig_t,
 ) -> xcclResult_t {
     guard("xcclCommInitRankConfig", || {
-        if comm.is_null() {
-            return Err(Fail::invalid("comm is NULL"));
-        }
+        check_ptr(comm, "comm")?;
         if nranks < 2 {
             return Err(Fail::invalid(format!(
                 "nranks = {nranks}; a job needs at least one attention and one expert rank"
@@ -182,9 +178,7 @@ pub unsafe extern "C" fn xcclCommInitFromEnv(
     config: *const xcclConfig_t,
 ) -> xcclResult_t {
     guard("xcclCommInitFromEnv", || {
-        if comm.is_null() {
-            return Err(Fail::invalid("comm is NULL"));
-        }
+        check_ptr(comm, "comm")?;
         if config.is_null() {
             return Err(Fail::invalid(
                 "config is NULL (start from XCCL_CONFIG_INITIALIZER)",

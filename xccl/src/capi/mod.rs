@@ -5,6 +5,7 @@
 //! this file holds the panic boundary, the handle registry and the pointer checks; `init.rs`
 //! the calls for errors, version, init, teardown and queries; `moe.rs` the A2E/E2A calls;
 //! `config.rs` the versioned `xcclConfig_t`.
+//!
 //! Rules every exported function follows:
 //! - the body runs inside [`catch_unwind`]: a panic becomes `xcclInternalError` and poisons the
 //!   communicator (the job is aborted with a reason naming the call); it never unwinds into C
@@ -131,17 +132,25 @@ fn set_thread_error(msg: &str) {
     LAST_ERROR.with(|l| *l.borrow_mut() = c);
 }
 
-/// Null and alignment check of an output pointer, then the write.
-///
-/// # Safety
-/// `p`, when non-NULL, is valid for a write of `T`.
-unsafe fn put<T>(p: *mut T, v: T, name: &str) -> Result<(), Fail> {
+/// Null and alignment check of a pointer argument (an opaque handle's type has alignment 1, so
+/// for handles only NULL fails). Calls check their out-pointers before any side effect, so a
+/// bad out-pointer never loses a handle or a batch.
+fn check_ptr<T>(p: *mut T, name: &str) -> Result<(), Fail> {
     if p.is_null() {
         return Err(Fail::invalid(format!("{name} is NULL")));
     }
     if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
         return Err(Fail::invalid(format!("{name} is not aligned")));
     }
+    Ok(())
+}
+
+/// Null and alignment check of an output pointer, then the write.
+///
+/// # Safety
+/// `p`, when non-NULL, is valid for a write of `T`.
+unsafe fn put<T>(p: *mut T, v: T, name: &str) -> Result<(), Fail> {
+    check_ptr(p, name)?;
     // SAFETY: non-NULL and aligned (checked); the caller guarantees it is writable.
     unsafe { p.write(v) };
     Ok(())

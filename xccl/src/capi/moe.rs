@@ -37,9 +37,7 @@ pub unsafe extern "C" fn xcclA2ESend(
     handle: *mut *mut xcclA2EHandle,
 ) -> xcclResult_t {
     with_comm("xcclA2ESend", comm, |id, c, inner| {
-        if handle.is_null() {
-            return Err(Fail::invalid("handle is NULL"));
-        }
+        check_ptr(handle, "handle")?;
         let t = check_tokens(c, numTokens)?;
         // SAFETY: the caller's contract (see the function's docs).
         let (x, idx, w) = unsafe {
@@ -66,9 +64,7 @@ pub unsafe extern "C" fn xcclA2EInput(
     input: *mut *mut c_void,
 ) -> xcclResult_t {
     with_comm("xcclA2EInput", comm, |_, c, inner| {
-        if input.is_null() {
-            return Err(Fail::invalid("input is NULL"));
-        }
+        check_ptr(input, "input")?;
         let p: *mut c_void = match c.dtype {
             DType::F32 => inner.a2e_input::<f32>()?.as_mut_ptr().cast(),
             DType::F16 => inner.a2e_input::<half::f16>()?.as_mut_ptr().cast(),
@@ -92,9 +88,7 @@ pub unsafe extern "C" fn xcclA2ESendInput(
     handle: *mut *mut xcclA2EHandle,
 ) -> xcclResult_t {
     with_comm("xcclA2ESendInput", comm, |id, c, inner| {
-        if handle.is_null() {
-            return Err(Fail::invalid("handle is NULL"));
-        }
+        check_ptr(handle, "handle")?;
         let t = check_tokens(c, numTokens)?;
         // SAFETY: the caller's contract (see the function's docs).
         let (idx, w) = unsafe {
@@ -120,9 +114,7 @@ pub unsafe extern "C" fn xcclE2ARecv(
     out: *mut c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2ARecv", comm, |_, c, inner| {
-        if handle.is_null() {
-            return Err(Fail::invalid("handle is NULL"));
-        }
+        check_ptr(handle, "handle")?;
         let hid = handle as usize;
         let (owner, h) = lock(&HANDLES).remove(&hid).ok_or_else(|| {
             Fail::usage(format!(
@@ -145,9 +137,7 @@ pub unsafe extern "C" fn xcclE2ARecv(
 #[no_mangle]
 pub extern "C" fn xcclA2EHandleFree(handle: *mut xcclA2EHandle) -> xcclResult_t {
     guard("xcclA2EHandleFree", || {
-        if handle.is_null() {
-            return Err(Fail::invalid("handle is NULL"));
-        }
+        check_ptr(handle, "handle")?;
         lock(&HANDLES)
             .remove(&(handle as usize))
             .map(drop)
@@ -170,9 +160,7 @@ pub unsafe extern "C" fn xcclA2ERecv(
     batch: *mut *mut xcclExpertBatch,
 ) -> xcclResult_t {
     with_comm("xcclA2ERecv", comm, |id, _, inner| {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         let mut b = ExpertBatch::new();
         inner.a2e_recv(&mut b)?;
         let n = b.num_local_experts();
@@ -204,9 +192,7 @@ pub unsafe extern "C" fn xcclExpertBatchGetInfo(
     info: *mut xcclExpertBatchInfo_t,
 ) -> xcclResult_t {
     guard("xcclExpertBatchGetInfo", || {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         let map = lock(&EXPERT_BATCHES);
         let o = map
             .get(&(batch as usize))
@@ -239,9 +225,7 @@ pub unsafe extern "C" fn xcclE2ASend(
     expertOut: *const c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2ASend", comm, |_, c, inner| {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         let bid = batch as usize;
         let o = lock(&EXPERT_BATCHES).remove(&bid).ok_or_else(|| {
             Fail::usage(format!(
@@ -287,9 +271,7 @@ fn bytemuck_cast<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T], Fail> {
 #[no_mangle]
 pub extern "C" fn xcclExpertBatchFree(batch: *mut xcclExpertBatch) -> xcclResult_t {
     guard("xcclExpertBatchFree", || {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         lock(&EXPERT_BATCHES)
             .remove(&(batch as usize))
             .map(drop)
@@ -307,9 +289,7 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
     batch: *mut *mut xcclTokenBatch,
 ) -> xcclResult_t {
     with_comm("xcclA2ERecvTokens", comm, |id, _, inner| {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         let mut b = TokenBatch::new();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
         let bid = next_id();
@@ -329,9 +309,7 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
     info: *mut xcclTokenBatchInfo_t,
 ) -> xcclResult_t {
     guard("xcclTokenBatchGetInfo", || {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         let map = lock(&TOKEN_BATCHES);
         let o = map
             .get(&(batch as usize))
@@ -359,9 +337,7 @@ fn with_token_batch(
     keep: bool,
     f: impl FnOnce(&TokenBatch) -> Result<(), Fail>,
 ) -> Result<(), Fail> {
-    if batch.is_null() {
-        return Err(Fail::invalid("batch is NULL"));
-    }
+    check_ptr(batch, "batch")?;
     let bid = batch as usize;
     let o = lock(&TOKEN_BATCHES).remove(&bid).ok_or_else(|| {
         Fail::usage(format!(
@@ -412,9 +388,7 @@ pub unsafe extern "C" fn xcclE2AOutput(
     output: *mut *mut c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2AOutput", comm, |_, c, inner| {
-        if output.is_null() {
-            return Err(Fail::invalid("output is NULL"));
-        }
+        check_ptr(output, "output")?;
         with_token_batch(batch, true, |b| {
             let p: *mut c_void = match c.dtype {
                 DType::F32 => inner.e2a_output::<f32>(b)?.as_mut_ptr().cast(),
@@ -443,9 +417,7 @@ pub extern "C" fn xcclE2ASendOutput(
 #[no_mangle]
 pub extern "C" fn xcclTokenBatchFree(batch: *mut xcclTokenBatch) -> xcclResult_t {
     guard("xcclTokenBatchFree", || {
-        if batch.is_null() {
-            return Err(Fail::invalid("batch is NULL"));
-        }
+        check_ptr(batch, "batch")?;
         lock(&TOKEN_BATCHES)
             .remove(&(batch as usize))
             .map(drop)
