@@ -111,7 +111,10 @@ impl Ranks {
         for (r, mut cmd) in cmds.into_iter().enumerate() {
             let log = out_dir().join(format!("{name}.{}.rank{r}.log", std::process::id()));
             let f = File::create(&log).expect("log file");
+            // cargo's LD_LIBRARY_PATH outranks the programs' RUNPATH and may name another
+            // (older) libxccl.so: point it at the one the programs were linked against.
             let child = cmd
+                .env("LD_LIBRARY_PATH", lib_dir())
                 .stdin(Stdio::null())
                 .stdout(f.try_clone().expect("log file"))
                 .stderr(f)

@@ -121,6 +121,8 @@ fn build(exchange: Arc<dyn Exchange>, parsed: config::Parsed) -> Result<Comm, Fa
         aborted: AtomicBool::new(false),
         first_error: Mutex::new(None),
         last_error: Mutex::new(String::new()),
+        spare_expert: Mutex::new(Vec::new()),
+        spare_token: Mutex::new(Vec::new()),
     })
 }
 

@@ -290,6 +290,19 @@ struct Comm {
     first_error: Mutex<Option<(xcclResult_t, String)>>,
     /// The message of the last failed call on this communicator.
     last_error: Mutex<String>,
+    /// Batches whose reply went out, reused by the next receive (their buffers keep their
+    /// capacity, so steady-state receives do not allocate).
+    spare_expert: Mutex<Vec<ExpertBatch>>,
+    /// As `spare_expert`, token-major.
+    spare_token: Mutex<Vec<TokenBatch>>,
+}
+
+/// Keeps `batch` for the next receive (at most `MAX_IN_FLIGHT` spares).
+fn recycle<T>(pool: &Mutex<Vec<T>>, batch: T) {
+    let mut p = lock(pool);
+    if p.len() < crate::moe::config::MAX_IN_FLIGHT {
+        p.push(batch);
+    }
 }
 
 /// An opaque C handle (`xcclComm_t`): an id from a counter, never an address.

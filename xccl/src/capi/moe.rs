@@ -4,7 +4,7 @@
 use std::ffi::{c_int, c_void};
 
 use super::*;
-use crate::{A2eHandle, DType, ExpertBatch, TokenBatch};
+use crate::{A2eHandle, DType, TokenBatch};
 
 fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
     if num_tokens < 0 || num_tokens as usize > c.max_tokens {
@@ -159,9 +159,9 @@ pub unsafe extern "C" fn xcclA2ERecv(
     comm: *mut xcclComm,
     batch: *mut *mut xcclExpertBatch,
 ) -> xcclResult_t {
-    with_comm("xcclA2ERecv", comm, |id, _, inner| {
+    with_comm("xcclA2ERecv", comm, |id, c, inner| {
         check_ptr(batch, "batch")?;
-        let mut b = ExpertBatch::new();
+        let mut b = lock(&c.spare_expert).pop().unwrap_or_default();
         inner.a2e_recv(&mut b)?;
         let n = b.num_local_experts();
         let counts: Vec<usize> = (0..n).map(|j| b.expert_rows(j).len()).collect();
@@ -251,14 +251,20 @@ pub unsafe extern "C" fn xcclE2ASend(
             }
             .map_err(Fail::from)
         })();
-        if res.is_err() {
-            lock(&EXPERT_BATCHES).insert(bid, o);
+        match res {
+            Ok(()) => recycle(&c.spare_expert, o.batch),
+            Err(_) => {
+                lock(&EXPERT_BATCHES).insert(bid, o);
+            }
         }
         res
     })
 }
 
 fn bytemuck_cast<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T], Fail> {
+    if b.is_empty() {
+        return Ok(&[]);
+    }
     bytemuck::try_cast_slice(b).map_err(|e| {
         Fail::invalid(format!(
             "buffer is not aligned to {} bytes: {e}",
@@ -288,9 +294,9 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
     comm: *mut xcclComm,
     batch: *mut *mut xcclTokenBatch,
 ) -> xcclResult_t {
-    with_comm("xcclA2ERecvTokens", comm, |id, _, inner| {
+    with_comm("xcclA2ERecvTokens", comm, |id, c, inner| {
         check_ptr(batch, "batch")?;
-        let mut b = TokenBatch::new();
+        let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
         let bid = next_id();
         lock(&TOKEN_BATCHES).insert(bid, TokenBatchObj { comm: id, batch: b });
@@ -331,8 +337,10 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
 }
 
 /// Runs `f` with the live token batch `batch` taken out of the registry; puts it back when
-/// `f` fails (a retryable failure leaves the batch valid) or when `keep` says so.
+/// `f` fails (a retryable failure leaves the batch valid) or when `keep` says so, else hands
+/// its buffers to `c`'s next receive.
 fn with_token_batch(
+    c: &Comm,
     batch: *mut xcclTokenBatch,
     keep: bool,
     f: impl FnOnce(&TokenBatch) -> Result<(), Fail>,
@@ -347,6 +355,8 @@ fn with_token_batch(
     let res = f(&o.batch);
     if keep || res.is_err() {
         lock(&TOKEN_BATCHES).insert(bid, o);
+    } else {
+        recycle(&c.spare_token, o.batch);
     }
     res
 }
@@ -362,7 +372,7 @@ pub unsafe extern "C" fn xcclE2ASendTokens(
     reduced: *const c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2ASendTokens", comm, |_, c, inner| {
-        with_token_batch(batch, false, |b| {
+        with_token_batch(c, batch, false, |b| {
             // SAFETY: the caller's contract (see the function's docs).
             let r = unsafe {
                 slice(
@@ -389,7 +399,7 @@ pub unsafe extern "C" fn xcclE2AOutput(
 ) -> xcclResult_t {
     with_comm("xcclE2AOutput", comm, |_, c, inner| {
         check_ptr(output, "output")?;
-        with_token_batch(batch, true, |b| {
+        with_token_batch(c, batch, true, |b| {
             let p: *mut c_void = match c.dtype {
                 DType::F32 => inner.e2a_output::<f32>(b)?.as_mut_ptr().cast(),
                 DType::F16 => inner.e2a_output::<half::f16>(b)?.as_mut_ptr().cast(),
@@ -408,8 +418,8 @@ pub extern "C" fn xcclE2ASendOutput(
     comm: *mut xcclComm,
     batch: *mut xcclTokenBatch,
 ) -> xcclResult_t {
-    with_comm("xcclE2ASendOutput", comm, |_, _, inner| {
-        with_token_batch(batch, false, |b| Ok(inner.e2a_send_output(b)?))
+    with_comm("xcclE2ASendOutput", comm, |_, c, inner| {
+        with_token_batch(c, batch, false, |b| Ok(inner.e2a_send_output(b)?))
     })
 }
 

@@ -44,6 +44,8 @@ fn pair() -> Vec<*mut xcclComm> {
                         aborted: AtomicBool::new(false),
                         first_error: Mutex::new(None),
                         last_error: Mutex::new(String::new()),
+                        spare_expert: Mutex::new(Vec::new()),
+                        spare_token: Mutex::new(Vec::new()),
                     }
                 })
             })
