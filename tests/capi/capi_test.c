@@ -75,6 +75,12 @@ static void config_errors(const Args* a) {
       FAIL("config error does not name %s: %s", cases[i].field, xcclGetLastError(NULL));
     if (comm != NULL) FAIL("a failed init wrote the communicator");
   }
+  cases[0].cfg = test_config(a->nranks);
+  cases[0].cfg.fabric = "no-such-fabric";
+  EXPECT(xcclCommInitRankConfig(&comm, a->nranks, a->id, a->rank, &cases[0].cfg), xcclUnavailable);
+  if (strstr(xcclGetLastError(NULL), "no-such-fabric") == NULL) FAIL("%s", xcclGetLastError(NULL));
+  EXPECT(xcclCommInitRankConfig(&comm, 1, a->id, 0, &cases[1].cfg), xcclInvalidArgument);
+  EXPECT(xcclCommInitRankConfig(&comm, a->nranks, a->id, a->nranks, &cases[1].cfg), xcclInvalidArgument);
 }
 
 /* Every function that takes pointers, on a live communicator, with NULL pointers. */

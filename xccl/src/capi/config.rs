@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::Fail;
 use crate::moe::config::MAX_IN_FLIGHT;
-use crate::{DType, MoeConfig, Topology, TopologyBuilder, TransferMode};
+use crate::{DType, Error, MoeConfig, Topology, TopologyBuilder, TransferMode};
 
 /// `XCCL_CONFIG_MAGIC`: `"xccl"` read as a little-endian `u32`.
 pub const CONFIG_MAGIC: c_uint = 0x6c63_6378;
@@ -58,7 +58,6 @@ pub struct xcclConfig_t {
 pub(crate) struct Parsed {
     pub topo: Topology,
     pub cfg: MoeConfig,
-    pub fabric: String,
 }
 
 fn int_field(
@@ -170,6 +169,14 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             .map_err(|_| Fail::invalid("config.fabric is not UTF-8"))?
             .to_string()
     };
+    // Checked before any rendezvous, so every rank fails alike and none waits for the others.
+    if fabric != "shm" {
+        return Err(Fail::from_error(&Error::FabricUnavailable {
+            fabric,
+            detail: "not available through the C ABI in this build (available: shm)".into(),
+        })
+        .prefixed("config.fabric"));
+    }
 
     let mut builder = TopologyBuilder::contiguous(m as usize, e as usize, num_experts);
     match (c.placementCounts.is_null(), c.placementRanks.is_null()) {
@@ -221,5 +228,5 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
     cfg.timeout = Duration::from_millis(timeout as u64);
     cfg.validate(&topo)
         .map_err(|err| Fail::from_error(&err).prefixed("config"))?;
-    Ok(Parsed { topo, cfg, fabric })
+    Ok(Parsed { topo, cfg })
 }

@@ -12,7 +12,7 @@ use super::*;
 use crate::bootstrap::{Exchange, TcpBootstrap, UniqueId};
 use crate::fabric::shm::ShmFabric;
 use crate::fabric::Fabric;
-use crate::{Communicator, Error, Role};
+use crate::{Communicator, Role};
 
 /// `xcclGetErrorString`: a static description of `result`.
 #[no_mangle]
@@ -86,13 +86,7 @@ pub unsafe extern "C" fn xcclGetUniqueId(uniqueId: *mut xcclUniqueId) -> xcclRes
 }
 
 fn build(exchange: Arc<dyn Exchange>, parsed: config::Parsed) -> Result<Comm, Fail> {
-    let config::Parsed { topo, cfg, fabric } = parsed;
-    if fabric != "shm" {
-        return Err(Fail::from_error(&Error::FabricUnavailable {
-            fabric,
-            detail: "not available through the C ABI in this build (available: shm)".into(),
-        }));
-    }
+    let config::Parsed { topo, cfg } = parsed;
     let rank = exchange.rank();
     let lens = Communicator::window_lens(&topo, &cfg)?;
     let shm: Arc<dyn Fabric> = Arc::new(ShmFabric::new(
