@@ -3,7 +3,8 @@
  * expert ranks for disaggregated Mixture-of-Experts serving.
  *
  * Shaped like NCCL: an opaque communicator, a 128-byte unique id, every call returns an
- * xcclResult_t with out-parameters last, a versioned config struct from an initializer macro.
+ * xcclResult_t and hands results back through out-parameters, a versioned config struct from an
+ * initializer macro.
  *
  * General rules (they hold for every function below unless its comment says otherwise):
  * - Ownership: xccl never takes ownership of a caller's pointer and never keeps one after the
@@ -13,7 +14,8 @@
  * - Errors: a NULL pointer argument is xcclInvalidArgument (an argument that may be NULL says
  *   so). A destroyed or unknown communicator, handle or batch is xcclInvalidUsage (handles are
  *   checked against a registry, never dereferenced). A communicator on which xcclCommAbort was
- *   called returns xcclAborted. xcclGetLastError(comm) gives the message (which call, which
+ *   called returns xcclAborted (from every call but xcclCommDestroy, xcclCommAbort,
+ *   xcclCommGetAsyncError and xcclGetLastError). xcclGetLastError gives the message (which call, which
  *   rank or peer, which field). No function aborts or exits the process: an internal panic is
  *   xcclInternalError and poisons the communicator.
  * - Retryable vs poisoned: a call that fails before publishing anything to a peer (bad
