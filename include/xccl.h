@@ -429,6 +429,22 @@ typedef struct {
  *  xcclE2ASendTokens or, zero-copy, xcclE2AOutput + xcclE2ASendOutput). */
 xcclResult_t xcclA2ERecvTokens(xcclComm_t comm, xcclTokenBatch_t* batch);
 
+/** Called by xcclA2ERecvTokensWithCallback on the receiving thread each time one attention
+ *  rank's tokens have all landed: tokens firstToken..firstToken+numTokens-1 of `arrived` are
+ *  complete (with those of earlier callbacks of this receive; other tokens may still be
+ *  arriving). `arrived` and every pointer in it are valid during the callback only. Start the
+ *  experts' work on those tokens here to overlap it with the rest of the receive. The callback
+ *  must return normally (no C++ exception, no longjmp) and must not call xccl functions on the
+ *  same communicator (they fail with xcclInvalidUsage); `userData` is passed through. */
+typedef void (*xcclArrivalFn)(void* userData, const xcclTokenBatchInfo_t* arrived,
+                              size_t firstToken, size_t numTokens);
+
+/** xcclA2ERecvTokens calling `onArrival` (not NULL) as each source's tokens land, in completion
+ *  order: at most once per attention rank (numTokens may be 0); every received token is in
+ *  exactly one callback's range. Errors as xcclA2ERecv. */
+xcclResult_t xcclA2ERecvTokensWithCallback(xcclComm_t comm, xcclTokenBatch_t* batch,
+                                           xcclArrivalFn onArrival, void* userData);
+
 /** Describes `batch`. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed batch). */
 xcclResult_t xcclTokenBatchGetInfo(xcclTokenBatch_t batch, xcclTokenBatchInfo_t* info);
 

@@ -39,6 +39,7 @@ static void null_pointer_checks_without_comm(void) {
   EXPECT(xcclE2ASend(NULL, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclExpertBatchFree(NULL), xcclInvalidArgument);
   EXPECT(xcclA2ERecvTokens(NULL, NULL), xcclInvalidArgument);
+  EXPECT(xcclA2ERecvTokensWithCallback(NULL, NULL, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclTokenBatchGetInfo(NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclE2ASendTokens(NULL, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclE2AOutput(NULL, NULL, NULL), xcclInvalidArgument);
@@ -100,6 +101,7 @@ static void null_pointer_checks(xcclComm_t comm) {
   EXPECT(xcclA2ERecv(comm, NULL), xcclInvalidArgument);
   EXPECT(xcclE2ASend(comm, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclA2ERecvTokens(comm, NULL), xcclInvalidArgument);
+  EXPECT(xcclA2ERecvTokensWithCallback(comm, NULL, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclE2ASendTokens(comm, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclE2AOutput(comm, NULL, NULL), xcclInvalidArgument);
   EXPECT(xcclE2ASendOutput(comm, NULL), xcclInvalidArgument);
@@ -198,6 +200,7 @@ static void dead_comm_checks(xcclComm_t comm, xcclResult_t code) {
   EXPECT(xcclA2ERecv(comm, &eb), code);
   EXPECT(xcclE2ASend(comm, (xcclExpertBatch_t)buf, buf), code);
   EXPECT(xcclA2ERecvTokens(comm, &tb), code);
+  EXPECT(xcclA2ERecvTokensWithCallback(comm, &tb, NULL, NULL), code);
   EXPECT(xcclE2ASendTokens(comm, (xcclTokenBatch_t)buf, buf), code);
   EXPECT(xcclE2AOutput(comm, (xcclTokenBatch_t)buf, &p), code);
   EXPECT(xcclE2ASendOutput(comm, (xcclTokenBatch_t)buf), code);

@@ -9,6 +9,7 @@
 // attention rank when several contributions are summed) reduce to one rounding of the exact
 // sum.
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -91,27 +92,67 @@ void attention(xcclComm_t comm, int rank) {
   }
 }
 
+// Token i's reply: acc = 0; acc += w_c * expert_c(row) over its local experts, one rounding.
+template <typename E>
+E reduce_token(const xcclTokenBatchInfo_t& info, const std::vector<int>& experts, size_t i, int h) {
+  auto* rows = static_cast<const E*>(info.rows);
+  float acc = 0.0f;
+  for (uint32_t c = 0; c < info.expertCount[i]; c++) {
+    int e = experts.at(info.localExperts[i * info.topk + c]);
+    acc += info.weights[i * info.topk + c] * expert_fn(e, to_float(rows[i * HIDDEN + h]));
+  }
+  return from_float<E>(acc);
+}
+
+// What the arrival callback computed: replies of the tokens that have landed.
+template <typename E>
+struct Early {
+  xcclComm_t comm;
+  const std::vector<int>* experts;
+  std::vector<E> reduced;
+  std::vector<int> covered;  // per token: how many callbacks covered it
+};
+
+template <typename E>
+void on_arrival(void* user, const xcclTokenBatchInfo_t* arrived, size_t first, size_t n) {
+  auto* early = static_cast<Early<E>*>(user);
+  // Calls on the receiving communicator from here fail instead of deadlocking.
+  int count = 0;
+  if (xcclCommUserRank(early->comm, &count) != xcclSuccess) std::abort();  // queries are fine
+  xcclTokenBatch_t b = nullptr;
+  if (xcclA2ERecvTokens(early->comm, &b) != xcclInvalidUsage) std::abort();
+  early->reduced.resize(arrived->numTokens * HIDDEN);
+  early->covered.resize(arrived->numTokens);
+  for (size_t i = first; i < first + n; i++) {
+    early->covered[i]++;
+    for (int h = 0; h < HIDDEN; h++) early->reduced[i * HIDDEN + h] = reduce_token<E>(*arrived, *early->experts, i, h);
+  }
+}
+
 template <typename E>
 void expert(xcclComm_t comm, const std::vector<int>& experts) {
   for (int round = 0; round < kRounds; round += 2) {
+    // The first call of each pair computes its replies in the arrival callback.
+    Early<E> early{comm, &experts, {}, {}};
     xcclTokenBatch_t batches[2] = {nullptr, nullptr};
-    for (auto& b : batches) CHECK(xcclA2ERecvTokens(comm, &b));
-    for (auto b : batches) {
+    CHECK(xcclA2ERecvTokensWithCallback(comm, &batches[0], on_arrival<E>, &early));
+    CHECK(xcclA2ERecvTokens(comm, &batches[1]));
+    for (int k = 0; k < 2; k++) {
+      xcclTokenBatch_t b = batches[k];
       xcclTokenBatchInfo_t info;
       CHECK(xcclTokenBatchGetInfo(b, &info));
       void* output = nullptr;
       CHECK(xcclE2AOutput(comm, b, &output));
       auto* red = static_cast<E*>(output);
-      auto* rows = static_cast<const E*>(info.rows);
-      for (size_t i = 0; i < info.numTokens; i++)
-        for (int h = 0; h < HIDDEN; h++) {
-          float acc = 0.0f;
-          for (uint32_t c = 0; c < info.expertCount[i]; c++) {
-            int e = experts.at(info.localExperts[i * info.topk + c]);
-            acc += info.weights[i * info.topk + c] * expert_fn(e, to_float(rows[i * HIDDEN + h]));
-          }
-          red[i * HIDDEN + h] = from_float<E>(acc);
-        }
+      if (k == 0) {
+        early.covered.resize(info.numTokens);
+        for (size_t i = 0; i < info.numTokens; i++)
+          if (early.covered[i] != 1) FAIL("token %zu was in %d arrival callbacks", i, early.covered[i]);
+        if (info.numTokens > 0) std::memcpy(red, early.reduced.data(), info.numTokens * HIDDEN * sizeof(E));
+      } else {
+        for (size_t i = 0; i < info.numTokens; i++)
+          for (int h = 0; h < HIDDEN; h++) red[i * HIDDEN + h] = reduce_token<E>(info, experts, i, h);
+      }
       CHECK(xcclE2ASendOutput(comm, b));
     }
   }

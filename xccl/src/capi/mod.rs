@@ -125,6 +125,8 @@ fn code_of(e: &Error) -> xcclResult_t {
 thread_local! {
     /// The message `xcclGetLastError` returns on this thread.
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The communicator whose arrival callback this thread is running (0: none).
+    static IN_CALLBACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 fn set_thread_error(msg: &str) {
@@ -433,6 +435,11 @@ fn with_comm(
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let (id, c) = lookup(comm)?;
         target = Some(c.clone());
+        if IN_CALLBACK.with(|cb| cb.get()) == id {
+            return Err(Fail::usage(
+                "called from an arrival callback of this communicator (the receive is still running)",
+            ));
+        }
         if c.aborted.load(Ordering::Acquire) {
             return Err(Fail::new(
                 XCCL_ABORTED,

@@ -320,19 +320,82 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
         let o = map
             .get(&(batch as usize))
             .ok_or_else(|| Fail::usage("batch is not a live token batch (replied to or freed)"))?;
-        let b = &o.batch;
-        let i = xcclTokenBatchInfo_t {
-            numTokens: b.num_tokens(),
-            topk: b.topk,
-            rows: b.row_bytes().as_ptr().cast(),
-            srcRank: b.src_rank().as_ptr(),
-            srcToken: b.src_token().as_ptr(),
-            expertCount: b.expert_count.as_ptr(),
-            localExperts: b.local_expert.as_ptr(),
-            weights: b.weight.as_ptr(),
-        };
         // SAFETY: the caller's contract (see the function's docs).
-        unsafe { put(info, i, "info") }
+        unsafe { put(info, token_info(&o.batch), "info") }
+    })
+}
+
+/// What `b` holds, as pointers into it.
+fn token_info(b: &TokenBatch) -> xcclTokenBatchInfo_t {
+    xcclTokenBatchInfo_t {
+        numTokens: b.num_tokens(),
+        topk: b.topk,
+        rows: b.row_bytes().as_ptr().cast(),
+        srcRank: b.src_rank().as_ptr(),
+        srcToken: b.src_token().as_ptr(),
+        expertCount: b.expert_count.as_ptr(),
+        localExperts: b.local_expert.as_ptr(),
+        weights: b.weight.as_ptr(),
+    }
+}
+
+/// `xcclArrivalFn`: called by [`xcclA2ERecvTokensWithCallback`] when one source's tokens have
+/// landed.
+pub type xcclArrivalFn = Option<
+    unsafe extern "C" fn(
+        userData: *mut c_void,
+        arrived: *const xcclTokenBatchInfo_t,
+        firstToken: usize,
+        numTokens: usize,
+    ),
+>;
+
+/// Marks this thread as inside an arrival callback of communicator `id` until dropped, so a
+/// call on that communicator from the callback fails instead of deadlocking on its lock.
+struct InCallback(usize);
+
+impl InCallback {
+    fn enter(id: usize) -> Self {
+        IN_CALLBACK.with(|c| InCallback(c.replace(id)))
+    }
+}
+
+impl Drop for InCallback {
+    fn drop(&mut self) {
+        IN_CALLBACK.with(|c| c.set(self.0));
+    }
+}
+
+/// `xcclA2ERecvTokensWithCallback`: token-major receive calling `onArrival` as each source
+/// lands.
+///
+/// # Safety
+/// `batch`, when non-NULL, is valid for a write of a pointer; `onArrival` is a function that
+/// follows the header's rules (it does not unwind) and may be called with `userData`.
+#[no_mangle]
+pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
+    comm: *mut xcclComm,
+    batch: *mut *mut xcclTokenBatch,
+    onArrival: xcclArrivalFn,
+    userData: *mut c_void,
+) -> xcclResult_t {
+    with_comm("xcclA2ERecvTokensWithCallback", comm, |id, c, inner| {
+        check_ptr(batch, "batch")?;
+        let Some(on_arrival) = onArrival else {
+            return Err(Fail::invalid("onArrival is NULL"));
+        };
+        let mut b = lock(&c.spare_token).pop().unwrap_or_default();
+        inner.a2e_recv_tokens(&mut b, &mut |tb, range| {
+            let info = token_info(tb);
+            let _inside = InCallback::enter(id);
+            // SAFETY: the caller's contract: `onArrival` may be called with `userData`; `info`
+            // points into `tb`, which is not touched while the callback runs.
+            unsafe { on_arrival(userData, &info, range.start, range.len()) };
+        })?;
+        let bid = next_id();
+        lock(&TOKEN_BATCHES).insert(bid, TokenBatchObj { comm: id, batch: b });
+        // SAFETY: the caller's contract (see the function's docs).
+        unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
 }
 
