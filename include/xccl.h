@@ -140,6 +140,16 @@ typedef enum {
   xcclTransferPull = 1
 } xcclTransferMode_t;
 
+/** How rows travel on the wire (config version 2). */
+typedef enum {
+  /** In config.dtype. */
+  xcclQuantNone = 0,
+  /** INT8 with one f32 scale per token: scale = max|x| / 127, q = clamp(round_half_even(x *
+   *  (127 / max|x|)), -127, 127), value = q * scale (about half the bytes of bf16). A row with
+   *  a NaN or infinity is rejected (A2E: xcclInvalidArgument naming the token). */
+  xcclQuantInt8 = 1
+} xcclQuant_t;
+
 /** A rank's role: global ranks 0..numAttentionRanks-1 are attention ranks, the rest expert
  *  ranks. */
 typedef enum {
@@ -154,7 +164,7 @@ typedef enum {
 /** xcclConfig_t.version of this header's layout. Later versions append fields (relay ranks,
  *  data-parallel domains, INT8 rows) after the last field below; `size` and `version` tell the
  *  library which layout the caller compiled against. */
-#define XCCL_CONFIG_VERSION 1u
+#define XCCL_CONFIG_VERSION 2u
 
 /** The communicator's parameters. Start from XCCL_CONFIG_INITIALIZER (size, magic, version set;
  *  every other field unset), then set fields. Fields marked "agreed" must be equal on every
@@ -202,6 +212,16 @@ typedef struct {
    *  order, the primary first (sum of placementCounts entries). A rank hosts an expert at most
    *  once. Attention rank a routes expert e to one of its replicas, deterministically. */
   const int* placementRanks;
+  /* ---- version 2 ---- */
+  /** xcclQuant_t of this rank's A2E sends (local; receivers follow each message); default
+   *  xcclQuantNone. */
+  int a2eQuant;
+  /** xcclQuant_t of this rank's E2A replies (local); the attention rank dequantizes inside its
+   *  sum. Replies from xcclE2AOutput travel in config.dtype. Default xcclQuantNone. */
+  int e2aQuant;
+  /** Expert ranks: 1 to receive A2E rows as INT8 plus one f32 scale per row (batch info
+   *  `int8Rows` and `scales`, `rows` NULL), 0 for rows in config.dtype (local); default 0. */
+  int keepInt8;
 } xcclConfig_t;
 
 /** Initializer of an xcclConfig_t: size, magic and version set, every other field unset. */
@@ -210,7 +230,8 @@ typedef struct {
     sizeof(xcclConfig_t), XCCL_CONFIG_MAGIC, XCCL_CONFIG_VERSION, XCCL_CONFIG_UNDEF_INT,     \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
-        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL, NULL \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL, NULL, \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT                  \
   }
 
 /** Makes a new job id and starts its rendezvous root in this process (a background thread
@@ -373,6 +394,11 @@ typedef struct {
   const uint32_t* srcToken;
   /** Per row: the gating weight of this (token, expert). */
   const float* weights;
+  /** With config.keepInt8: [numRows, hidden] INT8 values (a value is int8Rows * scales[row]),
+   *  and `rows` is NULL; otherwise NULL. */
+  const int8_t* int8Rows;
+  /** With config.keepInt8: [numRows] per-row scales; otherwise NULL. */
+  const float* scales;
 } xcclExpertBatchInfo_t;
 
 /** A2E receive on an expert rank, expert-major: blocks until every attention rank's rows of
@@ -423,6 +449,10 @@ typedef struct {
   const uint32_t* localExperts;
   /** [numTokens, topk]: the matching gating weights. */
   const float* weights;
+  /** With config.keepInt8: [numTokens, hidden] INT8 values, and `rows` is NULL; else NULL. */
+  const int8_t* int8Rows;
+  /** With config.keepInt8: [numTokens] per-token scales; otherwise NULL. */
+  const float* scales;
 } xcclTokenBatchInfo_t;
 
 /** A2E receive, token-major: like xcclA2ERecv with one row per received token (reply with

@@ -299,6 +299,13 @@ fn cpp17_program_explicit_placement_and_registered_buffers() {
 }
 
 #[test]
+fn c11_program_int8_on_the_wire_with_rows_kept_as_int8() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_int8.c"), "capi_int8_c");
+    run_with_unique_id(&exe, 2, &[]);
+}
+
+#[test]
 fn header_included_twice_compiles_clean_as_c_and_cpp() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let src = out_dir().join("header_twice.c");

@@ -6,16 +6,18 @@ use std::time::Duration;
 
 use super::Fail;
 use crate::moe::config::MAX_IN_FLIGHT;
-use crate::{DType, Error, MoeConfig, Topology, TopologyBuilder, TransferMode};
+use crate::{DType, Error, MoeConfig, Quant, Topology, TopologyBuilder, TransferMode};
 
 /// `XCCL_CONFIG_MAGIC`: `"xccl"` read as a little-endian `u32`.
 pub const CONFIG_MAGIC: c_uint = 0x6c63_6378;
-/// `XCCL_CONFIG_VERSION`: the layout of [`xcclConfig_t`] this library reads.
-pub const CONFIG_VERSION: c_uint = 1;
+/// `XCCL_CONFIG_VERSION`: the newest layout of [`xcclConfig_t`] this library reads (version 1,
+/// without the INT8 fields, is read too).
+pub const CONFIG_VERSION: c_uint = 2;
 /// `XCCL_CONFIG_UNDEF_INT`: an unset integer field.
 pub const UNDEF: c_int = c_int::MIN;
 
-/// The C `xcclConfig_t`, version 1 (field for field the header's struct).
+/// The C `xcclConfig_t`, version 2 (field for field the header's struct; version 1 ends
+/// before `a2eQuant`).
 #[repr(C)]
 #[derive(Debug)]
 #[allow(non_camel_case_types, non_snake_case)]
@@ -52,7 +54,16 @@ pub struct xcclConfig_t {
     pub placementCounts: *const c_int,
     /// The global ranks hosting each expert, concatenated in expert order.
     pub placementRanks: *const c_int,
+    /// Version 2: `xcclQuant_t` of this rank's A2E sends.
+    pub a2eQuant: c_int,
+    /// Version 2: `xcclQuant_t` of this rank's E2A replies.
+    pub e2aQuant: c_int,
+    /// Version 2: keep received A2E rows as INT8 plus scales (1) or not (0).
+    pub keepInt8: c_int,
 }
+
+/// Bytes of a version 1 config: everything before `a2eQuant`.
+pub const CONFIG_V1_SIZE: usize = std::mem::offset_of!(xcclConfig_t, a2eQuant);
 
 /// What a config turns into.
 pub(crate) struct Parsed {
@@ -106,19 +117,36 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             "config.magic = {magic:#x}, expected XCCL_CONFIG_MAGIC ({CONFIG_MAGIC:#x}): start from XCCL_CONFIG_INITIALIZER"
         )));
     }
-    if version != CONFIG_VERSION {
+    let expected = match version {
+        1 => CONFIG_V1_SIZE,
+        CONFIG_VERSION => std::mem::size_of::<xcclConfig_t>(),
+        _ => {
+            return Err(Fail::invalid(format!(
+                "config.version = {version} is unknown to this library (it reads versions 1 to {CONFIG_VERSION})"
+            )))
+        }
+    };
+    if size != expected {
         return Err(Fail::invalid(format!(
-            "config.version = {version} is unknown to this library (it reads version {CONFIG_VERSION})"
+            "config.size = {size}, but version {version} configs are {expected} bytes"
         )));
     }
-    if size != std::mem::size_of::<xcclConfig_t>() {
-        return Err(Fail::invalid(format!(
-            "config.size = {size}, but version {CONFIG_VERSION} configs are {} bytes",
-            std::mem::size_of::<xcclConfig_t>()
-        )));
-    }
-    // SAFETY: magic, version and size say the caller's struct is this layout.
+    // SAFETY: magic, version and size say the caller's struct is this layout, and `c` is read
+    // past `CONFIG_V1_SIZE` only for version 2 (below).
     let c = unsafe { &*config };
+    let (a2e_quant, e2a_quant, keep_int8) = if version >= 2 {
+        let quant = |name: &str, v: c_int| {
+            int_field(name, v, Some(0), 0, 1)
+                .map(|q| if q == 1 { Quant::Int8 } else { Quant::None })
+        };
+        (
+            quant("a2eQuant", c.a2eQuant)?,
+            quant("e2aQuant", c.e2aQuant)?,
+            int_field("keepInt8", c.keepInt8, Some(0), 0, 1)? == 1,
+        )
+    } else {
+        (Quant::None, Quant::None, false)
+    };
     let n = nranks as c_int;
     let (m, e) = match (c.numAttentionRanks, c.numExpertRanks) {
         (UNDEF, UNDEF) => return Err(Fail::invalid(
@@ -226,6 +254,9 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
     cfg.mode = mode;
     cfg.max_in_flight = in_flight as usize;
     cfg.timeout = Duration::from_millis(timeout as u64);
+    cfg.a2e_quant = a2e_quant;
+    cfg.e2a_quant = e2a_quant;
+    cfg.keep_int8 = keep_int8;
     cfg.validate(&topo)
         .map_err(|err| Fail::from_error(&err).prefixed("config"))?;
     Ok(Parsed { topo, cfg })

@@ -364,6 +364,10 @@ pub struct xcclExpertBatchInfo_t {
     pub srcToken: *const u32,
     /// Per row: gating weight.
     pub weights: *const f32,
+    /// With `keepInt8`: `[numRows, hidden]` INT8 values; else NULL.
+    pub int8Rows: *const i8,
+    /// With `keepInt8`: per-row scales; else NULL.
+    pub scales: *const f32,
 }
 
 /// `xcclTokenBatchInfo_t`.
@@ -385,6 +389,10 @@ pub struct xcclTokenBatchInfo_t {
     pub localExperts: *const u32,
     /// `[numTokens, topk]` gating weights.
     pub weights: *const f32,
+    /// With `keepInt8`: `[numTokens, hidden]` INT8 values; else NULL.
+    pub int8Rows: *const i8,
+    /// With `keepInt8`: per-token scales; else NULL.
+    pub scales: *const f32,
 }
 
 /// `xcclUniqueId`.

@@ -198,16 +198,23 @@ pub unsafe extern "C" fn xcclExpertBatchGetInfo(
             .get(&(batch as usize))
             .ok_or_else(|| Fail::usage("batch is not a live expert batch (replied to or freed)"))?;
         let b = &o.batch;
+        let int8 = b.int8_rows();
         let i = xcclExpertBatchInfo_t {
             numRows: b.num_rows(),
             numTokens: b.num_tokens(),
             numLocalExperts: o.counts.len(),
-            rows: b.row_bytes().as_ptr().cast(),
+            rows: if int8.is_some() {
+                std::ptr::null()
+            } else {
+                b.row_bytes().as_ptr().cast()
+            },
             expertCounts: o.counts.as_ptr(),
             expertOffsets: o.offsets.as_ptr(),
             srcRank: b.src_rank().as_ptr(),
             srcToken: b.src_token().as_ptr(),
             weights: b.weight().as_ptr(),
+            int8Rows: int8.map_or(std::ptr::null(), |(q, _)| q.as_ptr()),
+            scales: int8.map_or(std::ptr::null(), |(_, s)| s.as_ptr()),
         };
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(info, i, "info") }
@@ -327,10 +334,17 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
 
 /// What `b` holds, as pointers into it.
 fn token_info(b: &TokenBatch) -> xcclTokenBatchInfo_t {
+    let int8 = b.int8_rows();
     xcclTokenBatchInfo_t {
         numTokens: b.num_tokens(),
         topk: b.topk,
-        rows: b.row_bytes().as_ptr().cast(),
+        rows: if int8.is_some() {
+            std::ptr::null()
+        } else {
+            b.row_bytes().as_ptr().cast()
+        },
+        int8Rows: int8.map_or(std::ptr::null(), |(q, _)| q.as_ptr()),
+        scales: int8.map_or(std::ptr::null(), |(_, s)| s.as_ptr()),
         srcRank: b.src_rank().as_ptr(),
         srcToken: b.src_token().as_ptr(),
         expertCount: b.expert_count.as_ptr(),
