@@ -8,6 +8,9 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+command -v nm >/dev/null 2>&1 || need+=(binutils)
 # libfabric for the ofi fabric (its tests use the real tcp provider), clang for bindgen.
 [ -f /usr/include/rdma/fabric.h ] || need+=(libfabric-dev)
 command -v fi_info >/dev/null 2>&1 || need+=(libfabric-bin)
@@ -30,6 +33,8 @@ echo "== doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
+echo "== C ABI symbols"
+XCCL_LIB_DIR=target/release/deps ci/check-capi.sh
 echo "== leftovers"
 left=$(ls /dev/shm | grep -i '^xccl' || true)
 if [ -n "$left" ]; then
