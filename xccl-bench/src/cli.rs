@@ -21,6 +21,15 @@ TIMING
   (one row per (token, destination rank)); the round trip counts twice that.
   algbw = bytes_per_rank / p50. vs_memcpy = algbw / bandwidth of a memcpy of the same bytes
   between two buffers of that size, timed the same way (p50) on rank 0 after the run.
+  With --buffers registered the caller's copy into a2e_input / e2a_output (and their credit
+  waits) is part of the A2E / E2A.
+
+LIMITS (same run, same fabric, same wait policy)
+  limit(us): p50 of streaming the same bytes between processes: attention rank a writes them
+  into expert rank M+a's window in --chunk-bytes chunks with a signal per chunk, the expert
+  copies each chunk out, then streams them back the same way (min(M,N) pairs at once).
+  vs_limit = limit p50 / xccl p50 (1.0 = at the limit). floor: the same with one row each way
+  and one pair, a cross-process ping-pong, printed beside the T=1 round trip.
 
 LAUNCHING
   Without a launcher, xccl-bench starts M+N rank processes itself (--fabric shm) or runs the
@@ -112,9 +121,16 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
 
-    /// Write a PNG of the sweep: p50 latency and algbw vs tokens.
+    /// Write an SVG plot of the sweep: p50 latency and algbw vs tokens (log scale), with the
+    /// streaming limit and, with `--mpi-baseline`, the MPI baseline.
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+
+    /// Output of `benches/baselines/moe_alltoallv.c` (its `MPIBASE` lines, as `ci/mpi-baseline.sh`
+    /// saves them) for the same routing: adds `mpi(us)` and `vs_mpi` to the table and JSON and
+    /// the MPI lines to the plot.
+    #[arg(long, value_name = "PATH")]
+    pub mpi_baseline: Option<PathBuf>,
 
     /// Write the routing of every iteration (format in xccl-bench/README.md) so another program
     /// replays the same traffic.

@@ -1,5 +1,7 @@
 //! `xccl-bench`: A2E, E2A and round-trip latency and bandwidth between M attention and N expert
-//! ranks, printed as an nccl-tests style table and optionally written as JSON and a PNG.
+//! ranks, printed as an nccl-tests style table beside the machine's limits (memcpy, the
+//! cross-process streaming limit, the one-row ping-pong floor), optionally written as JSON and an
+//! SVG plot.
 //!
 //! With no arguments it runs the DeepSeek-V3 decode shape scaled to one host (H=7168, bf16,
 //! top-8 of 64 experts, 128 tokens per attention rank, 2A:2E) on shared memory, starting its own
@@ -8,6 +10,7 @@
 
 mod cli;
 mod launch;
+mod limit;
 mod plot;
 mod report;
 mod routing;
@@ -24,7 +27,41 @@ use xccl::Communicator;
 use cli::{Args, FabricKind};
 use run::RankReport;
 
+/// Installs a `tracing` subscriber writing to stderr at the level `XCCL_DEBUG` names
+/// (`error`, `warn`, `info`, `debug`, `trace`, `off`; like `NCCL_DEBUG`), default `warn`.
+fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::filter::LevelFilter;
+    let var = std::env::var("XCCL_DEBUG").unwrap_or_default();
+    let level = match var.trim().to_ascii_lowercase().as_str() {
+        "off" | "none" => LevelFilter::OFF,
+        "error" => LevelFilter::ERROR,
+        "" | "warn" | "warning" => LevelFilter::WARN,
+        "info" => LevelFilter::INFO,
+        "debug" => LevelFilter::DEBUG,
+        "trace" => LevelFilter::TRACE,
+        _ => {
+            eprintln!("xccl-bench: XCCL_DEBUG={var} is not one of off, error, warn, info, debug, trace; using warn");
+            LevelFilter::WARN
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// The wait policy the ranks of this run use (as the fabrics choose it).
+fn wait_policy(args: &Args) -> String {
+    format!(
+        "{:?}",
+        xccl::fabric::WaitPolicy::for_ranks_on_host(args.world_size())
+    )
+}
+
 fn main() -> ExitCode {
+    init_logging();
     let args = Args::parse();
     if let Err(e) = args.validate() {
         eprintln!("xccl-bench: {e}");
@@ -94,6 +131,12 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
         args.timeout(),
     )
     .map_err(e)?;
+    tracing::info!(
+        rank = env.rank,
+        size = args.world_size(),
+        policy = %wait_policy(args),
+        "xccl-bench rank joined the shm fabric"
+    );
     let mut comm = Communicator::new(Box::new(fabric), Arc::new(topo), cfg).map_err(e)?;
     let records = comm.a2e_records_per_call();
     let pb = (env.rank == 0).then(|| progress(args));
@@ -108,9 +151,35 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
+    // The limits, on a fabric of their own over the same bootstrap, same processes.
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let limit_words = ShmFabric::with_timeout(
+        env.exchange.clone(),
+        plan.window_len(),
+        limit::slots(args.world_size()),
+        args.timeout(),
+    )
+    .and_then(|f| {
+        let r = limit::run(&f, args, &plan);
+        if r.is_err() {
+            xccl::fabric::Fabric::abort(&f);
+        }
+        r
+    });
+    let limit_words = match limit_words {
+        Ok(w) => w,
+        Err(err) => {
+            let _ = env.exchange.broadcast_abort(&err.to_string());
+            return Err(format!("measuring the streaming limit: {err}"));
+        }
+    };
     let blobs = env
         .exchange
         .allgather(&report.encode(), args.timeout())
+        .map_err(e)?;
+    let limit_blobs = env
+        .exchange
+        .allgather(&encode_words(&limit_words), args.timeout())
         .map_err(e)?;
     drop(comm);
     if env.rank != 0 {
@@ -120,7 +189,18 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
         .iter()
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
-    finish(args, &reports, records)
+    let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
+    finish(args, &reports, records, &plan, &limit_words)
+}
+
+fn encode_words(words: &[u64]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn decode_words(blob: &[u8]) -> Vec<u64> {
+    blob.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
 }
 
 /// Every rank as a thread of this process on the `local` fabric.
@@ -153,7 +233,9 @@ fn run_local(args: &Args) -> Result<i32, String> {
     });
     pb.finish_and_clear();
     let reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
-    finish(args, &reports, records)
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let limit_words = limit::run_local(args, &plan)?;
+    finish(args, &reports, records, &plan, &limit_words)
 }
 
 fn write_routing(args: &Args) -> Result<(), String> {
@@ -163,10 +245,35 @@ fn write_routing(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// On rank 0 after the run: statistics, memcpy reference, table, JSON, plot. Returns the exit code.
-fn finish(args: &Args, reports: &[RankReport], records: usize) -> Result<i32, String> {
+/// On rank 0 after the run: statistics, memcpy reference, limits, table, JSON, plot. Returns
+/// the exit code.
+fn finish(
+    args: &Args,
+    reports: &[RankReport],
+    records: usize,
+    plan: &limit::Plan,
+    limit_words: &[Vec<u64>],
+) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
+    let limits = limit::aggregate(args, plan, limit_words);
+    report::attach_limits(args, &mut rows, &limits);
+    let mpi = match &args.mpi_baseline {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let mpi = report::MpiBaseline::parse(&text)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            report::attach_mpi(&mut rows, &mpi);
+            Some(mpi)
+        }
+        None => None,
+    };
+    let extras = report::Extras {
+        floor: limits.last().copied(),
+        mpi,
+        wait_policy: wait_policy(args),
+    };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {
         (false, _) => "skipped",
@@ -174,27 +281,28 @@ fn finish(args: &Args, reports: &[RankReport], records: usize) -> Result<i32, St
         (true, false) => "failed",
     };
     let machine = report::Machine::detect();
-    print!("{}", report::table(args, &machine, &rows, check));
+    print!("{}", report::table(args, &machine, &rows, check, &extras));
     for m in mismatches.iter().take(10) {
         eprintln!("xccl-bench: check failed: {m}");
     }
     if let Some(path) = &args.json {
-        let doc = report::to_json(args, &machine, &rows, check);
+        let doc = report::to_json(args, &machine, &rows, check, &extras);
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
             .map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &args.plot {
-        let subtitle = format!(
-            "{}A:{}E H={} {} {}",
+        let title = format!(
+            "xccl-bench {}A:{}E H={} {} {}, {} layout, {} buffers",
             args.attention,
             args.experts,
             args.hidden,
             args.dtype.name(),
-            args.fabric.name()
+            args.fabric.name(),
+            args.layout.name(),
+            args.buffers.name(),
         );
-        plot::write(path, &rows, &subtitle)
-            .map_err(|e| format!("writing {}: {e}", path.display()))?;
+        plot::write(path, &rows, &title).map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     Ok(if check == "failed" { 1 } else { 0 })
 }
