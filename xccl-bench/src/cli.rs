@@ -137,6 +137,11 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub routing_out: Option<PathBuf>,
 
+    /// Only write `--routing-out` and exit (no ranks are started), so the MPI baseline can run
+    /// first and its output be given to the measured run with `--mpi-baseline`.
+    #[arg(long, requires = "routing_out")]
+    pub routing_only: bool,
+
     /// Deadline in seconds of every wait and rendezvous step. The launcher kills every rank when
     /// one fails or when the job exceeds SECS x (2 + number of token counts).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]

@@ -80,6 +80,10 @@ fn main() -> ExitCode {
 }
 
 fn real_main(args: &Args) -> Result<i32, String> {
+    if args.routing_only {
+        write_routing(args)?;
+        return Ok(0);
+    }
     let timeout = args.timeout();
     if let Some(env) = launch::child_rank(timeout)? {
         return process_rank(args, env);
