@@ -240,6 +240,16 @@ impl Args {
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(format!("--timeout must be positive, got {}", self.timeout));
         }
+        if let Some(p) = &self.plot {
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if !ext.eq_ignore_ascii_case("svg") {
+                return Err(format!(
+                    "--plot writes SVG: give a .svg path, not {} (render a PNG with \
+                     `rsvg-convert -o plot.png plot.svg`)",
+                    p.display()
+                ));
+            }
+        }
         if self.buffers == BufferKind::Registered && self.layout == ExpertLayout::Expert {
             return Err(
                 "--buffers registered needs --layout token (expert-major rows are reduced \

@@ -125,6 +125,7 @@ fn draw_panel(
             }
         })
         .label_style(("sans-serif", 14))
+        .light_line_style(RGBColor(238, 238, 238))
         .draw()
         .map_err(e)?;
     for (i, (op, xccl, limit, mpi)) in data.into_iter().enumerate() {

@@ -268,6 +268,9 @@ pub struct Machine {
     pub cpu: String,
     /// Kernel release.
     pub kernel: String,
+    /// `/proc/loadavg`'s 1-minute load average when the report was made (other work on the host
+    /// shows here; above the core count, timings are noisy).
+    pub load: Option<f64>,
 }
 
 impl Machine {
@@ -285,10 +288,14 @@ impl Machine {
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into());
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
         Machine {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             cpu,
             kernel,
+            load,
         }
     }
 }
@@ -340,8 +347,12 @@ pub fn table(
         args.iters, args.warmup, args.seed, args.chunk_bytes, check
     );
     s += &format!(
-        "# machine: {} cores, {}, Linux {}; wait policy {}\n",
-        machine.cores, machine.cpu, machine.kernel, extras.wait_policy
+        "# machine: {} cores, {}, Linux {}, load average {}; wait policy {}\n",
+        machine.cores,
+        machine.cpu,
+        machine.kernel,
+        machine.load.map_or("?".into(), |l| format!("{l:.2}")),
+        extras.wait_policy
     );
     if let Some(lib) = extras.mpi.as_ref().and_then(|m| m.lib.as_ref()) {
         s += &format!("# mpi baseline: {lib}\n");
@@ -437,7 +448,8 @@ pub fn to_json(
             "skew": args.skew,
             "wait_policy": extras.wait_policy,
         },
-        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel},
+        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel,
+                    "load_average_1min": machine.load},
         "memcpy_gbps": memcpy,
         "check": check,
         "floor": extras.floor.map(|f| json!({

@@ -223,6 +223,7 @@ fn bad_flags_are_rejected_with_a_message() {
         &["--tokens", "1,x"],
         &["--fabric", "carrier-pigeon"],
         &["--buffers", "registered", "--layout", "expert"],
+        &["--plot", "sweep.png"],
     ] {
         let out = bench().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} accepted");

@@ -382,61 +382,6 @@ impl WaitPolicy {
     }
 }
 
-#[cfg(test)]
-mod policy_tests {
-    use super::*;
-
-    #[test]
-    fn xccl_wait_values_parse() {
-        assert_eq!(WaitPolicy::parse("spin"), Some(WaitPolicy::DEDICATED));
-        assert_eq!(WaitPolicy::parse("sleep"), Some(WaitPolicy::SHARED));
-        assert_eq!(
-            WaitPolicy::parse(" yield "),
-            Some(WaitPolicy::OVERSUBSCRIBED)
-        );
-        assert_eq!(
-            WaitPolicy::parse("100:50"),
-            Some(WaitPolicy {
-                spin_iters: 100,
-                yield_for: Duration::from_micros(50)
-            })
-        );
-        for bad in ["", "fast", "1:", ":2", "x:1", "1:-2"] {
-            assert_eq!(WaitPolicy::parse(bad), None, "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn every_policy_ends_in_a_bounded_sleep_and_keeps_its_deadline() {
-        // A wait whose signal never comes returns Timeout near its deadline under every policy.
-        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
-        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
-        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
-        for policy in [
-            WaitPolicy::DEDICATED,
-            WaitPolicy::SHARED,
-            WaitPolicy::OVERSUBSCRIBED,
-        ] {
-            let start = Instant::now();
-            let r = area.wait_with(
-                policy,
-                start + Duration::from_millis(30),
-                &mut || {
-                    Some(Waiting {
-                        peer: 1,
-                        what: "never",
-                    })
-                },
-                &|_| Ok(()),
-            );
-            assert!(
-                matches!(r, Err(Error::Timeout { peer: 1, .. })),
-                "{policy:?}: {r:?}"
-            );
-            assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
-        }
-    }
-}
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
 const SLEEP_CHUNK: Duration = Duration::from_millis(20);
 /// How often a sleeping wait checks that the awaited peer is alive.
@@ -515,5 +460,61 @@ impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with exactly this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    #[test]
+    fn xccl_wait_values_parse() {
+        assert_eq!(WaitPolicy::parse("spin"), Some(WaitPolicy::DEDICATED));
+        assert_eq!(WaitPolicy::parse("sleep"), Some(WaitPolicy::SHARED));
+        assert_eq!(
+            WaitPolicy::parse(" yield "),
+            Some(WaitPolicy::OVERSUBSCRIBED)
+        );
+        assert_eq!(
+            WaitPolicy::parse("100:50"),
+            Some(WaitPolicy {
+                spin_iters: 100,
+                yield_for: Duration::from_micros(50)
+            })
+        );
+        for bad in ["", "fast", "1:", ":2", "x:1", "1:-2"] {
+            assert_eq!(WaitPolicy::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_policy_ends_in_a_bounded_sleep_and_keeps_its_deadline() {
+        // A wait whose signal never comes returns Timeout near its deadline under every policy.
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        for policy in [
+            WaitPolicy::DEDICATED,
+            WaitPolicy::SHARED,
+            WaitPolicy::OVERSUBSCRIBED,
+        ] {
+            let start = Instant::now();
+            let r = area.wait_with(
+                policy,
+                start + Duration::from_millis(30),
+                &mut || {
+                    Some(Waiting {
+                        peer: 1,
+                        what: "never",
+                    })
+                },
+                &|_| Ok(()),
+            );
+            assert!(
+                matches!(r, Err(Error::Timeout { peer: 1, .. })),
+                "{policy:?}: {r:?}"
+            );
+            assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
+        }
     }
 }
