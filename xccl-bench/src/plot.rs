@@ -158,17 +158,18 @@ fn draw_panel(
                 .map_err(e)?;
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 13))
-        .position(match panel {
-            Panel::Latency => SeriesLabelPosition::UpperLeft,
-            Panel::Bandwidth => SeriesLabelPosition::LowerRight,
-        })
-        .draw()
-        .map_err(e)?;
+    // One legend, in the latency panel's upper left (latency grows with tokens, so that corner
+    // stays empty); the bandwidth panel uses the same colours and dashes.
+    if let Panel::Latency = panel {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(e)?;
+    }
     Ok(())
 }
 
