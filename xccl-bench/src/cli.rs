@@ -142,6 +142,13 @@ pub struct Args {
     #[arg(long, requires = "routing_out")]
     pub routing_only: bool,
 
+    /// Pinning of the rank processes this launcher starts (`--fabric shm`, no external
+    /// launcher): `auto` pins rank r to the r-th allowed CPU when every rank has one (as
+    /// `mpirun --bind-to core`) and leaves them unpinned when ranks outnumber CPUs (as
+    /// `--bind-to none`); `core` always pins (round robin); `none` never does.
+    #[arg(long, value_enum, default_value_t = Bind::Auto)]
+    pub bind: Bind,
+
     /// Deadline in seconds of every wait and rendezvous step. The launcher kills every rank when
     /// one fails or when the job exceeds SECS x (2 + number of token counts).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
@@ -169,6 +176,28 @@ impl FabricKind {
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).map_err(|e| e.to_string())
+}
+
+/// CPU pinning of rank processes (see `--bind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bind {
+    /// Pin when ranks <= allowed CPUs.
+    Auto,
+    /// Pin rank r to allowed CPU r mod CPUs.
+    Core,
+    /// Never pin.
+    None,
+}
+
+impl Bind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bind::Auto => "auto",
+            Bind::Core => "core",
+            Bind::None => "none",
+        }
+    }
 }
 
 /// Where rows come from and go to (see `--buffers`).

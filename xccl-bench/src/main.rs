@@ -86,6 +86,9 @@ fn real_main(args: &Args) -> Result<i32, String> {
     }
     let timeout = args.timeout();
     if let Some(env) = launch::child_rank(timeout)? {
+        // Our own children: pinned as `--bind` says (an external launcher pins its own).
+        let cpu = launch::bind_rank(args.bind, env.rank, args.world_size())?;
+        tracing::info!(rank = env.rank, ?cpu, "rank pinning");
         return process_rank(args, env);
     }
     if args.fabric == FabricKind::Local {

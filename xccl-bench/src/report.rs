@@ -343,8 +343,13 @@ pub fn table(
             .map_or(String::new(), |s| format!(", zipf skew {s}")),
     );
     s += &format!(
-        "# iters {} warmup {} seed {} chunk {} B, check {}\n",
-        args.iters, args.warmup, args.seed, args.chunk_bytes, check
+        "# iters {} warmup {} seed {} chunk {} B, bind {}, check {}\n",
+        args.iters,
+        args.warmup,
+        args.seed,
+        args.chunk_bytes,
+        args.bind.name(),
+        check
     );
     s += &format!(
         "# machine: {} cores, {}, Linux {}, load average {}; wait policy {}\n",
@@ -446,6 +451,7 @@ pub fn to_json(
             "warmup": args.warmup,
             "seed": args.seed,
             "skew": args.skew,
+            "bind": args.bind.name(),
             "wait_policy": extras.wait_policy,
         },
         "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel,
