@@ -183,6 +183,38 @@ fn xccl_debug_levels_are_accepted() {
 }
 
 #[test]
+fn pinned_and_unpinned_rank_processes_both_run() {
+    for bind in ["core", "none"] {
+        let out = bench()
+            .args([
+                "--fabric",
+                "shm",
+                "-a",
+                "1",
+                "-e",
+                "1",
+                "--num-experts",
+                "4",
+                "-k",
+                "2",
+            ])
+            .args([
+                "--hidden", "16", "-t", "2", "--iters", "2", "--warmup", "0", "--check",
+            ])
+            .args(["--bind", bind])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "--bind {bind}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains(&format!("bind {bind}")), "{stdout}");
+    }
+}
+
+#[test]
 fn routing_file_is_written() {
     let path = tmp("routing.bin");
     let out = bench()
@@ -224,6 +256,7 @@ fn bad_flags_are_rejected_with_a_message() {
         &["--fabric", "carrier-pigeon"],
         &["--buffers", "registered", "--layout", "expert"],
         &["--plot", "sweep.png"],
+        &["--bind", "socket"],
     ] {
         let out = bench().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} accepted");
