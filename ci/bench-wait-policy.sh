@@ -5,7 +5,8 @@
 #
 # Env: SHAPE (default 2:2), TOKENS (1,128,512), ITERS (200), WARMUP (20), REPEAT (3),
 #      POLICIES (default "spin sleep yield 64:200 1000:2000"), OUT (target/wait-policy),
-#      MPI (1: also run the MPI baseline as ci/mpi-baseline.sh launches it; 0: skip).
+#      MPI (1: also run the MPI baseline as ci/mpi-baseline.sh launches it; 0: skip),
+#      BIND (xccl-bench --bind: auto, core or none; default auto).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +18,7 @@ REPEAT=${REPEAT:-3}
 POLICIES=${POLICIES:-"spin sleep yield 64:200 1000:2000"}
 OUT=${OUT:-target/wait-policy}
 MPI=${MPI:-1}
+BIND=${BIND:-auto}
 mkdir -p "$OUT"
 M=${SHAPE%%:*}
 N=${SHAPE##*:}
@@ -24,7 +26,8 @@ NP=$((M + N))
 
 cargo build --release -p xccl-bench
 BENCH=target/release/xccl-bench
-common=(--attention "$M" --experts "$N" --tokens "$TOKENS" --iters "$ITERS" --warmup "$WARMUP")
+common=(--attention "$M" --experts "$N" --tokens "$TOKENS" --iters "$ITERS" --warmup "$WARMUP"
+        --bind "$BIND")
 "$BENCH" "${common[@]}" --routing-out "$OUT/routing.bin" --routing-only
 if [ "$MPI" = 1 ]; then
     command -v mpicc >/dev/null 2>&1 || { apt-get update && apt-get install -y openmpi-bin libopenmpi-dev; }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use xccl::fabric::shm::ShmFabric;
+use xccl::fabric::WaitPolicy;
 use xccl::Communicator;
 
 use cli::{Args, FabricKind};
@@ -52,12 +53,11 @@ fn init_logging() {
         .try_init();
 }
 
-/// The wait policy the ranks of this run use (as the fabrics choose it).
-fn wait_policy(args: &Args) -> String {
-    format!(
-        "{:?}",
-        xccl::fabric::WaitPolicy::for_ranks_on_host(args.world_size())
-    )
+/// The wait policy of the ranks of this run: [`WaitPolicy::for_ranks_on_host`] with the world
+/// size, decided before any pinning (a pinned rank may run on one CPU only, but the job has one
+/// per rank).
+fn wait_policy(args: &Args) -> WaitPolicy {
+    WaitPolicy::for_ranks_on_host(args.world_size())
 }
 
 fn main() -> ExitCode {
@@ -87,9 +87,10 @@ fn real_main(args: &Args) -> Result<i32, String> {
     let timeout = args.timeout();
     if let Some(env) = launch::child_rank(timeout)? {
         // Our own children: pinned as `--bind` says (an external launcher pins its own).
+        let policy = wait_policy(args);
         let cpu = launch::bind_rank(args.bind, env.rank, args.world_size())?;
         tracing::info!(rank = env.rank, ?cpu, "rank pinning");
-        return process_rank(args, env);
+        return process_rank(args, env, policy);
     }
     if args.fabric == FabricKind::Local {
         return run_local(args);
@@ -106,7 +107,7 @@ fn real_main(args: &Args) -> Result<i32, String> {
             ));
         }
         let env = launch::launcher_rank(&launched, timeout)?;
-        return process_rank(args, env);
+        return process_rank(args, env, wait_policy(args));
     }
     let limit = timeout.mul_f64(2.0 + args.tokens.len() as f64);
     launch::spawn_ranks(args.world_size(), limit)
@@ -123,7 +124,7 @@ fn progress(args: &Args) -> ProgressBar {
 }
 
 /// One rank of a multi-process job on shared memory.
-fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
+fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result<i32, String> {
     let e = |e: xccl::Error| e.to_string();
     let topo = run::topology(args).map_err(e)?;
     let cfg = run::moe_config(args);
@@ -131,17 +132,18 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     if env.rank == 0 {
         write_routing(args)?;
     }
-    let fabric = ShmFabric::with_timeout(
+    let mut fabric = ShmFabric::with_timeout(
         env.exchange.clone(),
         lens[env.rank],
         Communicator::signal_slots(&topo),
         args.timeout(),
     )
     .map_err(e)?;
+    fabric.set_wait_policy(policy);
     tracing::info!(
         rank = env.rank,
         size = args.world_size(),
-        policy = %wait_policy(args),
+        ?policy,
         "xccl-bench rank joined the shm fabric"
     );
     let mut comm = Communicator::new(Box::new(fabric), Arc::new(topo), cfg).map_err(e)?;
@@ -166,7 +168,8 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
         limit::slots(args.world_size()),
         args.timeout(),
     )
-    .and_then(|f| {
+    .and_then(|mut f| {
+        f.set_wait_policy(policy);
         let r = limit::run(&f, args, &plan);
         if r.is_err() {
             xccl::fabric::Fabric::abort(&f);
@@ -279,7 +282,7 @@ fn finish(
     let extras = report::Extras {
         floor: limits.last().copied(),
         mpi,
-        wait_policy: wait_policy(args),
+        wait_policy: format!("{:?}", wait_policy(args)),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {

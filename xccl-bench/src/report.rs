@@ -291,8 +291,14 @@ impl Machine {
         let load = std::fs::read_to_string("/proc/loadavg")
             .ok()
             .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        // Online CPUs of the host, not this process's affinity (rank 0 may be pinned to one).
+        // SAFETY: sysconf only reads a system constant.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
         Machine {
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores: usize::try_from(online)
+                .ok()
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             cpu,
             kernel,
             load,
