@@ -200,7 +200,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
     let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
-    finish(args, &reports, records, &plan, &limit_words)
+    finish(args, &reports, records, &plan, &limit_words, policy)
 }
 
 fn encode_words(words: &[u64]) -> Vec<u8> {
@@ -245,7 +245,14 @@ fn run_local(args: &Args) -> Result<i32, String> {
     let reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
     let plan = limit::Plan::of(args).map_err(e)?;
     let limit_words = limit::run_local(args, &plan)?;
-    finish(args, &reports, records, &plan, &limit_words)
+    finish(
+        args,
+        &reports,
+        records,
+        &plan,
+        &limit_words,
+        wait_policy(args),
+    )
 }
 
 fn write_routing(args: &Args) -> Result<(), String> {
@@ -263,6 +270,7 @@ fn finish(
     records: usize,
     plan: &limit::Plan,
     limit_words: &[Vec<u64>],
+    policy: WaitPolicy,
 ) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
@@ -282,7 +290,7 @@ fn finish(
     let extras = report::Extras {
         floor: limits.last().copied(),
         mpi,
-        wait_policy: format!("{:?}", wait_policy(args)),
+        wait_policy: format!("{policy:?}"),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {

@@ -335,12 +335,12 @@ impl WaitPolicy {
         spin_iters: 64,
         yield_for: Duration::ZERO,
     };
-    /// More ranks than cores: poll a few times, then `sched_yield` between polls (as Open MPI's
-    /// `mpi_yield_when_idle`) for up to 2 ms, then sleep on the futex (`XCCL_WAIT=yield`). The
+    /// More ranks than cores: no busy-polling; `sched_yield` between polls (as Open MPI's
+    /// `mpi_yield_when_idle`) for up to 200 us, then sleep on the futex (`XCCL_WAIT=yield`). The
     /// measured best when ranks outnumber cores (`xccl-bench/README.md`, "Wait policy").
     pub const OVERSUBSCRIBED: WaitPolicy = WaitPolicy {
-        spin_iters: 64,
-        yield_for: Duration::from_millis(2),
+        spin_iters: 0,
+        yield_for: Duration::from_micros(200),
     };
 
     /// Parses an `XCCL_WAIT` value: `spin` ([`WaitPolicy::DEDICATED`]), `sleep`
