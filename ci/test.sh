@@ -8,6 +8,13 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+command -v nm >/dev/null 2>&1 || need+=(binutils)
+# libfabric for the ofi fabric (its tests use the real tcp provider), clang for bindgen.
+[ -f /usr/include/rdma/fabric.h ] || need+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || need+=(libfabric-bin)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "ci/test.sh: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -16,6 +23,8 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
 
+echo "== ofi bindings"
+ci/gen-ofi-bindings.sh --check
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== clippy"
@@ -24,10 +33,17 @@ echo "== doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
+echo "== C ABI symbols"
+XCCL_LIB_DIR=target/release/deps ci/check-capi.sh
 echo "== leftovers"
 left=$(ls /dev/shm | grep -i '^xccl' || true)
 if [ -n "$left" ]; then
   echo "ci/test.sh: /dev/shm holds xccl segments after the tests: $left" >&2
+  exit 1
+fi
+left=$(ip netns list 2>/dev/null | grep '^xccl-' || true)
+if [ -n "$left" ]; then
+  echo "ci/test.sh: network namespaces of the ofi tests left behind: $left" >&2
   exit 1
 fi
 passed=$(grep -E '^test result:' target/test-output.txt | awk '{p+=$4; f+=$6} END {print p+0, f+0}')

@@ -6,6 +6,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::cli::Args;
+use crate::limit::Limit;
 use crate::run::{RankReport, WORDS};
 
 /// The three measured operations.
@@ -30,6 +31,10 @@ pub struct ResultRow {
     pub memcpy_gbps: f64,
     /// Metadata records per call in the whole job.
     pub metadata_records: usize,
+    /// p50 of the streaming limit of the same bytes ([`crate::limit`]), microseconds.
+    pub limit_us: Option<f64>,
+    /// p50 of the MPI baseline for the same routing (`--mpi-baseline`), microseconds.
+    pub mpi_us: Option<f64>,
 }
 
 impl ResultRow {
@@ -40,6 +45,115 @@ impl ResultRow {
         } else {
             0.0
         }
+    }
+
+    /// `limit p50 / p50`: 1.0 is at the streaming limit, above 1 is faster than it (possible
+    /// when a mode makes fewer copies than the limit's writer-copy plus reader-copy).
+    pub fn vs_limit(&self) -> Option<f64> {
+        self.limit_us
+            .filter(|_| self.p50_us > 0.0)
+            .map(|l| l / self.p50_us)
+    }
+
+    /// `MPI p50 / p50`: how many times faster than the MPI baseline.
+    pub fn vs_mpi(&self) -> Option<f64> {
+        self.mpi_us
+            .filter(|_| self.p50_us > 0.0)
+            .map(|m| m / self.p50_us)
+    }
+}
+
+/// Index of `op` in [`OPS`].
+pub fn op_index(op: &str) -> usize {
+    OPS.iter().position(|o| *o == op).unwrap_or(0)
+}
+
+/// Fills in every row's streaming limit (`limits[s]` is token count `s` of the sweep).
+pub fn attach_limits(args: &Args, rows: &mut [ResultRow], limits: &[Limit]) {
+    for r in rows.iter_mut() {
+        if let Some(s) = args.tokens.iter().position(|&t| t == r.tokens) {
+            r.limit_us = limits.get(s).map(|l| l.p50_us[op_index(r.op)]);
+        }
+    }
+}
+
+/// Fills in every row's MPI baseline figure, where the baseline has its token count.
+pub fn attach_mpi(rows: &mut [ResultRow], mpi: &MpiBaseline) {
+    for r in rows.iter_mut() {
+        r.mpi_us = mpi
+            .points
+            .iter()
+            .find(|p| p.tokens == r.tokens)
+            .map(|p| p.p50_us[op_index(r.op)]);
+    }
+}
+
+/// What `benches/baselines/moe_alltoallv.c` printed: the library and one point per token count.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MpiBaseline {
+    /// The `MPILIB` line (`MPI_Get_library_version`), if present.
+    pub lib: Option<String>,
+    /// One per `MPIBASE` line.
+    pub points: Vec<MpiPoint>,
+}
+
+/// One `MPIBASE` line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MpiPoint {
+    /// Tokens per attention rank.
+    pub tokens: usize,
+    /// p50 of a2e, e2a, roundtrip in microseconds.
+    pub p50_us: [f64; 3],
+    /// p99 of a2e, e2a, roundtrip in microseconds.
+    pub p99_us: [f64; 3],
+    /// The baseline's own bit-exact combine check passed.
+    pub check_passed: bool,
+}
+
+impl MpiBaseline {
+    /// Parses the baseline's output; other lines are ignored.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut out = MpiBaseline::default();
+        for line in text.lines() {
+            if let Some(lib) = line.strip_prefix("MPILIB ") {
+                out.lib = Some(lib.trim().to_string());
+                continue;
+            }
+            let Some(rest) = line.strip_prefix("MPIBASE ") else {
+                continue;
+            };
+            let kv: Vec<(&str, &str)> = rest
+                .split_whitespace()
+                .filter_map(|f| f.split_once('='))
+                .collect();
+            let get = |k: &str| {
+                kv.iter()
+                    .find(|(key, _)| *key == k)
+                    .map(|(_, v)| *v)
+                    .ok_or_else(|| format!("MPIBASE line without {k}: {line}"))
+            };
+            let num = |k: &str| -> Result<f64, String> {
+                get(k)?
+                    .parse::<f64>()
+                    .map_err(|e| format!("MPIBASE {k}: {e}"))
+            };
+            let mut p = MpiPoint {
+                tokens: get("tokens")?
+                    .parse()
+                    .map_err(|e| format!("MPIBASE tokens: {e}"))?,
+                check_passed: get("check")? == "passed",
+                ..MpiPoint::default()
+            };
+            for (i, op) in OPS.iter().enumerate() {
+                p.p50_us[i] = num(&format!("{op}_p50_us"))?;
+                p.p99_us[i] = num(&format!("{op}_p99_us"))?;
+            }
+            out.points.push(p);
+        }
+        if out.points.is_empty() {
+            return Err("no MPIBASE line (is this the output of moe_alltoallv?)".into());
+        }
+        Ok(out)
     }
 }
 
@@ -98,6 +212,8 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
                 },
                 memcpy_gbps: 0.0,
                 metadata_records: records,
+                limit_us: None,
+                mpi_us: None,
             });
         }
     }
@@ -152,6 +268,9 @@ pub struct Machine {
     pub cpu: String,
     /// Kernel release.
     pub kernel: String,
+    /// `/proc/loadavg`'s 1-minute load average when the report was made (other work on the host
+    /// shows here; above the core count, timings are noisy).
+    pub load: Option<f64>,
 }
 
 impl Machine {
@@ -169,16 +288,50 @@ impl Machine {
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into());
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        // Online CPUs of the host, not this process's affinity (rank 0 may be pinned to one).
+        // SAFETY: sysconf only reads a system constant.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
         Machine {
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores: usize::try_from(online)
+                .ok()
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             cpu,
             kernel,
+            load,
         }
     }
 }
 
+/// What the table and the JSON show besides the rows.
+#[derive(Clone, Debug, Default)]
+pub struct Extras {
+    /// The one-row cross-process ping-pong ([`crate::limit`]), when measured.
+    pub floor: Option<Limit>,
+    /// The MPI baseline given with `--mpi-baseline`.
+    pub mpi: Option<MpiBaseline>,
+    /// The wait policy of the ranks (`WaitPolicy` debug form).
+    pub wait_policy: String,
+}
+
+fn opt(v: Option<f64>, width: usize, prec: usize) -> String {
+    match v {
+        Some(v) => format!("{v:>width$.prec$}"),
+        None => format!("{:>width$}", "-"),
+    }
+}
+
 /// The header and table, nccl-tests style.
-pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) -> String {
+pub fn table(
+    args: &Args,
+    machine: &Machine,
+    rows: &[ResultRow],
+    check: &str,
+    extras: &Extras,
+) -> String {
     let mut s = String::new();
     s += &format!(
         "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, layout {}, buffers {}, H={} {}, top-{} of {} experts{}\n",
@@ -196,15 +349,29 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
             .map_or(String::new(), |s| format!(", zipf skew {s}")),
     );
     s += &format!(
-        "# iters {} warmup {} seed {}, check {}\n",
-        args.iters, args.warmup, args.seed, check
+        "# iters {} warmup {} seed {} chunk {} B, bind {}, check {}\n",
+        args.iters,
+        args.warmup,
+        args.seed,
+        args.chunk_bytes,
+        args.bind.name(),
+        check
     );
     s += &format!(
-        "# machine: {} cores, {}, Linux {}\n#\n",
-        machine.cores, machine.cpu, machine.kernel
+        "# machine: {} cores, {}, Linux {}, load average {}; wait policy {}\n",
+        machine.cores,
+        machine.cpu,
+        machine.kernel,
+        machine.load.map_or("?".into(), |l| format!("{l:.2}")),
+        extras.wait_policy
     );
+    if let Some(lib) = extras.mpi.as_ref().and_then(|m| m.lib.as_ref()) {
+        s += &format!("# mpi baseline: {lib}\n");
+    }
+    s += "#\n";
+    let with_mpi = extras.mpi.is_some();
     s += &format!(
-        "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10}\n",
+        "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10} {:>9}",
         "op",
         "tokens",
         "bytes/rank",
@@ -212,11 +379,16 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
         "p99(us)",
         "algbw(GB/s)",
         "vs_memcpy",
-        "md_records"
+        "limit(us)",
+        "vs_limit",
     );
+    if with_mpi {
+        s += &format!(" {:>10} {:>7}", "mpi(us)", "vs_mpi");
+    }
+    s += &format!(" {:>10}\n", "md_records");
     for r in rows {
         s += &format!(
-            "  {:>9} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>10}\n",
+            "  {:>9} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {} {}",
             r.op,
             r.tokens,
             r.bytes_per_rank,
@@ -224,8 +396,32 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
             r.p99_us,
             r.algbw_gbps,
             r.vs_memcpy(),
-            r.metadata_records
+            opt(r.limit_us, 10, 2),
+            opt(r.vs_limit(), 9, 3),
         );
+        if with_mpi {
+            s += &format!(" {} {}", opt(r.mpi_us, 10, 2), opt(r.vs_mpi(), 7, 2));
+        }
+        s += &format!(" {:>10}\n", r.metadata_records);
+    }
+    if let Some(f) = &extras.floor {
+        s += &format!(
+            "# floor: cross-process ping-pong of one row ({} B) each way: p50 {:.2} us, p99 {:.2} us",
+            f.bytes, f.p50_us[2], f.p99_us[2]
+        );
+        let smallest = rows
+            .iter()
+            .filter(|r| r.op == "roundtrip")
+            .min_by_key(|r| r.tokens);
+        if let Some(r) = smallest.filter(|_| f.p50_us[2] > 0.0) {
+            s += &format!(
+                "; roundtrip T={} p50 {:.2} us = {:.2} x floor",
+                r.tokens,
+                r.p50_us,
+                r.p50_us / f.p50_us[2]
+            );
+        }
+        s += "\n";
     }
     s
 }
@@ -236,6 +432,7 @@ pub fn to_json(
     machine: &Machine,
     rows: &[ResultRow],
     check: &str,
+    extras: &Extras,
 ) -> serde_json::Value {
     // The reference figure: memcpy of the largest message measured.
     let memcpy = rows
@@ -260,10 +457,22 @@ pub fn to_json(
             "warmup": args.warmup,
             "seed": args.seed,
             "skew": args.skew,
+            "bind": args.bind.name(),
+            "wait_policy": extras.wait_policy,
         },
-        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel},
+        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel,
+                    "load_average_1min": machine.load},
         "memcpy_gbps": memcpy,
         "check": check,
+        "floor": extras.floor.map(|f| json!({
+            "bytes": f.bytes,
+            "p50_us": f.p50_us[2],
+            "p99_us": f.p99_us[2],
+        })),
+        "mpi_baseline": extras.mpi.as_ref().map(|m| json!({
+            "library": m.lib,
+            "checks_passed": m.points.iter().all(|p| p.check_passed),
+        })),
         "results": rows.iter().map(|r| json!({
             "op": r.op,
             "tokens": r.tokens,
@@ -272,6 +481,10 @@ pub fn to_json(
             "algbw_gbps": r.algbw_gbps,
             "vs_memcpy": r.vs_memcpy(),
             "memcpy_gbps": r.memcpy_gbps,
+            "limit_us": r.limit_us,
+            "vs_limit": r.vs_limit(),
+            "mpi_us": r.mpi_us,
+            "vs_mpi": r.vs_mpi(),
             "bytes_per_rank": r.bytes_per_rank,
             "metadata_records": r.metadata_records,
         })).collect::<Vec<_>>(),
@@ -289,5 +502,25 @@ mod tests {
         assert_eq!(percentile(&v, 0.99), 99.0);
         assert_eq!(percentile(&[7.0], 0.99), 7.0);
         assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn mpi_baseline_output_parses() {
+        let text = "noise\nMPILIB Open MPI v4.1.4, package: Debian\n\
+            MPIBASE tokens=128 bytes_per_rank=1835008 a2e_p50_us=1.5 a2e_p99_us=2 e2a_p50_us=3 \
+            e2a_p99_us=4 roundtrip_p50_us=5 roundtrip_p99_us=6 check=passed\n";
+        let m = MpiBaseline::parse(text).unwrap();
+        assert_eq!(m.lib.as_deref(), Some("Open MPI v4.1.4, package: Debian"));
+        assert_eq!(
+            m.points,
+            vec![MpiPoint {
+                tokens: 128,
+                p50_us: [1.5, 3.0, 5.0],
+                p99_us: [2.0, 4.0, 6.0],
+                check_passed: true,
+            }]
+        );
+        assert!(MpiBaseline::parse("nothing here").is_err());
+        assert!(MpiBaseline::parse("MPIBASE tokens=1 check=passed").is_err());
     }
 }

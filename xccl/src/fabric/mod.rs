@@ -11,8 +11,9 @@
 //! - [`Capabilities`]: what is cheap (direct load/store of peer memory, remote read).
 //!
 //! Fabrics never fall back silently to another; a missing library is an error naming it.
-//! Implementations: [`local`] (ranks as threads of one process) and [`shm`] (processes on one
-//! host, shared memory). The conformance suite in [`conformance`] runs against each.
+//! Implementations: [`local`] (ranks as threads of one process), [`shm`] (processes on one
+//! host, shared memory) and [`ofi`] (processes on any hosts, libfabric RMA over verbs, EFA or
+//! tcp). The conformance suite in [`conformance`] runs against each.
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use crate::Result;
 
 pub mod conformance;
 pub mod local;
+pub mod ofi;
 pub mod shm;
 mod signals;
 mod window;
