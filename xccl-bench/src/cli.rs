@@ -85,6 +85,12 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = ExpertLayout::Token)]
     pub layout: ExpertLayout,
 
+    /// Send A2E and E2A through R relay ranks among the expert ranks (spread evenly; each
+    /// attention rank uses one): M + R x N records per call instead of M x N. Push, caller
+    /// buffers and the token or expert layout only.
+    #[arg(long, value_name = "R")]
+    pub relays: Option<usize>,
+
     /// Where rows come from and go to: `copy` (the caller's memory: `a2e_send`,
     /// `e2a_send_tokens`) or `registered` (buffers in the window: the attention rank writes x
     /// into `a2e_input` and expert ranks gather from it; the expert computes into `e2a_output`
@@ -263,6 +269,24 @@ impl Args {
         }
         if self.iters == 0 {
             return Err("--iters must be at least 1".into());
+        }
+        if let Some(r) = self.relays {
+            if r == 0 || r > self.experts {
+                return Err(format!(
+                    "--relays must be in 1..={} (the expert ranks)",
+                    self.experts
+                ));
+            }
+            if self.mode != TransferMode::Push
+                || self.buffers != BufferKind::Copy
+                || self.layout == ExpertLayout::View
+            {
+                return Err(
+                    "--relays takes --mode push, --buffers copy and --layout token or expert \
+                     (relays do not support the others yet)"
+                        .into(),
+                );
+            }
         }
         if let Some(s) = self.skew {
             if !(s.is_finite() && s >= 0.0) {

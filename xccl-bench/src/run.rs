@@ -18,9 +18,13 @@ use crate::cli::{Args, BufferKind, ExpertLayout};
 pub const WORDS: usize = 4;
 
 /// The topology of the run: ranks `0..M` attention, `M..M+N` expert, experts in contiguous
-/// blocks (`e` on expert index `e * N / E`).
+/// blocks (`e` on expert index `e * N / E`), through `--relays` relays when given.
 pub fn topology(args: &Args) -> xccl::Result<Topology> {
-    Topology::contiguous(args.attention, args.experts, args.num_experts)
+    let topo = Topology::contiguous(args.attention, args.experts, args.num_experts)?;
+    match args.relays {
+        Some(r) => topo.with_relays(Some(r)),
+        None => Ok(topo),
+    }
 }
 
 /// The MoE config of the run (sized for the largest token count).
