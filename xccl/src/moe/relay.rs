@@ -216,6 +216,7 @@ impl Relay {
             mc.tokens.clear();
         }
         let mut missing = done.iter().filter(|d| !**d).count();
+        let mut forwarded = vec![0usize; g];
         let mut failure = None;
         let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
         let scratch = &mut self.scratch;
@@ -244,17 +245,24 @@ impl Relay {
                         });
                     }
                     ctx.note_rows_received(a, rec.count as usize);
+                    begin_member(ctx, epoch, m, ai, &rec, &mut call.members[m])?;
                     recs[m] = Some(rec);
                 }
-                let rec = recs[m].expect("set above");
-                if p.rows(rec.count as usize) < rec.count as usize {
+                let count = recs[m].expect("set above").count as usize;
+                // Forward whatever arrived since the last look (per chunk, as it streams in).
+                let ready = p.rows(count);
+                if ready > forwarded[m] {
+                    let rows = forwarded[m]..ready;
+                    forward_rows(ctx, epoch, m, ai, &mut call.members[m], rows, scratch)?;
+                    forwarded[m] = ready;
+                }
+                if ready < count {
                     waiting.get_or_insert(Waiting {
                         peer: a,
                         what: "relayed A2E rows",
                     });
                     continue;
                 }
-                forward_member(ctx, epoch, m, ai, &rec, &mut call.members[m], scratch)?;
                 done[m] = true;
                 missing -= 1;
             }
@@ -514,17 +522,15 @@ impl Relay {
     }
 }
 
-/// Checks member `m`'s (attention index `ai`) complete message of call `epoch`, notes its route
-/// and token indices in `mc`, and forwards its rows for every expert rank into that rank's
-/// receive area for `ai`.
-fn forward_member(
+/// Reads and checks member `m`'s (attention index `ai`) route table for call `epoch` against
+/// its record, noting its token count and rows per expert rank in `mc`.
+fn begin_member(
     ctx: &Context,
     epoch: u64,
     m: usize,
     ai: usize,
     rec: &Record,
     mc: &mut MemberCall,
-    scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let l = &ctx.layout;
     let buf = l.buffer(epoch);
@@ -546,6 +552,7 @@ fn forward_member(
     mc.int8 = rec.int8();
     mc.counts.clear();
     mc.offsets.clear();
+    mc.tokens.clear();
     let mut sum = 0usize;
     for (j, &d) in experts.iter().enumerate() {
         let c = word(j + 1);
@@ -564,31 +571,56 @@ fn forward_member(
             rec.count
         ));
     }
+    Ok(())
+}
+
+/// Forwards rows `rows` of member `m`'s (attention index `ai`) message of call `epoch` (checked
+/// route in `mc`): notes each row's token (below the member's token count, ascending within a
+/// destination) and puts each destination's part into that rank's receive area for `ai`, at
+/// the row's place in it.
+fn forward_rows(
+    ctx: &Context,
+    epoch: u64,
+    m: usize,
+    ai: usize,
+    mc: &mut MemberCall,
+    rows: std::ops::Range<usize>,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let l = &ctx.layout;
+    let buf = l.buffer(epoch);
+    let experts = ctx.experts();
+    let a = ctx.attention()[ai];
     let stride = l.a2e.stride_for(mc.int8);
     let meta = l.a2e.meta_offset_for(mc.int8);
-    scratch.resize(sum * stride, 0);
-    ctx.get(ctx.rank, l.relay_a2e(m, buf), scratch)?;
-    mc.tokens.clear();
+    scratch.resize(rows.len() * stride, 0);
+    ctx.get(ctx.rank, l.relay_a2e(m, buf) + rows.start * stride, scratch)?;
+    let t_count = mc.num_tokens as u32;
     for (j, &d) in experts.iter().enumerate() {
         let (start, c) = (mc.offsets[j] as usize, mc.counts[j] as usize);
-        let mut last: Option<u32> = None;
-        for i in start..start + c {
-            let at = i * stride + meta;
+        // This destination's rows within the chunk.
+        let (lo, hi) = (start.max(rows.start), (start + c).min(rows.end));
+        if lo >= hi {
+            continue;
+        }
+        for i in lo..hi {
+            let at = (i - rows.start) * stride + meta;
             let t = u32::from_le_bytes(scratch[at..at + 4].try_into().expect("4"));
-            if t as usize >= t_count || last.is_some_and(|p| t <= p) {
-                return bad(format!(
-                    "A2E row {i} of epoch {epoch} names token {t}: tokens for one rank must be \
-                     ascending and below the {t_count} sent"
-                ));
+            let prev = (i > start).then(|| mc.tokens[i - 1]);
+            if t >= t_count || prev.is_some_and(|p| t <= p) {
+                return Err(Error::Protocol {
+                    peer: a,
+                    detail: format!(
+                        "A2E row {i} of epoch {epoch} names token {t}: tokens for one rank must \
+                         be ascending and below the {t_count} sent"
+                    ),
+                });
             }
-            last = Some(t);
             mc.tokens.push(t);
         }
-        if c > 0 {
-            let rows = &scratch[start * stride..(start + c) * stride];
-            ctx.put(d, l.a2e_recv(ai, buf), rows)?;
-            ctx.stats.borrow_mut().relay_rows_forwarded += c as u64;
-        }
+        let part = &scratch[(lo - rows.start) * stride..(hi - rows.start) * stride];
+        ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
+        ctx.stats.borrow_mut().relay_rows_forwarded += (hi - lo) as u64;
     }
     Ok(())
 }
