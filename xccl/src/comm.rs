@@ -481,10 +481,11 @@ impl Communicator {
     }
 
     /// Metadata records one A2E call writes in the whole job, by formula: one per (attention,
-    /// expert) pair, or with relays one per attention rank plus one per (relay, expert rank).
+    /// expert) pair, or with relays one per attention rank plus one per (relay, expert rank);
+    /// with DP domains only the largest domain's attention ranks count.
     /// [`Communicator::total_stats`] counts the records actually written.
     pub fn a2e_records_per_call(&self) -> usize {
-        let (m, n) = (self.ctx.attention().len(), self.ctx.experts().len());
+        let (m, n) = (self.ctx.topo.max_domain_size(), self.ctx.experts().len());
         match self.ctx.topo.relay_plan() {
             Some(plan) => plan.records_per_call(m, n),
             None => m * n,

@@ -7,10 +7,11 @@
 //! `a2e_ready[a]` on `r` as it goes. Rows are the direct path's rows (one per (token,
 //! destination rank), payload, token index, local-expert mask and weights, INT8 or not).
 //!
-//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) forwards each member's rows as
-//! soon as that member's message is complete (per source, not after the whole call): the rows
-//! for expert rank `d` go straight into `d`'s receive area for attention rank `a`, exactly where
-//! the direct path would have pushed them. Once every member is forwarded it writes one header
+//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) forwards each member's rows
+//! chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
+//! route table is checked when the record arrives, and the rows for expert rank `d` go straight
+//! into `d`'s receive area for attention rank `a`, exactly where the direct path would have
+//! pushed them. Once every member is forwarded it writes one header
 //! per expert rank: a record (total rows, a hash of the entries in its offset field) and one
 //! `(count, reply offset, flags)` entry per member, then one signal `a2e_ready[r]`. An expert rank
 //! therefore polls one record per relay, not one per attention rank. The relay keeps the token
