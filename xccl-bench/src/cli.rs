@@ -91,6 +91,12 @@ pub struct Args {
     #[arg(long, value_name = "R")]
     pub relays: Option<usize>,
 
+    /// Print what every rank's communicator counted (records written and polled, relay
+    /// forwards, window bytes, fan-out, the slowest peer and a straggler) and rank 0's per-peer
+    /// table, beside the records formula.
+    #[arg(long)]
+    pub stats: bool,
+
     /// Where rows come from and go to: `copy` (the caller's memory: `a2e_send`,
     /// `e2a_send_tokens`) or `registered` (buffers in the window: the attention rank writes x
     /// into `a2e_input` and expert ranks gather from it; the expert computes into `e2a_output`

@@ -15,6 +15,7 @@ mod plot;
 mod report;
 mod routing;
 mod run;
+mod stats;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -196,6 +197,19 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .exchange
         .allgather(&report.encode(), args.timeout())
         .map_err(e)?;
+    if args.stats {
+        let all = env
+            .exchange
+            .allgather(&stats::encode(&comm), args.timeout())
+            .map_err(e)?;
+        if env.rank == 0 {
+            let ranks = all
+                .iter()
+                .map(|b| stats::decode(b))
+                .collect::<Result<Vec<_>, _>>()?;
+            print!("{}", stats::table(&ranks, rounds_run(args), records));
+        }
+    }
     let limit_blobs = env
         .exchange
         .allgather(&encode_words(&limit_words), args.timeout())
@@ -210,6 +224,12 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .collect::<Result<Vec<_>, _>>()?;
     let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
     finish(args, &reports, records, &plan, &limit_words, policy)
+}
+
+/// A2E+E2A round trips each rank ran: every sweep point's rounds, twice with `--check`.
+fn rounds_run(args: &Args) -> u64 {
+    let per_point = args.rounds() as u64 * if args.check { 2 } else { 1 };
+    per_point * args.tokens.len() as u64
 }
 
 fn encode_words(words: &[u64]) -> Vec<u8> {
@@ -231,13 +251,13 @@ fn run_local(args: &Args) -> Result<i32, String> {
     let comms = Communicator::local_group(&topo, &cfg).map_err(e)?;
     let records = comms[0].a2e_records_per_call();
     let pb = progress(args);
-    let results: Vec<Result<RankReport, String>> = std::thread::scope(|s| {
+    let results: Vec<Result<(RankReport, Vec<u8>), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
             .map(|mut comm| {
                 let pb = (comm.rank() == 0).then(|| pb.clone());
                 s.spawn(move || match run::run_rank(&mut comm, args, pb.as_ref()) {
-                    Ok(r) => Ok(r),
+                    Ok(r) => Ok((r, stats::encode(&comm))),
                     Err(err) => {
                         comm.abort(&err.to_string());
                         Err(format!("rank {}: {err}", comm.rank()))
@@ -251,7 +271,18 @@ fn run_local(args: &Args) -> Result<i32, String> {
             .collect()
     });
     pb.finish_and_clear();
-    let reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
+    let (reports, blobs): (Vec<RankReport>, Vec<Vec<u8>>) = results
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .unzip();
+    if args.stats {
+        let ranks = blobs
+            .iter()
+            .map(|b| stats::decode(b))
+            .collect::<Result<Vec<_>, _>>()?;
+        print!("{}", stats::table(&ranks, rounds_run(args), records));
+    }
     let plan = limit::Plan::of(args).map_err(e)?;
     let limit_words = limit::run_local(args, &plan)?;
     finish(

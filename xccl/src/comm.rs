@@ -75,6 +75,8 @@ pub struct Communicator {
     /// Counters of the last call, and of every call so far.
     last_stats: Stats,
     total_stats: Stats,
+    /// A barrier is running: its waits are not MoE traffic and are not counted.
+    in_barrier: bool,
 }
 
 /// The error for a call that relays do not support (nothing is written: the call may be
@@ -188,6 +190,7 @@ impl Communicator {
             barrier_gen: 0,
             last_stats: Stats::default(),
             total_stats: Stats::default(),
+            in_barrier: false,
         };
         comm.init_slots()?;
         comm.handshake()?;
@@ -493,7 +496,7 @@ impl Communicator {
     }
 
     /// What the last call on this communicator counted (records, rows, bytes and time waited
-    /// per peer, relay forwards); a failed call's counts too.
+    /// per peer, relay forwards); a failed call's counts too. Barriers are not counted.
     pub fn last_call_stats(&self) -> &Stats {
         &self.last_stats
     }
@@ -531,8 +534,10 @@ impl Communicator {
         }
         self.ctx.begin_call();
         let result = f(&self.ctx, &mut self.side);
-        self.last_stats.clone_from(&self.ctx.stats.borrow());
-        self.total_stats.add(&self.last_stats);
+        if !self.in_barrier {
+            self.last_stats.clone_from(&self.ctx.stats.borrow());
+            self.total_stats.add(&self.last_stats);
+        }
         match result {
             Ok(r) => Ok(r),
             Err(e) => Err(self.fail(e)),
@@ -568,6 +573,13 @@ impl Communicator {
     pub fn barrier(&mut self) -> Result<()> {
         self.barrier_gen += 1;
         let generation = self.barrier_gen;
+        self.in_barrier = true;
+        let r = self.barrier_call(generation);
+        self.in_barrier = false;
+        r
+    }
+
+    fn barrier_call(&mut self, generation: u64) -> Result<()> {
         self.call(|ctx, _| {
             let world = ctx.topo.world_size();
             for step in 1..world {

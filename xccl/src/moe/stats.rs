@@ -93,7 +93,9 @@ impl Stats {
     }
 
     /// The straggler: the slowest peer, when it was waited on at least [`STRAGGLER_MIN`] and
-    /// more than [`STRAGGLER_FACTOR`] times the median wait of the peers waited on at all.
+    /// more than [`STRAGGLER_FACTOR`] times the median wait of the peers waited on at all (with
+    /// a single peer waited on, as an attention rank with a relay has, there is nothing to
+    /// compare: no straggler).
     pub fn straggler(&self) -> Option<usize> {
         let (peer, worst) = self.slowest_peer()?;
         let mut waits: Vec<Duration> = self
@@ -104,7 +106,7 @@ impl Stats {
             .collect();
         waits.sort_unstable();
         let median = waits[waits.len() / 2];
-        (worst >= STRAGGLER_MIN && (waits.len() == 1 || worst > median * STRAGGLER_FACTOR))
+        (worst >= STRAGGLER_MIN && waits.len() > 1 && worst > median * STRAGGLER_FACTOR)
             .then_some(peer)
     }
 
