@@ -574,7 +574,13 @@ impl CombineReceiver {
                 let awaited = (0..experts.len())
                     .filter(|&j| recs[j].is_none() || delivered[j] < hl.count(experts[j]))
                     .map(|j| experts[j]);
-                ctx.check_awaited(awaited, &mut next_check)?;
+                // An expert rank that left after its last signal is not missing: look again.
+                let still = |d: usize| {
+                    let count = hl.count(d);
+                    let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
+                    p == Progress::NotYet || p.rows(count) < count
+                };
+                ctx.check_awaited_again(awaited, &mut next_check, &still)?;
             }
             Ok(waiting)
         };
