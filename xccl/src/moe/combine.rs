@@ -34,7 +34,7 @@ use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
-use super::quant::{dequantize, dequantize_add, int8_payload, Quant, Quantizer};
+use super::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use crate::fabric::Waiting;
 use crate::{Error, Result};
@@ -202,8 +202,8 @@ impl CombineSender {
                     Replies::Tokens(reduced) if int8 => {
                         for k in 0..rows.len() {
                             let t = first + k;
-                            self.row.copy_from_slice(&reduced[t * p..(t + 1) * p]);
-                            self.put_row(ctx, true, t, dst, at + k * stride)?;
+                            let row = &reduced[t * p..(t + 1) * p];
+                            self.put_int8(ctx, row, t, dst, at + k * stride)?;
                         }
                     }
                     Replies::Tokens(reduced) => {
@@ -239,13 +239,28 @@ impl CombineSender {
         if !int8 {
             return ctx.put(dst, at, &self.row);
         }
-        if let Err(i) = self.quant.scale(ctx.cfg.dtype, &self.row) {
-            return Err(Error::invalid(format!(
+        let row = std::mem::take(&mut self.row);
+        let sent = self.put_int8(ctx, &row, t, dst, at);
+        self.row = row;
+        sent
+    }
+
+    /// Quantizes `row` (token `t`'s reply in the dtype) in one pass and puts it at `(dst, at)`.
+    fn put_int8(
+        &mut self,
+        ctx: &Context,
+        row: &[u8],
+        t: usize,
+        dst: usize,
+        at: usize,
+    ) -> Result<()> {
+        let amax = self.quant.amax(ctx.cfg.dtype, row).map_err(|i| {
+            Error::invalid(format!(
                 "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows"
-            )));
-        }
+            ))
+        })?;
         self.quant
-            .quantize(ctx.cfg.dtype, &self.row, &mut self.qrow);
+            .quantize_amax(ctx.cfg.dtype, row, amax, &mut self.qrow);
         ctx.put(dst, at, &self.qrow)
     }
 
@@ -403,6 +418,15 @@ impl CombineReceiver {
                         let (rec, mode) = recs[j].expect("delivered rows have a record");
                         let (rank, at) = row_at(j, &rec, mode, i);
                         ctx.get(rank, at, out_row)?;
+                    }
+                    // One INT8 row: dequantized and rounded once, in one pass where it can be.
+                    1 => {
+                        let (j, i) = self.contributions[0];
+                        let (rec, mode) = recs[j].expect("delivered rows have a record");
+                        let (rank, at) = row_at(j, &rec, mode, i);
+                        let row = &mut self.row[..int8_payload(hidden)];
+                        ctx.get(rank, at, row)?;
+                        dequantize_to(row, dtype, &mut self.acc, out_row);
                     }
                     // Otherwise sum in f32 (INT8 rows dequantized inside the sum).
                     _ => {
