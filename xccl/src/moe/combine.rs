@@ -65,7 +65,8 @@ pub(crate) enum Replies<'a> {
 pub(crate) struct CombineSender {
     acc: Vec<f32>,
     row: Vec<u8>,
-    qrow: Vec<u8>,
+    /// One chunk of reply rows computed here, put at once.
+    stage: Vec<u8>,
     quant: Quantizer,
     /// The epoch whose registered output `prepare_output` handed out.
     output_for: Option<u64>,
@@ -157,7 +158,6 @@ impl CombineSender {
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
         self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(p, 0);
-        self.qrow.resize(int8_payload(ctx.cfg.hidden), 0);
         let n = ranks.len();
         for step in 0..n {
             let i = (my_index + step) % n;
@@ -193,18 +193,39 @@ impl CombineSender {
                 let first = info.first_token + rows.start;
                 let at = base + rows.start * stride;
                 match &mut replies {
+                    // Rows computed here are staged for the chunk, then one put: one RDMA write
+                    // per chunk on fabrics without load/store access.
                     Replies::Reduce { batch, out } => {
-                        for k in 0..rows.len() {
+                        let mut stage = std::mem::take(&mut self.stage);
+                        stage.resize(rows.len() * stride, 0);
+                        let staged = (0..rows.len()).try_for_each(|k| {
                             self.reduce(ctx, batch, out, first + k);
-                            self.put_row(ctx, int8, first + k, dst, at + k * stride)?;
-                        }
+                            let slot = &mut stage[k * stride..(k + 1) * stride];
+                            if int8 {
+                                let row = std::mem::take(&mut self.row);
+                                let q = self.quantize_into(ctx, &row, first + k, slot);
+                                self.row = row;
+                                q
+                            } else {
+                                slot[..p].copy_from_slice(&self.row);
+                                Ok(())
+                            }
+                        });
+                        let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
+                        self.stage = stage;
+                        sent?;
                     }
                     Replies::Tokens(reduced) if int8 => {
-                        for k in 0..rows.len() {
+                        let mut stage = std::mem::take(&mut self.stage);
+                        stage.resize(rows.len() * stride, 0);
+                        let staged = (0..rows.len()).try_for_each(|k| {
                             let t = first + k;
-                            let row = &reduced[t * p..(t + 1) * p];
-                            self.put_int8(ctx, row, t, dst, at + k * stride)?;
-                        }
+                            let slot = &mut stage[k * stride..(k + 1) * stride];
+                            self.quantize_into(ctx, &reduced[t * p..(t + 1) * p], t, slot)
+                        });
+                        let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
+                        self.stage = stage;
+                        sent?;
                     }
                     Replies::Tokens(reduced) => {
                         let bytes = &reduced[first * p..(first + rows.len()) * p];
@@ -227,41 +248,16 @@ impl CombineSender {
         Ok(())
     }
 
-    /// Puts `self.row` (token `t`'s reply in the dtype) at `(dst, at)`, quantized when `int8`.
-    fn put_row(
-        &mut self,
-        ctx: &Context,
-        int8: bool,
-        t: usize,
-        dst: usize,
-        at: usize,
-    ) -> Result<()> {
-        if !int8 {
-            return ctx.put(dst, at, &self.row);
-        }
-        let row = std::mem::take(&mut self.row);
-        let sent = self.put_int8(ctx, &row, t, dst, at);
-        self.row = row;
-        sent
-    }
-
-    /// Quantizes `row` (token `t`'s reply in the dtype) in one pass and puts it at `(dst, at)`.
-    fn put_int8(
-        &mut self,
-        ctx: &Context,
-        row: &[u8],
-        t: usize,
-        dst: usize,
-        at: usize,
-    ) -> Result<()> {
+    /// Quantizes `row` (token `t`'s reply in the dtype) in one pass into `out` (an INT8 row).
+    fn quantize_into(&mut self, ctx: &Context, row: &[u8], t: usize, out: &mut [u8]) -> Result<()> {
         let amax = self.quant.amax(ctx.cfg.dtype, row).map_err(|i| {
             Error::invalid(format!(
                 "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows"
             ))
         })?;
-        self.quant
-            .quantize_amax(ctx.cfg.dtype, row, amax, &mut self.qrow);
-        ctx.put(dst, at, &self.qrow)
+        let q = &mut out[..int8_payload(ctx.cfg.hidden)];
+        self.quant.quantize_amax(ctx.cfg.dtype, row, amax, q);
+        Ok(())
     }
 
     /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
