@@ -124,6 +124,11 @@ pub struct Args {
     #[arg(long, value_name = "S")]
     pub skew: Option<f64>,
 
+    /// Rows on the wire: `none` (the dtype), `int8` (INT8 with a per-token scale, A2E and E2A),
+    /// or `both` (the whole sweep without, then with INT8, in the same run and processes).
+    #[arg(long, value_enum, default_value_t = QuantChoice::None)]
+    pub quant: QuantChoice,
+
     /// Replay every iteration through `xccl::testing::harness` (reference expert, untimed) and compare
     /// with the reference; exit non-zero on any mismatch.
     #[arg(long)]
@@ -165,6 +170,17 @@ pub struct Args {
     /// one fails or when the job exceeds SECS x (2 + number of token counts).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub timeout: f64,
+}
+
+/// Which wire formats a run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuantChoice {
+    /// Rows in the dtype.
+    None,
+    /// INT8 rows with a per-token f32 scale (A2E and E2A).
+    Int8,
+    /// Both, one sweep after the other.
+    Both,
 }
 
 /// Which fabric carries the traffic.
@@ -335,6 +351,20 @@ impl Args {
     /// Largest token count of the sweep.
     pub fn max_tokens(&self) -> usize {
         self.tokens.iter().copied().max().unwrap_or(1).max(1)
+    }
+
+    /// The wire formats of the run, in order: each runs the whole token sweep.
+    pub fn quants(&self) -> Vec<xccl::Quant> {
+        match self.quant {
+            QuantChoice::None => vec![xccl::Quant::None],
+            QuantChoice::Int8 => vec![xccl::Quant::Int8],
+            QuantChoice::Both => vec![xccl::Quant::None, xccl::Quant::Int8],
+        }
+    }
+
+    /// Sweep points of the run: every token count once per wire format.
+    pub fn points(&self) -> usize {
+        self.tokens.len() * self.quants().len()
     }
 
     /// Iterations run per token count (warmup plus measured).

@@ -110,13 +110,13 @@ fn real_main(args: &Args) -> Result<i32, String> {
         let env = launch::launcher_rank(&launched, timeout)?;
         return process_rank(args, env, wait_policy(args));
     }
-    let limit = timeout.mul_f64(2.0 + args.tokens.len() as f64);
+    let limit = timeout.mul_f64(2.0 + args.points() as f64);
     launch::spawn_ranks(args.world_size(), limit)
 }
 
 fn progress(args: &Args) -> ProgressBar {
     let per_point = args.rounds() * if args.check { 2 } else { 1 };
-    let pb = ProgressBar::new((args.tokens.len() * per_point) as u64);
+    let pb = ProgressBar::new((args.points() * per_point) as u64);
     if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:40}] {pos}/{len} {elapsed}") {
         pb.set_style(style.progress_chars("=> "));
     }
@@ -340,6 +340,9 @@ fn finish(
     };
     let machine = report::Machine::detect();
     print!("{}", report::table(args, &machine, &rows, check, &extras));
+    if args.quants().len() > 1 {
+        print!("{}", report::quant_summary(&rows));
+    }
     for m in mismatches.iter().take(10) {
         eprintln!("xccl-bench: check failed: {m}");
     }
@@ -360,7 +363,11 @@ fn finish(
             args.layout.name(),
             args.buffers.name(),
         );
-        plot::write(path, &rows, &title).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        // One wire format per plot: the first of the run.
+        let first = rows.first().map_or("none", |r| r.quant);
+        let plotted: Vec<_> = rows.iter().filter(|r| r.quant == first).cloned().collect();
+        plot::write(path, &plotted, &title)
+            .map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     Ok(if check == "failed" { 1 } else { 0 })
 }

@@ -202,6 +202,8 @@ mod tests {
     fn row(op: &'static str, tokens: usize, p50: f64) -> ResultRow {
         ResultRow {
             op,
+            quant: "none",
+            wire_bytes_per_token: 14336,
             tokens,
             p50_us: p50,
             p99_us: p50 * 1.5,

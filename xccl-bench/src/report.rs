@@ -17,6 +17,11 @@ pub const OPS: [&str; 3] = ["a2e", "e2a", "roundtrip"];
 pub struct ResultRow {
     /// `a2e`, `e2a` or `roundtrip`.
     pub op: &'static str,
+    /// Wire format: `none` (the dtype) or `int8`.
+    pub quant: &'static str,
+    /// Payload bytes one token row takes on the wire (hidden x dtype size, or the INT8 row with
+    /// its scale).
+    pub wire_bytes_per_token: u64,
     /// Tokens per attention rank.
     pub tokens: usize,
     /// Median latency in microseconds.
@@ -68,18 +73,20 @@ pub fn op_index(op: &str) -> usize {
     OPS.iter().position(|o| *o == op).unwrap_or(0)
 }
 
-/// Fills in every row's streaming limit (`limits[s]` is token count `s` of the sweep).
+/// Fills in every row's streaming limit (`limits[s]` is token count `s` of the sweep; measured
+/// for rows in the dtype, so INT8 rows get none).
 pub fn attach_limits(args: &Args, rows: &mut [ResultRow], limits: &[Limit]) {
-    for r in rows.iter_mut() {
+    for r in rows.iter_mut().filter(|r| r.quant == "none") {
         if let Some(s) = args.tokens.iter().position(|&t| t == r.tokens) {
             r.limit_us = limits.get(s).map(|l| l.p50_us[op_index(r.op)]);
         }
     }
 }
 
-/// Fills in every row's MPI baseline figure, where the baseline has its token count.
+/// Fills in every row's MPI baseline figure, where the baseline has its token count (rows in
+/// the dtype only: the baseline moves the dtype).
 pub fn attach_mpi(rows: &mut [ResultRow], mpi: &MpiBaseline) {
-    for r in rows.iter_mut() {
+    for r in rows.iter_mut().filter(|r| r.quant == "none") {
         r.mpi_us = mpi
             .points
             .iter()
@@ -172,9 +179,17 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
     let rounds = args.rounds();
     let elem = args.dtype.size() as u64;
     let mut rows = Vec::new();
-    for (s, &tokens) in args.tokens.iter().enumerate() {
+    let points = args
+        .quants()
+        .into_iter()
+        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)));
+    for (p, (quant, tokens)) in points.enumerate() {
+        let wire = match quant {
+            xccl::Quant::None => args.hidden as u64 * elem,
+            xccl::Quant::Int8 => xccl::moe::quant::int8_payload(args.hidden) as u64,
+        };
         let at =
-            |rank: usize, it: usize, w: usize| reports[rank].words[(s * rounds + it) * WORDS + w];
+            |rank: usize, it: usize, w: usize| reports[rank].words[(p * rounds + it) * WORDS + w];
         let mut lat: [Vec<f64>; 3] = Default::default();
         let mut sent_rows = 0u64;
         for it in args.warmup..rounds {
@@ -190,7 +205,7 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             lat[1].push(us(e2a_start, e2a_end));
             lat[2].push(us(a2e_start, e2a_end));
         }
-        let one_way = sent_rows * args.hidden as u64 * elem / (m as u64 * args.iters as u64);
+        let one_way = sent_rows * wire / (m as u64 * args.iters as u64);
         for (op, mut l) in OPS.into_iter().zip(lat) {
             l.sort_by(f64::total_cmp);
             let bytes = if op == "roundtrip" {
@@ -201,6 +216,8 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             let p50 = percentile(&l, 0.5);
             rows.push(ResultRow {
                 op,
+                quant: quant.name(),
+                wire_bytes_per_token: wire,
                 tokens,
                 p50_us: p50,
                 p99_us: percentile(&l, 0.99),
@@ -217,7 +234,7 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             });
         }
     }
-    rows.sort_by_key(|r| (OPS.iter().position(|o| *o == r.op), r.tokens));
+    rows.sort_by_key(|r| (r.quant, OPS.iter().position(|o| *o == r.op), r.tokens));
     rows
 }
 
@@ -371,8 +388,9 @@ pub fn table(
     s += "#\n";
     let with_mpi = extras.mpi.is_some();
     s += &format!(
-        "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10} {:>9}",
+        "# {:>9} {:>5} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10} {:>9}",
         "op",
+        "quant",
         "tokens",
         "bytes/rank",
         "p50(us)",
@@ -388,8 +406,9 @@ pub fn table(
     s += &format!(" {:>10}\n", "md_records");
     for r in rows {
         s += &format!(
-            "  {:>9} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {} {}",
+            "  {:>9} {:>5} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {} {}",
             r.op,
+            r.quant,
             r.tokens,
             r.bytes_per_rank,
             r.p50_us,
@@ -426,6 +445,45 @@ pub fn table(
     s
 }
 
+/// With and without INT8 side by side (`--quant both`): wire bytes per token and each p50 as
+/// the INT8 figure over the dtype one.
+pub fn quant_summary(rows: &[ResultRow]) -> String {
+    let mut s = String::from("# int8 vs none:");
+    let find = |q: &str, op: &str, t: usize| {
+        rows.iter()
+            .find(|r| r.quant == q && r.op == op && r.tokens == t)
+    };
+    if let (Some(n), Some(i)) = (
+        rows.iter().find(|r| r.quant == "none"),
+        rows.iter().find(|r| r.quant == "int8"),
+    ) {
+        s += &format!(
+            " wire bytes per token {} vs {} ({:.3}x);",
+            i.wire_bytes_per_token,
+            n.wire_bytes_per_token,
+            i.wire_bytes_per_token as f64 / n.wire_bytes_per_token.max(1) as f64
+        );
+    }
+    let mut tokens: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    for t in tokens {
+        for op in OPS {
+            if let (Some(n), Some(i)) = (find("none", op, t), find("int8", op, t)) {
+                s += &format!(
+                    " {op} T={t} {:.1}/{:.1} us ({:.2}x);",
+                    i.p50_us,
+                    n.p50_us,
+                    i.p50_us / n.p50_us.max(f64::MIN_POSITIVE)
+                );
+            }
+        }
+    }
+    s.pop();
+    s + "
+"
+}
+
 /// The JSON document.
 pub fn to_json(
     args: &Args,
@@ -448,6 +506,7 @@ pub fn to_json(
             "hidden": args.hidden,
             "tokens": args.tokens,
             "dtype": args.dtype.name(),
+            "quant": args.quants().iter().map(|q| q.name()).collect::<Vec<_>>(),
             "fabric": args.fabric.name(),
             "mode": args.mode.name(),
             "layout": args.layout.name(),
@@ -475,6 +534,8 @@ pub fn to_json(
         })),
         "results": rows.iter().map(|r| json!({
             "op": r.op,
+            "quant": r.quant,
+            "wire_bytes_per_token": r.wire_bytes_per_token,
             "tokens": r.tokens,
             "p50_us": r.p50_us,
             "p99_us": r.p99_us,

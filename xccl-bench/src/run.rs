@@ -131,7 +131,21 @@ fn run_typed<T: Element>(
         Vec::new()
     };
     let mut out = vec![T::from_f32(0.0); x.len()];
-    for (s, &tokens) in args.tokens.iter().enumerate() {
+    let points: Vec<(usize, xccl::Quant, usize)> = args
+        .quants()
+        .into_iter()
+        .flat_map(|q| {
+            args.tokens
+                .iter()
+                .copied()
+                .enumerate()
+                .map(move |(s, t)| (s, q, t))
+        })
+        .collect();
+    for (s, quant, tokens) in points {
+        // Senders choose the wire format per call; every rank switches together.
+        comm.set_a2e_quant(quant);
+        comm.set_e2a_quant(quant);
         let wl = workload(args, tokens);
         let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
             (0..args.rounds())

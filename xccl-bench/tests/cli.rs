@@ -263,3 +263,24 @@ fn bad_flags_are_rejected_with_a_message() {
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
 }
+
+#[test]
+fn quant_both_measures_and_checks_int8_beside_the_dtype_in_one_run() {
+    let v = run_checked(&["--fabric", "shm", "--quant", "both"]);
+    assert_eq!(v["check"], "passed");
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 12, "2 formats x 3 ops x 2 token counts");
+    let wire = |q: &str| {
+        results
+            .iter()
+            .find(|r| r["quant"] == q)
+            .map(|r| r["wire_bytes_per_token"].as_u64().unwrap())
+            .unwrap()
+    };
+    // H=64 bf16: 128 bytes; INT8: 64 bytes and a 4-byte scale.
+    assert_eq!(wire("none"), 128);
+    assert_eq!(wire("int8"), 68);
+    for r in results.iter().filter(|r| r["quant"] == "int8") {
+        assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
