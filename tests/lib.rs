@@ -142,6 +142,16 @@ impl Job {
     /// Starts a bootstrap root and spawns `size` ranks of this test binary, each running the
     /// test function `entry` (the one that calls [`child_main`]) with scenario `scenario`.
     pub fn spawn(entry: &str, scenario: &str, size: usize) -> Job {
+        Self::spawn_with_env(entry, scenario, size, &[])
+    }
+
+    /// [`Job::spawn`] with extra environment variables for every rank (`None` removes one).
+    pub fn spawn_with_env(
+        entry: &str,
+        scenario: &str,
+        size: usize,
+        env: &[(&str, Option<&str>)],
+    ) -> Job {
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let job_id = unique_job_id();
         let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
@@ -156,12 +166,17 @@ impl Job {
             _serial: serial,
         };
         for rank in 0..size {
-            let mut child = Command::new(&exe)
+            let mut command = Command::new(&exe);
+            for (k, _) in env.iter().filter(|(_, v)| v.is_none()) {
+                command.env_remove(k);
+            }
+            let mut child = command
                 .args([entry, "--exact", "--nocapture", "--test-threads=1"])
                 .env(SCENARIO_ENV, scenario)
                 .env(RANK_ENV, rank.to_string())
                 .env(SIZE_ENV, size.to_string())
                 .env(ID_ENV, id.to_string())
+                .envs(env.iter().filter_map(|(k, v)| v.map(|v| (k, v))))
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())

@@ -10,13 +10,15 @@
 //! - [`Capabilities`]: what is cheap (direct load/store of peer memory, remote read).
 //!
 //! Fabrics never fall back silently to another; a missing library is an error naming it.
-//! Implementations: [`local`] (ranks as threads of one process) and [`shm`] (processes on one
-//! host, shared memory). The conformance suite in [`conformance`] runs against each.
+//! Implementations: [`local`] (ranks as threads of one process), [`shm`] (processes on one
+//! host, shared memory) and [`ascend`] (processes on one host, one Ascend NPU each, through the
+//! CANN runtime opened at run time). The conformance suite in [`conformance`] runs against each.
 
 use std::time::{Duration, Instant};
 
 use crate::Result;
 
+pub mod ascend;
 pub mod conformance;
 pub mod local;
 pub mod shm;

@@ -1,0 +1,390 @@
+//! The ascend fabric between real processes, through the real `dlopen` and FFI path, against a
+//! **stand-in** of the Ascend runtime (`tests/ascend_standin/acl_standin.c`, built here with gcc
+//! as `libascendcl.so`; no NPU is involved): the conformance suite with 2 and 3 ranks, A2E/E2A
+//! checked against the reference, a SIGKILLed peer, the missing-library error and runtime error
+//! codes surfacing with the call's name and the runtime's message. Every job's stand-in segments
+//! are checked to be gone from `/dev/shm`.
+//!
+//! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use xccl::bootstrap::Exchange;
+use xccl::fabric::ascend::AscendFabric;
+use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
+use xccl::fabric::{deadline_after, Fabric};
+use xccl::harness::{attention_round_with, expert_round, expert_round_tokens, Buffers, Workload};
+use xccl::{
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+};
+use xccl_tests::{announce, child_main, shm_entries, ChildCtx, Job};
+
+const ENTRY: &str = "child_rank_entry";
+const CONNECT: Duration = Duration::from_secs(30);
+/// The stand-in's failure-injection variable (`<function>:<code>[:<skip>]`).
+const FAIL_ENV: &str = "ACL_STANDIN_FAIL";
+/// Prefix of the stand-in's shared-memory segments.
+const PREFIX_ENV: &str = "ACL_STANDIN_SHM_PREFIX";
+
+#[test]
+fn child_rank_entry() {
+    child_main(dispatch);
+}
+
+fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
+    let parts: Vec<&str> = scenario.split(':').collect();
+    let r = match parts.as_slice() {
+        ["conformance"] => conformance_rank(ctx),
+        ["moe", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+        }
+        ["missing_library"] => missing_library(ctx),
+        ["signal_fails"] => signal_fails(ctx),
+        ["init_fails"] => init_fails(ctx),
+        ["killed_after_init"] => killed_after_init(ctx),
+        _ => return Err(format!("unknown scenario {scenario:?}")),
+    };
+    r.map_err(|e| e.to_string())
+}
+
+fn join(ctx: &ChildCtx) -> xccl::Result<AscendFabric> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    // One device per rank: ranks on different devices go through peer access.
+    AscendFabric::new(ex, MIN_WINDOW, min_slots(ctx.size), ctx.rank as i32)
+}
+
+fn fail(detail: String) -> Error {
+    Error::Protocol {
+        peer: usize::MAX,
+        detail,
+    }
+}
+
+fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    // The stand-in exports every declared function: the loader must have resolved them all.
+    let acl = xccl_sys::acl::load().map_err(|e| fail(e.to_string()))?;
+    for name in xccl_sys::acl::REQUIRED.iter().chain(xccl_sys::acl::OPTIONAL) {
+        if !acl.has(name) {
+            return Err(fail(format!("{name} did not resolve in {}", acl.path().display())));
+        }
+    }
+    let caps = f.capabilities();
+    if caps.load_store || !caps.remote_read || f.peer_window(0).is_some() {
+        return Err(fail(format!("unexpected capabilities {caps:?}")));
+    }
+    conformance::run_all(&f)?;
+    announce(&format!("device {} via {}", f.device(), acl.path().display()));
+    Ok(())
+}
+
+fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
+    let mut comm =
+        Communicator::init_ascend(ex, topo, cfg, ctx.rank as i32).map_err(|e| e.to_string())?;
+    if comm.fabric().name() != "ascend" {
+        return Err(format!("fabric {}", comm.fabric().name()));
+    }
+    let wl = Workload {
+        seed: 0xa5c3 + (m * 10 + n) as u64,
+        tokens: 16,
+        vary: true,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
+    for round in 0..rounds {
+        // Push and pull, caller's and registered buffers, both receive layouts.
+        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
+            TransferMode::Pull
+        } else {
+            TransferMode::Push
+        };
+        comm.set_mode(mode);
+        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
+            Buffers::Registered
+        } else {
+            Buffers::Copy
+        };
+        let verdict = match comm.role() {
+            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
+            Role::Expert if round.is_multiple_of(2) => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true),
+        };
+        verdict
+            .map_err(|e| format!("round {round}: {e}"))?
+            .map_err(|e| format!("round {round}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4)?);
+    let cfg = MoeConfig::new(8, DType::F32, 2, 4);
+    match Communicator::init_ascend(ex, topo, cfg, 0) {
+        Err(Error::FabricUnavailable { fabric, detail })
+            if fabric == "ascend"
+                && detail.contains("libascendcl.so")
+                && detail.contains("ASCEND_HOME_PATH") =>
+        {
+            announce(&format!("unavailable: {detail}"));
+            Ok(())
+        }
+        Err(other) => Err(fail(format!("expected FabricUnavailable, got {other}"))),
+        Ok(_) => Err(fail("the ascend fabric came up without a runtime".into())),
+    }
+}
+
+/// With `ACL_STANDIN_FAIL=aclrtValueWrite:<code>` init succeeds and the first signal fails.
+fn signal_fails(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    f.put(1 - ctx.rank, 0, &[7u8; 256])?;
+    match f.signal(1 - ctx.rank, 0, 1) {
+        Err(e @ Error::Native { .. }) => {
+            let Error::Native {
+                call,
+                code,
+                message,
+                context,
+                ..
+            } = &e
+            else {
+                unreachable!()
+            };
+            if *call != "aclrtValueWrite"
+                || *code != 507_899
+                || !message.contains("injected failure of aclrtValueWrite")
+                || !context.contains(&format!("rank {}", 1 - ctx.rank))
+            {
+                return Err(fail(format!("wrong error: {e}")));
+            }
+            announce(&format!("error: {e}"));
+        }
+        other => return Err(fail(format!("expected a runtime error, got {other:?}"))),
+    }
+    f.barrier(CONNECT)
+}
+
+/// With `ACL_STANDIN_FAIL=aclrtMalloc:207001` every rank fails in `new`, naming the call.
+fn init_fails(ctx: &ChildCtx) -> xccl::Result<()> {
+    match join(ctx) {
+        Err(
+            e @ Error::Native {
+                call: "aclrtMalloc",
+                code: 207_001,
+                ..
+            },
+        ) if e.to_string().contains("injected failure of aclrtMalloc") => {
+            announce(&format!("error: {e}"));
+            Ok(())
+        }
+        Err(other) => Err(fail(format!("expected aclrtMalloc's error, got {other}"))),
+        Ok(_) => Err(fail("init succeeded despite the injected failure".into())),
+    }
+}
+
+fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    if ctx.rank == 1 {
+        // SAFETY: kill(2) on this process's own pid; takes no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let start = Instant::now();
+    let r = f.wait_signal(
+        0,
+        1,
+        "a signal from a dying peer",
+        deadline_after(Duration::from_secs(30)),
+        &|v| v > 0,
+    );
+    match r {
+        Err(Error::PeerFailed { peer: 1, detail }) if start.elapsed() < Duration::from_secs(3) => {
+            announce(&format!("noticed in {:?}: {detail}", start.elapsed()));
+            Ok(())
+        }
+        other => Err(fail(format!(
+            "expected PeerFailed naming rank 1 within 3 s, got {other:?} after {:?}",
+            start.elapsed()
+        ))),
+    }
+}
+
+// ---- parent side ----
+
+/// Builds the stand-in once per test process: `<dir>/lib64/libascendcl.so`; returns `<dir>`.
+fn standin_home() -> &'static Path {
+    static HOME: OnceLock<PathBuf> = OnceLock::new();
+    HOME.get_or_init(|| {
+        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ascend-standin");
+        let lib64 = home.join("lib64");
+        std::fs::create_dir_all(&lib64).expect("creating the stand-in directory");
+        let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
+        let out = Command::new("gcc")
+            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-fvisibility=hidden"])
+            .arg("-I")
+            .arg(manifest.join("../xccl-sys/include"))
+            .arg("-o")
+            .arg(&tmp)
+            .arg(manifest.join("ascend_standin/acl_standin.c"))
+            .arg("-lpthread")
+            .output()
+            .expect("running gcc (install gcc to run the ascend tests)");
+        assert!(
+            out.status.success(),
+            "building the stand-in runtime failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // Rename: a concurrent run never sees a half-written library.
+        std::fs::rename(&tmp, lib64.join("libascendcl.so")).expect("installing the stand-in");
+        home
+    })
+}
+
+/// A unique segment prefix for one job; the stand-in's segments left under it are removed on
+/// drop, also when the test fails.
+struct Segments(String);
+
+impl Segments {
+    fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Segments(format!(
+            "xccl-acl-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    fn left(&self) -> Vec<String> {
+        shm_entries(&format!("{}-", self.0))
+    }
+}
+
+impl Drop for Segments {
+    fn drop(&mut self) {
+        for name in self.left() {
+            let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
+        }
+    }
+}
+
+enum Via {
+    /// `ASCEND_HOME_PATH` names the stand-in's root.
+    Home,
+    /// `LD_LIBRARY_PATH` holds its `lib64`, `ASCEND_HOME_PATH` is unset.
+    LibraryPath,
+}
+
+fn spawn(scenario: &str, size: usize, via: Via, extra: &[(&str, Option<&str>)]) -> (Job, Segments) {
+    let home = standin_home();
+    let segs = Segments::new();
+    let home_s = home.to_string_lossy().into_owned();
+    let lib64 = home.join("lib64").to_string_lossy().into_owned();
+    let mut env: Vec<(&str, Option<&str>)> = vec![(PREFIX_ENV, Some(&segs.0)), (FAIL_ENV, None)];
+    match via {
+        Via::Home => env.push(("ASCEND_HOME_PATH", Some(&home_s))),
+        Via::LibraryPath => {
+            env.push(("ASCEND_HOME_PATH", None));
+            env.push(("LD_LIBRARY_PATH", Some(&lib64)));
+        }
+    }
+    env.extend_from_slice(extra);
+    (Job::spawn_with_env(ENTRY, scenario, size, &env), segs)
+}
+
+fn run_ok(scenario: &str, size: usize, via: Via, timeout: Duration) {
+    let start = Instant::now();
+    let (mut job, segs) = spawn(scenario, size, via, &[]);
+    job.expect_success(timeout);
+    println!(
+        "{scenario} with {size} processes: {:?}; rank 0 said: {}",
+        start.elapsed(),
+        job.output(0).trim()
+    );
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn ascend_conformance_with_2_processes() {
+    run_ok("conformance", 2, Via::Home, Duration::from_secs(60));
+}
+
+#[test]
+fn ascend_conformance_with_3_processes_found_through_ld_library_path() {
+    run_ok("conformance", 3, Via::LibraryPath, Duration::from_secs(60));
+}
+
+#[test]
+fn ascend_one_attention_one_expert_matches_reference() {
+    run_ok("moe:1:1:40", 2, Via::Home, Duration::from_secs(60));
+}
+
+#[test]
+fn ascend_two_attention_two_expert_matches_reference() {
+    run_ok("moe:2:2:30", 4, Via::Home, Duration::from_secs(90));
+}
+
+#[test]
+fn missing_runtime_is_fabric_unavailable_naming_library_and_variable() {
+    let empty = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ascend-nowhere");
+    std::fs::create_dir_all(&empty).unwrap();
+    let empty = empty.to_string_lossy().into_owned();
+    let (mut job, _segs) = spawn(
+        "missing_library",
+        1,
+        Via::Home,
+        &[("ASCEND_HOME_PATH", Some(&empty)), ("LD_LIBRARY_PATH", None)],
+    );
+    job.expect_success(Duration::from_secs(30));
+    let out = job.output(0);
+    println!("{}", out.trim());
+    assert!(out.contains(&empty), "the tried path is named: {out}");
+}
+
+#[test]
+fn runtime_error_surfaces_with_code_call_and_message() {
+    let (mut job, segs) = spawn(
+        "signal_fails",
+        2,
+        Via::Home,
+        &[(FAIL_ENV, Some("aclrtValueWrite:507899"))],
+    );
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn runtime_error_during_init_names_the_call_and_frees_what_was_made() {
+    let (mut job, segs) = spawn(
+        "init_fails",
+        2,
+        Via::Home,
+        // The first allocation (the window) succeeds, the second (staging) fails.
+        &[(FAIL_ENV, Some("aclrtMalloc:207001:1"))],
+    );
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn sigkilled_peer_is_reported_naming_its_rank() {
+    let (mut job, _segs) = spawn("killed_after_init", 2, Via::Home, &[]);
+    job.wait(Duration::from_secs(30));
+    job.assert_killed(1);
+    job.assert_succeeded(0);
+    println!("survivor: {}", job.output(0).trim());
+}
