@@ -363,7 +363,9 @@ fn peer_main(id: &str) -> xccl::Result<()> {
         if c > cmds {
             cmds = c;
             let mut header = [0u8; 16];
-            f.local_window().read(0, &mut header)?;
+            f.local_window()
+                .expect("host window")
+                .read(0, &mut header)?;
             op = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
             len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes")) as usize;
             if op == OP_QUIT {

@@ -100,8 +100,7 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     let report = match run::run_rank(&mut comm, args, pb.as_ref()) {
         Ok(r) => r,
         Err(err) => {
-            comm.abort();
-            let _ = env.exchange.broadcast_abort(&err.to_string());
+            comm.abort(&err.to_string());
             return Err(err.to_string());
         }
     };
@@ -140,7 +139,7 @@ fn run_local(args: &Args) -> Result<i32, String> {
                 s.spawn(move || match run::run_rank(&mut comm, args, pb.as_ref()) {
                     Ok(r) => Ok(r),
                     Err(err) => {
-                        comm.abort();
+                        comm.abort(&err.to_string());
                         Err(format!("rank {}: {err}", comm.rank()))
                     }
                 })

@@ -241,7 +241,10 @@ impl Communicator {
         let mine = self.fingerprint_words();
         let bytes: &[u8] = bytemuck::cast_slice(&mine);
         debug_assert!(bytes.len() <= HANDSHAKE_BYTES);
-        self.fabric.local_window().write(0, bytes)?;
+        self.fabric
+            .local_window()
+            .expect("host window")
+            .write(0, bytes)?;
         self.fabric.barrier(self.cfg.timeout)?;
         let mut theirs = [0u64; 5];
         for peer in 0..self.topo.world_size() {
@@ -311,9 +314,10 @@ impl Communicator {
         self.topo.attention_ranks().len() * self.topo.expert_ranks().len()
     }
 
-    /// Aborts the job: every rank's current and future waits fail with [`Error::Aborted`].
-    pub fn abort(&self) {
-        self.fabric.abort();
+    /// Aborts the job with `reason`: every rank's current and future waits fail with
+    /// [`Error::Aborted`] naming this rank and carrying the reason.
+    pub fn abort(&self, reason: &str) {
+        self.fabric.abort(reason);
     }
 
     /// Waits for every rank (collective), through the fabric's signals: on shared memory a

@@ -55,10 +55,9 @@ pub fn put_then_signal_is_visible(f: &dyn Fabric, round: u64) -> Result<()> {
                 what: "conformance put+signal",
             })
     })?;
-    let win = f.local_window();
     let mut buf = vec![0u8; chunk];
     for src in 0..n {
-        win.read(src * chunk, &mut buf)?;
+        f.get(me, src * chunk, &mut buf)?;
         if buf != pattern(src, me, chunk, round as u8) {
             return Err(fail(format!(
                 "rank {me}: bytes put by rank {src} differ after its signal (round {round})"
@@ -72,7 +71,7 @@ pub fn put_then_signal_is_visible(f: &dyn Fabric, round: u64) -> Result<()> {
 pub fn get_reads_peer_window(f: &dyn Fabric) -> Result<()> {
     let (me, n) = (f.rank(), f.world_size());
     let len = 8192;
-    f.local_window().write(0, &pattern(me, me, len, 0xA5))?;
+    f.put(me, 0, &pattern(me, me, len, 0xA5))?;
     f.barrier(TIMEOUT)?;
     let mut buf = vec![0u8; len];
     for peer in 0..n {
@@ -154,7 +153,7 @@ pub fn bad_access_is_rejected(f: &dyn Fabric) -> Result<()> {
     let (me, n) = (f.rank(), f.world_size());
     let peer = (me + 1) % n;
     let len = f.window_len(peer);
-    let before = f.local_window().len();
+    let before = f.window_len(me);
     match f.put(peer, len - 4, &[1u8; 8]) {
         Err(Error::OutOfWindow { peer: p, .. }) if p == peer => {}
         other => return Err(fail(format!("put past the end: {other:?}"))),
@@ -170,27 +169,32 @@ pub fn bad_access_is_rejected(f: &dyn Fabric) -> Result<()> {
     if f.put(n, 0, &[0u8; 1]).is_ok() {
         return Err(fail("put to a rank out of range succeeded".into()));
     }
-    if before != f.local_window().len() {
+    if before != f.window_len(me) {
         return Err(fail("window size changed".into()));
     }
     f.barrier(TIMEOUT)
 }
 
-/// Rank 0 aborts while every other rank waits; the others fail with `Aborted` naming rank 0.
-/// Leaves the fabric aborted: run it last.
+/// Rank 0 aborts while every other rank waits; the others fail with `Aborted` naming rank 0
+/// and carrying its reason. Leaves the fabric aborted: run it last.
 pub fn abort_wakes_every_waiter(f: &dyn Fabric) -> Result<()> {
     let (me, n) = (f.rank(), f.world_size());
     f.barrier(TIMEOUT)?;
     if me == 0 {
         std::thread::sleep(Duration::from_millis(50));
-        f.abort();
+        f.abort("conformance: rank 0 gives up");
         return Ok(());
     }
     let start = Instant::now();
     match f.wait_signal(n + 1, 0, "an abort", deadline_after(TIMEOUT), &|v| {
         v == u64::MAX
     }) {
-        Err(Error::Aborted { by: 0, .. }) if start.elapsed() < Duration::from_secs(5) => Ok(()),
+        Err(Error::Aborted { by: 0, reason })
+            if start.elapsed() < Duration::from_secs(5)
+                && reason.contains("conformance: rank 0 gives up") =>
+        {
+            Ok(())
+        }
         other => Err(fail(format!(
             "rank {me}: expected Aborted by rank 0, got {other:?}"
         ))),

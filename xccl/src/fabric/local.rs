@@ -162,8 +162,8 @@ impl Fabric for LocalFabric {
         self.world.num_slots
     }
 
-    fn local_window(&self) -> Window<'_> {
-        self.window_of(self.rank).expect("own rank is in range")
+    fn local_window(&self) -> Option<Window<'_>> {
+        self.window_of(self.rank).ok()
     }
 
     fn peer_window(&self, peer: usize) -> Option<Window<'_>> {
@@ -199,7 +199,7 @@ impl Fabric for LocalFabric {
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        let liveness = |peer: usize| self.check_peer(peer);
+        let liveness = || self.check_peers();
         self.world.ranks[self.rank]
             .control
             .wait_with(self.wait_policy, deadline, poll, &liveness)
@@ -241,9 +241,9 @@ impl Fabric for LocalFabric {
         Ok(())
     }
 
-    fn abort(&self) {
+    fn abort(&self, reason: &str) {
         for r in &self.world.ranks {
-            r.control.set_abort(self.rank);
+            r.control.set_abort(self.rank, reason);
         }
     }
 

@@ -6,7 +6,8 @@
 //! - [`Fabric::signal`]: store a 64-bit value into a peer's signal slot, ordered after every
 //!   earlier put from this rank to that peer (NVSHMEM's put-with-signal guarantee);
 //! - [`Fabric::wait_until`]: wait on this rank's own slots with a deadline; spins briefly, then
-//!   sleeps; fails naming the peer it waited for, early if that peer is dead or the job aborted;
+//!   sleeps; fails naming the peer it waited for, early if any peer is dead or the job aborted
+//!   (through the control area or the bootstrap's out-of-band channel);
 //! - [`Capabilities`]: what is cheap (direct load/store of peer memory, remote read).
 //!
 //! Fabrics never fall back silently to another; a missing library is an error naming it.
@@ -59,17 +60,21 @@ pub trait Fabric: Send + Sync {
     /// Number of signal slots every rank has.
     fn num_signal_slots(&self) -> usize;
 
-    /// This rank's own window.
-    fn local_window(&self) -> Window<'_>;
+    /// This rank's own window, when this process can load and store it directly (host
+    /// memory); `None` when it lives where the host cannot address it (device memory), and
+    /// the protocol then reaches it with [`Fabric::put`] and [`Fabric::get`] to itself.
+    fn local_window(&self) -> Option<Window<'_>>;
 
     /// A peer's window mapped in this process, when [`Capabilities::load_store`] holds.
     fn peer_window(&self, peer: usize) -> Option<Window<'_>>;
 
-    /// Writes `data` into `peer`'s window at `offset`. Complete (visible to the peer after a
-    /// later signal) when [`Fabric::signal`] to that peer or [`Fabric::flush`] returns.
+    /// Writes `data` into `peer`'s window at `offset` (`peer` may be this rank). Complete
+    /// (visible to the peer after a later signal) when [`Fabric::signal`] to that peer or
+    /// [`Fabric::flush`] returns.
     fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()>;
 
-    /// Reads `buf.len()` bytes from `peer`'s window at `offset`; complete on return.
+    /// Reads `buf.len()` bytes from `peer`'s window at `offset` (`peer` may be this rank);
+    /// complete on return.
     fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> Result<()>;
 
     /// Stores `value` into `peer`'s signal slot `slot`, after every earlier put to `peer`.
@@ -92,11 +97,21 @@ pub trait Fabric: Send + Sync {
     /// Returns once every rank has called `barrier`; fails naming missing ranks on timeout.
     fn barrier(&self, timeout: Duration) -> Result<()>;
 
-    /// Raises the abort flag on every rank: their waits fail with [`crate::Error::Aborted`].
-    fn abort(&self);
+    /// Raises the abort flag on every rank, with `reason`: their current and later waits fail
+    /// with [`crate::Error::Aborted`] naming this rank and carrying the reason. The first abort
+    /// wins; the call returns promptly and never fails (a peer it cannot reach is dead anyway).
+    fn abort(&self, reason: &str);
 
     /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead.
     fn check_peer(&self, peer: usize) -> Result<()>;
+
+    /// Ok if every peer is believed alive and no abort arrived out of band; else the error
+    /// naming the first dead peer or the aborting rank. Waits call it between sleeps.
+    fn check_peers(&self) -> Result<()> {
+        (0..self.world_size())
+            .filter(|&p| p != self.rank())
+            .try_for_each(|p| self.check_peer(p))
+    }
 
     /// Waits until slot `slot` holds a value satisfying `ready`, which `peer` is expected to
     /// signal; returns that value.

@@ -208,6 +208,43 @@ impl Liveness {
         }
     }
 
+    /// Checks every peer process but `me` with one `poll` over all their pidfds (falling back
+    /// to one check each); the error names the lowest dead rank.
+    fn check_all(segments: &[Segment], me: usize) -> Result<()> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = Vec::with_capacity(segments.len());
+        let mut ranks = Vec::with_capacity(segments.len());
+        for (peer, s) in segments.iter().enumerate() {
+            match &s.liveness {
+                _ if peer == me => {}
+                Liveness::SameProcess => {}
+                Liveness::PidFd(fd) => {
+                    fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+                    ranks.push(peer);
+                }
+                Liveness::Kill(_) => s.liveness.check(peer, s.pid)?,
+            }
+        }
+        if fds.is_empty() {
+            return Ok(());
+        }
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(0) | Err(Errno::EINTR) => Ok(()),
+            Ok(_) => {
+                let dead = fds
+                    .iter()
+                    .zip(&ranks)
+                    .find(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
+                    .map_or(ranks[0], |(_, &r)| r);
+                Err(Error::PeerFailed {
+                    peer: dead,
+                    detail: format!("process {} exited", segments[dead].pid),
+                })
+            }
+            Err(e) => Err(Error::os("polling the pidfds of the peer processes", e)),
+        }
+    }
+
     pub(crate) fn check(&self, peer: usize, pid: u32) -> Result<()> {
         let dead = || Error::PeerFailed {
             peer,
@@ -620,8 +657,8 @@ impl Fabric for ShmFabric {
         self.num_slots
     }
 
-    fn local_window(&self) -> Window<'_> {
-        self.window_of(self.rank).expect("own rank is in range")
+    fn local_window(&self) -> Option<Window<'_>> {
+        self.window_of(self.rank).ok()
     }
 
     fn peer_window(&self, peer: usize) -> Option<Window<'_>> {
@@ -656,7 +693,7 @@ impl Fabric for ShmFabric {
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        let liveness = |peer: usize| self.check_peer(peer);
+        let liveness = || self.check_peers();
         self.segments[self.rank]
             .control
             .wait_with(self.wait_policy, deadline, poll, &liveness)
@@ -666,15 +703,24 @@ impl Fabric for ShmFabric {
         self.exchange.barrier(timeout)
     }
 
-    fn abort(&self) {
+    fn abort(&self, reason: &str) {
         for s in &self.segments {
-            s.control.set_abort(self.rank);
+            s.control.set_abort(self.rank, reason);
         }
+        // Ranks that lost their mapping of us (or wait on the bootstrap) hear it out of band.
+        let _ = self.exchange.broadcast_abort(reason);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let s = self.segment(peer)?;
         s.liveness.check(peer, s.pid)
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        if let Some((by, reason)) = self.exchange.poll_abort() {
+            return Err(Error::Aborted { by, reason });
+        }
+        Liveness::check_all(&self.segments, self.rank)
     }
 }
 

@@ -7,9 +7,14 @@
 //! | offset | what |
 //! |---|---|
 //! | 0 | header: magic, layout version, slot count, owner pid |
-//! | 64 | doorbell: a 32-bit futex word bumped by every signal, and a count of sleepers |
-//! | 128 | abort word: 0, or 1 + the rank that aborted |
-//! | 192 + 64*i | signal slot `i`, a 64-bit value alone on its cache line |
+//! | 128 | doorbell: a 32-bit futex word bumped by every signal, and a count of sleepers |
+//! | 256 | abort: the abort word (0, or 1 + the rank that aborted), the claim word, the reason length |
+//! | 384 | abort reason: up to [`ABORT_REASON_BYTES`] bytes of UTF-8 |
+//! | 640 + 128*i | signal slot `i`, a 64-bit value alone on a 128-byte line pair |
+//!
+//! Slots are 128 bytes apart, as `crossbeam_utils::CachePadded` pads on x86_64: the adjacent-line
+//! prefetcher fetches cache lines in pairs, so two slots written by different ranks never share
+//! a pair.
 //!
 //! Waiting spins briefly, then yields, then sleeps on the doorbell with a futex that is *shared*
 //! between processes (no `FUTEX_PRIVATE_FLAG`). Sleeps are cut into short chunks so that a dead
@@ -24,13 +29,19 @@ use crate::{Error, Result};
 /// Magic at the start of every control area ("XCCLCTRL").
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"XCCLCTRL");
 /// Layout version of the control area; bumped on any change of the table above.
-pub const CONTROL_VERSION: u32 = 1;
+pub const CONTROL_VERSION: u32 = 2;
+/// Longest abort reason a control area carries (longer ones are cut at a character boundary).
+pub const ABORT_REASON_BYTES: usize = 256;
 
-const LINE: usize = 64;
+/// Spacing of independently written words: a pair of 64-byte lines (see the module docs).
+const LINE: usize = 128;
 const HEADER_OFF: usize = 0;
 const DOORBELL_OFF: usize = LINE;
 const ABORT_OFF: usize = 2 * LINE;
-const SLOTS_OFF: usize = 3 * LINE;
+const ABORT_CLAIM_OFF: usize = ABORT_OFF + 8;
+const ABORT_LEN_OFF: usize = ABORT_OFF + 16;
+const REASON_OFF: usize = 3 * LINE;
+const SLOTS_OFF: usize = REASON_OFF + ABORT_REASON_BYTES;
 
 /// The header at offset 0 of a control area.
 #[repr(C)]
@@ -196,23 +207,51 @@ impl ControlArea {
         }
     }
 
-    /// Marks the area aborted by `by` and wakes sleepers. The first abort wins.
-    pub fn set_abort(&self, by: usize) {
-        let _ = self.atomic_u64(ABORT_OFF).compare_exchange(
-            0,
-            by as u64 + 1,
-            Ordering::SeqCst,
-            Ordering::SeqCst,
-        );
+    /// Marks the area aborted by `by` for `reason` and wakes sleepers. The first abort wins:
+    /// later ones (from any rank) change nothing.
+    pub fn set_abort(&self, by: usize, reason: &str) {
+        // SYNC POINT: the claim serialises aborters; only the winner writes the reason.
+        let won = self
+            .atomic_u64(ABORT_CLAIM_OFF)
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if won {
+            let mut cut = reason.len().min(ABORT_REASON_BYTES);
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            let bytes = &reason.as_bytes()[..cut];
+            for (i, chunk) in bytes.chunks(8).enumerate() {
+                let mut word = [0u8; 8];
+                word[..chunk.len()].copy_from_slice(chunk);
+                self.atomic_u64(REASON_OFF + 8 * i)
+                    .store(u64::from_le_bytes(word), Ordering::Relaxed);
+            }
+            self.atomic_u64(ABORT_LEN_OFF)
+                .store(cut as u64, Ordering::Relaxed);
+            // SYNC POINT: Release publishes the reason words above to `aborted_by` (Acquire).
+            self.atomic_u64(ABORT_OFF)
+                .store(by as u64 + 1, Ordering::Release);
+        }
         self.wake();
     }
 
-    /// The rank that aborted this area, if any.
-    pub fn aborted_by(&self) -> Option<usize> {
-        match self.atomic_u64(ABORT_OFF).load(Ordering::Acquire) {
-            0 => None,
-            v => Some(v as usize - 1),
+    /// The rank that aborted this area and its reason, if any.
+    pub fn aborted_by(&self) -> Option<(usize, String)> {
+        // SYNC POINT: pairs with the Release store of the abort word in `set_abort`.
+        let by = match self.atomic_u64(ABORT_OFF).load(Ordering::Acquire) {
+            0 => return None,
+            v => v as usize - 1,
+        };
+        let len = (self.atomic_u64(ABORT_LEN_OFF).load(Ordering::Relaxed) as usize)
+            .min(ABORT_REASON_BYTES);
+        let mut bytes = Vec::with_capacity(len.next_multiple_of(8));
+        for i in 0..len.div_ceil(8) {
+            let w = self.atomic_u64(REASON_OFF + 8 * i).load(Ordering::Relaxed);
+            bytes.extend_from_slice(&w.to_le_bytes());
         }
+        bytes.truncate(len);
+        Some((by, String::from_utf8_lossy(&bytes).into_owned()))
     }
 
     /// Wakes every sleeper on this area's doorbell (they re-poll).
@@ -227,15 +266,16 @@ impl ControlArea {
     }
 
     /// Waits until `poll` reports nothing pending, the deadline passes, the area is aborted, or
-    /// `liveness` reports the awaited peer dead.
+    /// `liveness` fails.
     ///
     /// `poll` returns `None` when done, or what it still waits for. `liveness` is called between
-    /// sleeps with the awaited peer.
+    /// sleeps and once more before a timeout is reported; it checks every peer (not only the
+    /// awaited one) and any out-of-band abort, and its error ends the wait.
     pub fn wait_until(
         &self,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
-        liveness: &dyn Fn(usize) -> Result<()>,
+        liveness: &dyn Fn() -> Result<()>,
     ) -> Result<()> {
         self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
     }
@@ -246,7 +286,7 @@ impl ControlArea {
         policy: WaitPolicy,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
-        liveness: &dyn Fn(usize) -> Result<()>,
+        liveness: &dyn Fn() -> Result<()>,
     ) -> Result<()> {
         let start = Instant::now();
         let mut iter: u32 = 0;
@@ -258,10 +298,10 @@ impl ControlArea {
                 None => return Ok(()),
                 Some(w) => w,
             };
-            if let Some(by) = self.aborted_by() {
+            if let Some((by, reason)) = self.aborted_by() {
                 return Err(Error::Aborted {
                     by,
-                    reason: format!("abort raised while waiting for rank {}", waiting.peer),
+                    reason: format!("{reason} (seen while waiting for rank {})", waiting.peer),
                 });
             }
             iter = iter.wrapping_add(1);
@@ -271,6 +311,8 @@ impl ControlArea {
             }
             let now = Instant::now();
             if now >= deadline {
+                // A dead peer or an abort explains the silence better than a timeout does.
+                liveness()?;
                 return Err(Error::Timeout {
                     peer: waiting.peer,
                     what: waiting.what.to_string(),
@@ -282,7 +324,7 @@ impl ControlArea {
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
-                liveness(waiting.peer)?;
+                liveness()?;
                 last_check = now;
             }
             // SYNC POINT: Acquire pairs with the SeqCst doorbell bumps in `store` and `wake`. A
@@ -350,7 +392,7 @@ impl WaitPolicy {
 }
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
 const SLEEP_CHUNK: Duration = Duration::from_millis(20);
-/// How often a sleeping wait checks that the awaited peer is alive.
+/// How often a sleeping wait checks that every peer is alive and nobody aborted out of band.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {

@@ -2,8 +2,10 @@
 //!
 //! A window is memory that peers write into and read from while this process runs, so Rust
 //! references into it are only sound while the wire protocol guarantees that nobody else touches
-//! the range. Copies in and out (`read`, `write`) are always safe; borrowing a range as a slice is
-//! `unsafe` and each caller says in its `SAFETY:` comment which protocol step makes it exclusive.
+//! the range. Copies in and out (`read`, `write`) go through raw pointers and are always safe;
+//! borrowing a range as a slice is `unsafe` and each caller says in its `SAFETY:` comment which
+//! protocol step makes it exclusive. A `Window` is neither `Copy` nor `Sync`: an exclusive borrow
+//! needs `&mut` of the view it came from.
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;
@@ -11,7 +13,7 @@ use std::ptr::NonNull;
 use crate::{Error, Result};
 
 /// A view of one rank's window: `len` bytes at `base`, valid for `'a`.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct Window<'a> {
     base: NonNull<u8>,
     len: usize,
@@ -21,10 +23,8 @@ pub struct Window<'a> {
 
 // SAFETY: a Window is a pointer plus a length into memory shared between ranks; every access
 // through it is either a copy of bytes (no aliasing references are created) or an `unsafe` borrow
-// whose caller guarantees exclusivity, so moving or sharing the view between threads is sound.
+// whose caller guarantees exclusivity, so moving the view to another thread is sound.
 unsafe impl Send for Window<'_> {}
-// SAFETY: see the `Send` impl above.
-unsafe impl Sync for Window<'_> {}
 
 impl<'a> Window<'a> {
     /// Wraps `len` bytes at `base` belonging to `rank`.
@@ -117,8 +117,7 @@ impl<'a> Window<'a> {
     /// # Safety
     /// No rank may read or write the range while the slice lives, and no other borrow of it may
     /// exist in this process.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut(&self, offset: usize, len: usize) -> Result<&'a mut [u8]> {
+    pub unsafe fn slice_mut(&mut self, offset: usize, len: usize) -> Result<&'a mut [u8]> {
         self.check(offset, len)?;
         // SAFETY: in bounds (checked), mapped for 'a (constructor contract), exclusive (caller
         // contract).

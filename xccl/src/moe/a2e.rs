@@ -66,7 +66,12 @@ impl Communicator {
         // SAFETY: peers read this parity's input only between our signal of an epoch with this
         // parity and their credit for it; the wait above covers epoch - 2, the last such epoch,
         // and the `&mut self` borrow keeps us from signalling while the slice lives.
-        let bytes = unsafe { self.fabric.local_window().slice_mut(at, len)? };
+        let bytes = unsafe {
+            self.fabric
+                .local_window()
+                .expect("host window")
+                .slice_mut(at, len)?
+        };
         bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
             Error::invalid(format!(
                 "registered input is not aligned for {}: {e}",
@@ -159,7 +164,7 @@ impl Communicator {
         let n = experts.len();
         let direct = self.fabric.capabilities().load_store;
         let row = self.layout.a2e;
-        let own = self.fabric.local_window();
+        let mut own = self.fabric.local_window().expect("host window");
         let x: &[u8] = match x {
             Some(x) => x,
             // SAFETY: the caller wrote the registered input before this call (`a2e_input`
@@ -195,7 +200,7 @@ impl Communicator {
             let bytes = count * row.stride;
             let remote = self.layout.a2e_recv(src_index, parity);
             let (dst, staged) = if mode == WireMode::Push && direct {
-                let win = self.fabric.peer_window(d).expect("load/store fabric");
+                let mut win = self.fabric.peer_window(d).expect("load/store fabric");
                 // SAFETY: the credit wait above guarantees that `d` finished reading this parity's
                 // rows from us (epoch - 2) and will not read them again before our signal of
                 // `epoch`; no one else writes our receive area at `d`.
@@ -272,7 +277,7 @@ impl Communicator {
         let mut failure: Option<Error> = None;
         let f = &*self.fabric;
         let (slots, layout) = (self.slots, &self.layout);
-        let win = f.local_window();
+        let win = f.local_window().expect("host window");
         let mut missing = sources.len();
         let mut first_token = 0;
         f.wait_until(self.deadline(), &mut || {
@@ -365,7 +370,9 @@ impl Communicator {
                 let at = self.layout.a2e_recv(i, parity) + rows.start * fmt.stride;
                 // SAFETY: the sender signalled progress past these rows after writing them and
                 // writes this parity again only after our credit, sent once we are done.
-                SourceRows::Packed(unsafe { f.local_window().slice(at, bytes)? })
+                SourceRows::Packed(unsafe {
+                    f.local_window().expect("host window").slice(at, bytes)?
+                })
             }
             (WireMode::Pull, None) => return Ok(None),
             (WireMode::Pull, Some(win)) => {

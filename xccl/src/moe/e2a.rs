@@ -125,13 +125,13 @@ impl Communicator {
             let bytes = count * stride;
             let stage_off = self.layout.e2a_stage(parity) + info.first_token * stride;
             let (dst, offset) = if mode == TransferMode::Push && direct {
-                let win = self.fabric.peer_window(s).expect("load/store fabric");
+                let mut win = self.fabric.peer_window(s).expect("load/store fabric");
                 let at = self.layout.e2a_recv(parity) + info.reply_offset * stride;
                 // SAFETY: the credit wait covers epoch - 2, the last E2A with this parity, so `s`
                 // no longer reads this reply range; only we write it.
                 (unsafe { win.slice_mut(at, bytes)? }, info.reply_offset)
             } else {
-                let win = self.fabric.local_window();
+                let mut win = self.fabric.local_window().expect("host window");
                 // SAFETY: our staging for this parity is read by peers only between our signal
                 // and their credit; the credit wait above covers the previous such epoch.
                 (
@@ -220,7 +220,7 @@ impl Communicator {
         {
             let f = &*self.fabric;
             let (slots, layout) = (self.slots, &self.layout);
-            let own = f.local_window();
+            let own = f.local_window().expect("host window");
             let (acc, cursors, pull_buf) = (&mut self.acc, &mut self.cursors, &mut self.pull_buf);
             let hl = &handle.layout;
             let mut pass = || -> Result<Option<Waiting>> {

@@ -145,7 +145,7 @@ impl Communicator {
         let topk = self.cfg.topk;
         let f = &*self.fabric;
         let (slots, layout) = (self.slots, &self.layout);
-        let own = f.local_window();
+        let own = f.local_window().expect("host window");
         // Per source: its validated record and mode, and how many rows are copied.
         let mut state: Vec<Option<(Record, WireMode, usize)>> = vec![None; sources.len()];
         let mut done = vec![false; sources.len()];
@@ -296,7 +296,12 @@ impl Communicator {
         // SAFETY: peers read this parity's staging only between our signal of an epoch with this
         // parity and their credit for it; the wait above covers epoch - 2, the last such epoch,
         // and the `&mut self` borrow keeps us from signalling while the slice lives.
-        let bytes = unsafe { self.fabric.local_window().slice_mut(at, len)? };
+        let bytes = unsafe {
+            self.fabric
+                .local_window()
+                .expect("host window")
+                .slice_mut(at, len)?
+        };
         bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
             Error::invalid(format!(
                 "registered output is not aligned for {}: {e}",

@@ -11,8 +11,9 @@
 //!
 //! | offset | what |
 //! |---|---|
-//! | 0 | abort word: 0, or 1 + the rank that aborted (64 bytes) |
-//! | 64 + 64*i | signal slot `i`, a 64-bit value alone on its 64-byte line |
+//! | 0 | abort word: 0, or 1 + the rank that aborted |
+//! | 64 | abort reason: up to 256 bytes of UTF-8, NUL-padded |
+//! | 384 + 128*i | signal slot `i`, a 64-bit value alone on its 128-byte line |
 //! | `window_offset` (4096-aligned) | the data window, `window_len` bytes |
 //!
 //! and a private staging buffer for host data. [`AscendFabric::new`] exports the block
@@ -38,6 +39,11 @@
 //!   spin briefly, then sleep in growing naps (up to 1 ms); between naps they check every peer
 //!   process (pidfd, as the shm fabric), the abort word, a local abort flag and the bootstrap's
 //!   out-of-band abort ([`Exchange::poll_abort`]). Every wait has a deadline.
+//! - `abort(reason)`: the reason goes into every rank's reason area (staged, device-to-device),
+//!   then `by + 1` into its abort word with a value write on the same stream, so a rank that
+//!   sees the word reads the reason; the bootstrap carries it out of band too. A rank that has
+//!   already seen an abort does not raise another (the first abort wins, as far as a rank can
+//!   tell without a remote compare-and-swap).
 //!
 //! Signals use `aclrtValueWrite` rather than notifies: value writes are documented as 64-bit
 //! stores into any device memory, imported memory included, so a signal is one store into the
@@ -96,9 +102,15 @@ const NEEDS: &[&str] = &[
     "aclrtIpcMemClose",
 ];
 
+/// Alignment the runtime wants for device-to-device copies.
 const LINE: usize = 64;
+/// Distance between signal slots (two 64-byte lines: no false sharing with prefetch).
+const SLOT_STRIDE: usize = 128;
 const ABORT_OFF: usize = 0;
-const SLOTS_OFF: usize = LINE;
+const REASON_OFF: usize = 64;
+/// Longest abort reason carried in device memory (longer ones are cut).
+const REASON_BYTES: usize = 256;
+const SLOTS_OFF: usize = 384;
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL1");
 const ADVERT_WORDS: usize = 8;
 const KEY_LEN: usize = xccl_sys::acl::ACL_IPC_MEM_KEY_LEN as usize;
@@ -110,7 +122,7 @@ const LONGEST_NAP: Duration = Duration::from_millis(1);
 const CHECK_EVERY: Duration = Duration::from_millis(10);
 
 fn control_bytes(num_slots: usize) -> usize {
-    SLOTS_OFF + LINE * num_slots
+    SLOTS_OFF + SLOT_STRIDE * num_slots
 }
 
 fn round_up(v: usize, to: usize) -> Option<usize> {
@@ -285,6 +297,8 @@ pub struct AscendFabric {
     staging: DevPtr,
     /// Set by this rank's own `abort`.
     aborted: AtomicBool,
+    /// The reason this rank gave.
+    abort_reason: Mutex<String>,
     /// The first runtime error seen where none can be returned (`signal_value`).
     sticky: Mutex<Option<Error>>,
     /// Released last (fields drop in declaration order).
@@ -453,6 +467,7 @@ impl AscendFabric {
             state,
             staging,
             aborted: AtomicBool::new(false),
+            abort_reason: Mutex::new(String::new()),
             sticky: Mutex::new(None),
             owned,
         })
@@ -535,7 +550,7 @@ impl AscendFabric {
                 self.num_slots
             )));
         }
-        Ok(self.peer(peer)?.base.add(SLOTS_OFF + LINE * slot))
+        Ok(self.peer(peer)?.base.add(SLOTS_OFF + SLOT_STRIDE * slot))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, StreamState> {
@@ -569,32 +584,42 @@ impl AscendFabric {
         if let Some(e) = self.sticky.lock().unwrap_or_else(|e| e.into_inner()).take() {
             return Some(e);
         }
-        let aborted = |by: usize, reason: String| Error::Aborted { by, reason };
-        if self.aborted.load(Ordering::Acquire) {
-            return Some(aborted(
-                self.rank,
-                format!(
-                    "this rank aborted while waiting for rank {}",
-                    waiting.peer
-                ),
-            ));
-        }
-        match self.read_own_word(ABORT_OFF) {
-            Ok(0) => {}
-            Ok(v) => {
-                return Some(aborted(
-                    (v - 1) as usize,
-                    format!("abort raised while waiting for rank {}", waiting.peer),
-                ))
-            }
+        let _ = waiting;
+        // The device's record first: it names the first rank that aborted.
+        match self.aborted_in_device() {
+            Ok(None) => {}
+            Ok(Some((by, reason))) => return Some(Error::Aborted { by, reason }),
             Err(e) => return Some(e),
         }
-        self.exchange.poll_abort().map(|(by, why)| {
-            aborted(
-                by,
-                format!("{why} (out of band, while waiting for rank {})", waiting.peer),
-            )
-        })
+        if self.aborted.load(Ordering::Acquire) {
+            let reason = self
+                .abort_reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            return Some(Error::Aborted {
+                by: self.rank,
+                reason,
+            });
+        }
+        None
+    }
+
+    /// The abort recorded in this rank's own control area, if any: `(by, reason)`.
+    fn aborted_in_device(&self) -> Result<Option<(usize, String)>> {
+        let word = self.read_own_word(ABORT_OFF)?;
+        if word == 0 {
+            return Ok(None);
+        }
+        let mut reason = vec![0u8; REASON_BYTES];
+        self.owned.rt.copy_to_host(
+            &mut reason,
+            self.peers[self.rank].base.add(REASON_OFF),
+            || "reading the abort reason".into(),
+        )?;
+        let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
+        let by = usize::try_from(word - 1).unwrap_or(usize::MAX);
+        Ok(Some((by, String::from_utf8_lossy(&reason[..end]).into_owned())))
     }
 
     fn remember(&self, e: Error) {
@@ -696,15 +721,9 @@ impl Fabric for AscendFabric {
         self.num_slots
     }
 
-    fn local_window(&self) -> Window<'_> {
-        // TEMPORARY, until the Fabric trait's `local_window` returns an Option (then: None).
-        // This hands out the device address as host memory, which only the stand-in runtime
-        // (device memory = host shared memory) makes valid; on real hardware it is not.
-        let p = &self.peers[self.rank];
-        let base = std::ptr::NonNull::new(p.base.add(p.window_offset).0)
-            .expect("aclrtMalloc returned a non-null block");
-        // SAFETY: see above: valid for the stand-in runtime only, for the life of `self`.
-        unsafe { Window::from_raw(base, p.window_len, self.rank) }
+    fn local_window(&self) -> Option<Window<'_>> {
+        // Device memory: the host cannot address it. The protocol uses put/get to this rank.
+        None
     }
 
     fn peer_window(&self, _peer: usize) -> Option<Window<'_>> {
@@ -821,7 +840,7 @@ impl Fabric for AscendFabric {
             .owned
             .rt
             .bind_thread()
-            .and_then(|()| self.read_own_word(SLOTS_OFF + LINE * slot));
+            .and_then(|()| self.read_own_word(SLOTS_OFF + SLOT_STRIDE * slot));
         match read {
             Ok(v) => v,
             Err(e) => {
@@ -867,11 +886,10 @@ impl Fabric for AscendFabric {
                 if let Some(e) = self.interrupted(&waiting) {
                     return Err(e);
                 }
-                // Every peer, not only the awaited one: a dead rank anywhere stalls the job.
+                // The awaited peer first (the likeliest culprit), then every other one and the
+                // bootstrap's abort channel: a dead rank anywhere stalls the job.
                 self.check_peer(waiting.peer)?;
-                for peer in (0..self.peers.len()).filter(|&p| p != waiting.peer) {
-                    self.check_peer(peer)?;
-                }
+                self.check_peers()?;
                 last_check = Some(now);
             }
             if now >= deadline {
@@ -890,36 +908,88 @@ impl Fabric for AscendFabric {
         self.exchange.barrier(timeout)
     }
 
-    fn abort(&self) {
-        self.aborted.store(true, Ordering::Release);
-        let rt = &self.owned.rt;
-        if rt.bind_thread().is_ok() {
-            let mut st = self.lock();
-            for (peer, p) in self.peers.iter().enumerate() {
-                // A dead peer's memory may be gone: best effort, one peer at a time.
-                // SAFETY: the abort word is the first, 64-aligned word of each imported block;
-                // synchronized right after.
-                let queued = unsafe {
-                    rt.write_value_async(&st.stream, p.base.add(ABORT_OFF), self.rank as u64 + 1, || {
-                        format!("abort to rank {peer}")
-                    })
-                };
-                if queued.is_ok() {
-                    st.pending = true;
-                }
-            }
-            let _ = self.sync(&mut st, || "abort".into());
+    fn abort(&self, reason: &str) {
+        // The first abort wins: a rank that already saw one (its own or a peer's) stays quiet.
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return;
         }
-        let _ = self
-            .exchange
-            .broadcast_abort(&format!("rank {} aborted the ascend fabric", self.rank));
+        *self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
+        let rt = &self.owned.rt;
+        let seen = rt
+            .bind_thread()
+            .and_then(|()| self.aborted_in_device())
+            .ok()
+            .flatten();
+        if seen.is_none() {
+            let _ = self.raise_abort(reason);
+        }
+        let _ = self.exchange.broadcast_abort(reason);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let p = self.peer(peer)?;
         p.liveness.check(peer, p.pid)
     }
+
+    fn check_peers(&self) -> Result<()> {
+        if let Some((by, reason)) = self.exchange.poll_abort() {
+            return Err(Error::Aborted { by, reason });
+        }
+        (0..self.peers.len())
+            .filter(|&p| p != self.rank)
+            .try_for_each(|p| self.check_peer(p))
+    }
 }
+
+impl AscendFabric {
+    /// Writes `reason` and then the abort word into every rank's control area (best effort: a
+    /// dead peer's memory may be gone), on the stream, in that order.
+    fn raise_abort(&self, reason: &str) -> Result<()> {
+        let rt = &self.owned.rt;
+        let mut text = [0u8; REASON_BYTES];
+        let cut = floor_char_boundary(reason, REASON_BYTES - 1);
+        text[..cut].copy_from_slice(&reason.as_bytes()[..cut]);
+        let mut st = self.lock();
+        self.sync(&mut st, || "completing puts before an abort".into())?;
+        // The reason is staged once, at the start of the staging buffer.
+        rt.copy_to_device(self.staging, &text, || "staging the abort reason".into())?;
+        for (peer, p) in self.peers.iter().enumerate() {
+            // SAFETY: the reason area and the abort word lie in the control area of rank
+            // `peer`'s block (own or imported), the source in staging; the stream is
+            // synchronized below, before anything is released.
+            let queued = unsafe {
+                rt.copy_d2d_async(
+                    &st.stream,
+                    p.base.add(REASON_OFF),
+                    self.staging,
+                    REASON_BYTES,
+                    || format!("abort reason to rank {peer}"),
+                )
+                .and_then(|()| {
+                    rt.write_value_async(
+                        &st.stream,
+                        p.base.add(ABORT_OFF),
+                        self.rank as u64 + 1,
+                        || format!("abort to rank {peer}"),
+                    )
+                })
+            };
+            if queued.is_ok() {
+                st.pending = true;
+            }
+        }
+        self.sync(&mut st, || "abort".into())
+    }
+}
+
+/// The largest index `<= max` that is a char boundary of `s`.
+fn floor_char_boundary(s: &str, max: usize) -> usize {
+    if s.len() <= max {
+        return s.len();
+    }
+    (0..=max).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
+}
+
 
 #[cfg(test)]
 mod tests {
