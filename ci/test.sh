@@ -16,6 +16,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
 
+echo "== bindings"
+# The committed bindgen output must match the header it is generated from (installs bindgen-cli
+# and libclang-dev when missing).
+bash ci/gen-acl-bindings.sh --check
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== clippy"

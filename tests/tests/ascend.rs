@@ -70,9 +70,15 @@ fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
     let f = join(ctx)?;
     // The stand-in exports every declared function: the loader must have resolved them all.
     let acl = xccl_sys::acl::load().map_err(|e| fail(e.to_string()))?;
-    for name in xccl_sys::acl::REQUIRED.iter().chain(xccl_sys::acl::OPTIONAL) {
+    for name in xccl_sys::acl::REQUIRED
+        .iter()
+        .chain(xccl_sys::acl::OPTIONAL)
+    {
         if !acl.has(name) {
-            return Err(fail(format!("{name} did not resolve in {}", acl.path().display())));
+            return Err(fail(format!(
+                "{name} did not resolve in {}",
+                acl.path().display()
+            )));
         }
     }
     let caps = f.capabilities();
@@ -80,7 +86,11 @@ fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
         return Err(fail(format!("unexpected capabilities {caps:?}")));
     }
     conformance::run_all(&f)?;
-    announce(&format!("device {} via {}", f.device(), acl.path().display()));
+    announce(&format!(
+        "device {} via {}",
+        f.device(),
+        acl.path().display()
+    ));
     Ok(())
 }
 
@@ -233,7 +243,14 @@ fn standin_home() -> &'static Path {
         std::fs::create_dir_all(&lib64).expect("creating the stand-in directory");
         let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
         let out = Command::new("gcc")
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-fvisibility=hidden"])
+            .args([
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Werror",
+                "-fvisibility=hidden",
+            ])
             .arg("-I")
             .arg(manifest.join("../xccl-sys/include"))
             .arg("-o")
@@ -345,7 +362,10 @@ fn missing_runtime_is_fabric_unavailable_naming_library_and_variable() {
         "missing_library",
         1,
         Via::Home,
-        &[("ASCEND_HOME_PATH", Some(&empty)), ("LD_LIBRARY_PATH", None)],
+        &[
+            ("ASCEND_HOME_PATH", Some(&empty)),
+            ("LD_LIBRARY_PATH", None),
+        ],
     );
     job.expect_success(Duration::from_secs(30));
     let out = job.output(0);

@@ -270,9 +270,15 @@ mod tests {
     #[test]
     fn missing_library_error_names_library_and_variable() {
         let e = LoadError::NotFound {
-            tried: vec![(PathBuf::from("/nowhere/lib64/libascendcl.so"), "no such file".into())],
+            tried: vec![(
+                PathBuf::from("/nowhere/lib64/libascendcl.so"),
+                "no such file".into(),
+            )],
         };
         let s = e.to_string();
-        assert!(s.contains(LIBRARY) && s.contains(HOME_ENV) && s.contains("/nowhere"), "{s}");
+        assert!(
+            s.contains(LIBRARY) && s.contains(HOME_ENV) && s.contains("/nowhere"),
+            "{s}"
+        );
     }
 }

@@ -157,8 +157,7 @@ impl Advert {
         let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         let mut key = [0u8; KEY_LEN];
         let bytes = self.key.as_bytes();
-        key[..bytes.len().min(KEY_LEN - 1)]
-            .copy_from_slice(&bytes[..bytes.len().min(KEY_LEN - 1)]);
+        key[..bytes.len().min(KEY_LEN - 1)].copy_from_slice(&bytes[..bytes.len().min(KEY_LEN - 1)]);
         out.extend_from_slice(&key);
         out
     }
@@ -262,7 +261,10 @@ impl Owned {
         }
         // Importers close before the exporter (documented order for IPC memory).
         for (peer, key) in self.imports.drain(..) {
-            note(self.rt.close_key(&key, &format!("rank {peer}'s imported window")));
+            note(
+                self.rt
+                    .close_key(&key, &format!("rank {peer}'s imported window")),
+            );
         }
         if let Some(key) = self.own_key.take() {
             note(self.rt.close_key(&key, "this rank's exported window"));
@@ -327,7 +329,13 @@ impl AscendFabric {
         num_slots: usize,
         device: i32,
     ) -> Result<Self> {
-        Self::with_timeout(exchange, window_len, num_slots, device, DEFAULT_INIT_TIMEOUT)
+        Self::with_timeout(
+            exchange,
+            window_len,
+            num_slots,
+            device,
+            DEFAULT_INIT_TIMEOUT,
+        )
     }
 
     /// [`AscendFabric::new`] with an explicit timeout for each rendezvous step.
@@ -351,7 +359,9 @@ impl AscendFabric {
         }
         let too_large = || Error::invalid(format!("a window of {window_len} bytes is too large"));
         let window_offset = round_up(control_bytes(num_slots), 4096).ok_or_else(too_large)?;
-        let block_len = window_offset.checked_add(window_len).ok_or_else(too_large)?;
+        let block_len = window_offset
+            .checked_add(window_len)
+            .ok_or_else(too_large)?;
 
         let rt = Runtime::open(device, NEEDS)?;
         let mut owned = Owned {
@@ -619,7 +629,10 @@ impl AscendFabric {
         )?;
         let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
         let by = usize::try_from(word - 1).unwrap_or(usize::MAX);
-        Ok(Some((by, String::from_utf8_lossy(&reason[..end]).into_owned())))
+        Ok(Some((
+            by,
+            String::from_utf8_lossy(&reason[..end]).into_owned(),
+        )))
     }
 
     fn remember(&self, e: Error) {
@@ -649,7 +662,7 @@ fn check_compatible(peer: usize, ad: &Advert, mine: &Advert) -> Result<()> {
             ),
         });
     }
-    if ad.window_offset < control_bytes(ad.num_slots) || ad.window_offset % LINE != 0 {
+    if ad.window_offset < control_bytes(ad.num_slots) || !ad.window_offset.is_multiple_of(LINE) {
         return Err(Error::Protocol {
             peer,
             detail: format!(
@@ -767,7 +780,10 @@ impl Fabric for AscendFabric {
             // the stream is synchronized (by `self`, before its memory is released).
             unsafe {
                 rt.copy_d2d_async(&st.stream, dst.add(done), src, n, || {
-                    format!("put of {n} bytes to rank {peer} at offset {}", offset + done)
+                    format!(
+                        "put of {n} bytes to rank {peer} at offset {}",
+                        offset + done
+                    )
                 })?;
             }
             st.pending = true;
@@ -787,7 +803,9 @@ impl Fabric for AscendFabric {
         let src = p.base.add(p.window_offset + offset);
         let len = buf.len();
         let mut st = self.lock();
-        self.sync(&mut st, || format!("completing puts before a get from rank {peer}"))?;
+        self.sync(&mut st, || {
+            format!("completing puts before a get from rank {peer}")
+        })?;
         if peer == self.rank {
             return rt.copy_to_host(buf, src, || {
                 format!("get of {len} bytes from this rank's window")
@@ -803,7 +821,10 @@ impl Fabric for AscendFabric {
             // synchronized right below, before either could be released.
             unsafe {
                 rt.copy_d2d_async(&st.stream, stage, src.add(done), n, || {
-                    format!("get of {n} bytes from rank {peer} at offset {}", offset + done)
+                    format!(
+                        "get of {n} bytes from rank {peer} at offset {}",
+                        offset + done
+                    )
                 })?;
             }
             st.pending = true;
@@ -873,7 +894,7 @@ impl Fabric for AscendFabric {
             };
             polls = polls.saturating_add(1);
             if polls < SPIN_POLLS {
-                if polls % 16 == 0 {
+                if polls.is_multiple_of(16) {
                     if let Some(e) = self.interrupted(&waiting) {
                         return Err(e);
                     }
@@ -987,9 +1008,11 @@ fn floor_char_boundary(s: &str, max: usize) -> usize {
     if s.len() <= max {
         return s.len();
     }
-    (0..=max).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0)
+    (0..=max)
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0)
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -1009,7 +1032,7 @@ mod tests {
         };
         assert_eq!(Advert::decode(&a.encode(), 3).unwrap(), a);
         assert!(matches!(
-            Advert::decode(&vec![0u8; ADVERT_WORDS * 8 + KEY_LEN], 3),
+            Advert::decode(&[0u8; ADVERT_WORDS * 8 + KEY_LEN], 3),
             Err(Error::Protocol { peer: 3, .. })
         ));
         assert!(matches!(
@@ -1025,7 +1048,10 @@ mod tests {
         if let Err(e) = runtime::load() {
             let s = e.to_string();
             assert!(matches!(e, Error::FabricUnavailable { .. }), "{s}");
-            assert!(s.contains("libascendcl.so") && s.contains("ASCEND_HOME_PATH"), "{s}");
+            assert!(
+                s.contains("libascendcl.so") && s.contains("ASCEND_HOME_PATH"),
+                "{s}"
+            );
         }
     }
 }

@@ -74,7 +74,9 @@ impl Runtime {
         // have been bound by someone else since.
         // SAFETY: aclrtSetDevice takes a plain integer.
         let code = unsafe { rt.acl.runtime().aclrtSetDevice(device) };
-        rt.check(code, "aclrtSetDevice", || format!("binding to device {device}"))?;
+        rt.check(code, "aclrtSetDevice", || {
+            format!("binding to device {device}")
+        })?;
         CURRENT_DEVICE.with(|c| c.set(Some(device)));
         Ok(rt)
     }
@@ -138,7 +140,10 @@ impl Runtime {
             return None;
         }
         // SAFETY: non-null, NUL-terminated (runtime contract), read before any other ACL call.
-        let text = unsafe { CStr::from_ptr(ptr) }.to_string_lossy().trim().to_string();
+        let text = unsafe { CStr::from_ptr(ptr) }
+            .to_string_lossy()
+            .trim()
+            .to_string();
         (!text.is_empty()).then_some(text)
     }
 
@@ -193,8 +198,10 @@ impl Runtime {
         }
         let mut can = 0i32;
         // SAFETY: `can` is a valid out-pointer; the ids are plain integers.
-        let code =
-            unsafe { self.raw().aclrtDeviceCanAccessPeer(&mut can, self.device, peer_device) };
+        let code = unsafe {
+            self.raw()
+                .aclrtDeviceCanAccessPeer(&mut can, self.device, peer_device)
+        };
         self.check(code, "aclrtDeviceCanAccessPeer", || {
             format!(
                 "asking whether device {} can reach device {peer_device} of rank {peer}",
@@ -227,8 +234,10 @@ impl Runtime {
     pub(crate) fn malloc(&self, len: usize, what: &str) -> Result<DevPtr> {
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: `ptr` is a valid out-pointer; the policy is a valid enum value.
-        let code =
-            unsafe { self.raw().aclrtMalloc(&mut ptr, len.max(1), acl::ACL_MEM_MALLOC_HUGE_FIRST) };
+        let code = unsafe {
+            self.raw()
+                .aclrtMalloc(&mut ptr, len.max(1), acl::ACL_MEM_MALLOC_HUGE_FIRST)
+        };
         self.check(code, "aclrtMalloc", || {
             format!("allocating {len} bytes of device memory for {what}")
         })?;
@@ -419,7 +428,9 @@ impl Runtime {
     pub(crate) fn destroy_stream(&self, s: Stream) -> Result<()> {
         // SAFETY: `s` came from aclrtCreateStream and is consumed here.
         let code = unsafe { self.raw().aclrtDestroyStream(s.0) };
-        self.check(code, "aclrtDestroyStream", || "destroying the stream".into())
+        self.check(code, "aclrtDestroyStream", || {
+            "destroying the stream".into()
+        })
     }
 
     /// Waits for every task on `s`, at most `timeout_ms` where the runtime supports a timeout.
@@ -431,7 +442,10 @@ impl Runtime {
     ) -> Result<()> {
         if self.has("aclrtSynchronizeStreamWithTimeout") {
             // SAFETY: `s` is a live stream of this device.
-            let code = unsafe { self.raw().aclrtSynchronizeStreamWithTimeout(s.0, timeout_ms) };
+            let code = unsafe {
+                self.raw()
+                    .aclrtSynchronizeStreamWithTimeout(s.0, timeout_ms)
+            };
             return self.check(code, "aclrtSynchronizeStreamWithTimeout", context);
         }
         // SAFETY: `s` is a live stream of this device.
@@ -500,5 +514,7 @@ pub fn finalize_runtime() -> Result<()> {
     let code = unsafe { acl.runtime().aclFinalize() };
     *done = false;
     let rt = Runtime { acl, device: -1 };
-    rt.check(code, "aclFinalize", || "finalizing the Ascend runtime".into())
+    rt.check(code, "aclFinalize", || {
+        "finalizing the Ascend runtime".into()
+    })
 }
