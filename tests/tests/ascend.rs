@@ -48,6 +48,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["signal_fails"] => signal_fails(ctx),
         ["init_fails"] => init_fails(ctx),
         ["killed_after_init"] => killed_after_init(ctx),
+        ["slot_mismatch"] => slot_mismatch(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     r.map_err(|e| e.to_string())
@@ -231,6 +232,25 @@ fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
     }
 }
 
+/// Rank `r` asks for `min_slots + r` slots: every rank fails at init, at once, naming a peer.
+fn slot_mismatch(ctx: &ChildCtx) -> xccl::Result<()> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let start = Instant::now();
+    let slots = min_slots(ctx.size) + ctx.rank;
+    match AscendFabric::new(ex, MIN_WINDOW, slots, ctx.rank as i32) {
+        Err(Error::Protocol { peer, detail })
+            if peer == 1 - ctx.rank
+                && detail.contains("signal slots")
+                && start.elapsed() < Duration::from_secs(10) =>
+        {
+            announce(&format!("rejected: {detail}"));
+            Ok(())
+        }
+        Err(other) => Err(fail(format!("expected a protocol error, got {other}"))),
+        Ok(_) => Err(fail("ranks with different slot counts joined".into())),
+    }
+}
+
 // ---- parent side ----
 
 /// Builds the stand-in once per test process: `<dir>/lib64/libascendcl.so`; returns `<dir>`.
@@ -395,6 +415,14 @@ fn runtime_error_during_init_names_the_call_and_frees_what_was_made() {
         // The first allocation (the window) succeeds, the second (staging) fails.
         &[(FAIL_ENV, Some("aclrtMalloc:207001:1"))],
     );
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn different_slot_counts_fail_every_rank_promptly() {
+    let (mut job, segs) = spawn("slot_mismatch", 2, Via::Home, &[]);
     job.expect_success(Duration::from_secs(30));
     println!("{}", job.output(0).trim());
     assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");

@@ -414,30 +414,39 @@ impl AscendFabric {
                 blobs.len()
             )));
         }
-        let adverts: Vec<Advert> = blobs
-            .iter()
-            .enumerate()
-            .map(|(peer, b)| {
-                if peer == rank {
-                    Ok(mine.clone())
-                } else {
-                    Advert::decode(b, peer)
-                }
-            })
-            .collect::<Result<_>>()?;
-        for (peer, ad) in adverts.iter().enumerate() {
-            check_compatible(peer, ad, &mine)?;
-        }
-        // Round 2: every rank whitelists every peer's driver pid, and says it did.
-        let pids: Vec<i32> = adverts
-            .iter()
-            .enumerate()
-            .filter(|&(p, _)| p != rank)
-            .map(|(_, a)| a.ipc_pid)
-            .collect();
-        let allowed = rt.allow_importers(&mine.key, &pids);
-        gather_outcomes(&*exchange, &allowed, timeout, "allow its peers to import")?;
-        allowed?;
+        // Round 2: every rank checks the adverts and whitelists every peer's driver pid, and
+        // tells the others whether it could (so a mismatch fails every rank at once).
+        let checked: Result<Vec<Advert>> = (|| {
+            let adverts: Vec<Advert> = blobs
+                .iter()
+                .enumerate()
+                .map(|(peer, b)| {
+                    if peer == rank {
+                        Ok(mine.clone())
+                    } else {
+                        Advert::decode(b, peer)
+                    }
+                })
+                .collect::<Result<_>>()?;
+            for (peer, ad) in adverts.iter().enumerate() {
+                check_compatible(peer, ad, &mine)?;
+            }
+            let pids: Vec<i32> = adverts
+                .iter()
+                .enumerate()
+                .filter(|&(p, _)| p != rank)
+                .map(|(_, a)| a.ipc_pid)
+                .collect();
+            rt.allow_importers(&mine.key, &pids)?;
+            Ok(adverts)
+        })();
+        gather_outcomes(
+            &*exchange,
+            &checked,
+            timeout,
+            "check the adverts and allow imports",
+        )?;
+        let adverts = checked?;
         // Round 3: import every peer's block; report.
         let mut peers = Vec::with_capacity(size);
         let imported: Result<()> = (|| {
