@@ -111,6 +111,9 @@ const REASON_OFF: usize = 64;
 /// Longest abort reason carried in device memory (longer ones are cut).
 const REASON_BYTES: usize = 256;
 const SLOTS_OFF: usize = 384;
+// The abort word, the reason and the slots do not overlap, and no two slots share a line.
+const _: () = assert!(REASON_OFF >= 8 && REASON_OFF + REASON_BYTES <= SLOTS_OFF);
+const _: () = assert!(SLOTS_OFF.is_multiple_of(SLOT_STRIDE) && SLOT_STRIDE >= 2 * LINE);
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL1");
 const ADVERT_WORDS: usize = 8;
 const KEY_LEN: usize = xccl_sys::acl::ACL_IPC_MEM_KEY_LEN as usize;
@@ -1048,6 +1051,20 @@ mod tests {
             Advert::decode(&[1, 2, 3], 5),
             Err(Error::Protocol { peer: 5, .. })
         ));
+    }
+
+    #[test]
+    fn abort_reasons_are_cut_at_a_char_boundary() {
+        assert_eq!(floor_char_boundary("abc", 10), 3);
+        assert_eq!(floor_char_boundary("abcdef", 4), 4);
+        // 'é' is two bytes (1..3): a cut at 2 falls inside it.
+        assert_eq!(floor_char_boundary("aéb", 2), 1);
+    }
+
+    #[test]
+    fn window_starts_past_the_control_area_and_aligned() {
+        let off = round_up(control_bytes(10), 4096).unwrap();
+        assert!(off >= control_bytes(10) && off.is_multiple_of(LINE));
     }
 
     #[test]
