@@ -14,7 +14,8 @@ if ! command -v bindgen >/dev/null 2>&1; then
   echo "gen-acl-bindings: installing bindgen-cli $BINDGEN_VERSION"
   cargo install bindgen-cli --version "$BINDGEN_VERSION" --locked --quiet
 fi
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 && ! ldconfig -p | grep -q libclang; then
+# bindgen needs libclang and clang's own headers (stddef.h, stdint.h): Debian's libclang-dev.
+if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libclang-dev >/dev/null 2>&1; then
   echo "gen-acl-bindings: installing libclang-dev"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
