@@ -45,6 +45,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
         ["missing_library"] => missing_library(ctx),
+        ["missing_on_rank_1"] => missing_on_rank_1(ctx),
         ["signal_fails"] => signal_fails(ctx),
         ["init_fails"] => init_fails(ctx),
         ["killed_after_init"] => killed_after_init(ctx),
@@ -156,6 +157,32 @@ fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
         }
         Err(other) => Err(fail(format!("expected FabricUnavailable, got {other}"))),
         Ok(_) => Err(fail("the ascend fabric came up without a runtime".into())),
+    }
+}
+
+/// Rank 1 cannot find the runtime; rank 0 has it and must fail promptly, naming rank 1.
+fn missing_on_rank_1(ctx: &ChildCtx) -> xccl::Result<()> {
+    if ctx.rank == 1 {
+        // This child is the only thread touching the environment at this point.
+        std::env::set_var("ASCEND_HOME_PATH", "/nonexistent-ascend-home");
+        std::env::remove_var("LD_LIBRARY_PATH");
+    }
+    let start = Instant::now();
+    match (ctx.rank, join(ctx)) {
+        (1, Err(Error::FabricUnavailable { detail, .. })) if detail.contains("libascendcl.so") => {
+            Ok(())
+        }
+        (0, Err(Error::PeerFailed { peer: 1, detail }))
+            if detail.contains("libascendcl.so") && start.elapsed() < Duration::from_secs(10) =>
+        {
+            announce(&format!("rank 1 failed: {detail}"));
+            Ok(())
+        }
+        (_, other) => Err(fail(format!(
+            "rank {}: unexpected outcome {other:?} after {:?}",
+            ctx.rank,
+            start.elapsed()
+        ))),
     }
 }
 
@@ -444,6 +471,14 @@ fn missing_runtime_is_fabric_unavailable_naming_library_and_variable() {
     let out = job.output(0);
     println!("{}", out.trim());
     assert!(out.contains(&empty), "the tried path is named: {out}");
+}
+
+#[test]
+fn a_rank_without_the_runtime_fails_every_rank_promptly() {
+    let (mut job, segs) = spawn("missing_on_rank_1", 2, Via::Home, &[]);
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
 }
 
 #[test]

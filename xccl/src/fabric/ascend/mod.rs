@@ -115,6 +115,8 @@ const SLOTS_OFF: usize = 384;
 const _: () = assert!(REASON_OFF >= 8 && REASON_OFF + REASON_BYTES <= SLOTS_OFF);
 const _: () = assert!(SLOTS_OFF.is_multiple_of(SLOT_STRIDE) && SLOT_STRIDE >= 2 * LINE);
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL1");
+/// Tag of the round-1 blob of a rank that failed its local setup (its error text follows).
+const FAILED_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACLX");
 const ADVERT_WORDS: usize = 8;
 const KEY_LEN: usize = xccl_sys::acl::ACL_IPC_MEM_KEY_LEN as usize;
 /// Polls before a wait starts to sleep (each poll is a device-to-host copy per slot).
@@ -292,6 +294,16 @@ impl Drop for Owned {
     }
 }
 
+/// What [`AscendFabric::setup_local`] made.
+struct Local {
+    rt: Runtime,
+    owned: Owned,
+    block: DevPtr,
+    staging: DevPtr,
+    state: Arc<Mutex<StreamState>>,
+    mine: Advert,
+}
+
 /// One rank's endpoint of the Ascend fabric. See the module docs.
 pub struct AscendFabric {
     exchange: Arc<dyn Exchange>,
@@ -366,56 +378,45 @@ impl AscendFabric {
             .checked_add(window_len)
             .ok_or_else(too_large)?;
 
-        let rt = Runtime::open(device, NEEDS)?;
-        let mut owned = Owned {
-            rt: rt.clone(),
-            block: None,
-            staging: None,
-            stream: None,
-            own_key: None,
-            imports: Vec::new(),
-            device_bound: true,
-        };
-        let block = rt.malloc(block_len, "this rank's window")?;
-        owned.block = Some(block);
-        // Device memory is not zeroed: clear the control area and the window.
-        let zeros = vec![0u8; block_len.min(STAGING_BYTES)];
-        let mut at = 0;
-        while at < block_len {
-            let n = (block_len - at).min(zeros.len());
-            rt.copy_to_device(block.add(at), &zeros[..n], || {
-                "clearing this rank's window".into()
-            })?;
-            at += n;
-        }
-        let staging = rt.malloc(STAGING_BYTES, "the staging buffer")?;
-        owned.staging = Some(staging);
-        let state = Arc::new(Mutex::new(StreamState {
-            stream: rt.create_stream()?,
-            staged: 0,
-            pending: false,
-        }));
-        owned.stream = Some(state.clone());
-        let key = rt.export(block, block_len)?;
-        owned.own_key = Some(key.clone());
-
-        let mine = Advert {
-            pid: std::process::id(),
-            ipc_pid: rt.ipc_pid()?,
-            device,
-            host: host_id(),
-            num_slots,
-            window_offset,
-            window_len,
-            key,
+        // Local setup; a rank that fails here still takes part in round 1 (with its error
+        // instead of an advert), so that no peer waits for it until the timeout.
+        let setup = Self::setup_local(window_len, num_slots, device, window_offset, block_len);
+        let blob = match &setup {
+            Ok(local) => local.mine.encode(),
+            Err(e) => {
+                let mut b = FAILED_MAGIC.to_le_bytes().to_vec();
+                b.extend_from_slice(e.to_string().as_bytes());
+                b
+            }
         };
         // Round 1: adverts.
-        let blobs = exchange.allgather(&mine.encode(), timeout)?;
+        let blobs = exchange.allgather(&blob, timeout);
+        let Local {
+            rt,
+            mut owned,
+            block,
+            staging,
+            state,
+            mine,
+        } = setup?;
+        let blobs = blobs?;
         if blobs.len() != size {
             return Err(Error::Bootstrap(format!(
                 "allgather returned {} blobs for {size} ranks",
                 blobs.len()
             )));
+        }
+        // Every rank sees the same blobs, so all that got here stop here together.
+        for (peer, b) in blobs.iter().enumerate() {
+            if b.get(..8) == Some(&FAILED_MAGIC.to_le_bytes()[..]) {
+                return Err(Error::PeerFailed {
+                    peer,
+                    detail: format!(
+                        "could not set up the ascend fabric: {}",
+                        String::from_utf8_lossy(&b[8..])
+                    ),
+                });
+            }
         }
         // Round 2: every rank checks the adverts and whitelists every peer's driver pid, and
         // tells the others whether it could (so a mismatch fails every rank at once).
@@ -492,6 +493,67 @@ impl AscendFabric {
             abort_reason: Mutex::new(String::new()),
             sticky: Mutex::new(None),
             owned,
+        })
+    }
+
+    /// Opens the runtime and makes this rank's block, staging buffer, stream and export key.
+    fn setup_local(
+        window_len: usize,
+        num_slots: usize,
+        device: i32,
+        window_offset: usize,
+        block_len: usize,
+    ) -> Result<Local> {
+        let rt = Runtime::open(device, NEEDS)?;
+        // From here on `owned` releases whatever exists if a later step fails.
+        let mut owned = Owned {
+            rt: rt.clone(),
+            block: None,
+            staging: None,
+            stream: None,
+            own_key: None,
+            imports: Vec::new(),
+            device_bound: true,
+        };
+        let block = rt.malloc(block_len, "this rank's window")?;
+        owned.block = Some(block);
+        // Device memory is not zeroed: clear the control area and the window.
+        let zeros = vec![0u8; block_len.min(STAGING_BYTES)];
+        let mut at = 0;
+        while at < block_len {
+            let n = (block_len - at).min(zeros.len());
+            rt.copy_to_device(block.add(at), &zeros[..n], || {
+                "clearing this rank's window".into()
+            })?;
+            at += n;
+        }
+        let staging = rt.malloc(STAGING_BYTES, "the staging buffer")?;
+        owned.staging = Some(staging);
+        let state = Arc::new(Mutex::new(StreamState {
+            stream: rt.create_stream()?,
+            staged: 0,
+            pending: false,
+        }));
+        owned.stream = Some(state.clone());
+        let key = rt.export(block, block_len)?;
+        owned.own_key = Some(key.clone());
+        let mine = Advert {
+            pid: std::process::id(),
+            ipc_pid: rt.ipc_pid()?,
+            device,
+            host: host_id(),
+            num_slots,
+            window_offset,
+            window_len,
+            key,
+        };
+        Ok(Local {
+            rt,
+            owned,
+            block,
+            staging,
+            state,
+            mine,
         })
     }
 
