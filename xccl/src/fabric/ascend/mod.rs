@@ -23,7 +23,10 @@
 //! confirms it, then each rank enables peer access to every other device
 //! (`aclrtDeviceCanAccessPeer`, `aclrtDeviceEnablePeerAccess`) and imports every peer's block
 //! (`aclrtIpcMemImportByKey`); a third round reports each rank's outcome, so one rank that fails
-//! makes every rank fail, naming it.
+//! makes every rank fail, naming it. A rank whose local setup fails (no runtime, a runtime error)
+//! publishes its error instead of an advert in the first round, so its peers fail at once too.
+//! Every runtime call's non-zero code becomes [`Error::Native`] naming the call, the code, what
+//! xccl was doing (and for which rank) and `aclGetRecentErrMsg`'s text.
 //!
 //! ## Transfers (host-driven)
 //! The runtime forbids host<->device copies of imported memory and synchronous copies of it, so:

@@ -17,8 +17,9 @@ use crate::{Error, Result};
 /// Library name used in errors.
 pub(crate) const LIBRARY: &str = acl::LIBRARY;
 
-/// Whether this process called `aclInit` (successfully, or found it already done).
-static INITIALISED: Mutex<bool> = Mutex::new(false);
+/// `None` until xccl initialised ACL in this process; `Some(true)` if xccl's `aclInit` did it,
+/// `Some(false)` if someone else had (then xccl never finalizes).
+static INITIALISED: Mutex<Option<bool>> = Mutex::new(None);
 /// `(this device, peer device)` pairs whose peer access this process enabled.
 static PEER_ACCESS: Mutex<Option<HashSet<(i32, i32)>>> = Mutex::new(None);
 
@@ -83,7 +84,7 @@ impl Runtime {
 
     fn init_process(&self) -> Result<()> {
         let mut done = INITIALISED.lock().unwrap_or_else(|e| e.into_inner());
-        if *done {
+        if done.is_some() {
             return Ok(());
         }
         // SAFETY: aclInit accepts NULL for "no configuration file".
@@ -92,11 +93,12 @@ impl Runtime {
         if code != 0 && code as u32 != acl::ACL_ERROR_REPEAT_INITIALIZE {
             self.check(code, "aclInit", || "initialising the Ascend runtime".into())?;
         }
-        if code as u32 == acl::ACL_ERROR_REPEAT_INITIALIZE {
-            // Consume the message the runtime left for it.
+        let ours = code == 0;
+        if !ours {
+            // Consume the message the runtime left for the repeated init.
             let _ = self.recent_message();
         }
-        *done = true;
+        *done = Some(ours);
         Ok(())
     }
 
@@ -499,20 +501,23 @@ impl Runtime {
     }
 }
 
-/// Calls `aclFinalize` for this process, if xccl initialised ACL in it.
+/// Calls `aclFinalize` for this process, if xccl's own `aclInit` initialised ACL in it (not if
+/// the application had already).
 ///
 /// ACL allows one `aclInit` per process, and the application (or another library, such as
 /// torch_npu) may share it, so xccl never finalizes on its own: call this once before exit,
 /// after every [`super::AscendFabric`] is dropped, if nothing else in the process uses ACL.
+/// Later attempts to build an ascend fabric in this process then fail in the runtime.
 pub fn finalize_runtime() -> Result<()> {
     let mut done = INITIALISED.lock().unwrap_or_else(|e| e.into_inner());
-    if !*done {
+    if *done != Some(true) {
         return Ok(());
     }
     let acl = load()?;
     // SAFETY: aclFinalize takes no arguments; ACL was initialised (flag above).
     let code = unsafe { acl.runtime().aclFinalize() };
-    *done = false;
+    // ACL allows one aclInit per process: no fabric can be made after this.
+    *done = Some(false);
     let rt = Runtime { acl, device: -1 };
     rt.check(code, "aclFinalize", || {
         "finalizing the Ascend runtime".into()
