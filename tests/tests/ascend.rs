@@ -303,7 +303,10 @@ fn threads_and_close(ctx: &ChildCtx) -> xccl::Result<()> {
     if theirs[..] != data[..4096] {
         return Err(fail("get from the neighbour returned wrong bytes".into()));
     }
-    f.close(CONNECT)
+    f.close(CONNECT)?;
+    // xccl initialised ACL in this process, so it may finalize it (once).
+    xccl::fabric::ascend::finalize_runtime()?;
+    xccl::fabric::ascend::finalize_runtime()
 }
 
 /// Rank `r` asks for `min_slots + r` slots: every rank fails at init, at once, naming a peer.
