@@ -51,6 +51,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["killed_after_init"] => killed_after_init(ctx),
         ["slot_mismatch"] => slot_mismatch(ctx),
         ["threads_and_close"] => threads_and_close(ctx),
+        ["standin_rules"] => standin_rules(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     r.map_err(|e| e.to_string())
@@ -309,6 +310,126 @@ fn threads_and_close(ctx: &ChildCtx) -> xccl::Result<()> {
     xccl::fabric::ascend::finalize_runtime()
 }
 
+/// The stand-in enforces the documented IPC rules that the fabric must respect (else the
+/// conformance runs would prove little): no import before the exporter whitelisted the
+/// importer's pid, no host<->device copy of imported memory. Raw calls, two processes.
+fn standin_rules(ctx: &ChildCtx) -> xccl::Result<()> {
+    use std::ffi::{c_void, CStr};
+    use xccl_sys::acl;
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let lib = acl::load().map_err(|e| fail(e.to_string()))?;
+    let rt = lib.runtime();
+    let expect = |what: &str, got: acl::aclError, want: u32| {
+        if got as u32 == want {
+            Ok(())
+        } else {
+            Err(fail(format!("{what}: code {got}, expected {want}")))
+        }
+    };
+    // Every raw call below: arguments are valid pointers to live locals or device addresses
+    // returned by the stand-in, keys are NUL-terminated, lengths match the buffers.
+    // SAFETY: as said above; aclInit accepts NULL.
+    unsafe {
+        expect("aclInit", rt.aclInit(std::ptr::null()), acl::ACL_SUCCESS)?;
+        expect(
+            "aclrtSetDevice",
+            rt.aclrtSetDevice(ctx.rank as i32),
+            acl::ACL_SUCCESS,
+        )?;
+    }
+    let mut key = [0u8; acl::ACL_IPC_MEM_KEY_LEN as usize];
+    let mut mem: *mut c_void = std::ptr::null_mut();
+    if ctx.rank == 0 {
+        // SAFETY: see above.
+        unsafe {
+            expect(
+                "aclrtMalloc",
+                rt.aclrtMalloc(&mut mem, 4096, acl::ACL_MEM_MALLOC_HUGE_FIRST),
+                acl::ACL_SUCCESS,
+            )?;
+            expect(
+                "aclrtIpcMemGetExportKey",
+                rt.aclrtIpcMemGetExportKey(mem, 4096, key.as_mut_ptr().cast(), key.len(), 0),
+                acl::ACL_SUCCESS,
+            )?;
+        }
+    }
+    let keys = ex.allgather(&key, CONNECT)?;
+    let pids = ex.allgather(&std::process::id().to_le_bytes(), CONNECT)?;
+    let key0 = CStr::from_bytes_until_nul(&keys[0]).map_err(|e| fail(e.to_string()))?;
+    if ctx.rank == 1 {
+        let mut peer_mem: *mut c_void = std::ptr::null_mut();
+        // SAFETY: see above.
+        unsafe {
+            expect(
+                "import before whitelisting",
+                rt.aclrtIpcMemImportByKey(&mut peer_mem, key0.as_ptr(), 0),
+                acl::ACL_ERROR_RT_NO_PERMISSION,
+            )?;
+            let msg = CStr::from_ptr(rt.aclGetRecentErrMsg())
+                .to_string_lossy()
+                .into_owned();
+            if !msg.contains("whitelist") {
+                return Err(fail(format!("message {msg:?}")));
+            }
+        }
+    }
+    ex.barrier(CONNECT)?;
+    if ctx.rank == 0 {
+        let mut pid = i32::from_le_bytes(pids[1][..4].try_into().expect("4 bytes"));
+        // SAFETY: see above.
+        unsafe {
+            expect(
+                "aclrtIpcMemSetImportPid",
+                rt.aclrtIpcMemSetImportPid(key0.as_ptr(), &mut pid, 1),
+                acl::ACL_SUCCESS,
+            )?;
+        }
+    }
+    ex.barrier(CONNECT)?;
+    if ctx.rank == 1 {
+        let mut peer_mem: *mut c_void = std::ptr::null_mut();
+        let host = [1u8; 64];
+        // SAFETY: see above.
+        unsafe {
+            expect(
+                "import after whitelisting",
+                rt.aclrtIpcMemImportByKey(&mut peer_mem, key0.as_ptr(), 0),
+                acl::ACL_SUCCESS,
+            )?;
+            expect(
+                "host-to-device copy into imported memory",
+                rt.aclrtMemcpy(
+                    peer_mem,
+                    64,
+                    host.as_ptr().cast(),
+                    64,
+                    acl::ACL_MEMCPY_HOST_TO_DEVICE,
+                ),
+                acl::ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+            )?;
+            expect(
+                "aclrtIpcMemClose (importer)",
+                rt.aclrtIpcMemClose(key0.as_ptr()),
+                acl::ACL_SUCCESS,
+            )?;
+        }
+    }
+    ex.barrier(CONNECT)?;
+    if ctx.rank == 0 {
+        // SAFETY: see above.
+        unsafe {
+            expect(
+                "aclrtIpcMemClose (exporter)",
+                rt.aclrtIpcMemClose(key0.as_ptr()),
+                acl::ACL_SUCCESS,
+            )?;
+            expect("aclrtFree", rt.aclrtFree(mem), acl::ACL_SUCCESS)?;
+        }
+    }
+    Ok(())
+}
+
 /// Rank `r` asks for `min_slots + r` slots: every rank fails at init, at once, naming a peer.
 fn slot_mismatch(ctx: &ChildCtx) -> xccl::Result<()> {
     let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
@@ -514,6 +635,11 @@ fn runtime_error_during_init_names_the_call_and_frees_what_was_made() {
 #[test]
 fn fabric_works_from_other_threads_and_closes_collectively() {
     run_ok("threads_and_close", 3, Via::Home, Duration::from_secs(60));
+}
+
+#[test]
+fn standin_enforces_the_documented_ipc_rules() {
+    run_ok("standin_rules", 2, Via::Home, Duration::from_secs(30));
 }
 
 #[test]
