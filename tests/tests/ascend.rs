@@ -1,9 +1,15 @@
 //! The ascend fabric between real processes, through the real `dlopen` and FFI path, against a
 //! **stand-in** of the Ascend runtime (`tests/ascend_standin/acl_standin.c`, built here with gcc
-//! as `libascendcl.so`; no NPU is involved): the conformance suite with 2 and 3 ranks, A2E/E2A
-//! checked against the reference, a SIGKILLed peer, the missing-library error and runtime error
-//! codes surfacing with the call's name and the runtime's message. Every job's stand-in segments
-//! are checked to be gone from `/dev/shm`.
+//! as `libascendcl.so`; no NPU is involved): the conformance suite with 2 and 3 ranks, the
+//! library found through `ASCEND_HOME_PATH` and through `LD_LIBRARY_PATH`, puts larger than the
+//! staging buffer from a thread that did not make the fabric, a collective close, a SIGKILLed
+//! peer, the missing-library error (on every rank, and on one rank only), runtime error codes
+//! surfacing with the call's name and the runtime's message, mismatched slot counts, and the
+//! stand-in's own enforcement of the IPC rules. Every job's stand-in segments are checked to be
+//! gone from `/dev/shm`.
+//!
+//! A2E/E2A against the reference (as `moe_shm.rs`) is here but ignored: the protocol still loads
+//! and stores its own window, which on this fabric is device memory (`local_window()` is `None`).
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
@@ -264,16 +270,26 @@ fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
 /// The fabric used from a thread that did not create it (ACL binds devices per thread), then
 /// closed collectively.
 fn threads_and_close(ctx: &ChildCtx) -> xccl::Result<()> {
-    let f = join(ctx)?;
+    // Larger than the staging buffer, so puts wrap around it and must wait for queued copies.
+    const WINDOW: usize = 3 * xccl::fabric::ascend::STAGING_BYTES;
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let f = AscendFabric::new(ex, WINDOW, min_slots(ctx.size), ctx.rank as i32)?;
     let next = (ctx.rank + 1) % ctx.size;
     let prev = (ctx.rank + ctx.size - 1) % ctx.size;
-    let data: Vec<u8> = (0..100_000u32)
-        .map(|i| (i * 7 + ctx.rank as u32) as u8)
-        .collect();
+    let byte = |i: usize, r: usize| (i * 7 + r) as u8;
+    let data: Vec<u8> = (0..WINDOW).map(|i| byte(i, ctx.rank)).collect();
+    let big = 2 * xccl::fabric::ascend::STAGING_BYTES + 12_345;
     std::thread::scope(|s| {
         s.spawn(|| -> xccl::Result<()> {
-            // Unaligned offset and a length that spans several staging chunks' worth of lines.
-            f.put(next, 13, &data[..MIN_WINDOW - 13])?;
+            // One put larger than staging, at an unaligned offset...
+            f.put(next, 13, &data[13..13 + big])?;
+            // ...then many small ones that add up to more than staging, before one signal.
+            let mut at = 13 + big;
+            while at < WINDOW {
+                let n = (WINDOW - at).min(4_000);
+                f.put(next, at, &data[at..at + n])?;
+                at += n;
+            }
             f.signal(next, 0, 1)
         })
         .join()
@@ -286,22 +302,23 @@ fn threads_and_close(ctx: &ChildCtx) -> xccl::Result<()> {
         deadline_after(CONNECT),
         &|v| v == 1,
     )?;
-    let mut got = vec![0u8; MIN_WINDOW - 13];
+    let mut got = vec![0u8; WINDOW - 13];
     f.get(ctx.rank, 13, &mut got)?;
-    let want: Vec<u8> = (0..(MIN_WINDOW - 13) as u32)
-        .map(|i| (i * 7 + prev as u32) as u8)
-        .collect();
-    if got != want {
-        return Err(fail("bytes put from another thread differ".into()));
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != byte(i + 13, prev)) {
+        return Err(fail(format!(
+            "byte {} put from another thread differs",
+            i + 13
+        )));
     }
     // Read the neighbour's window remotely from yet another thread.
-    let mut theirs = vec![0u8; 4096];
+    // (Its window holds what this rank put: larger than staging, so the get is chunked.)
+    let mut theirs = vec![0u8; WINDOW - 13];
     std::thread::scope(|s| {
         s.spawn(|| f.get(next, 13, &mut theirs))
             .join()
             .expect("getter")
     })?;
-    if theirs[..] != data[..4096] {
+    if theirs[..] != data[13..] {
         return Err(fail("get from the neighbour returned wrong bytes".into()));
     }
     f.close(CONNECT)?;
