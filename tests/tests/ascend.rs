@@ -580,16 +580,16 @@ fn ascend_conformance_with_3_processes_found_through_ld_library_path() {
 
 #[test]
 #[ignore = "the protocol (comm.rs handshake, moe A2E/E2A) still loads and stores its own window; \
-            the ascend window is device memory (local_window() is None): enable once the \
-            protocol reaches its own window through put/get"]
+            the ascend window is device memory (local_window() is None): enable with \
+            comm.rs's PROTOCOL_REACHES_DEVICE_WINDOWS once the protocol uses put/get for it"]
 fn ascend_one_attention_one_expert_matches_reference() {
     run_ok("moe:1:1:40", 2, Via::Home, Duration::from_secs(60));
 }
 
 #[test]
 #[ignore = "the protocol (comm.rs handshake, moe A2E/E2A) still loads and stores its own window; \
-            the ascend window is device memory (local_window() is None): enable once the \
-            protocol reaches its own window through put/get"]
+            the ascend window is device memory (local_window() is None): enable with \
+            comm.rs's PROTOCOL_REACHES_DEVICE_WINDOWS once the protocol uses put/get for it"]
 fn ascend_two_attention_two_expert_matches_reference() {
     run_ok("moe:2:2:30", 4, Via::Home, Duration::from_secs(90));
 }

@@ -28,6 +28,10 @@ use crate::topology::{Role, Topology};
 use crate::{Error, Result};
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHAND");
+/// Whether the protocol reaches its own window through `put`/`get` when the fabric has no host
+/// view of it (`local_window()` is `None`, the ascend fabric). Set it to `true` once it does;
+/// `init_ascend` refuses to build a communicator until then.
+const PROTOCOL_REACHES_DEVICE_WINDOWS: bool = false;
 
 /// One rank's communicator.
 pub struct Communicator {
@@ -161,7 +165,9 @@ impl Communicator {
     /// of NPU `device`, reached by its peers through IPC memory keys (see
     /// [`crate::fabric::ascend`]). Collective: every rank of `exchange` calls it with the same
     /// topology and config and its own device. Fails with [`Error::FabricUnavailable`] naming
-    /// `libascendcl.so` and `ASCEND_HOME_PATH` where the CANN runtime is not installed.
+    /// `libascendcl.so` and `ASCEND_HOME_PATH` where the CANN runtime is not installed; in this
+    /// build also after the fabric came up, because the MoE protocol does not yet reach a
+    /// device-memory window through `put`/`get` (the fabric itself is usable on its own).
     pub fn init_ascend(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
@@ -177,6 +183,15 @@ impl Communicator {
             ))
         })?;
         let fabric = AscendFabric::new(exchange, len, Self::signal_slots(&topo), device)?;
+        if !PROTOCOL_REACHES_DEVICE_WINDOWS && fabric.local_window().is_none() {
+            // Refuse here rather than panic in the handshake or the first A2E.
+            return Err(Error::FabricUnavailable {
+                fabric: "ascend".into(),
+                detail: "the MoE protocol of this build loads and stores its own window, and \
+                         the ascend window is device memory (local_window() is None)"
+                    .into(),
+            });
+        }
         Self::new(Box::new(fabric), topo, cfg)
     }
 
