@@ -919,8 +919,9 @@ impl Fabric for AscendFabric {
         let rt = &self.owned.rt;
         rt.bind_thread()?;
         let mut st = self.lock();
-        // SAFETY: `addr` is slot `slot` (checked) of rank `peer`'s block: 8-aligned (64-byte
-        // lines from a page-aligned allocation), imported with peer access; synchronized below.
+        // SAFETY: `addr` is slot `slot` (checked) of rank `peer`'s block: 8-aligned (slots are
+        // 128 bytes apart from offset 384 of an allocation the runtime aligns to at least 64),
+        // own or imported with peer access; the stream is synchronized below.
         unsafe {
             rt.write_value_async(&st.stream, addr, value, || {
                 format!("signal {value} to rank {peer}, slot {slot}")
