@@ -16,11 +16,12 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_main, Criterion, Throughput};
 use half::bf16;
-use xccl::harness::Workload;
 use xccl::moe::dtype::slice_from_f32;
-use xccl::moe::layout::DispatchLayout;
-use xccl::moe::reference::random_routing;
-use xccl::moe::wire::{A2eRow, Record};
+use xccl::moe::record::Record;
+use xccl::moe::routing::DispatchLayout;
+use xccl::moe::rows::A2eRow;
+use xccl::testing::harness::Workload;
+use xccl::testing::reference::random_routing;
 use xccl::{Communicator, DType, ExpertBatch, MoeConfig, Topology, TransferMode};
 
 const K: usize = 8;
@@ -82,8 +83,11 @@ fn row_meta(c: &mut Criterion) {
     let cfg = MoeConfig::new(7168, DType::BF16, K, 128);
     let row = A2eRow::new(&cfg, &topo);
     let mut meta = vec![0u8; row.stride - row.meta_offset()];
-    let mask = vec![0b1011_0001u64; row.mask_words];
+    // Four local experts (bits 0, 4, 5, 7), within a rank hosting 64.
+    let mut mask = vec![0u64; row.mask_words];
+    mask[0] = 0b1011_0001;
     let weights = [0.125f32; K];
+    let mut experts = Vec::with_capacity(K);
     let mut group = c.benchmark_group("row_meta");
     group.throughput(Throughput::Bytes(meta.len() as u64));
     group.bench_function("encode_decode", |b| {
@@ -94,8 +98,10 @@ fn row_meta(c: &mut Criterion) {
                 black_box(&mask),
                 black_box(&weights),
             );
-            let (tok, m, w) = row.decode_meta(black_box(&meta));
-            black_box((tok, m.len(), w.len()));
+            let tok = row
+                .decode_row(black_box(&meta), 1, 16, 64, &mut experts)
+                .expect("valid row");
+            black_box((tok, experts.len()));
         })
     });
     memcpy_bench(&mut group, meta.len());
@@ -144,7 +150,7 @@ fn roundtrip_local(c: &mut Criterion) {
                 let h = attention
                     .a2e_send(&x, &input.topk_idx, &input.topk_weights)
                     .expect("a2e_send");
-                attention.e2a_recv(h, &mut out).expect("e2a_recv");
+                attention.e2a_recv(&h, &mut out).expect("e2a_recv");
             }
             start.elapsed()
         })

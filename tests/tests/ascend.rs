@@ -5,11 +5,10 @@
 //! staging buffer from a thread that did not make the fabric, a collective close, a SIGKILLed
 //! peer, the missing-library error (on every rank, and on one rank only), runtime error codes
 //! surfacing with the call's name and the runtime's message, mismatched slot counts, and the
-//! stand-in's own enforcement of the IPC rules. Every job's stand-in segments are checked to be
-//! gone from `/dev/shm`.
-//!
-//! A2E/E2A against the reference (as `moe_shm.rs`) is here but ignored: the protocol still loads
-//! and stores its own window, which on this fabric is device memory (`local_window()` is `None`).
+//! stand-in's own enforcement of the IPC rules, and A2E/E2A (1A:1E, 2A:2E, every mode and
+//! receive path as in `moe_shm.rs`) checked against the reference, with the window in "device
+//! memory" reached only through `put`/`get`. Every job's stand-in segments are checked to be gone
+//! from `/dev/shm`.
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
@@ -24,7 +23,10 @@ use xccl::bootstrap::Exchange;
 use xccl::fabric::ascend::AscendFabric;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::{deadline_after, Fabric};
-use xccl::harness::{attention_round_with, expert_round, expert_round_tokens, Buffers, Workload};
+use xccl::testing::harness::{
+    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
+    Workload,
+};
 use xccl::{
     Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
 };
@@ -111,8 +113,8 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
     let mut comm =
         Communicator::init_ascend(ex, topo, cfg, ctx.rank as i32).map_err(|e| e.to_string())?;
-    if comm.fabric().name() != "ascend" {
-        return Err(format!("fabric {}", comm.fabric().name()));
+    if comm.fabric_name() != "ascend" {
+        return Err(format!("fabric {}", comm.fabric_name()));
     }
     let wl = Workload {
         seed: 0xa5c3 + (m * 10 + n) as u64,
@@ -123,24 +125,27 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
-        // Push and pull, caller's and registered buffers, both receive layouts.
+        // Push and pull, every receive path (expert-major, view, token-major).
         let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
             TransferMode::Pull
         } else {
             TransferMode::Push
         };
         comm.set_mode(mode);
-        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
-            Buffers::Registered
-        } else {
-            Buffers::Copy
-        };
+        // The caller's buffers only: registered buffers (`a2e_input`, `e2a_output`) are slices
+        // of the window, which the host cannot address on this fabric.
+        let buffers = Buffers::Copy;
         let verdict = match comm.role() {
             Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
             Role::Expert if round.is_multiple_of(2) => {
                 expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
             }
-            Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true),
+            Role::Expert if round % 4 == 1 => {
+                expert_round_view::<bf16>(&mut comm, &wl, round, true)
+            }
+            Role::Expert => {
+                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
+            }
         };
         verdict
             .map_err(|e| format!("round {round}: {e}"))?
@@ -579,17 +584,11 @@ fn ascend_conformance_with_3_processes_found_through_ld_library_path() {
 }
 
 #[test]
-#[ignore = "the protocol (comm.rs handshake, moe A2E/E2A) still loads and stores its own window; \
-            the ascend window is device memory (local_window() is None): enable with \
-            comm.rs's PROTOCOL_REACHES_DEVICE_WINDOWS once the protocol uses put/get for it"]
 fn ascend_one_attention_one_expert_matches_reference() {
     run_ok("moe:1:1:40", 2, Via::Home, Duration::from_secs(60));
 }
 
 #[test]
-#[ignore = "the protocol (comm.rs handshake, moe A2E/E2A) still loads and stores its own window; \
-            the ascend window is device memory (local_window() is None): enable with \
-            comm.rs's PROTOCOL_REACHES_DEVICE_WINDOWS once the protocol uses put/get for it"]
 fn ascend_two_attention_two_expert_matches_reference() {
     run_ok("moe:2:2:30", 4, Via::Home, Duration::from_secs(90));
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::bf16;
-use xccl::harness::{
+use xccl::testing::harness::{
     attention_round, attention_round_with, expert_round, expert_round_tokens_with,
     expert_round_view, Buffers, Workload,
 };

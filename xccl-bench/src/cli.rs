@@ -84,7 +84,7 @@ pub struct Args {
     pub buffers: BufferKind,
 
     /// Bytes a sender writes between progress signals (receivers copy while senders write).
-    #[arg(long, default_value_t = xccl::moe::wire::CHUNK_BYTES, value_parser = clap::value_parser!(usize))]
+    #[arg(long, default_value_t = xccl::moe::progress::CHUNK_BYTES, value_parser = clap::value_parser!(usize))]
     pub chunk_bytes: usize,
 
     /// Measured iterations per token count.
@@ -103,7 +103,7 @@ pub struct Args {
     #[arg(long, value_name = "S")]
     pub skew: Option<f64>,
 
-    /// Replay every iteration through `xccl::harness` (reference expert, untimed) and compare
+    /// Replay every iteration through `xccl::testing::harness` (reference expert, untimed) and compare
     /// with the reference; exit non-zero on any mismatch.
     #[arg(long)]
     pub check: bool,

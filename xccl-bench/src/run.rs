@@ -1,15 +1,15 @@
 //! What every rank does: the timed iterations of each token count, then (with `--check`) the same
-//! rounds again through [`xccl::harness`].
+//! rounds again through [`xccl::testing::harness`].
 
 use std::sync::Arc;
 
 use indicatif::ProgressBar;
-use xccl::harness::{
+use xccl::moe::dtype::slice_from_f32;
+use xccl::testing::harness::{
     attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
     Workload,
 };
-use xccl::moe::dtype::slice_from_f32;
-use xccl::moe::reference::RankInput;
+use xccl::testing::reference::RankInput;
 use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, TokenBatch, Topology};
 
 use crate::cli::{Args, BufferKind, ExpertLayout};
@@ -155,7 +155,7 @@ fn run_typed<T: Element>(
                     };
                     let t1 = now_ns();
                     let rows = handle.total_rows() as u64;
-                    comm.e2a_recv(handle, &mut out[..n])?;
+                    comm.e2a_recv(&handle, &mut out[..n])?;
                     let t2 = now_ns();
                     [t0, t1, t2, rows]
                 }
@@ -170,7 +170,7 @@ fn run_typed<T: Element>(
                 }
                 Role::Expert if args.layout == ExpertLayout::View => {
                     let mode = comm.config().mode;
-                    let view = comm.a2e_recv_view()?;
+                    let mut view = comm.a2e_recv_view()?;
                     let t0 = now_ns();
                     let n = view.num_tokens() as u64;
                     // The identity, computed straight into the reply rows.

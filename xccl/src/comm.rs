@@ -1,16 +1,30 @@
-//! [`Communicator`]: one rank's handle on an xccl job; ties fabric, topology and the MoE
-//! protocol together.
+//! [`Communicator`]: one rank's handle on an xccl job. It builds the fabric and the protocol
+//! types, checks at init that every peer was given the same topology and config, and delegates
+//! each call to the protocol (`crate::moe`), keeping the one thing the protocol cannot: the state
+//! a failed call leaves behind.
 //!
-//! Every rank builds its communicator from the same [`Topology`] and [`MoeConfig`]; the window
-//! each fabric needs comes from [`Communicator::window_lens`]. At init every rank checks that all
-//! peers were given the same topology and config (fingerprints exchanged through the windows).
-//!
+//! # Pairing and order
 //! Attention ranks call [`Communicator::a2e_send`] (or [`Communicator::a2e_input`] +
-//! [`Communicator::a2e_send_input`]) then [`Communicator::e2a_recv`]. Expert ranks receive with
-//! [`Communicator::a2e_recv`] (expert-major), [`Communicator::a2e_recv_tokens`] (token-major, per
-//! source as it arrives) or [`Communicator::a2e_recv_view`] (in place), and reply with the
-//! matching E2A send. Calls are collective in order: every rank makes the same sequence of A2E
-//! and E2A calls.
+//! [`Communicator::a2e_send_input`]) and later [`Communicator::e2a_recv`] with the handle. Expert
+//! ranks receive with [`Communicator::a2e_recv`] (expert-major), [`Communicator::a2e_recv_tokens`]
+//! (token-major, per source as it arrives) or [`Communicator::a2e_recv_view`] (in place), and
+//! reply with the matching E2A send. Every rank makes the same sequence of calls: A2E call `e`
+//! on every attention rank meets A2E receive `e` on every expert rank, and its E2A is call `e`
+//! too. E2A completes in A2E order: a handle or batch of another call is an error naming both
+//! epochs. At most [`MoeConfig::max_in_flight`] calls may be between their A2E and their E2A on
+//! a rank; one more fails at once. A call with 0 tokens is an ordinary call (every pair still
+//! exchanges a record). An expert loop ends when the job's protocol says so (for example a
+//! shutdown flag in the caller's own control plane): xccl has no end-of-stream message.
+//!
+//! # What a failed call leaves
+//! - An error before the call published anything to a peer (bad arguments, wrong role or
+//!   dtype, a call past `max_in_flight`, a timeout while waiting for a buffer to be free or for
+//!   the first rows to arrive) changes nothing: fix the cause and call again; handles and
+//!   batches stay valid.
+//! - Any error after the call published something, and any peer failure, abort or protocol
+//!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
+//!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
+//!   call on this communicator returns the first error again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,53 +33,93 @@ use crate::bootstrap::Exchange;
 use crate::fabric::ascend::AscendFabric;
 use crate::fabric::local::LocalFabric;
 use crate::fabric::shm::ShmFabric;
-use crate::fabric::{deadline_after, Capabilities, Fabric};
-use crate::moe::batch::{A2eHandle, ExpertBatch};
+use crate::fabric::{Capabilities, Fabric, Waiting};
+use crate::moe::batch::{A2eHandle, ExpertBatch, TokenBatch};
+use crate::moe::combine::{CombineReceiver, CombineSender, Replies};
+use crate::moe::config::{MoeConfig, TransferMode};
+use crate::moe::context::Context;
+use crate::moe::dispatch::{DispatchReceiver, DispatchSender};
 use crate::moe::dtype::Element;
-use crate::moe::layout::DispatchLayout;
-use crate::moe::wire::{MoeConfig, Slots, TransferMode, WindowLayout, HANDSHAKE_BYTES};
+use crate::moe::progress::progress;
+use crate::moe::slots::Slots;
+use crate::moe::view::{TokenView, ViewParts};
+use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
 
-const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHAND");
-/// Whether the protocol reaches its own window through `put`/`get` when the fabric has no host
-/// view of it (`local_window()` is `None`, the ascend fabric). Set it to `true` once it does;
-/// `init_ascend` refuses to build a communicator until then.
-const PROTOCOL_REACHES_DEVICE_WINDOWS: bool = false;
+const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
+/// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
+/// agreed fields.
+const HANDSHAKE_WORDS: usize = 10;
+
+/// The protocol state of one rank, by role.
+enum Side {
+    Attention {
+        dispatch: DispatchSender,
+        combine: CombineReceiver,
+    },
+    Expert {
+        dispatch: DispatchReceiver,
+        combine: CombineSender,
+    },
+}
 
 /// One rank's communicator.
 pub struct Communicator {
-    pub(crate) fabric: Box<dyn Fabric>,
-    pub(crate) topo: Arc<Topology>,
-    pub(crate) cfg: MoeConfig,
-    pub(crate) layout: WindowLayout,
-    pub(crate) slots: Slots,
-    pub(crate) rank: usize,
-    pub(crate) a2e_epoch: u64,
-    pub(crate) e2a_epoch: u64,
-    /// The A2E epoch whose registered input was handed out by `a2e_input`.
-    pub(crate) input_epoch: Option<u64>,
-    /// The E2A epoch whose output staging `e2a_output` handed out, and its batch's A2E epoch.
-    pub(crate) output_epoch: Option<(u64, u64)>,
+    ctx: Context,
+    side: Side,
+    /// The error that poisoned this communicator, returned by every later call.
+    poisoned: Option<Error>,
     /// Generation of the last [`Communicator::barrier`].
-    pub(crate) barrier_gen: u64,
-    /// f32 accumulators reused by E2A.
-    pub(crate) acc: Vec<f32>,
-    /// Landing buffer for pull mode on fabrics without load/store access.
-    pub(crate) pull_buf: Vec<u8>,
-    /// Per-local-expert cursors reused by A2E receive.
-    pub(crate) cursors: Vec<usize>,
-    /// `(local expert, weight)` pairs of the row being decoded, reused by A2E receive.
-    pub(crate) experts_scratch: Vec<(u32, f32)>,
-    /// Layout reused by A2E send when the caller hands handles back.
-    pub(crate) spare_layout: Option<DispatchLayout>,
+    barrier_gen: u64,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.ctx.rank)
+            .field("role", &self.role())
+            .field("fabric", &self.ctx.fabric.name())
+            .field("poisoned", &self.poisoned)
+            .finish()
+    }
+}
+
+fn wrong_role(rank: usize, role: Role, call: &str) -> Error {
+    let other = match role {
+        Role::Attention => Role::Expert,
+        Role::Expert => Role::Attention,
+    };
+    Error::WrongRole(format!(
+        "{call} is for {other:?} ranks; rank {rank} is an {role:?} rank"
+    ))
+}
+
+fn require_dtype<T: Element>(ctx: &Context) -> Result<()> {
+    if T::DTYPE != ctx.cfg.dtype {
+        return Err(Error::invalid(format!(
+            "tensor dtype {} does not match the communicator's {}",
+            T::DTYPE.name(),
+            ctx.cfg.dtype.name()
+        )));
+    }
+    Ok(())
+}
+
+fn check_len(what: &str, bytes: usize, rows: usize, payload: usize) -> Result<()> {
+    if bytes != rows * payload {
+        return Err(Error::invalid(format!(
+            "{what} has {bytes} bytes; expected {rows} rows of {payload} bytes"
+        )));
+    }
+    Ok(())
 }
 
 impl Communicator {
     /// Window size every rank's fabric must register, in rank order.
     pub fn window_lens(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<usize>> {
         cfg.validate(topo)?;
-        Ok(WindowLayout::new(topo, cfg)?.window_lens())
+        Ok(WindowLayout::new(topo, cfg).window_lens())
     }
 
     /// Signal slots every rank's fabric must have.
@@ -75,55 +129,44 @@ impl Communicator {
 
     /// Builds this rank's communicator on an initialised fabric. Collective: every rank calls it.
     ///
-    /// Fails if the fabric's windows are too small or if any peer was given a different topology
-    /// or config (naming that peer).
+    /// Fails if the fabric's windows are too small, or if any peer was given a different
+    /// topology or config (naming that peer, the field and both values).
     pub fn new(fabric: Box<dyn Fabric>, topo: Arc<Topology>, cfg: MoeConfig) -> Result<Self> {
-        cfg.validate(&topo)?;
-        let layout = WindowLayout::new(&topo, &cfg)?;
-        let slots = Slots::new(topo.world_size());
-        if fabric.world_size() != topo.world_size() {
-            return Err(Error::invalid(format!(
-                "fabric has {} ranks, topology {}",
-                fabric.world_size(),
-                topo.world_size()
-            )));
-        }
-        if fabric.num_signal_slots() < slots.count() {
-            return Err(Error::invalid(format!(
-                "fabric has {} signal slots per rank, the protocol needs {}",
-                fabric.num_signal_slots(),
-                slots.count()
-            )));
-        }
-        for r in 0..topo.world_size() {
-            if fabric.window_len(r) < layout.window_len(r) {
-                return Err(Error::invalid(format!(
-                    "rank {r}'s window is {} bytes, the protocol needs {}",
-                    fabric.window_len(r),
-                    layout.window_len(r)
-                )));
-            }
-        }
-        let rank = fabric.rank();
-        let comm = Communicator {
-            fabric,
-            topo,
-            cfg,
-            layout,
-            slots,
-            rank,
-            a2e_epoch: 0,
-            e2a_epoch: 0,
-            barrier_gen: 0,
-            input_epoch: None,
-            output_epoch: None,
-            acc: Vec::new(),
-            pull_buf: Vec::new(),
-            cursors: Vec::new(),
-            experts_scratch: Vec::new(),
-            spare_layout: None,
+        let ctx = Context::new(fabric, topo, cfg)?;
+        let base = ctx.cfg.epoch_base;
+        let side = match ctx.topo.role(ctx.rank) {
+            Role::Attention => Side::Attention {
+                dispatch: DispatchSender::new(base),
+                combine: CombineReceiver::default(),
+            },
+            Role::Expert => Side::Expert {
+                dispatch: DispatchReceiver::new(base),
+                combine: CombineSender::default(),
+            },
         };
+        let comm = Communicator {
+            ctx,
+            side,
+            poisoned: None,
+            barrier_gen: 0,
+        };
+        comm.init_slots()?;
         comm.handshake()?;
+        tracing::info!(
+            rank = comm.ctx.rank,
+            role = ?comm.role(),
+            fabric = comm.ctx.fabric.name(),
+            world = comm.ctx.topo.world_size(),
+            attention = comm.ctx.attention().len(),
+            experts = comm.ctx.experts().len(),
+            window_bytes = comm.ctx.layout.window_len(comm.ctx.rank),
+            hidden = comm.ctx.cfg.hidden,
+            dtype = comm.ctx.cfg.dtype.name(),
+            topk = comm.ctx.cfg.topk,
+            max_tokens = comm.ctx.cfg.max_tokens_per_rank,
+            max_in_flight = comm.ctx.cfg.max_in_flight,
+            "xccl communicator ready"
+        );
         Ok(comm)
     }
 
@@ -165,9 +208,8 @@ impl Communicator {
     /// of NPU `device`, reached by its peers through IPC memory keys (see
     /// [`crate::fabric::ascend`]). Collective: every rank of `exchange` calls it with the same
     /// topology and config and its own device. Fails with [`Error::FabricUnavailable`] naming
-    /// `libascendcl.so` and `ASCEND_HOME_PATH` where the CANN runtime is not installed; in this
-    /// build also after the fabric came up, because the MoE protocol does not yet reach a
-    /// device-memory window through `put`/`get` (the fabric itself is usable on its own).
+    /// `libascendcl.so` and `ASCEND_HOME_PATH` where the CANN runtime is not installed. The
+    /// window is device memory, so the protocol reaches it through `put`/`get` only.
     pub fn init_ascend(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
@@ -183,15 +225,6 @@ impl Communicator {
             ))
         })?;
         let fabric = AscendFabric::new(exchange, len, Self::signal_slots(&topo), device)?;
-        if !PROTOCOL_REACHES_DEVICE_WINDOWS && fabric.local_window().is_none() {
-            // Refuse here rather than panic in the handshake or the first A2E.
-            return Err(Error::FabricUnavailable {
-                fabric: "ascend".into(),
-                detail: "the MoE protocol of this build loads and stores its own window, and \
-                         the ascend window is device memory (local_window() is None)"
-                    .into(),
-            });
-        }
         Self::new(Box::new(fabric), topo, cfg)
     }
 
@@ -241,194 +274,251 @@ impl Communicator {
         })
     }
 
-    fn fingerprint_words(&self) -> [u64; 5] {
-        [
-            HANDSHAKE_MAGIC,
-            self.topo.fingerprint(),
-            self.cfg.fingerprint(),
-            self.topo.world_size() as u64,
-            self.rank as u64,
-        ]
+    /// Sets this rank's progress slots to "epoch `epoch_base` complete", so the first call's
+    /// progress compares correctly whatever the base (peers signal only after the handshake).
+    fn init_slots(&self) -> Result<()> {
+        let ctx = &self.ctx;
+        let start = progress(ctx.cfg.epoch_base, 0);
+        for r in 0..ctx.topo.world_size() {
+            ctx.fabric.signal(ctx.rank, ctx.slots.a2e_ready(r), start)?;
+            ctx.fabric.signal(ctx.rank, ctx.slots.e2a_ready(r), start)?;
+        }
+        Ok(())
     }
 
-    /// Publishes this rank's fingerprints in its window and checks every peer's.
+    fn handshake_words(&self) -> [u64; HANDSHAKE_WORDS] {
+        let ctx = &self.ctx;
+        let mut w = [0u64; HANDSHAKE_WORDS];
+        w[0] = HANDSHAKE_MAGIC;
+        w[1] = ctx.topo.fingerprint();
+        w[2] = ctx.topo.world_size() as u64;
+        w[3] = ctx.rank as u64;
+        for (i, (_, v)) in ctx.cfg.agreed_fields().iter().enumerate() {
+            w[4 + i] = *v;
+        }
+        w
+    }
+
+    /// Publishes this rank's topology and config in its window and checks every peer's, naming
+    /// the first field that differs and both values.
     fn handshake(&self) -> Result<()> {
-        let mine = self.fingerprint_words();
-        let bytes: &[u8] = bytemuck::cast_slice(&mine);
-        debug_assert!(bytes.len() <= HANDSHAKE_BYTES);
-        self.fabric
-            .local_window()
-            .expect("host window")
-            .write(0, bytes)?;
-        self.fabric.barrier(self.cfg.timeout)?;
-        let mut theirs = [0u64; 5];
-        for peer in 0..self.topo.world_size() {
-            self.fabric
+        let ctx = &self.ctx;
+        let mine = self.handshake_words();
+        const { assert!(8 * HANDSHAKE_WORDS <= HANDSHAKE_BYTES) };
+        ctx.fabric.put(ctx.rank, 0, bytemuck::cast_slice(&mine))?;
+        ctx.fabric.barrier(ctx.cfg.timeout)?;
+        let mut theirs = [0u64; HANDSHAKE_WORDS];
+        for peer in 0..ctx.topo.world_size() {
+            ctx.fabric
                 .get(peer, 0, bytemuck::cast_slice_mut(&mut theirs))?;
-            let what = if theirs[0] != HANDSHAKE_MAGIC {
-                "no handshake (not an xccl communicator of this version)"
-            } else if theirs[1] != mine[1] {
-                "a different topology"
-            } else if theirs[2] != mine[2] {
-                "a different MoE config (hidden, dtype, topk or max tokens)"
-            } else if theirs[3] != mine[3] || theirs[4] != peer as u64 {
-                "a different world size or rank numbering"
-            } else {
-                continue;
-            };
-            return Err(Error::Protocol {
+            let differs = |what: String| Error::Protocol {
                 peer,
                 detail: format!("rank {peer} was initialised with {what}"),
-            });
+            };
+            if theirs[0] != HANDSHAKE_MAGIC {
+                return Err(differs(
+                    "no handshake (not an xccl communicator of this version)".into(),
+                ));
+            }
+            if theirs[1] != mine[1] {
+                return Err(differs(
+                    "a different topology (roles, expert placement or replicas)".into(),
+                ));
+            }
+            if theirs[2] != mine[2] || theirs[3] != peer as u64 {
+                return Err(differs(format!(
+                    "world size {} and rank {}; here world size {} and rank {peer} expected",
+                    theirs[2], theirs[3], mine[2]
+                )));
+            }
+            let fields = ctx.cfg.agreed_fields();
+            if let Some(i) = (0..fields.len()).find(|&i| theirs[4 + i] != mine[4 + i]) {
+                let show = |v: u64| match fields[i].0 {
+                    "dtype" => [crate::DType::F32, crate::DType::F16, crate::DType::BF16]
+                        .into_iter()
+                        .find(|d| *d as u64 == v)
+                        .map_or(v.to_string(), |d| d.name().to_string()),
+                    _ => v.to_string(),
+                };
+                return Err(differs(format!(
+                    "{} = {}, this rank (rank {}) has {} = {}",
+                    fields[i].0,
+                    show(theirs[4 + i]),
+                    ctx.rank,
+                    fields[i].0,
+                    show(mine[4 + i])
+                )));
+            }
         }
-        self.fabric.barrier(self.cfg.timeout)
+        ctx.fabric.barrier(ctx.cfg.timeout)
     }
 
     /// This rank.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.ctx.rank
     }
 
     /// This rank's role.
     pub fn role(&self) -> Role {
-        self.topo.role(self.rank)
+        self.ctx.topo.role(self.ctx.rank)
     }
 
     /// The topology.
     pub fn topology(&self) -> &Topology {
-        &self.topo
+        &self.ctx.topo
     }
 
     /// The MoE config.
     pub fn config(&self) -> &MoeConfig {
-        &self.cfg
+        &self.ctx.cfg
     }
 
-    /// The fabric (for diagnostics and benchmarks).
-    pub fn fabric(&self) -> &dyn Fabric {
-        &*self.fabric
+    /// Name of the fabric underneath (`"shm"`, `"local"`, ...).
+    pub fn fabric_name(&self) -> &'static str {
+        self.ctx.fabric.name()
+    }
+
+    /// What the fabric underneath does cheaply.
+    pub fn capabilities(&self) -> Capabilities {
+        self.ctx.fabric.capabilities()
+    }
+
+    /// Window bytes this rank registered for the protocol.
+    pub fn window_bytes(&self) -> usize {
+        self.ctx.layout.window_len(self.ctx.rank)
+    }
+
+    /// The protocol context, for the crate's own tests.
+    #[cfg(test)]
+    pub(crate) fn ctx(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The error that poisoned this communicator, if one did.
+    pub fn poisoned(&self) -> Option<&Error> {
+        self.poisoned.as_ref()
     }
 
     /// Changes the default transfer mode for later calls. Each sender picks per call; receivers
     /// follow what the record says, so ranks need not agree.
     pub fn set_mode(&mut self, mode: TransferMode) {
-        self.cfg.mode = mode;
+        self.ctx.cfg.mode = mode;
     }
 
-    /// Changes the deadline of every wait in later calls.
+    /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         if timeout.is_zero() {
             return Err(Error::invalid("timeout must be positive"));
         }
-        self.cfg.timeout = timeout;
+        self.ctx.cfg.timeout = timeout;
         Ok(())
     }
 
     /// Metadata records one A2E call writes in the whole job (one per (attention, expert) pair).
     pub fn a2e_records_per_call(&self) -> usize {
-        self.topo.attention_ranks().len() * self.topo.expert_ranks().len()
+        self.ctx.attention().len() * self.ctx.experts().len()
     }
 
     /// Aborts the job with `reason`: every rank's current and future waits fail with
-    /// [`Error::Aborted`] naming this rank and carrying the reason.
-    pub fn abort(&self, reason: &str) {
-        self.fabric.abort(reason);
+    /// [`Error::Aborted`] naming this rank and carrying the reason; this communicator is
+    /// poisoned. Returns promptly; callable while another thread of the job is blocked.
+    pub fn abort(&mut self, reason: &str) {
+        tracing::warn!(rank = self.ctx.rank, reason, "xccl: aborting the job");
+        self.ctx.fabric.abort(reason);
+        self.poisoned.get_or_insert(Error::Aborted {
+            by: self.ctx.rank,
+            reason: reason.to_string(),
+        });
+    }
+
+    /// Runs one call: fails fast when poisoned, and gives a failed call its defined state (see
+    /// the module docs).
+    fn call<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.duplicate());
+        }
+        if let Some((by, reason)) = self.ctx.fabric.aborted() {
+            return Err(self.fail(Error::Aborted { by, reason }));
+        }
+        self.ctx.begin_call();
+        match f(&self.ctx, &mut self.side) {
+            Ok(r) => Ok(r),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    /// Poisons the communicator with `e` when the failed call left a state that cannot be
+    /// retried; returns `e` either way.
+    fn fail(&mut self, e: Error) -> Error {
+        let fatal = matches!(
+            e,
+            Error::PeerFailed { .. }
+                | Error::Aborted { .. }
+                | Error::Protocol { .. }
+                | Error::OutOfWindow { .. }
+                | Error::Os { .. }
+        );
+        if fatal || self.ctx.has_published() {
+            tracing::error!(rank = self.ctx.rank, error = %e, "xccl: call failed; communicator poisoned, job aborted");
+            self.ctx
+                .fabric
+                .abort(&format!("rank {} failed: {e}", self.ctx.rank));
+            self.poisoned = Some(e.duplicate());
+        } else if matches!(e, Error::Timeout { .. }) {
+            tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
+        }
+        e
     }
 
     /// Waits for every rank (collective), through the fabric's signals: on shared memory a
-    /// release reaches every rank within microseconds (the bootstrap's TCP barrier is used only
-    /// at init). Fails naming the first rank that has not arrived.
+    /// release reaches every rank within microseconds. Fails naming the first rank that has not
+    /// arrived.
     pub fn barrier(&mut self) -> Result<()> {
         self.barrier_gen += 1;
         let generation = self.barrier_gen;
-        let world = self.topo.world_size();
-        for step in 1..world {
-            let peer = (self.rank + step) % world;
-            self.fabric
-                .signal(peer, self.slots.barrier(self.rank), generation)?;
-        }
-        let (f, slots) = (&*self.fabric, self.slots);
-        f.wait_until(self.deadline(), &mut || {
-            (0..world)
-                .find(|&p| p != self.rank && f.signal_value(slots.barrier(p)) < generation)
-                .map(|peer| crate::fabric::Waiting {
-                    peer,
-                    what: "barrier",
-                })
+        self.call(|ctx, _| {
+            let world = ctx.topo.world_size();
+            for step in 1..world {
+                let peer = (ctx.rank + step) % world;
+                ctx.signal(peer, ctx.slots.barrier(ctx.rank), generation)?;
+            }
+            ctx.wait(ctx.call_deadline(), &mut || {
+                (0..world)
+                    .find(|&p| p != ctx.rank && ctx.slot_value(ctx.slots.barrier(p)) < generation)
+                    .map(|peer| Waiting {
+                        peer,
+                        what: "barrier",
+                    })
+            })
         })
     }
 
-    /// Waits until every expert rank has consumed the A2E call two before `epoch` (the last
-    /// user of `epoch`'s buffers).
-    pub(crate) fn wait_a2e_credits(&self, epoch: u64) -> Result<()> {
-        self.wait_credits(
-            epoch,
-            self.topo.expert_ranks(),
-            self.slots.a2e_credit(0),
-            "A2E credit (expert has not consumed an earlier dispatch)",
-        )
-    }
-
-    /// Waits until every attention rank has consumed the E2A call two before `epoch`.
-    pub(crate) fn wait_e2a_credits(&self, epoch: u64) -> Result<()> {
-        self.wait_credits(
-            epoch,
-            self.topo.attention_ranks(),
-            self.slots.e2a_credit(0),
-            "E2A credit (attention rank has not consumed an earlier combine)",
-        )
-    }
-
-    /// Waits until every rank of `peers` has signalled at least `epoch - 2` into its slot of
-    /// the credit group starting at slot `base` (slot `base + peer`).
-    fn wait_credits(
-        &self,
-        epoch: u64,
-        peers: &[usize],
-        base: usize,
-        what: &'static str,
-    ) -> Result<()> {
-        if epoch <= 2 {
-            return Ok(());
-        }
-        let need = epoch - 2;
-        let f = &*self.fabric;
-        f.wait_until(self.deadline(), &mut || {
-            peers
-                .iter()
-                .find(|&&p| f.signal_value(base + p) < need)
-                .map(|&peer| crate::fabric::Waiting { peer, what })
+    fn attention<R>(
+        &mut self,
+        call: &str,
+        f: impl FnOnce(&Context, &mut DispatchSender, &mut CombineReceiver) -> Result<R>,
+    ) -> Result<R> {
+        let rank = self.ctx.rank;
+        self.call(|ctx, side| match side {
+            Side::Attention { dispatch, combine } => f(ctx, dispatch, combine),
+            Side::Expert { .. } => Err(wrong_role(rank, Role::Expert, call)),
         })
     }
 
-    pub(crate) fn deadline(&self) -> std::time::Instant {
-        deadline_after(self.cfg.timeout)
-    }
-
-    pub(crate) fn require_role(&self, role: Role, call: &str) -> Result<()> {
-        if self.role() != role {
-            return Err(Error::WrongRole(format!(
-                "{call} is for {role:?} ranks; rank {} is an {:?} rank",
-                self.rank,
-                self.role()
-            )));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn require_dtype<T: Element>(&self) -> Result<()> {
-        if T::DTYPE != self.cfg.dtype {
-            return Err(Error::invalid(format!(
-                "tensor dtype {} does not match the communicator's {}",
-                T::DTYPE.name(),
-                self.cfg.dtype.name()
-            )));
-        }
-        Ok(())
+    fn expert<R>(
+        &mut self,
+        call: &str,
+        f: impl FnOnce(&Context, &mut DispatchReceiver, &mut CombineSender) -> Result<R>,
+    ) -> Result<R> {
+        let rank = self.ctx.rank;
+        self.call(|ctx, side| match side {
+            Side::Expert { dispatch, combine } => f(ctx, dispatch, combine),
+            Side::Attention { .. } => Err(wrong_role(rank, Role::Attention, call)),
+        })
     }
 
     /// A2E on an attention rank: sends each token of `x` (`[T, hidden]`) to the expert ranks of
-    /// its `topk_idx` (`[T, topk]`, `-1` = none) with `topk_weights` (`[T, topk]`).
+    /// its `topk_idx` (`[T, topk]`, `-1` = none) with `topk_weights` (`[T, topk]`, finite).
     ///
     /// Validates everything before anything is written to any peer. Returns the handle that
     /// [`Communicator::e2a_recv`] needs.
@@ -438,9 +528,8 @@ impl Communicator {
         topk_idx: &[i32],
         topk_weights: &[f32],
     ) -> Result<A2eHandle> {
-        self.require_dtype::<T>()?;
-        let mode = self.cfg.mode;
-        self.a2e_send_bytes(bytemuck::cast_slice(x), topk_idx, topk_weights, mode)
+        let mode = self.ctx.cfg.mode;
+        self.a2e_send_with(x, topk_idx, topk_weights, mode)
     }
 
     /// [`Communicator::a2e_send`] with an explicit transfer mode for this call.
@@ -451,25 +540,150 @@ impl Communicator {
         topk_weights: &[f32],
         mode: TransferMode,
     ) -> Result<A2eHandle> {
-        self.require_dtype::<T>()?;
+        if T::DTYPE != self.ctx.cfg.dtype {
+            return Err(Error::invalid(format!(
+                "tensor dtype {} does not match the communicator's {}",
+                T::DTYPE.name(),
+                self.ctx.cfg.dtype.name()
+            )));
+        }
         self.a2e_send_bytes(bytemuck::cast_slice(x), topk_idx, topk_weights, mode)
     }
 
+    /// [`Communicator::a2e_send_with`] on raw bytes of the communicator's dtype (for bindings
+    /// that know the dtype only at run time).
+    pub fn a2e_send_bytes(
+        &mut self,
+        x: &[u8],
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: TransferMode,
+    ) -> Result<A2eHandle> {
+        self.attention("A2E send", |ctx, dispatch, _| {
+            let deadline = ctx.call_deadline();
+            dispatch.send(ctx, x, topk_idx, topk_weights, mode.into(), deadline)
+        })
+    }
+
+    /// The registered A2E input of the next call: `[max_tokens_per_rank, hidden]` rows in this
+    /// rank's window. Write token `t`'s hidden state into row `t` (ideally the layer that
+    /// produces it writes there directly), then call [`Communicator::a2e_send_input`]: expert
+    /// ranks read the rows from here, so the dispatch costs one copy in all instead of two.
+    ///
+    /// Waits until the buffer's previous use has been consumed everywhere; fails on fabrics
+    /// whose windows this process cannot address (use [`Communicator::a2e_send`] there).
+    pub fn a2e_input<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.attention("A2E input", |ctx, dispatch, _| {
+            require_dtype::<T>(ctx)?;
+            dispatch.prepare_input(ctx, ctx.call_deadline())
+        })?;
+        let Side::Attention { dispatch, .. } = &mut self.side else {
+            unreachable!("checked by `attention`")
+        };
+        let bytes = dispatch.input(&self.ctx)?.ok_or_else(|| {
+            Error::invalid(format!(
+                "the {} fabric's window is not host-addressable: use a2e_send",
+                self.ctx.fabric.name()
+            ))
+        })?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
+            Error::invalid(format!(
+                "registered input is not aligned for {}: {e}",
+                T::DTYPE.name()
+            ))
+        })
+    }
+
+    /// A2E send of the first `num_tokens` rows of the registered input
+    /// ([`Communicator::a2e_input`], which must have been called for this call). On fabrics
+    /// with load/store access only the routing metadata is written and expert ranks gather the
+    /// rows from the input; elsewhere rows are staged for them to pull.
+    pub fn a2e_send_input(
+        &mut self,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+    ) -> Result<A2eHandle> {
+        self.attention("A2E send", |ctx, dispatch, _| {
+            let deadline = ctx.call_deadline();
+            dispatch.send_input(ctx, num_tokens, topk_idx, topk_weights, deadline)
+        })
+    }
+
     /// E2A on an attention rank: receives the expert outputs of the tokens sent with `handle`
-    /// and writes `out[t] = sum_k topk_weights[t,k] * expert_k(x[t])` (`[T, hidden]`), summed in
-    /// f32 in expert-rank order (bitwise reproducible).
-    pub fn e2a_recv<T: Element>(&mut self, handle: A2eHandle, out: &mut [T]) -> Result<()> {
-        self.require_dtype::<T>()?;
+    /// and writes `out[t] = sum_k topk_weights[t,k] * expert_k(x[t])` (`[T, hidden]`), combined
+    /// exactly as the protocol documents (f32 sums in a fixed order, bitwise reproducible; see
+    /// the README's "Exact results"). `handle` must be the oldest unanswered A2E of this
+    /// communicator; a rejected handle stays valid.
+    pub fn e2a_recv<T: Element>(&mut self, handle: &A2eHandle, out: &mut [T]) -> Result<()> {
+        if T::DTYPE != self.ctx.cfg.dtype {
+            return Err(Error::invalid(format!(
+                "output dtype {} does not match the communicator's {}",
+                T::DTYPE.name(),
+                self.ctx.cfg.dtype.name()
+            )));
+        }
         self.e2a_recv_bytes(handle, bytemuck::cast_slice_mut(out))
+    }
+
+    /// [`Communicator::e2a_recv`] on raw bytes of the communicator's dtype.
+    pub fn e2a_recv_bytes(&mut self, handle: &A2eHandle, out: &mut [u8]) -> Result<()> {
+        self.attention("E2A receive", |ctx, dispatch, combine| {
+            let sent = dispatch.oldest(ctx, handle)?;
+            check_len("out", out.len(), sent.num_tokens, ctx.layout.e2a_stride)?;
+            combine.recv(ctx, sent, out, ctx.call_deadline())?;
+            dispatch.retire();
+            Ok(())
+        })
+    }
+
+    /// A2E calls of this attention rank waiting for their E2A.
+    pub fn a2e_in_flight(&self) -> usize {
+        match &self.side {
+            Side::Attention { dispatch, .. } => dispatch.in_flight(),
+            Side::Expert { .. } => 0,
+        }
+    }
+
+    /// A2E receive on an expert rank: fills `batch` with this call's rows, grouped by local
+    /// expert. Collective with every attention rank's A2E send.
+    pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
+        self.expert("A2E receive", |ctx, dispatch, _| {
+            dispatch.recv_expert_major(ctx, batch, ctx.call_deadline())
+        })
+    }
+
+    /// A2E receive, token-major: fills `batch` with one row per received token, source by
+    /// source as they arrive, calling `on_arrival(batch, tokens)` with the new tokens' range
+    /// after each source lands.
+    pub fn a2e_recv_tokens(
+        &mut self,
+        batch: &mut TokenBatch,
+        on_arrival: &mut dyn FnMut(&TokenBatch, std::ops::Range<usize>),
+    ) -> Result<()> {
+        self.expert("A2E receive", |ctx, dispatch, _| {
+            dispatch.recv_tokens(ctx, batch, on_arrival, ctx.call_deadline())
+        })
+    }
+
+    /// A2E receive without a copy: waits for every attention rank's rows of this call and
+    /// returns a view over them where they lie. Reply with [`TokenView::e2a_send`].
+    pub fn a2e_recv_view(&mut self) -> Result<TokenView<'_>> {
+        let parts = self.expert("A2E receive", |ctx, dispatch, _| {
+            ViewParts::receive(ctx, dispatch, ctx.call_deadline())
+        })?;
+        let Side::Expert { dispatch, combine } = &mut self.side else {
+            unreachable!("checked by `expert`")
+        };
+        Ok(TokenView::new(&self.ctx, dispatch, combine, parts))
     }
 
     /// E2A on an expert rank: `expert_out` holds one output row per row of `batch` (same
     /// layout); reduces each token's local experts with its gating weights and sends one row per
     /// token back to its attention rank.
     pub fn e2a_send<T: Element>(&mut self, batch: &ExpertBatch, expert_out: &[T]) -> Result<()> {
-        self.require_dtype::<T>()?;
-        let mode = self.cfg.mode;
-        self.e2a_send_bytes(batch, bytemuck::cast_slice(expert_out), mode)
+        let mode = self.ctx.cfg.mode;
+        self.e2a_send_with(batch, expert_out, mode)
     }
 
     /// [`Communicator::e2a_send`] with an explicit transfer mode for this call.
@@ -479,12 +693,138 @@ impl Communicator {
         expert_out: &[T],
         mode: TransferMode,
     ) -> Result<()> {
-        self.require_dtype::<T>()?;
-        self.e2a_send_bytes(batch, bytemuck::cast_slice(expert_out), mode)
+        self.expert("E2A send", |ctx, dispatch, combine| {
+            require_dtype::<T>(ctx)?;
+            dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
+            let out: &[u8] = bytemuck::cast_slice(expert_out);
+            check_len(
+                "expert output",
+                out.len(),
+                batch.num_rows(),
+                ctx.layout.e2a_stride,
+            )?;
+            let replies = Replies::Reduce { batch, out };
+            let deadline = ctx.call_deadline();
+            combine.send(
+                ctx,
+                batch.recv.epoch,
+                batch.sources(),
+                mode,
+                replies,
+                deadline,
+            )?;
+            dispatch.replied();
+            Ok(())
+        })
     }
 
-    /// Hands a finished handle back so the next A2E reuses its buffers (optional).
-    pub fn recycle(&mut self, handle: A2eHandle) {
-        self.spare_layout = Some(handle.layout);
+    /// E2A send, token-major: `reduced` holds one row per token of `batch` (`[num_tokens,
+    /// hidden]`), each already the gating-weighted sum over the token's local experts.
+    pub fn e2a_send_tokens<T: Element>(&mut self, batch: &TokenBatch, reduced: &[T]) -> Result<()> {
+        if T::DTYPE != self.ctx.cfg.dtype {
+            return Err(Error::invalid(format!(
+                "tensor dtype {} does not match the communicator's {}",
+                T::DTYPE.name(),
+                self.ctx.cfg.dtype.name()
+            )));
+        }
+        let mode = self.ctx.cfg.mode;
+        self.e2a_send_tokens_bytes(batch, bytemuck::cast_slice(reduced), mode)
+    }
+
+    /// [`Communicator::e2a_send_tokens`] on raw bytes with an explicit transfer mode.
+    pub fn e2a_send_tokens_bytes(
+        &mut self,
+        batch: &TokenBatch,
+        reduced: &[u8],
+        mode: TransferMode,
+    ) -> Result<()> {
+        self.expert("E2A send", |ctx, dispatch, combine| {
+            dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
+            check_len(
+                "reduced",
+                reduced.len(),
+                batch.num_tokens(),
+                ctx.layout.e2a_stride,
+            )?;
+            let deadline = ctx.call_deadline();
+            let replies = Replies::Tokens(reduced);
+            combine.send(
+                ctx,
+                batch.recv.epoch,
+                batch.sources(),
+                mode,
+                replies,
+                deadline,
+            )?;
+            dispatch.replied();
+            Ok(())
+        })
+    }
+
+    /// The registered E2A output of `batch`'s reply: `[batch.num_tokens(), hidden]` rows in
+    /// this rank's window, row `i` for the batch's token `i`. Compute each token's reduced
+    /// expert output straight into it, then call [`Communicator::e2a_send_output`]: attention
+    /// ranks read the rows from here, so the combine costs one copy in all instead of two.
+    ///
+    /// Waits until the buffer's previous use has been consumed everywhere.
+    pub fn e2a_output<T: Element>(&mut self, batch: &TokenBatch) -> Result<&mut [T]> {
+        let epoch = batch.recv.epoch;
+        self.expert("E2A output", |ctx, dispatch, combine| {
+            require_dtype::<T>(ctx)?;
+            dispatch.check_reply(ctx, batch.recv.comm, epoch)?;
+            combine.prepare_output(ctx, epoch, ctx.call_deadline())
+        })?;
+        let Side::Expert { combine, .. } = &mut self.side else {
+            unreachable!("checked by `expert`")
+        };
+        let bytes = combine
+            .output(&self.ctx, epoch, batch.num_tokens())?
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "the {} fabric's window is not host-addressable: use e2a_send_tokens",
+                    self.ctx.fabric.name()
+                ))
+            })?;
+        bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
+            Error::invalid(format!(
+                "registered output is not aligned for {}: {e}",
+                T::DTYPE.name()
+            ))
+        })
+    }
+
+    /// E2A send of the rows written into [`Communicator::e2a_output`] (which must have been
+    /// called for this batch): only records and signals go out; attention ranks pull the rows.
+    pub fn e2a_send_output(&mut self, batch: &TokenBatch) -> Result<()> {
+        self.expert("E2A send", |ctx, dispatch, combine| {
+            dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
+            if !combine.take_output(batch.recv.epoch) {
+                return Err(Error::invalid(
+                    "e2a_send_output needs e2a_output first, for this batch",
+                ));
+            }
+            let deadline = ctx.call_deadline();
+            let mode = TransferMode::Pull;
+            combine.send(
+                ctx,
+                batch.recv.epoch,
+                batch.sources(),
+                mode,
+                Replies::Staged,
+                deadline,
+            )?;
+            dispatch.replied();
+            Ok(())
+        })
+    }
+
+    /// The wire mode a registered-input A2E uses on this fabric (for reports).
+    pub fn registered_input_mode(&self) -> &'static str {
+        if self.ctx.fabric.capabilities().load_store {
+            "gather"
+        } else {
+            "pull"
+        }
     }
 }

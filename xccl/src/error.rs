@@ -121,6 +121,65 @@ impl Error {
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }
+
+    /// The same error again (an OS error keeps its kind and message), for a poisoned
+    /// communicator that returns its first error from every later call.
+    pub fn duplicate(&self) -> Self {
+        match self {
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::WrongRole(m) => Error::WrongRole(m.clone()),
+            Error::Timeout { peer, what, waited } => Error::Timeout {
+                peer: *peer,
+                what: what.clone(),
+                waited: *waited,
+            },
+            Error::PeerFailed { peer, detail } => Error::PeerFailed {
+                peer: *peer,
+                detail: detail.clone(),
+            },
+            Error::Aborted { by, reason } => Error::Aborted {
+                by: *by,
+                reason: reason.clone(),
+            },
+            Error::Protocol { peer, detail } => Error::Protocol {
+                peer: *peer,
+                detail: detail.clone(),
+            },
+            Error::Bootstrap(m) => Error::Bootstrap(m.clone()),
+            Error::OutOfWindow {
+                peer,
+                offset,
+                len,
+                window,
+            } => Error::OutOfWindow {
+                peer: *peer,
+                offset: *offset,
+                len: *len,
+                window: *window,
+            },
+            Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
+                fabric: fabric.clone(),
+                detail: detail.clone(),
+            },
+            Error::Native {
+                library,
+                call,
+                code,
+                message,
+                context,
+            } => Error::Native {
+                library,
+                call,
+                code: *code,
+                message: message.clone(),
+                context: context.clone(),
+            },
+            Error::Os { what, source } => Error::Os {
+                what: what.clone(),
+                source: std::io::Error::new(source.kind(), source.to_string()),
+            },
+        }
+    }
 }
 
 impl From<nix::errno::Errno> for Error {

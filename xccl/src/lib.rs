@@ -1,30 +1,39 @@
 //! xccl: token exchange between attention and expert ranks for disaggregated Mixture-of-Experts
 //! serving.
 //!
-//! Layers, bottom up (each can be read alone):
+//! Layers, bottom up (each imports only the ones below it):
 //! - [`fabric`]: one-sided memory-semantic transport (`put`, `get`, `signal`, `wait`) over
 //!   shared memory ([`fabric::shm`]) or threads in one process ([`fabric::local`]).
 //! - [`bootstrap`]: rendezvous of the ranks of one job (unique id or launcher environment),
 //!   allgather, barrier, out-of-band abort.
 //! - [`topology`]: roles, expert placement with replicas; pure data.
-//! - [`moe`]: the A2E (dispatch) and E2A (combine) wire protocol.
-//! - [`Communicator`]: ties them together.
+//! - [`moe`]: the A2E (dispatch) and E2A (combine) wire protocol, one type per role and
+//!   direction.
+//! - [`Communicator`]: builds and checks everything, delegates, and owns the failure state.
+//! - `testing` (feature `testing`): the single-process reference and the workloads that tests
+//!   and `xccl-bench --check` compare against, bit for bit.
+//!
+//! The library logs through the [`tracing`] facade (init summary, peer failures, timeouts,
+//! aborts; nothing per call above `debug`); install a subscriber to see it.
 
 pub mod bootstrap;
 pub mod comm;
 pub mod error;
 pub mod fabric;
-pub mod harness;
 pub mod moe;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod topology;
+
+#[cfg(test)]
+mod comm_tests;
 
 pub use comm::Communicator;
 pub use error::{Error, Result};
-pub use moe::batch::{A2eHandle, ExpertBatch};
+pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
+pub use moe::config::{MoeConfig, TransferMode};
 pub use moe::dtype::{DType, Element};
-pub use moe::tokens::TokenBatch;
 pub use moe::view::TokenView;
-pub use moe::wire::{MoeConfig, TransferMode};
 pub use topology::{Role, Topology, TopologyBuilder};
 
 /// The README's Rust example, compiled and run as a doc-test.

@@ -247,6 +247,10 @@ impl Fabric for LocalFabric {
         }
     }
 
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.world.ranks[self.rank].control.aborted_by()
+    }
+
     fn check_peer(&self, peer: usize) -> Result<()> {
         if self.peer(peer)?.alive.load(Ordering::SeqCst) {
             Ok(())

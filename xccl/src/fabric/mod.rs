@@ -105,6 +105,12 @@ pub trait Fabric: Send + Sync {
     /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead.
     fn check_peer(&self, peer: usize) -> Result<()>;
 
+    /// The rank that aborted the job and its reason, if an abort has reached this rank (calls
+    /// check it before they start, so a rank that never waits still learns of the abort).
+    fn aborted(&self) -> Option<(usize, String)> {
+        None
+    }
+
     /// Ok if every peer is believed alive and no abort arrived out of band; else the error
     /// naming the first dead peer or the aborting rank. Waits call it between sleeps.
     fn check_peers(&self) -> Result<()> {

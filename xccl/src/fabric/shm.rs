@@ -577,12 +577,21 @@ impl ShmFabric {
                 });
             }
         }
+        let wait_policy = WaitPolicy::for_ranks_on_host(size);
+        tracing::debug!(
+            rank,
+            world = size,
+            window_len,
+            num_slots,
+            ?wait_policy,
+            "shm fabric ready; segments unlinked"
+        );
         Ok(ShmFabric {
             exchange,
             rank,
             num_slots,
             segments,
-            wait_policy: WaitPolicy::for_ranks_on_host(size),
+            wait_policy,
         })
     }
 
@@ -709,6 +718,10 @@ impl Fabric for ShmFabric {
         }
         // Ranks that lost their mapping of us (or wait on the bootstrap) hear it out of band.
         let _ = self.exchange.broadcast_abort(reason);
+    }
+
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.segments[self.rank].control.aborted_by()
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -889,6 +902,38 @@ mod tests {
             "{:?}",
             results[1]
         );
+    }
+
+    #[test]
+    fn an_out_of_band_abort_reaches_a_sleeping_wait() {
+        // Rank 1 aborts through the bootstrap only (as a rank that lost its mapping would):
+        // rank 0's wait on a slot nobody signals ends with the abort, not at its deadline.
+        let results = on_threads(group(2), |ex| {
+            let f = ShmFabric::new(ex.clone(), MIN_WINDOW, 4)?;
+            f.barrier(Duration::from_secs(10))?;
+            if ex.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(50));
+                ex.broadcast_abort("expert 1 lost its device")?;
+                return Ok(Duration::ZERO);
+            }
+            let start = Instant::now();
+            let r = f.wait_signal(
+                0,
+                1,
+                "nothing",
+                crate::fabric::deadline_after(Duration::from_secs(20)),
+                &|v| v > 0,
+            );
+            match r {
+                Err(Error::Aborted { by: 1, reason }) if reason.contains("lost its device") => {
+                    Ok(start.elapsed())
+                }
+                other => Err(Error::invalid(format!("expected the abort, got {other:?}"))),
+            }
+        });
+        for r in results {
+            assert!(r.unwrap() < Duration::from_secs(3));
+        }
     }
 
     #[test]

@@ -1,23 +1,25 @@
-//! What A2E hands back: [`ExpertBatch`] on expert ranks, [`A2eHandle`] on attention ranks.
+//! What the calls hand back: [`ExpertBatch`] and [`TokenBatch`] on expert ranks, [`A2eHandle`] on
+//! attention ranks, and [`SourceInfo`] per source of a batch.
+//!
+//! Every field that steers where the protocol writes (a source's reply offset, the epoch a batch
+//! answers) is private: callers read them through accessors, and only the protocol fills them.
 
 use std::time::Duration;
 
-use super::dtype::Element;
-use super::layout::DispatchLayout;
+use super::dtype::{DType, Element};
 use crate::{Error, Result};
 
 /// A byte buffer aligned for any element type xccl moves (backed by `u64`s).
 #[derive(Clone, Debug, Default)]
-pub struct AlignedBytes {
+pub(crate) struct AlignedBytes {
     words: Vec<u64>,
     len: usize,
 }
 
 impl AlignedBytes {
     /// Resizes to `len` bytes. The backing store only grows (new bytes zeroed once), so
-    /// steady-state calls neither allocate nor clear: bytes past the previous length keep
-    /// whatever an earlier call left there until the caller overwrites them.
-    pub fn resize(&mut self, len: usize) {
+    /// steady-state calls neither allocate nor clear.
+    pub(crate) fn resize(&mut self, len: usize) {
         let words = len.div_ceil(8);
         if self.words.len() < words {
             self.words.resize(words, 0);
@@ -26,39 +28,74 @@ impl AlignedBytes {
     }
 
     /// The bytes.
-    pub fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.words)[..self.len]
     }
 
     /// The bytes, mutable.
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..self.len]
     }
+}
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
+/// Typed view of `bytes` holding elements of `dtype`: `T` must be that dtype, not merely one of
+/// the same size (bf16 read as f16 would reinterpret the bits).
+fn typed<T: Element>(bytes: &[u8], dtype: DType) -> Result<&[T]> {
+    if T::DTYPE != dtype {
+        return Err(Error::invalid(format!(
+            "batch holds {} elements, asked for {}",
+            dtype.name(),
+            T::DTYPE.name()
+        )));
     }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
+    bytemuck::try_cast_slice(bytes)
+        .map_err(|e| Error::invalid(format!("batch rows as {}: {e}", T::DTYPE.name())))
 }
 
 /// What one attention rank sent to this expert rank in one A2E call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SourceInfo {
+    pub(crate) rank: usize,
+    pub(crate) count: usize,
+    /// Where its E2A replies go (row offset in its E2A receive area), from its record.
+    pub(crate) reply_offset: usize,
+    pub(crate) first_token: usize,
+    pub(crate) arrived_after: Duration,
+}
+
+impl SourceInfo {
     /// Global rank of the attention rank.
-    pub rank: usize,
-    /// Tokens (rows on the wire) received from it.
-    pub count: usize,
-    /// Where its E2A replies go (row offset in its E2A receive area).
-    pub reply_offset: usize,
-    /// Index of its first token in [`ExpertBatch::token_row_start`].
-    pub first_token: usize,
-    /// Time from the start of the receive call until its record was seen.
-    pub arrived_after: Duration,
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Tokens received from it.
+    pub fn count(&self) -> usize {
+        self.count
+    }
+
+    /// Index of its first token in the batch (its tokens are consecutive).
+    pub fn first_token(&self) -> usize {
+        self.first_token
+    }
+
+    /// Time from the start of the receive call until all of its rows had arrived.
+    pub fn arrived_after(&self) -> Duration {
+        self.arrived_after
+    }
+}
+
+/// Fields every received batch has: which call it answers and where its tokens came from.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Received {
+    /// The communicator that filled it (its instance id).
+    pub(crate) comm: u64,
+    /// The A2E epoch; 0 while empty.
+    pub(crate) epoch: u64,
+    pub(crate) dtype: Option<DType>,
+    pub(crate) hidden: usize,
+    pub(crate) sources: Vec<SourceInfo>,
+    pub(crate) arrival_order: Vec<u32>,
 }
 
 /// The rows an expert rank received in one A2E call, grouped by local expert (expert-major).
@@ -67,27 +104,17 @@ pub struct SourceInfo {
 /// batch across calls: its buffers keep their capacity.
 #[derive(Clone, Debug, Default)]
 pub struct ExpertBatch {
-    pub(crate) epoch: u64,
-    pub(crate) hidden: usize,
-    pub(crate) elem: usize,
+    pub(crate) recv: Received,
     pub(crate) rows: AlignedBytes,
     /// `expert_offsets[j]..expert_offsets[j+1]` are the rows of local expert `j`.
-    pub expert_offsets: Vec<usize>,
-    /// Per row: the attention rank it came from.
-    pub src_rank: Vec<u32>,
-    /// Per row: the token index at that attention rank.
-    pub src_token: Vec<u32>,
-    /// Per row: the gating weight of this (token, expert).
-    pub weight: Vec<f32>,
-    /// Per source attention rank, in rank order: what came and when.
-    pub sources: Vec<SourceInfo>,
-    /// Order in which sources were seen to arrive (indices into `sources`): straggler visibility.
-    pub arrival_order: Vec<u32>,
+    pub(crate) expert_offsets: Vec<usize>,
+    pub(crate) src_rank: Vec<u32>,
+    pub(crate) src_token: Vec<u32>,
+    pub(crate) weight: Vec<f32>,
     /// Per received token (grouped by source, in wire order): its rows are
-    /// `token_rows[token_row_start[i]..token_row_start[i+1]]`.
-    pub token_row_start: Vec<u32>,
-    /// Row indices of each received token's local experts.
-    pub token_rows: Vec<u32>,
+    /// `token_rows[token_row_start[i]..token_row_start[i+1]]`, ascending local expert.
+    pub(crate) token_row_start: Vec<u32>,
+    pub(crate) token_rows: Vec<u32>,
     /// Scratch: next free row per local expert while rows are placed.
     pub(crate) cursors: Vec<usize>,
 }
@@ -118,14 +145,44 @@ impl ExpertBatch {
         self.expert_offsets[j]..self.expert_offsets[j + 1]
     }
 
-    /// The A2E epoch this batch came from.
+    /// Row indices of received token `i` (one per local expert it selected, ascending).
+    pub fn token_rows(&self, i: usize) -> &[u32] {
+        &self.token_rows[self.token_row_start[i] as usize..self.token_row_start[i + 1] as usize]
+    }
+
+    /// The A2E epoch this batch came from (0 while empty).
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.recv.epoch
     }
 
     /// Hidden size of the rows.
     pub fn hidden(&self) -> usize {
-        self.hidden
+        self.recv.hidden
+    }
+
+    /// Per row: the attention rank it came from.
+    pub fn src_rank(&self) -> &[u32] {
+        &self.src_rank
+    }
+
+    /// Per row: the token index at that attention rank.
+    pub fn src_token(&self) -> &[u32] {
+        &self.src_token
+    }
+
+    /// Per row: the gating weight of this (token, expert).
+    pub fn weight(&self) -> &[f32] {
+        &self.weight
+    }
+
+    /// Per source attention rank, in rank order: what came and when.
+    pub fn sources(&self) -> &[SourceInfo] {
+        &self.recv.sources
+    }
+
+    /// Order in which sources completed (indices into [`ExpertBatch::sources`]).
+    pub fn arrival_order(&self) -> &[u32] {
+        &self.recv.arrival_order
     }
 
     /// All rows as raw bytes (`num_rows * hidden * dtype size`).
@@ -135,25 +192,139 @@ impl ExpertBatch {
 
     /// All rows as elements of `T` (`num_rows * hidden`); `T` must be the communicator's dtype.
     pub fn rows<T: Element>(&self) -> Result<&[T]> {
-        if std::mem::size_of::<T>() != self.elem && self.num_rows() > 0 {
-            return Err(Error::invalid(format!(
-                "batch holds {}-byte elements, asked for {}",
-                self.elem,
-                T::DTYPE.name()
-            )));
+        match self.recv.dtype {
+            Some(dt) => typed(self.rows.bytes(), dt),
+            None => Ok(&[]),
         }
-        Ok(bytemuck::cast_slice(self.rows.bytes()))
     }
 }
 
-/// What an attention rank keeps between its A2E and the matching E2A.
-#[derive(Debug)]
+/// The tokens an expert rank received in one A2E call, one row each, in arrival order of their
+/// sources (each source's tokens consecutive, in wire order).
+#[derive(Clone, Debug, Default)]
+pub struct TokenBatch {
+    pub(crate) recv: Received,
+    pub(crate) rows: AlignedBytes,
+    pub(crate) src_rank: Vec<u32>,
+    pub(crate) src_token: Vec<u32>,
+    pub(crate) expert_count: Vec<u32>,
+    pub(crate) local_expert: Vec<u32>,
+    pub(crate) weight: Vec<f32>,
+    pub(crate) topk: usize,
+}
+
+impl TokenBatch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of received tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.src_rank.len()
+    }
+
+    /// The A2E epoch this batch came from (0 while empty).
+    pub fn epoch(&self) -> u64 {
+        self.recv.epoch
+    }
+
+    /// Per token: the attention rank it came from.
+    pub fn src_rank(&self) -> &[u32] {
+        &self.src_rank
+    }
+
+    /// Per token: its index at that attention rank.
+    pub fn src_token(&self) -> &[u32] {
+        &self.src_token
+    }
+
+    /// Local experts (ascending) and gating weights of token `i`.
+    pub fn experts_of(&self, i: usize) -> (&[u32], &[f32]) {
+        let r = i * self.topk..i * self.topk + self.expert_count[i] as usize;
+        (&self.local_expert[r.clone()], &self.weight[r])
+    }
+
+    /// Per source attention rank, in rank order; `first_token` indexes this batch.
+    pub fn sources(&self) -> &[SourceInfo] {
+        &self.recv.sources
+    }
+
+    /// Order in which sources completed (indices into [`TokenBatch::sources`]).
+    pub fn arrival_order(&self) -> &[u32] {
+        &self.recv.arrival_order
+    }
+
+    /// All rows as raw bytes (`num_tokens * hidden * dtype size`; empty for a view's metadata).
+    pub fn row_bytes(&self) -> &[u8] {
+        self.rows.bytes()
+    }
+
+    /// All rows as elements of `T` (`num_tokens * hidden`); `T` must be the communicator's dtype.
+    pub fn rows<T: Element>(&self) -> Result<&[T]> {
+        match self.recv.dtype {
+            Some(dt) => typed(self.rows.bytes(), dt),
+            None => Ok(&[]),
+        }
+    }
+
+    /// Clears everything and reserves per-source bookkeeping for `sources` sources.
+    pub(crate) fn reset(&mut self, comm: u64, dtype: DType, hidden: usize, topk: usize) {
+        self.recv = Received {
+            comm,
+            epoch: 0,
+            dtype: Some(dtype),
+            hidden,
+            sources: std::mem::take(&mut self.recv.sources),
+            arrival_order: std::mem::take(&mut self.recv.arrival_order),
+        };
+        self.recv.sources.clear();
+        self.recv.arrival_order.clear();
+        self.topk = topk;
+        self.rows.resize(0);
+        self.src_rank.clear();
+        self.src_token.clear();
+        self.expert_count.clear();
+        self.local_expert.clear();
+        self.weight.clear();
+    }
+
+    /// Grows the per-token arrays to `total` tokens (rows only when `with_rows`).
+    pub(crate) fn grow(&mut self, total: usize, payload: usize, with_rows: bool) {
+        if with_rows {
+            self.rows.resize(total * payload);
+        }
+        self.src_rank.resize(total, 0);
+        self.src_token.resize(total, 0);
+        self.expert_count.resize(total, 0);
+        self.local_expert.resize(total * self.topk, 0);
+        self.weight.resize(total * self.topk, 0.0);
+    }
+
+    /// Records token `t`'s origin and local experts.
+    pub(crate) fn set_token(&mut self, t: usize, src: usize, token: u32, experts: &[(u32, f32)]) {
+        self.src_rank[t] = src as u32;
+        self.src_token[t] = token;
+        self.expert_count[t] = experts.len() as u32;
+        for (c, &(j, w)) in experts.iter().enumerate() {
+            self.local_expert[t * self.topk + c] = j;
+            self.weight[t * self.topk + c] = w;
+        }
+    }
+}
+
+/// What an attention rank keeps between an A2E call and its E2A: the call's epoch.
+///
+/// Pass it to `e2a_recv` once; the E2A calls of a communicator complete in A2E order, and a
+/// handle of another call, of another communicator or one already used is rejected with an
+/// error naming both epochs (the handle stays valid for a retry after a rejected call).
+#[must_use = "every A2E call must be matched by its E2A receive"]
+#[derive(Debug, PartialEq, Eq)]
 pub struct A2eHandle {
+    pub(crate) comm: u64,
     pub(crate) epoch: u64,
     pub(crate) num_tokens: usize,
-    pub(crate) layout: DispatchLayout,
-    /// Row offset of each expert rank's rows (by expert index) in staging and reply areas.
-    pub(crate) offsets: Vec<usize>,
+    pub(crate) total_rows: usize,
 }
 
 impl A2eHandle {
@@ -167,13 +338,28 @@ impl A2eHandle {
         self.epoch
     }
 
-    /// Rows sent to global rank `dst` (one per token routed there).
-    pub fn rows_to(&self, dst: usize) -> usize {
-        self.layout.count(dst)
-    }
-
-    /// Total rows sent (sum over destinations).
+    /// Rows sent (one per (token, destination rank)).
     pub fn total_rows(&self) -> usize {
-        self.layout.total_entries()
+        self.total_rows
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    #[test]
+    fn typed_access_checks_the_dtype_not_the_element_size() {
+        let mut b = TokenBatch::new();
+        b.reset(1, DType::BF16, 2, 1);
+        b.grow(1, 4, true);
+        b.rows
+            .bytes_mut()
+            .copy_from_slice(&[0x80, 0x3f, 0x80, 0x3f]); // bf16 1.0, 1.0
+        assert_eq!(b.rows::<bf16>().unwrap(), &[bf16::ONE, bf16::ONE]);
+        let err = b.rows::<f16>().unwrap_err().to_string();
+        assert!(err.contains("bf16") && err.contains("f16"), "{err}");
+        assert!(b.rows::<f32>().is_err());
     }
 }

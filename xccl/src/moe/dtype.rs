@@ -195,8 +195,17 @@ fn bf16_bits(v: f32) -> u16 {
     }
 }
 
-/// A Rust element type that xccl moves: `f32`, `half::f16`, `half::bf16`.
-pub trait Element: bytemuck::Pod + Send + Sync {
+mod sealed {
+    /// Keeps [`super::Element`] to the types xccl knows how to move.
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// A Rust element type that xccl moves: `f32`, `half::f16`, `half::bf16` (sealed: the wire
+/// format knows exactly these).
+pub trait Element: bytemuck::Pod + Send + Sync + sealed::Sealed {
     /// The matching [`DType`].
     const DTYPE: DType;
     /// Widens to `f32`.

@@ -1,24 +1,42 @@
-//! The MoE exchange protocol: A2E (dispatch) and E2A (combine).
+//! The MoE exchange protocol: A2E (dispatch) and E2A (combine), as a layer of its own.
 //!
-//! - [`layout`]: routing (`topk_idx`, `topk_weights`) -> one entry per (token, destination rank)
-//!   with a local-expert bitmask and weights.
-//! - [`wire`]: records, row formats, window layout, signal slots, [`wire::MoeConfig`].
-//! - [`a2e`], [`e2a`]: the two directions, as methods of [`crate::Communicator`].
-//! - [`batch`]: what A2E hands back ([`batch::ExpertBatch`], [`batch::A2eHandle`]).
-//! - [`tokens`]: the token-major receive path ([`tokens::TokenBatch`]), no expert-major expansion.
-//! - [`view`]: token rows read in place until the E2A reply ([`view::TokenView`]).
-//! - [`dtype`]: element types and f32 conversions.
-//! - [`mod@reference`]: a single-process oracle of dispatch + combine for tests.
+//! The protocol's state lives in one type per role and direction, each working on a shared
+//! `context::Context` (fabric, topology, config, window layout, slots); the
+//! [`crate::Communicator`] builds them, checks that peers agree, and delegates. A row can be
+//! followed from `a2e_send` down to `Fabric::put` without leaving these files:
+//!
+//! | file | owns |
+//! |---|---|
+//! | [`config`] | [`MoeConfig`] (what ranks agree on) and [`TransferMode`] |
+//! | [`routing`] | routing (`topk_idx`, `topk_weights`) -> one entry per (token, destination rank) |
+//! | [`record`] | the 32-byte metadata record and [`record::WireMode`] |
+//! | [`progress`] | progress signals and wrap-safe epoch comparison |
+//! | [`rows`] | the A2E row codec (payload, local-expert bitmask, weights) |
+//! | [`slots`] | which signal slot means what |
+//! | [`window_layout`] | where every region lies in every rank's window |
+//! | `dispatch` | A2E: `DispatchSender` (attention), `DispatchReceiver` (expert) |
+//! | `combine` | E2A: `CombineSender` (expert), `CombineReceiver` (attention); the exact arithmetic |
+//! | [`view`] | [`TokenView`]: rows read in place until the E2A reply |
+//! | [`batch`] | what the calls hand back |
+//! | `regions` | the only borrows of window memory as slices, each justified by a protocol step |
+//! | [`dtype`] | element types and their f32 conversions |
 
-pub mod a2e;
 pub mod batch;
+pub(crate) mod combine;
+pub mod config;
+pub(crate) mod context;
+pub(crate) mod dispatch;
 pub mod dtype;
-pub mod e2a;
-pub mod layout;
-pub mod reference;
-pub mod tokens;
+mod hash;
+pub mod progress;
+pub mod record;
+mod regions;
+pub mod routing;
+pub mod rows;
+pub mod slots;
 pub mod view;
-pub mod wire;
+pub mod window_layout;
 
-#[cfg(test)]
-mod tests;
+pub use batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
+pub use config::{MoeConfig, TransferMode};
+pub use view::TokenView;

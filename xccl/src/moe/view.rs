@@ -1,122 +1,132 @@
 //! [`TokenView`]: an A2E call's rows read where they landed, with no copy, until the E2A reply.
 //!
-//! [`Communicator::a2e_recv_view`] waits for every source and hands back a view over the rows
-//! in place: this rank's receive area (push), the sender's staging (pull) or the sender's
-//! registered input (gather). The senders' buffers stay reserved until the view is consumed by
-//! [`TokenView::e2a_send`] — the credits that free them go out then — so the rows cannot change
-//! under the caller. `e2a_send` hands the caller each token's input row and the output row
-//! where the reply goes (the attention rank's window on load/store fabrics), so an identity
-//! expert costs one copy for the whole E2A. A view dropped without replying releases the
-//! senders' buffers; the attention ranks then time out waiting for the reply, naming this rank.
+//! A view waits for every source and hands back the rows in place: this rank's receive area
+//! (push), the sender's staging (pull) or the sender's registered input (gather); rows in windows
+//! not mapped in this process are fetched once into a private buffer. The senders' buffers stay
+//! reserved until the view replies — the credits that free them go out then — so the rows cannot
+//! change under the caller. [`TokenView::e2a_send`] hands the caller each token's input row and
+//! the output row where the reply goes (the attention rank's window when it is mapped here), so
+//! an identity expert costs one copy for the whole E2A.
 //!
-//! One view at a time: it borrows the communicator, so two microbatches in flight use the
-//! copying receive paths instead.
+//! A view dropped without a successful reply aborts the job with a reason naming this rank and
+//! the epoch: the attention ranks wait for that reply, and a silent drop would leave them to time
+//! out without knowing why.
 
-use super::batch::SourceInfo;
+use super::batch::{SourceInfo, TokenBatch};
+use super::combine::{CombineSender, Replies};
+use super::config::TransferMode;
+use super::context::Context;
+use super::dispatch::{DispatchReceiver, Message};
 use super::dtype::Element;
-use super::tokens::TokenBatch;
-use super::wire::{Record, TransferMode, WireMode};
-use crate::comm::Communicator;
-use crate::topology::Role;
+use super::regions;
 use crate::{Error, Result};
 
-/// One A2E call's tokens, read in place; consumed by [`TokenView::e2a_send`].
+/// One A2E call's tokens, read in place; answered by [`TokenView::e2a_send`].
 pub struct TokenView<'c> {
-    comm: &'c mut Communicator,
+    ctx: &'c Context,
+    receiver: &'c mut DispatchReceiver,
+    sender: &'c mut CombineSender,
     epoch: u64,
-    records: Vec<(Record, WireMode)>,
+    rows: ViewRows,
     /// Per token: metadata (source, token index, local experts, weights); no rows.
     meta: TokenBatch,
-    /// Rows fetched with `get` on fabrics without load/store access (pull mode only).
-    landing: Vec<u8>,
-    /// Per source: where its rows start in `landing`, if fetched.
-    fetched: Vec<Option<usize>>,
     replied: bool,
 }
 
-impl Communicator {
-    /// A2E receive without a copy: waits for every attention rank's rows of this call and
-    /// returns a view over them where they lie. Reply with [`TokenView::e2a_send`].
-    pub fn a2e_recv_view(&mut self) -> Result<TokenView<'_>> {
-        self.require_role(Role::Expert, "A2E receive")?;
-        let epoch = self.a2e_epoch + 1;
-        let parity = (epoch & 1) as usize;
-        let mut meta = TokenBatch::new();
-        let records = self.a2e_wait_complete(epoch, &mut meta.sources, &mut meta.arrival_order)?;
-        let fmt = self.layout.a2e;
-        let (topk, max_tokens) = (self.cfg.topk, self.cfg.max_tokens_per_rank);
-        let local = self.topo.local_experts(self.rank).len();
-        let total: usize = meta.sources.iter().map(|s| s.count).sum();
-        meta.topk = topk;
-        meta.elem = self.cfg.dtype.size();
-        meta.src_rank.resize(total, 0);
-        meta.src_token.resize(total, 0);
-        meta.expert_count.resize(total, 0);
-        meta.local_expert.resize(total * topk, 0);
-        meta.weight.resize(total * topk, 0.0);
+/// Where a view's rows are: each source's message, and the rows fetched for sources whose
+/// windows are not mapped here.
+struct ViewRows {
+    messages: Vec<Message>,
+    landing: Vec<u8>,
+    /// Per source: where its payloads start in `landing`, if fetched.
+    fetched: Vec<Option<usize>>,
+}
 
-        // Fetch what cannot be read in place, then decode every row's metadata once.
-        let mut landing = Vec::new();
-        let mut fetched = vec![None; records.len()];
-        for (i, (rec, mode)) in records.iter().enumerate() {
-            let rows = 0..rec.count as usize;
-            if self
-                .a2e_rows_in_place(i, rec, *mode, parity, rows.clone())?
-                .is_none()
-            {
-                fetched[i] = Some(landing.len());
-                landing.resize(landing.len() + rows.len() * fmt.stride, 0);
-                let at = fetched[i].expect("set above");
-                self.a2e_fetch_rows(i, rec, parity, rows, &mut landing[at..])?;
-            }
+impl ViewRows {
+    /// Token `i`'s payload bytes (the token's source index `s`, row `r`, token id `token`).
+    fn payload<'a>(&'a self, ctx: &'a Context, s: usize, r: usize, token: u32) -> Result<&'a [u8]> {
+        let p = ctx.layout.a2e.payload;
+        if let Some(at) = self.fetched[s] {
+            return Ok(&self.landing[at + r * p..at + (r + 1) * p]);
         }
-        let mut experts = Vec::new();
-        for (i, (rec, mode)) in records.iter().enumerate() {
-            let info = meta.sources[i];
-            let rows = match fetched[i] {
-                Some(at) => {
-                    super::a2e::SourceRows::Packed(&landing[at..at + info.count * fmt.stride])
-                }
-                None => self
-                    .a2e_rows_in_place(i, rec, *mode, parity, 0..info.count)?
-                    .expect("checked above"),
-            };
-            for r in 0..info.count {
-                let t = info.first_token + r;
-                let token = fmt.decode_row(
-                    rows.meta(&fmt, r),
-                    info.rank,
-                    max_tokens,
-                    local,
-                    &mut experts,
-                )?;
-                meta.src_rank[t] = info.rank as u32;
-                meta.src_token[t] = token;
-                meta.expert_count[t] = experts.len() as u32;
-                for (c, &(j, w)) in experts.iter().enumerate() {
-                    meta.local_expert[t * topk + c] = j;
-                    meta.weight[t * topk + c] = w;
-                }
-            }
-        }
-        meta.epoch = epoch;
-        self.a2e_epoch = epoch;
-        Ok(TokenView {
-            comm: self,
-            epoch,
-            records,
-            meta,
-            landing,
-            fetched,
-            replied: false,
-        })
+        let (rank, at) = self.messages[s].payload_at(ctx, r, token);
+        // SAFETY: the source signalled progress covering every row of its message before the
+        // view was built, and it writes this buffer again only after our A2E credit for this
+        // call, which goes out when the view replies or drops: both need the view itself, so no
+        // borrow handed out by it is alive then.
+        let landed = unsafe { regions::landed(ctx, rank, at, p)? };
+        landed.ok_or_else(|| Error::invalid("view row not mapped and not fetched"))
     }
 }
 
-impl TokenView<'_> {
+/// What a view needs once its call has been received (owned, so receiving can fail without
+/// holding any borrow).
+pub(crate) struct ViewParts {
+    epoch: u64,
+    rows: ViewRows,
+    meta: TokenBatch,
+}
+
+impl ViewParts {
+    /// Receives the next A2E call for a view and fetches the rows of windows not mapped here.
+    pub(crate) fn receive(
+        ctx: &Context,
+        receiver: &mut DispatchReceiver,
+        deadline: std::time::Instant,
+    ) -> Result<Self> {
+        let mut meta = TokenBatch::new();
+        let (epoch, messages) = receiver.recv_view(ctx, &mut meta, deadline)?;
+        let p = ctx.layout.a2e.payload;
+        let mut rows = ViewRows {
+            fetched: vec![None; messages.len()],
+            messages,
+            landing: Vec::new(),
+        };
+        for (s, info) in meta.sources().iter().enumerate() {
+            let msg = rows.messages[s];
+            if msg.count() == 0 || ctx.mapped(msg.payload_at(ctx, 0, 0).0) {
+                continue;
+            }
+            let at = rows.landing.len();
+            rows.landing.resize(at + msg.count() * p, 0);
+            for r in 0..msg.count() {
+                let token = meta.src_token()[info.first_token() + r];
+                let (rank, off) = msg.payload_at(ctx, r, token);
+                ctx.get(rank, off, &mut rows.landing[at + r * p..at + (r + 1) * p])?;
+            }
+            rows.fetched[s] = Some(at);
+        }
+        Ok(ViewParts { epoch, rows, meta })
+    }
+}
+
+impl<'c> TokenView<'c> {
+    /// The view of a received call.
+    pub(crate) fn new(
+        ctx: &'c Context,
+        receiver: &'c mut DispatchReceiver,
+        sender: &'c mut CombineSender,
+        parts: ViewParts,
+    ) -> Self {
+        TokenView {
+            ctx,
+            receiver,
+            sender,
+            epoch: parts.epoch,
+            rows: parts.rows,
+            meta: parts.meta,
+            replied: false,
+        }
+    }
+
     /// Number of received tokens (source by source, in rank order).
     pub fn num_tokens(&self) -> usize {
         self.meta.num_tokens()
+    }
+
+    /// The A2E epoch of the call.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// Per-token metadata: `src_rank`, `src_token`, [`TokenBatch::experts_of`], `sources`
@@ -125,99 +135,126 @@ impl TokenView<'_> {
         &self.meta
     }
 
+    /// The sources of this call, in rank order.
+    pub fn sources(&self) -> &[SourceInfo] {
+        self.meta.sources()
+    }
+
     /// Token `i`'s hidden state, where it landed.
     pub fn row<T: Element>(&self, i: usize) -> Result<&[T]> {
-        self.comm.require_dtype::<T>()?;
-        let bytes = self.row_bytes(i)?;
-        bytemuck::try_cast_slice(bytes).map_err(|e| {
-            Error::invalid(format!(
-                "row {i} is not aligned for {}: {e}",
-                T::DTYPE.name()
-            ))
-        })
+        row_of(self.ctx, &self.rows, &self.meta, i)
     }
 
-    fn row_bytes(&self, i: usize) -> Result<&[u8]> {
-        if i >= self.num_tokens() {
-            return Err(Error::invalid(format!(
-                "token {i} out of range: the view holds {}",
-                self.num_tokens()
-            )));
-        }
-        // Sources hold consecutive token ranges in rank order: the first not ending by `i`.
-        let s = self
-            .meta
-            .sources
-            .partition_point(|s| s.first_token + s.count <= i);
-        let info = self.meta.sources[s];
-        let r = i - info.first_token;
-        let fmt = self.comm.layout.a2e;
-        let (rec, mode) = &self.records[s];
-        let rows = match self.fetched[s] {
-            Some(at) => super::a2e::SourceRows::Packed(
-                &self.landing[at + r * fmt.stride..at + (r + 1) * fmt.stride],
-            ),
-            None => self
-                .comm
-                .a2e_rows_in_place(s, rec, *mode, (self.epoch & 1) as usize, r..r + 1)?
-                .expect("in place when not fetched"),
-        };
-        Ok(rows.payload(&fmt, 0, self.meta.src_token[i]))
-    }
-
-    /// E2A send: `fill(i, input, output)` writes token `i`'s reply (its local experts'
-    /// outputs, weighted and summed) into `output`, which is where the reply goes; `input` is
-    /// the token's hidden state in place. Then the records and signals go out, and the senders'
-    /// A2E buffers are released.
+    /// E2A reply: `fill(i, input, output)` writes token `i`'s reply (its local experts' outputs,
+    /// weighted and summed) into `output`, which is where the reply goes; `input` is the token's
+    /// hidden state in place. Then the records and signals go out, and the senders' A2E buffers
+    /// are released. Replies go in A2E order, like every E2A send.
+    ///
+    /// A call rejected before anything was sent (wrong dtype, an older batch not replied to yet,
+    /// a timeout waiting for credits) leaves the view as it was: call again.
     pub fn e2a_send<T: Element>(
-        mut self,
+        &mut self,
         mode: TransferMode,
         mut fill: impl FnMut(usize, &[T], &mut [T]),
     ) -> Result<()> {
-        self.comm.require_dtype::<T>()?;
-        let view = &self;
-        let mut failure = None;
-        let mut acc = Vec::new();
-        let sent = view.comm.e2a_transmit(
-            &view.meta.sources,
-            mode,
-            Some(&mut |i, out, _| {
-                let output = bytemuck::try_cast_slice_mut(out).map_err(|e| {
-                    Error::invalid(format!(
-                        "reply row is not aligned for {}: {e}",
-                        T::DTYPE.name()
-                    ))
-                });
-                match (view.row::<T>(i), output) {
-                    (Ok(input), Ok(output)) => fill(i, input, output),
-                    (Err(e), _) | (_, Err(e)) => {
-                        failure.get_or_insert(e);
-                    }
-                }
-            }),
-            &mut acc,
-        );
-        sent?;
-        if let Some(e) = failure {
-            return Err(e);
+        let ctx = self.ctx;
+        if self.replied {
+            return Err(Error::invalid(format!(
+                "the view of A2E epoch {} has already replied",
+                self.epoch
+            )));
         }
+        if T::DTYPE != ctx.cfg.dtype {
+            return Err(Error::invalid(format!(
+                "reply dtype {} does not match the communicator's {}",
+                T::DTYPE.name(),
+                ctx.cfg.dtype.name()
+            )));
+        }
+        self.receiver.check_reply(ctx, ctx.id, self.epoch)?;
+        let deadline = ctx.call_deadline();
+        let (rows, meta) = (&self.rows, &self.meta);
+        let mut scratch: Vec<T> = vec![T::from_f32(0.0); ctx.cfg.hidden];
+        let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
+            let input = row_of::<T>(ctx, rows, meta, t)?;
+            let p = ctx.layout.e2a_stride;
+            // SAFETY: the sender waited for the credit of this buffer's previous use from every
+            // attention rank before writing anything, and signals the progress covering this
+            // row only after this closure returns; until then nobody reads or writes the row,
+            // and the slice does not outlive this call.
+            match unsafe { regions::exclusive(ctx, dst, at, p)? } {
+                Some(out) => {
+                    let out: &mut [T] = bytemuck::try_cast_slice_mut(out).map_err(|e| {
+                        Error::invalid(format!(
+                            "reply row is not aligned for {}: {e}",
+                            T::DTYPE.name()
+                        ))
+                    })?;
+                    fill(t, input, out);
+                }
+                None => {
+                    fill(t, input, &mut scratch);
+                    ctx.put(dst, at, bytemuck::cast_slice(&scratch))?;
+                }
+            }
+            Ok(())
+        };
+        self.sender.send(
+            ctx,
+            self.epoch,
+            meta.sources(),
+            mode,
+            Replies::Fill(&mut write),
+            deadline,
+        )?;
         self.replied = true;
-        self.comm.e2a_epoch += 1;
-        self.comm.a2e_credit_all(self.epoch)
+        self.receiver.replied();
+        self.receiver.credit(ctx, self.epoch)
     }
+}
 
-    /// The sources of this call, in rank order.
-    pub fn sources(&self) -> &[SourceInfo] {
-        &self.meta.sources
+/// Token `i`'s row in place, typed.
+fn row_of<'a, T: Element>(
+    ctx: &'a Context,
+    rows: &'a ViewRows,
+    meta: &TokenBatch,
+    i: usize,
+) -> Result<&'a [T]> {
+    if T::DTYPE != ctx.cfg.dtype {
+        return Err(Error::invalid(format!(
+            "view rows are {}, asked for {}",
+            ctx.cfg.dtype.name(),
+            T::DTYPE.name()
+        )));
     }
+    if i >= meta.num_tokens() {
+        return Err(Error::invalid(format!(
+            "token {i} out of range: the view holds {}",
+            meta.num_tokens()
+        )));
+    }
+    // Sources hold consecutive token ranges in rank order: the first not ending by `i`.
+    let sources = meta.sources();
+    let s = sources.partition_point(|s| s.first_token() + s.count() <= i);
+    let r = i - sources[s].first_token();
+    let bytes = rows.payload(ctx, s, r, meta.src_token()[i])?;
+    bytemuck::try_cast_slice(bytes).map_err(|e| {
+        Error::invalid(format!(
+            "row {i} is not aligned for {}: {e}",
+            T::DTYPE.name()
+        ))
+    })
 }
 
 impl Drop for TokenView<'_> {
     fn drop(&mut self) {
         if !self.replied {
-            // Release the senders' buffers whatever happened; an error here has nowhere to go
-            // and the attention ranks' E2A wait reports this rank anyway.
-            let _ = self.comm.a2e_credit_all(self.epoch);
+            let reason = format!(
+                "expert rank {} dropped its view of A2E epoch {} without replying",
+                self.ctx.rank, self.epoch
+            );
+            tracing::warn!("{reason}: aborting the job");
+            self.ctx.fabric.abort(&reason);
         }
     }
 }

@@ -2,17 +2,24 @@
 //! tested against, plus shared test helpers (a deterministic expert function and a routing generator).
 //!
 //! This module owns the *contract* of what the protocol delivers, written as plainly as possible and
-//! independently of [`DispatchLayout`](super::layout::DispatchLayout):
+//! independently of [`DispatchLayout`](crate::moe::routing::DispatchLayout):
 //!
 //! - [`expected_dispatch`]: for every expert rank, for every local expert, the rows it receives as
 //!   `(source rank, source token, weight)`, ordered by source rank, then source token. The real A2E
 //!   output follows this order (rows grouped expert-major).
-//! - [`expected_combine`]: what one attention rank gets back, computed in f64.
+//! - [`expected_combine_exact`]: what one attention rank gets back, bit for bit: it replays the
+//!   protocol's documented order and roundings (expert outputs rounded to the dtype, f32 weighted
+//!   sums over local experts in ascending order on each expert rank, one rounding, then f32 sums
+//!   over expert ranks in ascending rank order, one rounding). Tests and `xccl-bench --check`
+//!   compare bits against it.
+//! - [`expected_combine`]: the same in f64 without intermediate roundings: the mathematical value,
+//!   for error bounds.
 //!
 //! Duplicate expert ids in a row are merged (one row, weights summed in f32 in slot order, exactly as
 //! the layout does), and `-1` means "no expert". Inputs are expected to be valid; these functions
 //! panic with a message on bad input rather than return errors.
 
+use crate::moe::dtype::Element;
 use crate::topology::Topology;
 
 /// One attention rank's routing for one call.
@@ -228,6 +235,88 @@ pub fn expected_combine(
     out
 }
 
+/// The expert output the protocol carries: `expert_fn(expert, f32(x))` rounded to `T`.
+pub fn expert_output<T: Element>(expert_fn: &ExpertFn<'_>, expert: usize, x: &[T]) -> Vec<T> {
+    let x32: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    let mut y = vec![0.0f32; x.len()];
+    expert_fn(expert, &x32, &mut y);
+    y.into_iter().map(T::from_f32).collect()
+}
+
+/// One expert rank's reply row for a token: `acc = 0`, then `acc = acc + w * f32(y)` over
+/// `(weight, output row)` in the order given (ascending local expert), then one rounding to `T`.
+pub fn reduce_on_expert<T: Element>(outputs: &[(f32, Vec<T>)], hidden: usize) -> Vec<T> {
+    let mut acc = vec![0.0f32; hidden];
+    for (w, y) in outputs {
+        for (a, v) in acc.iter_mut().zip(y) {
+            *a += *w * v.to_f32();
+        }
+    }
+    acc.into_iter().map(T::from_f32).collect()
+}
+
+/// What attention rank `input.rank` gets back from combine, bit for bit as the protocol computes
+/// it (see the module docs): `x` is `[T, hidden]` in the wire dtype. Replicas are chosen by
+/// [`Topology::route`], so unlike [`expected_combine`] the result depends on the placement.
+///
+/// # Panics
+///
+/// If `x.len() != input.num_tokens * hidden` or the input is malformed.
+pub fn expected_combine_exact<T: Element>(
+    topo: &Topology,
+    input: &RankInput,
+    x: &[T],
+    hidden: usize,
+    expert_fn: &ExpertFn<'_>,
+) -> Vec<T> {
+    input.check_lengths();
+    assert_eq!(
+        x.len(),
+        input.num_tokens * hidden,
+        "x must be [num_tokens, hidden]"
+    );
+    let mut out = Vec::with_capacity(x.len());
+    for t in 0..input.num_tokens {
+        let xt = &x[t * hidden..(t + 1) * hidden];
+        // Per expert rank (ascending): its (local expert, expert, merged weight), ascending.
+        type Locals = Vec<(usize, usize, f32)>;
+        let mut per_rank: Vec<(usize, Locals)> = Vec::new();
+        for (expert, w) in input.merged_row(t, topo.num_experts()) {
+            let (dst, local) = topo.route(input.rank, expert);
+            match per_rank.iter_mut().find(|(d, _)| *d == dst) {
+                Some((_, list)) => list.push((local, expert, w)),
+                None => per_rank.push((dst, vec![(local, expert, w)])),
+            }
+        }
+        per_rank.sort_by_key(|(d, _)| *d);
+        let replies: Vec<Vec<T>> = per_rank
+            .into_iter()
+            .map(|(_, mut list)| {
+                list.sort_by_key(|&(local, _, _)| local);
+                let outputs: Vec<(f32, Vec<T>)> = list
+                    .into_iter()
+                    .map(|(_, e, w)| (w, expert_output(expert_fn, e, xt)))
+                    .collect();
+                reduce_on_expert(&outputs, hidden)
+            })
+            .collect();
+        match replies.len() {
+            0 => out.extend(std::iter::repeat_n(T::from_f32(0.0), hidden)),
+            1 => out.extend_from_slice(&replies[0]),
+            _ => {
+                let mut acc: Vec<f32> = replies[0].iter().map(|v| v.to_f32()).collect();
+                for r in &replies[1..] {
+                    for (a, v) in acc.iter_mut().zip(r) {
+                        *a += 1.0 * v.to_f32();
+                    }
+                }
+                out.extend(acc.into_iter().map(T::from_f32));
+            }
+        }
+    }
+    out
+}
+
 /// A cheap deterministic expert everyone can share in tests:
 /// `out[i] = x[i] * (1 + expert / 8) + expert * 0.01`. Distinct per expert.
 ///
@@ -375,7 +464,7 @@ pub fn random_routing(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe::layout::{mask_iter, DispatchLayout};
+    use crate::moe::routing::{mask_iter, DispatchLayout};
     use crate::topology::tests::arb_topology;
     use crate::topology::TopologyBuilder;
     use proptest::prelude::*;

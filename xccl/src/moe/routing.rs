@@ -16,6 +16,10 @@
 //! - The replica used for each expert is [`Topology::route`]'s choice for the source rank.
 //! - The same expert appearing twice in a row is merged into one bit; its weights are summed in f32
 //!   in slot order.
+//! - Gating weights must be finite: a NaN or infinite weight of a selected expert is rejected
+//!   (naming the token and slot), since it would silently poison the combined row. Negative and
+//!   zero weights are accepted and used as given (some routers produce them); the weight of a
+//!   `-1` slot is ignored.
 //! - Within a destination, entries are in ascending source-token order. Within an entry, the
 //!   weights are those of the set bits in ascending local-expert order; the remaining of the `k`
 //!   slots are `0.0`.
@@ -128,10 +132,17 @@ impl DispatchLayout {
             )));
         }
         let num_experts = topo.num_experts();
-        for (i, &id) in topk_idx.iter().enumerate() {
+        for (i, (&id, &w)) in topk_idx.iter().zip(topk_weights).enumerate() {
             if id != -1 && usize::try_from(id).map_or(true, |e| e >= num_experts) {
                 return Err(Error::invalid(format!(
                     "dispatch layout: token {} slot {} selects expert {id}, outside 0..{num_experts} (use -1 for none)",
+                    i / k,
+                    i % k
+                )));
+            }
+            if id != -1 && !w.is_finite() {
+                return Err(Error::invalid(format!(
+                    "dispatch layout: token {} slot {} (expert {id}) has gating weight {w}; weights must be finite",
                     i / k,
                     i % k
                 )));
@@ -330,7 +341,7 @@ pub fn mask_set(mask: &mut [u64], j: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::moe::reference::random_routing;
+    use crate::testing::reference::random_routing;
     use crate::topology::tests::arb_topology;
     use crate::topology::TopologyBuilder;
     use proptest::prelude::*;
@@ -401,6 +412,25 @@ mod tests {
         assert!(l.build_into(&t, 0, 2, &[1, 2, 0, 9], &[0.1; 4], 2).is_err());
         assert_eq!(dump(&l), before);
         assert_eq!(l.num_tokens(), 1);
+    }
+
+    #[test]
+    fn non_finite_gating_weights_are_rejected_naming_token_and_slot() {
+        let t = small();
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let m = invalid_msg(DispatchLayout::build(
+                &t,
+                0,
+                2,
+                &[0, 1, 2, 3],
+                &[0.5, 0.5, 0.5, bad],
+                2,
+            ));
+            assert!(m.contains("token 1") && m.contains("slot 1"), "{m}");
+        }
+        // A -1 slot's weight is ignored; negative weights are used as given.
+        let l = DispatchLayout::build(&t, 0, 1, &[0, -1], &[-0.5, f32::NAN], 2).unwrap();
+        assert_eq!(dump(&l), vec![(0, 1, vec![0], vec![-0.5, 0.0])]);
     }
 
     #[test]

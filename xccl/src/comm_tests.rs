@@ -1,4 +1,5 @@
-//! Protocol tests over the in-process fabric: every result checked against the reference.
+//! Communicator tests over the in-process fabric: every result checked bit for bit against the
+//! reference, and every defined failure state (rejected calls, poisoning, aborts, bad peer data).
 
 use std::time::Duration;
 
@@ -6,12 +7,13 @@ use half::{bf16, f16};
 use proptest::prelude::*;
 
 use crate::fabric::Capabilities;
-use crate::harness::{
-    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
-    expert_round_view, Buffers, Workload,
-};
+use crate::moe::config::{MoeConfig, TransferMode};
 use crate::moe::dtype::{DType, Element};
-use crate::moe::wire::{MoeConfig, TransferMode};
+use crate::testing::harness::{
+    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
+    expert_round_view, first_difference, token_replies, Buffers, Workload,
+};
+use crate::testing::reference::{expected_combine_exact, test_expert};
 use crate::topology::{Role, Topology, TopologyBuilder};
 use crate::{Communicator, Error, ExpertBatch, TokenBatch};
 
@@ -164,7 +166,7 @@ fn rows_larger_than_a_chunk_stream_in_pieces() {
     let topo = Topology::contiguous(2, 2, 8).unwrap();
     let c = cfg(8192, DType::F32, 3, 16);
     assert_eq!(
-        crate::moe::wire::chunk_rows(8192 * 4 + 64, c.chunk_bytes),
+        crate::moe::progress::chunk_rows(8192 * 4 + 64, c.chunk_bytes),
         1
     );
     run_local::<f32>(&topo, &c, &wl(15, 16, true), 6, BOTH).unwrap();
@@ -264,42 +266,38 @@ fn interleaved_roles_work() {
 fn results_are_bitwise_identical_run_to_run() {
     let topo = Topology::contiguous(2, 3, 12).unwrap();
     let c = cfg(16, DType::BF16, 4, 8);
-    let run =
-        || {
-            let comms = Communicator::local_group(&topo, &c).unwrap();
-            let w = wl(12, 8, false);
-            std::thread::scope(|s| {
-                let hs: Vec<_> =
-                    comms
-                        .into_iter()
-                        .map(|mut comm| {
-                            let w = w.clone();
-                            s.spawn(move || {
-                                if comm.role() == Role::Expert {
-                                    let mut b = ExpertBatch::new();
-                                    expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
-                                        .unwrap()
-                                        .unwrap();
-                                    return Vec::new();
-                                }
-                                let input = w.input(comm.topology(), 4, comm.rank(), 0);
-                                let x: Vec<bf16> = crate::moe::dtype::slice_from_f32(
-                                    &w.hidden_states(comm.rank(), 0, input.num_tokens, 16),
-                                );
-                                let h = comm
-                                    .a2e_send(&x, &input.topk_idx, &input.topk_weights)
-                                    .unwrap();
-                                let mut out = vec![bf16::ZERO; x.len()];
-                                comm.e2a_recv(h, &mut out).unwrap();
-                                out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
-                            })
-                        })
-                        .collect();
-                hs.into_iter()
-                    .map(|h| h.join().unwrap())
-                    .collect::<Vec<_>>()
-            })
-        };
+    let run = || {
+        let comms = Communicator::local_group(&topo, &c).unwrap();
+        let w = wl(12, 8, false);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|mut comm| {
+                    let w = w.clone();
+                    s.spawn(move || {
+                        if comm.role() == Role::Expert {
+                            let mut b = ExpertBatch::new();
+                            expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
+                                .unwrap()
+                                .unwrap();
+                            return Vec::new();
+                        }
+                        let input = w.input(comm.topology(), 4, comm.rank(), 0);
+                        let x: Vec<bf16> = w.hidden_states(comm.rank(), 0, input.num_tokens, 16);
+                        let h = comm
+                            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+                            .unwrap();
+                        let mut out = vec![bf16::ZERO; x.len()];
+                        comm.e2a_recv(&h, &mut out).unwrap();
+                        out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        })
+    };
     assert_eq!(run(), run());
 }
 
@@ -399,10 +397,13 @@ fn mismatched_config_is_caught_at_init_naming_the_peer() {
     let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t2, b).err());
     let e0 = Communicator::new(Box::new(f0), topo, a).err();
     let e1 = h.join().unwrap();
-    assert!(
-        matches!(e0, Some(Error::Protocol { peer: 1, .. })),
-        "{e0:?}"
-    );
+    match e0 {
+        Some(Error::Protocol { peer: 1, detail }) => assert!(
+            detail.contains("topk = 3") && detail.contains("topk = 2"),
+            "names the field and both values: {detail}"
+        ),
+        other => panic!("{other:?}"),
+    }
     assert!(
         matches!(e1, Some(Error::Protocol { peer: 0, .. })),
         "{e1:?}"
@@ -422,7 +423,7 @@ fn missing_expert_rank_times_out_naming_it() {
     let h = attn
         .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
         .unwrap();
-    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
+    let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
     assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
 }
 
@@ -451,8 +452,7 @@ proptest! {
 
 #[test]
 fn two_microbatches_in_flight_come_back_right() {
-    // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both parities in use at once.
-    use crate::moe::reference::{expected_combine, test_expert};
+    // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both buffers in use at once.
     let topo = Topology::contiguous(2, 3, 9).unwrap();
     let c = cfg(4096, DType::F32, 3, 12);
     let w = wl(19, 12, true);
@@ -469,23 +469,8 @@ fn two_microbatches_in_flight_come_back_right() {
                             comm.a2e_recv_tokens(b, &mut |_, _| {}).unwrap();
                         }
                         for b in &batches {
-                            let locals = topo.local_experts(comm.rank());
-                            let rows = b.rows::<f32>().unwrap();
-                            let mut out = vec![0f32; rows.len()];
-                            let mut tmp = vec![0f32; hidden];
-                            for i in 0..b.num_tokens() {
-                                let (es, ws) = b.experts_of(i);
-                                for (&j, &wt) in es.iter().zip(ws) {
-                                    test_expert(
-                                        locals[j as usize],
-                                        &rows[i * hidden..][..hidden],
-                                        &mut tmp,
-                                    );
-                                    for (o, v) in out[i * hidden..][..hidden].iter_mut().zip(&tmp) {
-                                        *o += wt * v;
-                                    }
-                                }
-                            }
+                            let locals = topo.local_experts(comm.rank()).to_vec();
+                            let out: Vec<f32> = token_replies(&locals, b);
                             comm.e2a_send_tokens(b, &out).unwrap();
                         }
                     }
@@ -516,14 +501,14 @@ fn two_microbatches_in_flight_come_back_right() {
                         .unwrap();
                     for (m, h) in [h0, h1].into_iter().enumerate() {
                         let mut out = vec![0f32; xs[m].len()];
-                        comm.e2a_recv(h, &mut out).unwrap();
-                        let want = expected_combine(topo, &inputs[m], &xs[m], hidden, &test_expert);
-                        for (g, r) in out.iter().zip(&want) {
-                            assert!(
-                                (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
-                                "microbatch {m}: {g} vs {r}"
-                            );
-                        }
+                        comm.e2a_recv(&h, &mut out).unwrap();
+                        let want =
+                            expected_combine_exact(topo, &inputs[m], &xs[m], hidden, &test_expert);
+                        assert_eq!(
+                            first_difference(&out, &want, hidden),
+                            None,
+                            "microbatch {m}"
+                        );
                     }
                 }
             });
@@ -559,28 +544,14 @@ fn registered_output_must_be_requested_for_the_same_batch() {
             "{err}"
         );
         let mut stale = batch.clone();
-        stale.epoch += 1;
-        expert.e2a_output::<f32>(&stale).unwrap();
+        stale.recv.epoch += 1;
+        let err = expert.e2a_output::<f32>(&stale).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         let err = expert.e2a_send_output(&batch).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
         // Nothing was sent: the real reply still goes through and checks out.
-        let rows = batch.rows::<f32>().unwrap().to_vec();
         let locals = topo.local_experts(1).to_vec();
-        let mut out = vec![0f32; rows.len()];
-        let mut tmp = vec![0f32; 8];
-        for i in 0..batch.num_tokens() {
-            let (es, ws) = batch.experts_of(i);
-            for (&j, &wt) in es.iter().zip(ws) {
-                crate::moe::reference::test_expert(
-                    locals[j as usize],
-                    &rows[i * 8..][..8],
-                    &mut tmp,
-                );
-                for (o, v) in out[i * 8..][..8].iter_mut().zip(&tmp) {
-                    *o += wt * v;
-                }
-            }
-        }
+        let out: Vec<f32> = token_replies(&locals, &batch);
         expert
             .e2a_output::<f32>(&batch)
             .unwrap()
@@ -590,10 +561,9 @@ fn registered_output_must_be_requested_for_the_same_batch() {
 }
 
 #[test]
-fn dropped_view_releases_the_senders_and_the_reply_times_out_naming_the_expert() {
+fn dropped_view_aborts_the_job_naming_the_expert_and_the_epoch() {
     let topo = Topology::contiguous(1, 1, 4).unwrap();
-    let mut c = cfg(8, DType::F32, 2, 4);
-    c.timeout = Duration::from_millis(300);
+    let c = cfg(8, DType::F32, 2, 4);
     let mut comms = Communicator::local_group(&topo, &c).unwrap();
     let mut expert = comms.pop().unwrap();
     let mut attn = comms.pop().unwrap();
@@ -605,12 +575,345 @@ fn dropped_view_releases_the_senders_and_the_reply_times_out_naming_the_expert()
     assert_eq!(view.num_tokens(), 4);
     assert_eq!(view.row::<f32>(3).unwrap(), &[1f32; 8]);
     drop(view);
-    let credit = crate::moe::wire::Slots::new(2).a2e_credit(1);
-    assert_eq!(
-        attn.fabric().signal_value(credit),
-        1,
-        "the view's drop sent the A2E credit"
+    let start = std::time::Instant::now();
+    let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("dropped its view of A2E epoch 1")),
+        "{err}"
     );
-    let err = attn.e2a_recv(h, &mut [0f32; 32]).unwrap_err();
-    assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "seen at once, not at the deadline"
+    );
+}
+
+/// A 1A:1E job over the local fabric: (attention rank 0, expert rank 1).
+fn pair(c: &MoeConfig) -> (Communicator, Communicator) {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut comms = Communicator::local_group(&topo, c).unwrap();
+    let expert = comms.pop().unwrap();
+    (comms.pop().unwrap(), expert)
+}
+
+/// Serves `rounds` expert rounds (token path, checked) on its own thread.
+fn serve<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    mut expert: Communicator,
+    rounds: u64,
+) -> std::thread::ScopedJoinHandle<'s, Communicator> {
+    s.spawn(move || {
+        let mut b = TokenBatch::new();
+        let w = wl(31, 4, false);
+        for round in 0..rounds {
+            crate::testing::harness::expert_round_tokens::<f32>(
+                &mut expert,
+                &w,
+                round,
+                &mut b,
+                false,
+            )
+            .unwrap()
+            .unwrap();
+        }
+        expert
+    })
+}
+
+/// Attention rank 0's input of `round` in the [`serve`] workload.
+fn input_of(round: u64) -> (crate::testing::reference::RankInput, Vec<f32>) {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let w = wl(31, 4, false);
+    let input = w.input(&topo, 2, 0, round);
+    let x = w.hidden_states(0, round, input.num_tokens, 8);
+    (input, x)
+}
+
+fn expected_of(round: u64) -> Vec<f32> {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let (input, x) = input_of(round);
+    expected_combine_exact(&topo, &input, &x, 8, &test_expert)
+}
+
+#[test]
+fn e2a_handles_are_matched_to_their_a2e_by_epoch() {
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, expert) = pair(&c);
+    let (mut other, _other_expert) = pair(&c);
+    std::thread::scope(|s| {
+        let e = serve(s, expert, 2);
+        let (i0, x0) = input_of(0);
+        let (i1, x1) = input_of(1);
+        let h1 = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+        let h2 = attn.a2e_send(&x1, &i1.topk_idx, &i1.topk_weights).unwrap();
+        let mut out = vec![0f32; 32];
+        // Out of order: an error naming both epochs, nothing consumed.
+        let err = attn.e2a_recv(&h2, &mut out).unwrap_err().to_string();
+        assert!(err.contains("epoch 1") && err.contains("epoch 2"), "{err}");
+        // A validation error (wrong length) keeps the handle valid.
+        let err = attn.e2a_recv(&h1, &mut out[..8]).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        // A handle of another communicator is rejected.
+        let foreign = other.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+        let err = attn.e2a_recv(&foreign, &mut out).unwrap_err().to_string();
+        assert!(err.contains("another communicator"), "{err}");
+        attn.e2a_recv(&h1, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(0), 8), None);
+        // Reused: rejected, naming both epochs.
+        let err = attn.e2a_recv(&h1, &mut out).unwrap_err().to_string();
+        assert!(
+            err.contains("already used") && err.contains("epoch 2"),
+            "{err}"
+        );
+        attn.e2a_recv(&h2, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(1), 8), None);
+        assert!(attn.poisoned().is_none());
+        e.join().unwrap();
+    });
+}
+
+#[test]
+fn expert_replies_must_follow_a2e_order() {
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, mut expert) = pair(&c);
+    let (i0, x0) = input_of(0);
+    let (i1, x1) = input_of(1);
+    let h1 = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+    let h2 = attn.a2e_send(&x1, &i1.topk_idx, &i1.topk_weights).unwrap();
+    let mut b1 = TokenBatch::new();
+    let mut b2 = TokenBatch::new();
+    expert.a2e_recv_tokens(&mut b1, &mut |_, _| {}).unwrap();
+    expert.a2e_recv_tokens(&mut b2, &mut |_, _| {}).unwrap();
+    let locals = [0usize, 1, 2, 3];
+    let err = expert
+        .e2a_send_tokens(&b2, &token_replies::<f32>(&locals, &b2))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("epoch 1") && err.contains("epoch 2"), "{err}");
+    expert
+        .e2a_send_tokens(&b1, &token_replies::<f32>(&locals, &b1))
+        .unwrap();
+    expert
+        .e2a_send_tokens(&b2, &token_replies::<f32>(&locals, &b2))
+        .unwrap();
+    let err = expert
+        .e2a_send_tokens(&b2, &token_replies::<f32>(&locals, &b2))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("already replied"), "{err}");
+    let mut out = vec![0f32; 32];
+    attn.e2a_recv(&h1, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(0), 8), None);
+    attn.e2a_recv(&h2, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(1), 8), None);
+}
+
+#[test]
+fn a2e_past_max_in_flight_fails_at_once_and_changes_nothing() {
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, expert) = pair(&c);
+    std::thread::scope(|s| {
+        let e = serve(s, expert, 3);
+        let (i0, x0) = input_of(0);
+        let (i1, x1) = input_of(1);
+        let (i2, x2) = input_of(2);
+        let h1 = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+        let h2 = attn.a2e_send(&x1, &i1.topk_idx, &i1.topk_weights).unwrap();
+        let start = std::time::Instant::now();
+        let err = attn
+            .a2e_send(&x2, &i2.topk_idx, &i2.topk_weights)
+            .unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "no wait for a credit"
+        );
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("max_in_flight")),
+            "{err}"
+        );
+        let mut out = vec![0f32; 32];
+        attn.e2a_recv(&h1, &mut out).unwrap();
+        let h3 = attn.a2e_send(&x2, &i2.topk_idx, &i2.topk_weights).unwrap();
+        attn.e2a_recv(&h2, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(1), 8), None);
+        attn.e2a_recv(&h3, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(2), 8), None);
+        e.join().unwrap();
+    });
+}
+
+#[test]
+fn epochs_cross_the_40_bit_wire_boundary_without_harm() {
+    let topo = Topology::contiguous(2, 2, 8).unwrap();
+    let mut c = cfg(16, DType::BF16, 3, 8);
+    c.epoch_base = (1 << 40) - 3;
+    run_local::<bf16>(&topo, &c, &wl(32, 8, true), 8, BOTH).unwrap();
+    c.max_in_flight = 3;
+    c.epoch_base = (1 << 41) - 4;
+    run_local::<bf16>(&topo, &c, &wl(33, 8, true), 8, BOTH).unwrap();
+}
+
+#[test]
+fn a_dead_peer_is_reported_while_waiting_for_another() {
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let dead = comms.pop().unwrap();
+    let mut silent = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    drop(dead);
+    let input = wl(34, 4, false).input(&topo, 2, 0, 0);
+    let h = attn
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let start = std::time::Instant::now();
+    let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
+    assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    // Poisoned: the next call fails fast with the first error, not a misleading one.
+    let err = attn
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap_err();
+    assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+    // And every peer is told: the silent expert's next call fails naming rank 0's abort.
+    let mut b = TokenBatch::new();
+    let err = loop {
+        match silent.a2e_recv_tokens(&mut b, &mut |_, _| {}) {
+            Ok(()) => continue,
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(&err, Error::Aborted { by: 0, reason } if reason.contains("rank 2")),
+        "{err}"
+    );
+    assert!(silent.poisoned().is_some());
+}
+
+#[test]
+fn a_timeout_before_anything_was_published_can_be_retried() {
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_millis(200);
+    let (mut attn, mut expert) = pair(&c);
+    let mut b = TokenBatch::new();
+    let err = expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap_err();
+    assert!(matches!(err, Error::Timeout { peer: 0, .. }), "{err}");
+    assert!(expert.poisoned().is_none());
+    expert.set_timeout(Duration::from_secs(20)).unwrap();
+    attn.set_timeout(Duration::from_secs(20)).unwrap();
+    std::thread::scope(|s| {
+        let e = serve(s, expert, 1);
+        let (i0, x0) = input_of(0);
+        let h = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+        let mut out = vec![0f32; 32];
+        attn.e2a_recv(&h, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(0), 8), None);
+        e.join().unwrap();
+    });
+}
+
+#[test]
+fn abort_reason_reaches_every_peer() {
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, mut expert) = pair(&c);
+    std::thread::scope(|s| {
+        let e = s.spawn(move || {
+            let mut b = TokenBatch::new();
+            expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap_err()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        attn.abort("the scheduler drained this replica");
+        let err = e.join().unwrap();
+        assert!(
+            matches!(&err, Error::Aborted { by: 0, reason } if reason.contains("drained this replica")),
+            "{err}"
+        );
+    });
+    let err = attn.a2e_send(&[0f32; 8], &[0, 1], &[0.5, 0.5]).unwrap_err();
+    assert!(matches!(err, Error::Aborted { by: 0, .. }), "{err}");
+}
+
+#[test]
+fn non_finite_gating_weights_are_rejected_before_any_write() {
+    let err = rejected_then_clean_round(|c| {
+        c.a2e_send(&[0f32; 16], &[0, 1, 2, 3], &[0.5, f32::NAN, 0.5, 0.5])
+            .unwrap_err()
+    });
+    assert!(
+        matches!(err, Error::InvalidArgument(ref m) if m.contains("token 0") && m.contains("slot 1")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_record_addressing_rows_outside_its_region_is_a_protocol_error_naming_the_sender() {
+    use crate::moe::record::Record;
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, mut expert) = pair(&c);
+    let (i0, x0) = input_of(0);
+    let _h = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+    // Rank 0's record at rank 1 now claims a reply offset past its E2A receive area: a valid
+    // check word, a count within capacity, but rows attention_rows..attention_rows+1.
+    let ctx = attn.ctx();
+    let layout = &ctx.layout;
+    let bad = Record::new(1, 1, layout.attention_rows as u32, TransferMode::Push);
+    ctx.fabric
+        .put(
+            1,
+            layout.record(0, layout.buffer(1)),
+            bytemuck::bytes_of(&bad),
+        )
+        .unwrap();
+    let rows = format!(
+        "rows {}..{}",
+        layout.attention_rows,
+        layout.attention_rows + 1
+    );
+    let err = expert
+        .a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol { peer: 0, detail } if detail.contains(&rows)),
+        "{err}"
+    );
+    assert!(expert.poisoned().is_some());
+}
+
+#[test]
+fn a_view_reply_rejected_before_sending_keeps_the_view() {
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, mut expert) = pair(&c);
+    let (i0, x0) = input_of(0);
+    let h = attn.a2e_send(&x0, &i0.topk_idx, &i0.topk_weights).unwrap();
+    let mut view = expert.a2e_recv_view().unwrap();
+    let err = view
+        .e2a_send::<bf16>(TransferMode::Push, |_, _, _| {})
+        .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    let meta = view.meta().clone();
+    let locals = [0usize, 1, 2, 3];
+    let replies: Vec<f32> = {
+        let mut rows = Vec::new();
+        for i in 0..view.num_tokens() {
+            rows.extend_from_slice(view.row::<f32>(i).unwrap());
+        }
+        let mut with_rows = meta.clone();
+        with_rows.rows.resize(rows.len() * 4);
+        with_rows
+            .rows
+            .bytes_mut()
+            .copy_from_slice(bytemuck::cast_slice(&rows));
+        token_replies(&locals, &with_rows)
+    };
+    view.e2a_send::<f32>(TransferMode::Push, |i, _, out| {
+        out.copy_from_slice(&replies[i * 8..(i + 1) * 8])
+    })
+    .unwrap();
+    drop(view);
+    let mut out = vec![0f32; 32];
+    attn.e2a_recv(&h, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(0), 8), None);
 }

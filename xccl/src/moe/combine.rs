@@ -1,0 +1,399 @@
+//! E2A (combine): expert ranks send weighted sums back; attention ranks add them up.
+//!
+//! E2A call `e` answers A2E call `e` (same epoch) and uses buffer `e % max_in_flight`.
+//!
+//! Sender ([`CombineSender`], expert rank `d`): after credit `e - max_in_flight` from every
+//! attention rank, for each source `s` (rotated by `d`) it puts the record, then the reply rows
+//! in chunks into `s`'s reply area at the offset `s` named in its A2E record (push) or into its
+//! own staging at the token's index in the batch (pull), signalling `e2a_ready[d] =
+//! progress(e, rows)` after each chunk.
+//!
+//! Receiver ([`CombineReceiver`], attention rank `s`): one pass over every expert rank's progress
+//! per wake-up; every token whose rows have all arrived (below the watermark) is combined at
+//! once. Each record is checked (epoch, check word, row count equal to what was dispatched to
+//! that rank, offset equal to the one assigned, or inside the sender's staging for pull), and an
+//! error names the expert rank.
+//!
+//! # The exact arithmetic (bit for bit, documented in the API)
+//! - On the expert rank, for each received token with local experts `j` ascending (their
+//!   gating weights `w_j` as dispatched, expert outputs `y_j` in the wire dtype): `acc = 0.0f32`,
+//!   then `acc = acc + w_j * f32(y_j)` element by element (a product then a sum, never a fused
+//!   multiply-add), then one rounding of `acc` to the wire dtype (round to nearest even). The
+//!   token-major and view paths take the caller's already-reduced row as it is.
+//! - On the attention rank, for each token: no contributing expert rank gives zeros; one gives
+//!   its row unchanged; several give `acc = f32(r_first)`, then `acc = acc + f32(r)` for each
+//!   further contribution in ascending expert-rank order, then one rounding to the dtype.
+
+use std::time::Instant;
+
+use super::batch::{ExpertBatch, SourceInfo};
+use super::config::TransferMode;
+use super::context::Context;
+use super::dispatch::Sent;
+use super::progress::{chunk_rows, progress, Progress};
+use super::record::{Record, WireMode};
+use crate::fabric::Waiting;
+use crate::{Error, Result};
+
+/// Writes reply row `t` of a view into `(rank, offset)`: `(context, token, rank, offset)`.
+pub(crate) type FillRow<'a> = dyn FnMut(&Context, usize, usize, usize) -> Result<()> + 'a;
+
+/// How the reply rows of one E2A call are produced.
+pub(crate) enum Replies<'a> {
+    /// The expert-major outputs of a batch (`[num_rows, hidden]` bytes): each token's rows are
+    /// weighted and summed as the module docs say.
+    Reduce {
+        /// The batch the outputs belong to.
+        batch: &'a ExpertBatch,
+        /// One output row per batch row.
+        out: &'a [u8],
+    },
+    /// One reduced row per token of the batch (`[num_tokens, hidden]` bytes).
+    Tokens(&'a [u8]),
+    /// Already written into this rank's staging (registered output): records and signals only.
+    Staged,
+    /// Written by a callback where each goes (a view).
+    Fill(&'a mut FillRow<'a>),
+}
+
+/// The expert side of E2A.
+#[derive(Debug, Default)]
+pub(crate) struct CombineSender {
+    acc: Vec<f32>,
+    row: Vec<u8>,
+    /// The epoch whose registered output `prepare_output` handed out.
+    output_for: Option<u64>,
+}
+
+impl CombineSender {
+    /// Prepares the registered output of the reply to call `epoch`: waits for its buffer to be
+    /// free and notes that the caller writes the rows.
+    pub(crate) fn prepare_output(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        deadline: Instant,
+    ) -> Result<()> {
+        ctx.wait_credits(
+            epoch,
+            ctx.attention(),
+            ctx.slots.e2a_credit(0),
+            "E2A credit (attention rank has not consumed an earlier combine)",
+            deadline,
+        )?;
+        self.output_for = Some(epoch);
+        Ok(())
+    }
+
+    /// The registered output prepared for call `epoch`: `tokens` rows in this rank's staging;
+    /// `None` when the window is not mapped here.
+    // The slice is window memory, shared with peers through the fabric, not through `ctx`:
+    // exclusivity comes from the protocol (see the SAFETY comment), not from a Rust borrow.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn output<'c>(
+        &mut self,
+        ctx: &'c Context,
+        epoch: u64,
+        tokens: usize,
+    ) -> Result<Option<&'c mut [u8]>> {
+        if self.output_for != Some(epoch) {
+            return Err(Error::invalid("the registered output was not prepared"));
+        }
+        let at = ctx.layout.e2a_stage(ctx.layout.buffer(epoch));
+        let len = tokens * ctx.layout.e2a_stride;
+        // SAFETY: attention ranks read this buffer's staging only between our signal of a call
+        // using it and their credit for it; `prepare_output` waited for the last such call, and
+        // the communicator hands the slice out under its own `&mut self`, so the signal of this
+        // reply (`e2a_send_output`) cannot go out while the slice lives.
+        unsafe { super::regions::exclusive(ctx, ctx.rank, at, len) }
+    }
+
+    /// Whether the registered output of call `epoch` was prepared (and so may be sent).
+    pub(crate) fn take_output(&mut self, epoch: u64) -> bool {
+        if self.output_for == Some(epoch) {
+            self.output_for = None;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Sends the E2A of call `epoch` to every source of `sources` (rank order, tokens at
+    /// `first_token..first_token + count`). Nothing is written before the credit wait returns.
+    pub(crate) fn send(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        sources: &[SourceInfo],
+        mode: TransferMode,
+        mut replies: Replies<'_>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let ranks = ctx.attention();
+        if sources.len() != ranks.len() || sources.iter().zip(ranks).any(|(s, &r)| s.rank != r) {
+            return Err(Error::invalid("batch does not come from this communicator"));
+        }
+        let buf = ctx.layout.buffer(epoch);
+        ctx.wait_credits(
+            epoch,
+            ranks,
+            ctx.slots.e2a_credit(0),
+            "E2A credit (attention rank has not consumed an earlier combine)",
+            deadline,
+        )?;
+        let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
+        let stride = ctx.layout.e2a_stride;
+        let mode = match replies {
+            Replies::Staged => TransferMode::Pull,
+            _ => mode,
+        };
+        let slot = ctx.slots.e2a_ready(ctx.rank);
+        let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
+        self.acc.resize(ctx.cfg.hidden, 0.0);
+        self.row.resize(stride, 0);
+        let n = ranks.len();
+        for step in 0..n {
+            let i = (my_index + step) % n;
+            let s = ranks[i];
+            let info = sources[i];
+            let count = info.count;
+            let (dst, base, offset) = match mode {
+                TransferMode::Push => (
+                    s,
+                    ctx.layout.e2a_recv(buf) + info.reply_offset * stride,
+                    info.reply_offset,
+                ),
+                TransferMode::Pull => (
+                    ctx.rank,
+                    ctx.layout.e2a_stage(buf) + info.first_token * stride,
+                    info.first_token,
+                ),
+            };
+            // The record goes first: the receiver may start on the first chunk.
+            let rec = Record::new(epoch, count as u32, offset as u32, mode);
+            ctx.put(
+                s,
+                ctx.layout.record(my_index, buf),
+                bytemuck::bytes_of(&rec),
+            )?;
+            if matches!(replies, Replies::Staged) {
+                ctx.signal(s, slot, progress(epoch, count))?;
+                continue;
+            }
+            let mut done = 0;
+            loop {
+                let rows = done..(done + chunk).min(count);
+                let first = info.first_token + rows.start;
+                let at = base + rows.start * stride;
+                match &mut replies {
+                    Replies::Reduce { batch, out } => {
+                        for k in 0..rows.len() {
+                            self.reduce(ctx, batch, out, first + k);
+                            ctx.put(dst, at + k * stride, &self.row)?;
+                        }
+                    }
+                    Replies::Tokens(reduced) => {
+                        let bytes = &reduced[first * stride..(first + rows.len()) * stride];
+                        ctx.put(dst, at, bytes)?;
+                    }
+                    Replies::Fill(fill) => {
+                        for k in 0..rows.len() {
+                            fill(ctx, first + k, dst, at + k * stride)?;
+                        }
+                    }
+                    Replies::Staged => unreachable!("handled above"),
+                }
+                done = rows.end;
+                ctx.signal(s, slot, progress(epoch, done))?;
+                if done == count {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
+    /// then one rounding to the wire dtype.
+    fn reduce(&mut self, ctx: &Context, batch: &ExpertBatch, out: &[u8], t: usize) {
+        let dtype = ctx.cfg.dtype;
+        let p = ctx.layout.e2a_stride;
+        self.acc.fill(0.0);
+        for &r in batch.token_rows(t) {
+            let r = r as usize;
+            dtype.accumulate(&out[r * p..(r + 1) * p], batch.weight[r], &mut self.acc);
+        }
+        dtype.from_f32(&self.acc, &mut self.row);
+    }
+}
+
+/// The attention side of E2A.
+#[derive(Debug, Default)]
+pub(crate) struct CombineReceiver {
+    acc: Vec<f32>,
+    row: Vec<u8>,
+    cursors: Vec<usize>,
+    contributions: Vec<(usize, usize)>,
+}
+
+impl CombineReceiver {
+    /// Receives the E2A of `sent` and writes each token's combined row into `out`
+    /// (`[num_tokens, hidden]` bytes, checked by the caller); then credits every expert rank.
+    pub(crate) fn recv(
+        &mut self,
+        ctx: &Context,
+        sent: &Sent,
+        out: &mut [u8],
+        deadline: Instant,
+    ) -> Result<()> {
+        let epoch = sent.epoch;
+        let buf = ctx.layout.buffer(epoch);
+        let experts = ctx.experts();
+        let hl = &sent.layout;
+        let t_count = sent.num_tokens;
+        let stride = ctx.layout.e2a_stride;
+        let dtype = ctx.cfg.dtype;
+        let (max_rows, expert_rows) = (ctx.layout.attention_rows, ctx.layout.expert_rows());
+        let mut recs: Vec<Option<(Record, WireMode)>> = vec![None; experts.len()];
+        let mut delivered = vec![0usize; experts.len()];
+        let mut next_token = 0usize;
+        let mut failure: Option<Error> = None;
+        self.acc.resize(ctx.cfg.hidden, 0.0);
+        self.row.resize(stride, 0);
+        self.cursors.clear();
+        self.cursors
+            .extend(experts.iter().map(|&d| hl.entries(d).start));
+        let row_at = |j: usize, rec: &Record, mode: WireMode, i: usize| match mode {
+            WireMode::Push => (
+                ctx.rank,
+                ctx.layout.e2a_recv(buf) + (sent.offsets[j] + i) * stride,
+            ),
+            _ => (
+                experts[j],
+                ctx.layout.e2a_stage(buf) + (rec.offset as usize + i) * stride,
+            ),
+        };
+        let mut pass = || -> Result<Option<Waiting>> {
+            let mut waiting = None;
+            for (j, &d) in experts.iter().enumerate() {
+                let count = hl.count(d);
+                if recs[j].is_some() && delivered[j] == count {
+                    continue;
+                }
+                let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
+                if p == Progress::NotYet {
+                    waiting.get_or_insert(Waiting {
+                        peer: d,
+                        what: "E2A rows",
+                    });
+                    continue;
+                }
+                if recs[j].is_none() {
+                    let mut rec = Record::default();
+                    ctx.get(
+                        ctx.rank,
+                        ctx.layout.record(j, buf),
+                        bytemuck::bytes_of_mut(&mut rec),
+                    )?;
+                    let mode = rec.validate(d, epoch, max_rows)?;
+                    let bad = |detail: String| Err(Error::Protocol { peer: d, detail });
+                    if rec.count as usize != count {
+                        return bad(format!(
+                            "E2A of epoch {epoch} brings {} rows, {count} tokens were dispatched \
+                             to it",
+                            rec.count
+                        ));
+                    }
+                    match mode {
+                        WireMode::Gather => {
+                            return bad("E2A record in gather mode (only A2E gathers)".into())
+                        }
+                        WireMode::Push if rec.offset as usize != sent.offsets[j] => {
+                            return bad(format!(
+                                "E2A of epoch {epoch} wrote its rows at row {}, the A2E record \
+                                 assigned row {}",
+                                rec.offset, sent.offsets[j]
+                            ));
+                        }
+                        WireMode::Push => {}
+                        WireMode::Pull => rec.check_region(d, expert_rows, "its E2A staging")?,
+                    }
+                    recs[j] = Some((rec, mode));
+                }
+                delivered[j] = p.rows(count);
+                if delivered[j] < count {
+                    waiting.get_or_insert(Waiting {
+                        peer: d,
+                        what: "E2A rows",
+                    });
+                }
+            }
+            // Watermark: the first token some expert rank has not delivered yet.
+            let watermark = experts
+                .iter()
+                .enumerate()
+                .map(|(j, &d)| {
+                    let r = hl.entries(d);
+                    if delivered[j] == r.len() {
+                        t_count
+                    } else {
+                        hl.token(r.start + delivered[j])
+                    }
+                })
+                .min()
+                .unwrap_or(t_count);
+            while next_token < watermark {
+                let t = next_token;
+                let out_row = &mut out[t * stride..(t + 1) * stride];
+                self.contributions.clear();
+                for (j, &d) in experts.iter().enumerate() {
+                    let e = self.cursors[j];
+                    let r = hl.entries(d);
+                    if e < r.end && hl.token(e) == t {
+                        self.cursors[j] += 1;
+                        self.contributions.push((j, e - r.start));
+                    }
+                }
+                match self.contributions.len() {
+                    0 => out_row.fill(0),
+                    // One expert rank: its row is already the answer, in the output dtype.
+                    1 => {
+                        let (j, i) = self.contributions[0];
+                        let (rec, mode) = recs[j].expect("delivered rows have a record");
+                        let (rank, at) = row_at(j, &rec, mode, i);
+                        ctx.get(rank, at, out_row)?;
+                    }
+                    _ => {
+                        for (c, &(j, i)) in self.contributions.iter().enumerate() {
+                            let (rec, mode) = recs[j].expect("delivered rows have a record");
+                            let (rank, at) = row_at(j, &rec, mode, i);
+                            ctx.get(rank, at, &mut self.row)?;
+                            if c == 0 {
+                                dtype.to_f32(&self.row, &mut self.acc);
+                            } else {
+                                dtype.accumulate(&self.row, 1.0, &mut self.acc);
+                            }
+                        }
+                        dtype.from_f32(&self.acc, out_row);
+                    }
+                }
+                next_token += 1;
+            }
+            Ok(waiting)
+        };
+        ctx.wait(deadline, &mut || match pass() {
+            Ok(w) => w,
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        for &d in experts {
+            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        }
+        Ok(())
+    }
+}

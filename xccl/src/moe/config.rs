@@ -1,0 +1,252 @@
+//! [`MoeConfig`]: what every rank of a communicator agrees on, and [`TransferMode`].
+
+use std::time::Duration;
+
+use super::dtype::DType;
+use super::hash::Fnv;
+use super::progress::{CHUNK_BYTES, EPOCH_MASK, MAX_PROGRESS_ROWS};
+use super::window_layout::WindowLayout;
+use crate::topology::Topology;
+use crate::{Error, Result};
+
+/// How rows move between ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum TransferMode {
+    /// The sender writes rows into the receiver's window, then signals.
+    Push = 0,
+    /// The sender stages rows in its own window and signals; the receiver reads them
+    /// (receiver-controlled incast, as in xDeepServe's dispatch).
+    Pull = 1,
+}
+
+impl TransferMode {
+    /// Parses `"push"` or `"pull"`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "push" => Ok(TransferMode::Push),
+            "pull" => Ok(TransferMode::Pull),
+            other => Err(Error::invalid(format!(
+                "unknown transfer mode {other:?} (expected push or pull)"
+            ))),
+        }
+    }
+
+    /// `"push"` or `"pull"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransferMode::Push => "push",
+            TransferMode::Pull => "pull",
+        }
+    }
+}
+
+/// Most microbatches a communicator lets be in flight ([`MoeConfig::max_in_flight`]).
+pub const MAX_IN_FLIGHT: usize = 8;
+
+/// Fixed parameters of a communicator's MoE exchange.
+///
+/// `hidden`, `dtype`, `topk`, `max_tokens_per_rank`, `max_in_flight` and `epoch_base` must be
+/// equal on every rank (init checks them and names the field that differs); `mode`, `timeout` and
+/// `chunk_bytes` are local choices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Hidden size H: elements per token row.
+    pub hidden: usize,
+    /// Element type of rows on the wire and in the caller's tensors.
+    pub dtype: DType,
+    /// Top-k: routing entries per token.
+    pub topk: usize,
+    /// Most tokens one attention rank passes to one A2E call.
+    pub max_tokens_per_rank: usize,
+    /// Microbatches in flight: on an attention rank, A2E calls whose E2A has not been received;
+    /// on an expert rank, received A2E calls not yet replied to. One set of buffers each, so the
+    /// windows grow with it. A call past it fails at once (it never waits for a credit that
+    /// cannot come). 1 to [`MAX_IN_FLIGHT`]; 2 by default (double buffering).
+    pub max_in_flight: usize,
+    /// Default transfer mode (each call may override it).
+    pub mode: TransferMode,
+    /// Deadline of a whole call: every wait inside one call shares it.
+    pub timeout: Duration,
+    /// Bytes a sender writes between progress signals, so receivers copy while senders write.
+    pub chunk_bytes: usize,
+    /// The epoch numbering starts after this value (0). The first call is epoch
+    /// `epoch_base + 1`. Tests set it just below 2^40 to cross the wrap-around of the 40-bit
+    /// epoch carried by progress signals.
+    pub epoch_base: u64,
+}
+
+impl MoeConfig {
+    /// A config with push mode, 2 microbatches in flight and a 30 s timeout per call.
+    pub fn new(hidden: usize, dtype: DType, topk: usize, max_tokens_per_rank: usize) -> Self {
+        MoeConfig {
+            hidden,
+            dtype,
+            topk,
+            max_tokens_per_rank,
+            max_in_flight: 2,
+            mode: TransferMode::Push,
+            timeout: Duration::from_secs(30),
+            chunk_bytes: CHUNK_BYTES,
+            epoch_base: 0,
+        }
+    }
+
+    /// Checks the values against each other and the topology.
+    pub fn validate(&self, topo: &Topology) -> Result<()> {
+        if self.hidden == 0 {
+            return Err(Error::invalid("hidden size must be at least 1"));
+        }
+        if self.topk == 0 {
+            return Err(Error::invalid("topk must be at least 1"));
+        }
+        if self.max_tokens_per_rank == 0 || self.max_tokens_per_rank > MAX_PROGRESS_ROWS {
+            return Err(Error::invalid(format!(
+                "max_tokens_per_rank {} must be in 1..={MAX_PROGRESS_ROWS}",
+                self.max_tokens_per_rank
+            )));
+        }
+        if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
+            return Err(Error::invalid(format!(
+                "max_in_flight {} must be in 1..={MAX_IN_FLIGHT}",
+                self.max_in_flight
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(Error::invalid("timeout must be positive"));
+        }
+        if self.chunk_bytes == 0 {
+            return Err(Error::invalid("chunk_bytes must be positive"));
+        }
+        if self.epoch_base > u64::MAX / 2 {
+            return Err(Error::invalid(format!(
+                "epoch_base {} is too large (at most {}; the 40-bit wire epoch {:#x} wraps harmlessly)",
+                self.epoch_base,
+                u64::MAX / 2,
+                EPOCH_MASK
+            )));
+        }
+        let layout = WindowLayout::new(topo, self);
+        for r in 0..topo.world_size() {
+            if layout.window_len(r) > (u32::MAX as usize) * 16 {
+                return Err(Error::invalid(format!(
+                    "rank {r} would need a {} byte window; lower max_tokens_per_rank, hidden or max_in_flight",
+                    layout.window_len(r)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The fields every rank must agree on, named, as they go into the init handshake.
+    pub(crate) fn agreed_fields(&self) -> [(&'static str, u64); 6] {
+        [
+            ("hidden", self.hidden as u64),
+            ("dtype", self.dtype as u64),
+            ("topk", self.topk as u64),
+            ("max_tokens_per_rank", self.max_tokens_per_rank as u64),
+            ("max_in_flight", self.max_in_flight as u64),
+            ("epoch_base", self.epoch_base),
+        ]
+    }
+
+    /// Stable hash of every field that every rank must agree on.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Fnv::new();
+        for (_, v) in self.agreed_fields() {
+            h.u64(v);
+        }
+        h.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_rejects_zero_sizes_and_oversized_token_caps() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let ok = MoeConfig::new(8, DType::F32, 2, 4);
+        ok.validate(&topo).unwrap();
+        for bad in [
+            MoeConfig {
+                hidden: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                topk: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_tokens_per_rank: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_tokens_per_rank: MAX_PROGRESS_ROWS + 1,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_in_flight: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                max_in_flight: MAX_IN_FLIGHT + 1,
+                ..ok.clone()
+            },
+            MoeConfig {
+                timeout: Duration::ZERO,
+                ..ok.clone()
+            },
+            MoeConfig {
+                chunk_bytes: 0,
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(&topo), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn fingerprint_covers_every_agreed_field_and_nothing_local() {
+        let c = MoeConfig::new(8, DType::F32, 2, 4);
+        let local = MoeConfig {
+            mode: TransferMode::Pull,
+            timeout: Duration::from_secs(1),
+            chunk_bytes: 7,
+            ..c.clone()
+        };
+        assert_eq!(c.fingerprint(), local.fingerprint());
+        for other in [
+            MoeConfig {
+                hidden: 9,
+                ..c.clone()
+            },
+            MoeConfig {
+                dtype: DType::BF16,
+                ..c.clone()
+            },
+            MoeConfig {
+                topk: 3,
+                ..c.clone()
+            },
+            MoeConfig {
+                max_tokens_per_rank: 5,
+                ..c.clone()
+            },
+            MoeConfig {
+                max_in_flight: 1,
+                ..c.clone()
+            },
+            MoeConfig {
+                epoch_base: 1,
+                ..c.clone()
+            },
+        ] {
+            assert_ne!(c.fingerprint(), other.fingerprint(), "{other:?}");
+        }
+    }
+}

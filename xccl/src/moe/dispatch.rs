@@ -1,0 +1,991 @@
+//! A2E (dispatch): attention ranks send token rows to expert ranks.
+//!
+//! Sender ([`DispatchSender`], attention rank `s`, call epoch `e`, buffer `b = e % max_in_flight`):
+//! 1. validate everything and build the [`DispatchLayout`]; nothing is written before this, and
+//!    a call past `max_in_flight` unanswered calls fails here at once;
+//! 2. wait for credit `e - max_in_flight` from every expert rank (the buffer's previous user is
+//!    consumed everywhere);
+//! 3. per expert rank `d` (rotated by `s` to spread incast): put the [`Record`] first, then the
+//!    rows for `d` in chunks — into `d`'s receive area (push) or into this rank's staging (pull)
+//!    — signalling `a2e_ready[s] = progress(e, rows)` after each chunk. With a registered input
+//!    (gather) only metadata rows are written; receivers read the payloads from the input.
+//!
+//! Receiver ([`DispatchReceiver`], expert rank `d`): one pass over all sources per wake-up until
+//! every message of epoch `e` is complete; each record is checked against the epoch, its check
+//! word and the exact region its count and offset address, and each row's metadata against the
+//! token and expert ranges, every error naming the sender. Rows are copied out with `get` (one
+//! bulk `get` per chunk from windows that are not mapped here), expert-major ([`ExpertBatch`]),
+//! token-major as each source streams in ([`TokenBatch`]), or described for a view. Credit `e`
+//! goes back to every source once the rows are out of the window (for a view, once it replies).
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::time::Instant;
+
+use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
+use super::context::Context;
+use super::progress::{chunk_rows, progress, Progress};
+use super::record::{Record, WireMode};
+use super::regions;
+use super::routing::DispatchLayout;
+use crate::fabric::Waiting;
+use crate::{Error, Result};
+
+/// One A2E call an attention rank has sent and not yet received the E2A of.
+#[derive(Debug, Default)]
+pub(crate) struct Sent {
+    pub(crate) epoch: u64,
+    pub(crate) num_tokens: usize,
+    pub(crate) layout: DispatchLayout,
+    /// Row offset of each expert rank's rows (by expert index) in staging and reply areas.
+    pub(crate) offsets: Vec<usize>,
+}
+
+/// Where a call's payload rows come from.
+#[derive(Clone, Copy)]
+enum Payloads<'a> {
+    /// The caller's `[T, hidden]` bytes.
+    Caller(&'a [u8]),
+    /// The registered input of this buffer, in this rank's window at this offset.
+    Input(usize),
+}
+
+/// The attention side of A2E: sends calls and keeps each until its E2A is received.
+#[derive(Debug)]
+pub(crate) struct DispatchSender {
+    last_epoch: u64,
+    in_flight: VecDeque<Sent>,
+    spare: Vec<Sent>,
+    /// The epoch whose registered input `input` handed out.
+    input_epoch: Option<u64>,
+    /// Encoded rows of one chunk (fabrics without load/store access) or metadata rows.
+    stage: Vec<u8>,
+    /// One payload row read from the registered input (pull from a window not mapped here).
+    row: Vec<u8>,
+}
+
+impl DispatchSender {
+    /// A sender whose first call is `epoch_base + 1`.
+    pub(crate) fn new(epoch_base: u64) -> Self {
+        DispatchSender {
+            last_epoch: epoch_base,
+            in_flight: VecDeque::new(),
+            spare: Vec::new(),
+            input_epoch: None,
+            stage: Vec::new(),
+            row: Vec::new(),
+        }
+    }
+
+    /// Fails at once when `max_in_flight` calls already wait for their E2A.
+    fn check_room(&self, ctx: &Context) -> Result<()> {
+        let depth = ctx.cfg.max_in_flight;
+        if self.in_flight.len() >= depth {
+            return Err(Error::invalid(format!(
+                "{} A2E calls already wait for their E2A (max_in_flight is {depth}): receive the \
+                 E2A of epoch {} before the next A2E",
+                self.in_flight.len(),
+                self.in_flight.front().map_or(0, |s| s.epoch)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validates the call and builds its routing; nothing is written anywhere.
+    fn plan(
+        &mut self,
+        ctx: &Context,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+    ) -> Result<Sent> {
+        self.check_room(ctx)?;
+        if num_tokens > ctx.cfg.max_tokens_per_rank {
+            return Err(Error::invalid(format!(
+                "{num_tokens} tokens exceed max_tokens_per_rank {}",
+                ctx.cfg.max_tokens_per_rank
+            )));
+        }
+        let mut sent = self.spare.pop().unwrap_or_default();
+        if let Err(e) = sent.layout.build_into(
+            &ctx.topo,
+            ctx.rank,
+            num_tokens,
+            topk_idx,
+            topk_weights,
+            ctx.cfg.topk,
+        ) {
+            self.spare.push(sent);
+            return Err(e);
+        }
+        sent.num_tokens = num_tokens;
+        sent.offsets.clear();
+        let mut acc = 0;
+        for &d in ctx.experts() {
+            sent.offsets.push(acc);
+            acc += sent.layout.count(d);
+        }
+        Ok(sent)
+    }
+
+    /// A2E send of `x` (`[T, hidden]` bytes of the communicator's dtype).
+    pub(crate) fn send(
+        &mut self,
+        ctx: &Context,
+        x: &[u8],
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: WireMode,
+        deadline: Instant,
+    ) -> Result<A2eHandle> {
+        let payload = ctx.layout.a2e.payload;
+        if !x.len().is_multiple_of(payload) {
+            return Err(Error::invalid(format!(
+                "x has {} bytes, not a whole number of rows of hidden {} x {}",
+                x.len(),
+                ctx.cfg.hidden,
+                ctx.cfg.dtype.name()
+            )));
+        }
+        let sent = self.plan(ctx, x.len() / payload, topk_idx, topk_weights)?;
+        self.transmit(ctx, sent, Payloads::Caller(x), mode, deadline)
+    }
+
+    /// Prepares the registered input of the next call: waits for its buffer to be free and
+    /// notes that the caller writes the rows for this call.
+    pub(crate) fn prepare_input(&mut self, ctx: &Context, deadline: Instant) -> Result<()> {
+        self.check_room(ctx)?;
+        let epoch = self.last_epoch + 1;
+        ctx.wait_credits(
+            epoch,
+            ctx.experts(),
+            ctx.slots.a2e_credit(0),
+            "A2E credit (expert has not consumed an earlier dispatch)",
+            deadline,
+        )?;
+        self.input_epoch = Some(epoch);
+        Ok(())
+    }
+
+    /// The registered input prepared by [`DispatchSender::prepare_input`], `[max_tokens,
+    /// hidden]` bytes in this rank's window; `None` when the window is not mapped here.
+    // The slice is window memory, shared with peers through the fabric, not through `ctx`:
+    // exclusivity comes from the protocol (see the SAFETY comment), not from a Rust borrow.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) fn input<'c>(&mut self, ctx: &'c Context) -> Result<Option<&'c mut [u8]>> {
+        let epoch = self.last_epoch + 1;
+        if self.input_epoch != Some(epoch) {
+            return Err(Error::invalid("the registered input was not prepared"));
+        }
+        let at = ctx.layout.a2e_input(ctx.layout.buffer(epoch));
+        let len = ctx.cfg.max_tokens_per_rank * ctx.layout.a2e.payload;
+        // SAFETY: peers read this buffer's input only between our signal of a call using it and
+        // their credit for that call; `prepare_input` waited for the last such call, and the
+        // communicator hands the slice out under its own `&mut self`, so this rank cannot
+        // signal the next call (the only thing that lets peers read it) while the slice lives.
+        unsafe { regions::exclusive(ctx, ctx.rank, at, len) }
+    }
+
+    /// A2E send of the first `num_tokens` rows of the registered input (handed out by
+    /// [`DispatchSender::input`] for this call). On fabrics with load/store access only the
+    /// routing metadata is written and receivers gather the rows; elsewhere rows are staged for
+    /// them to pull.
+    pub(crate) fn send_input(
+        &mut self,
+        ctx: &Context,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        deadline: Instant,
+    ) -> Result<A2eHandle> {
+        let epoch = self.last_epoch + 1;
+        if self.input_epoch != Some(epoch) {
+            return Err(Error::invalid(
+                "a2e_send_input needs a2e_input first: the rows must be written for this call",
+            ));
+        }
+        let sent = self.plan(ctx, num_tokens, topk_idx, topk_weights)?;
+        let mode = if ctx.fabric.capabilities().load_store {
+            WireMode::Gather
+        } else {
+            WireMode::Pull
+        };
+        let input = Payloads::Input(ctx.layout.a2e_input(ctx.layout.buffer(epoch)));
+        self.transmit(ctx, sent, input, mode, deadline)
+    }
+
+    /// Sends one planned call. Before the credit wait returns nothing is written, and an error
+    /// there gives the plan back; after it, an error leaves a half-sent call (the communicator
+    /// poisons itself).
+    fn transmit(
+        &mut self,
+        ctx: &Context,
+        sent: Sent,
+        payloads: Payloads<'_>,
+        mode: WireMode,
+        deadline: Instant,
+    ) -> Result<A2eHandle> {
+        let epoch = self.last_epoch + 1;
+        if let Err(e) = ctx.wait_credits(
+            epoch,
+            ctx.experts(),
+            ctx.slots.a2e_credit(0),
+            "A2E credit (expert has not consumed an earlier dispatch)",
+            deadline,
+        ) {
+            self.spare.push(sent);
+            return Err(e);
+        }
+        self.input_epoch = None;
+        self.write_all(ctx, &sent, epoch, payloads, mode)?;
+        self.last_epoch = epoch;
+        let handle = A2eHandle {
+            comm: ctx.id,
+            epoch,
+            num_tokens: sent.num_tokens,
+            total_rows: sent.layout.total_entries(),
+        };
+        let sent = Sent { epoch, ..sent };
+        self.in_flight.push_back(sent);
+        Ok(handle)
+    }
+
+    /// Writes every destination's record and rows of call `epoch`, signalling as it goes.
+    fn write_all(
+        &mut self,
+        ctx: &Context,
+        sent: &Sent,
+        epoch: u64,
+        payloads: Payloads<'_>,
+        mode: WireMode,
+    ) -> Result<()> {
+        let layout = &ctx.layout;
+        let row = layout.a2e;
+        let buf = layout.buffer(epoch);
+        let src_index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+        let experts = ctx.experts();
+        let n = experts.len();
+        let slot = ctx.slots.a2e_ready(ctx.rank);
+        let plan = &sent.layout;
+        for step in 0..n {
+            let j = (src_index + step) % n;
+            let d = experts[j];
+            let entries = plan.entries(d);
+            let count = entries.len();
+            // The record goes first: receivers may start on the first chunk.
+            let rec = Record::new(epoch, count as u32, sent.offsets[j] as u32, mode);
+            ctx.put(d, layout.record(src_index, buf), bytemuck::bytes_of(&rec))?;
+            if mode == WireMode::Gather {
+                // Metadata only: the receiver gathers payloads from our registered input.
+                self.stage.resize(count * row.meta_stride, 0);
+                for (e, meta) in entries.zip(self.stage.chunks_exact_mut(row.meta_stride)) {
+                    row.encode_meta(meta, plan.token(e) as u32, plan.mask(e), plan.weights(e));
+                }
+                let at = layout.a2e_stage(buf) + sent.offsets[j] * row.meta_stride;
+                ctx.put(ctx.rank, at, &self.stage)?;
+                ctx.signal(d, slot, progress(epoch, count))?;
+                continue;
+            }
+            let (dst, base) = match mode {
+                WireMode::Push => (d, layout.a2e_recv(src_index, buf)),
+                _ => (
+                    ctx.rank,
+                    layout.a2e_stage(buf) + sent.offsets[j] * row.stride,
+                ),
+            };
+            let direct = ctx.mapped(dst);
+            let chunk = chunk_rows(row.stride, ctx.cfg.chunk_bytes);
+            let mut done = 0;
+            loop {
+                let rows = done..(done + chunk).min(count);
+                let at = base + rows.start * row.stride;
+                let entries = entries.start + rows.start..entries.start + rows.end;
+                if direct {
+                    self.put_rows(ctx, plan, entries, payloads, dst, at)?;
+                } else {
+                    self.stage_rows(ctx, plan, entries, payloads)?;
+                    ctx.put(dst, at, &self.stage)?;
+                }
+                done = rows.end;
+                ctx.signal(d, slot, progress(epoch, done))?;
+                if done == count {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies token `t`'s payload row into `out` (from the caller's bytes or the registered
+    /// input).
+    fn payload_of<'p>(
+        ctx: &Context,
+        payloads: Payloads<'p>,
+        t: usize,
+        row: &'p mut Vec<u8>,
+    ) -> Result<&'p [u8]> {
+        let p = ctx.layout.a2e.payload;
+        match payloads {
+            Payloads::Caller(x) => Ok(&x[t * p..(t + 1) * p]),
+            Payloads::Input(at) => {
+                row.resize(p, 0);
+                ctx.get(ctx.rank, at + t * p, row)?;
+                Ok(row)
+            }
+        }
+    }
+
+    /// Writes full rows of `entries` straight into `dst`'s window at `at`, one put for the
+    /// payload and one for the metadata of each row.
+    fn put_rows(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        entries: Range<usize>,
+        payloads: Payloads<'_>,
+        dst: usize,
+        at: usize,
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        let mut meta = [0u8; 512];
+        let meta_len = row.meta_len();
+        let mut big_meta = Vec::new();
+        let meta: &mut [u8] = if meta_len <= meta.len() {
+            &mut meta[..meta_len]
+        } else {
+            big_meta.resize(meta_len, 0);
+            &mut big_meta
+        };
+        for (i, e) in entries.enumerate() {
+            let t = plan.token(e);
+            let off = at + i * row.stride;
+            let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
+            ctx.put(dst, off, x)?;
+            row.encode_meta(meta, t as u32, plan.mask(e), plan.weights(e));
+            ctx.put(dst, off + row.meta_offset(), meta)?;
+        }
+        Ok(())
+    }
+
+    /// Encodes full rows of `entries` into `self.stage`.
+    fn stage_rows(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        entries: Range<usize>,
+        payloads: Payloads<'_>,
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        self.stage.resize(entries.len() * row.stride, 0);
+        let mut stage = std::mem::take(&mut self.stage);
+        let result = entries
+            .zip(stage.chunks_exact_mut(row.stride))
+            .try_for_each(|(e, out)| {
+                let t = plan.token(e);
+                let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
+                out[..row.payload].copy_from_slice(x);
+                row.encode_meta(
+                    &mut out[row.meta_offset()..],
+                    t as u32,
+                    plan.mask(e),
+                    plan.weights(e),
+                );
+                Ok(())
+            });
+        self.stage = stage;
+        result
+    }
+
+    /// The call `handle` answers, if it is the oldest one waiting for its E2A; else an error
+    /// naming both epochs (nothing changes).
+    pub(crate) fn oldest(&self, ctx: &Context, handle: &A2eHandle) -> Result<&Sent> {
+        if handle.comm != ctx.id {
+            return Err(Error::invalid(format!(
+                "the handle of A2E epoch {} comes from another communicator",
+                handle.epoch
+            )));
+        }
+        let Some(front) = self.in_flight.front() else {
+            return Err(Error::invalid(format!(
+                "the handle of A2E epoch {} was already used: no A2E call waits for its E2A",
+                handle.epoch
+            )));
+        };
+        match handle.epoch.cmp(&front.epoch) {
+            std::cmp::Ordering::Equal => Ok(front),
+            std::cmp::Ordering::Less => Err(Error::invalid(format!(
+                "the handle of A2E epoch {} was already used; the next E2A is for epoch {}",
+                handle.epoch, front.epoch
+            ))),
+            std::cmp::Ordering::Greater => Err(Error::invalid(format!(
+                "E2A calls complete in A2E order: the next E2A is for epoch {}, this handle is \
+                 of epoch {} (was the handle of epoch {} dropped?)",
+                front.epoch, handle.epoch, front.epoch
+            ))),
+        }
+    }
+
+    /// The oldest call's E2A has been received: its buffers are reused by later calls.
+    pub(crate) fn retire(&mut self) {
+        if let Some(sent) = self.in_flight.pop_front() {
+            self.spare.push(sent);
+        }
+    }
+
+    /// Calls waiting for their E2A.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
+
+/// One source's message of one call, as its validated record describes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Message {
+    /// The source's index among the attention ranks.
+    pub(crate) index: usize,
+    /// Its global rank.
+    pub(crate) src: usize,
+    pub(crate) rec: Record,
+    pub(crate) mode: WireMode,
+    pub(crate) buf: usize,
+}
+
+impl Message {
+    /// Rows in the message.
+    pub(crate) fn count(&self) -> usize {
+        self.rec.count as usize
+    }
+
+    /// The rank and offset of full row `r` (push and pull; gather rows are metadata only).
+    pub(crate) fn full_row(&self, ctx: &Context, r: usize) -> (usize, usize) {
+        let l = &ctx.layout;
+        match self.mode {
+            WireMode::Push => (
+                ctx.rank,
+                l.a2e_recv(self.index, self.buf) + r * l.a2e.stride,
+            ),
+            _ => (
+                self.src,
+                l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * l.a2e.stride,
+            ),
+        }
+    }
+
+    /// The rank and offset of row `r`'s metadata.
+    pub(crate) fn meta_at(&self, ctx: &Context, r: usize) -> (usize, usize) {
+        let l = &ctx.layout;
+        match self.mode {
+            WireMode::Gather => (
+                self.src,
+                l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * l.a2e.meta_stride,
+            ),
+            _ => {
+                let (rank, at) = self.full_row(ctx, r);
+                (rank, at + l.a2e.meta_offset())
+            }
+        }
+    }
+
+    /// The rank and offset of the payload of row `r`, whose metadata named `token`.
+    pub(crate) fn payload_at(&self, ctx: &Context, r: usize, token: u32) -> (usize, usize) {
+        let l = &ctx.layout;
+        match self.mode {
+            WireMode::Gather => (
+                self.src,
+                l.a2e_input(self.buf) + token as usize * l.a2e.payload,
+            ),
+            _ => self.full_row(ctx, r),
+        }
+    }
+
+    /// Whether rows are best fetched in bulk (full rows in a window not mapped here).
+    fn bulk(&self, ctx: &Context) -> bool {
+        self.mode != WireMode::Gather && !ctx.mapped(self.full_row(ctx, 0).0)
+    }
+}
+
+/// Reads the rows of messages: in place where the window is mapped, else one `get` per range.
+#[derive(Debug, Default)]
+pub(crate) struct RowReader {
+    /// Rows `landed_rows` of message `landed_of`, fetched with one `get`.
+    landing: Vec<u8>,
+    landed_of: Option<usize>,
+    landed_rows: Range<usize>,
+    meta: Vec<u8>,
+    pub(crate) experts: Vec<(u32, f32)>,
+}
+
+impl RowReader {
+    /// Makes rows `rows` of `msg` readable (fetches them when the window is not mapped here).
+    pub(crate) fn prepare(
+        &mut self,
+        ctx: &Context,
+        msg: &Message,
+        rows: Range<usize>,
+    ) -> Result<()> {
+        if !msg.bulk(ctx) || rows.is_empty() {
+            return Ok(());
+        }
+        let stride = ctx.layout.a2e.stride;
+        let (rank, at) = msg.full_row(ctx, rows.start);
+        self.landing.resize(rows.len() * stride, 0);
+        ctx.get(rank, at, &mut self.landing)?;
+        self.landed_of = Some(msg.index);
+        self.landed_rows = rows;
+        Ok(())
+    }
+
+    fn landed(&self, ctx: &Context, msg: &Message, r: usize) -> Option<&[u8]> {
+        if self.landed_of != Some(msg.index) || !self.landed_rows.contains(&r) || !msg.bulk(ctx) {
+            return None;
+        }
+        let stride = ctx.layout.a2e.stride;
+        let i = r - self.landed_rows.start;
+        Some(&self.landing[i * stride..(i + 1) * stride])
+    }
+
+    /// Decodes row `r` of `msg` (prepared) into `self.experts`; returns its source token.
+    pub(crate) fn decode(&mut self, ctx: &Context, msg: &Message, r: usize) -> Result<u32> {
+        let fmt = ctx.layout.a2e;
+        let local = ctx.topo.local_experts(ctx.rank).len();
+        let max_tokens = ctx.cfg.max_tokens_per_rank;
+        let mut meta = std::mem::take(&mut self.meta);
+        meta.resize(fmt.meta_len(), 0);
+        let read = match self.landed(ctx, msg, r) {
+            Some(row) => {
+                meta.copy_from_slice(&row[fmt.meta_offset()..][..fmt.meta_len()]);
+                Ok(())
+            }
+            None => {
+                let (rank, at) = msg.meta_at(ctx, r);
+                ctx.get(rank, at, &mut meta)
+            }
+        };
+        let token = read
+            .and_then(|()| fmt.decode_row(&meta, msg.src, max_tokens, local, &mut self.experts));
+        self.meta = meta;
+        token
+    }
+
+    /// Copies the payload of row `r` of `msg` (metadata naming `token`) into `out`.
+    pub(crate) fn payload(
+        &self,
+        ctx: &Context,
+        msg: &Message,
+        r: usize,
+        token: u32,
+        out: &mut [u8],
+    ) -> Result<()> {
+        match self.landed(ctx, msg, r) {
+            Some(row) => {
+                out.copy_from_slice(&row[..out.len()]);
+                Ok(())
+            }
+            None => {
+                let (rank, at) = msg.payload_at(ctx, r, token);
+                ctx.get(rank, at, out)
+            }
+        }
+    }
+}
+
+/// What the receive loop reports to its caller.
+enum Arrival<'m> {
+    /// A source's record was seen and validated.
+    Record(&'m Message),
+    /// Rows of a source's message are in place (streaming receivers only).
+    Rows(&'m Message, Range<usize>),
+    /// Every row of a source's message is in place, this long after the receive began.
+    Complete(&'m Message, std::time::Duration),
+}
+
+impl Received {
+    /// Clears the per-call fields for a call from `sources` sources.
+    fn begin(&mut self, comm: u64, sources: usize) {
+        self.comm = comm;
+        self.epoch = 0;
+        self.sources.clear();
+        self.sources.resize(sources, SourceInfo::default());
+        self.arrival_order.clear();
+    }
+
+    /// Notes what an arrival says about its source (its record, its completion).
+    fn note(&mut self, arrival: &Arrival<'_>) {
+        match *arrival {
+            Arrival::Record(msg) => {
+                self.sources[msg.index] = SourceInfo {
+                    rank: msg.src,
+                    count: msg.count(),
+                    reply_offset: msg.rec.offset as usize,
+                    first_token: 0,
+                    arrived_after: Default::default(),
+                }
+            }
+            Arrival::Rows(..) => {}
+            Arrival::Complete(msg, after) => {
+                self.sources[msg.index].arrived_after = after;
+                self.arrival_order.push(msg.index as u32);
+            }
+        }
+    }
+}
+
+/// The expert side of A2E: receives calls and keeps each until its E2A reply.
+#[derive(Debug)]
+pub(crate) struct DispatchReceiver {
+    last_epoch: u64,
+    /// Received calls whose E2A has not been sent, oldest first.
+    unreplied: VecDeque<u64>,
+    reader: RowReader,
+    messages: Vec<Option<Message>>,
+    /// Decoded metadata of every row of a call (expert-major arrangement): per row its token,
+    /// and its experts at `row_experts[row_start[i]..row_start[i+1]]`.
+    row_token: Vec<u32>,
+    row_start: Vec<u32>,
+    row_experts: Vec<(u32, f32)>,
+}
+
+impl DispatchReceiver {
+    /// A receiver whose first call is `epoch_base + 1`.
+    pub(crate) fn new(epoch_base: u64) -> Self {
+        DispatchReceiver {
+            last_epoch: epoch_base,
+            unreplied: VecDeque::new(),
+            reader: RowReader::default(),
+            messages: Vec::new(),
+            row_token: Vec::new(),
+            row_start: Vec::new(),
+            row_experts: Vec::new(),
+        }
+    }
+
+    /// Fails at once when `max_in_flight` received calls wait for their reply.
+    fn check_room(&self, ctx: &Context) -> Result<()> {
+        let depth = ctx.cfg.max_in_flight;
+        if self.unreplied.len() >= depth {
+            return Err(Error::invalid(format!(
+                "{} received A2E calls wait for their E2A reply (max_in_flight is {depth}): \
+                 reply to epoch {} before receiving the next",
+                self.unreplied.len(),
+                self.unreplied.front().copied().unwrap_or(0)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The call a reply for a batch of epoch `epoch` filled by communicator `comm` answers, if
+    /// it is the oldest unreplied one; else an error naming both epochs.
+    pub(crate) fn check_reply(&self, ctx: &Context, comm: u64, epoch: u64) -> Result<()> {
+        if epoch == 0 {
+            return Err(Error::invalid(
+                "E2A send needs a batch filled by an A2E receive",
+            ));
+        }
+        if comm != ctx.id {
+            return Err(Error::invalid(format!(
+                "the batch of A2E epoch {epoch} was filled by another communicator"
+            )));
+        }
+        match self.unreplied.front() {
+            Some(&front) if front == epoch => Ok(()),
+            Some(&front) if epoch < front => Err(Error::invalid(format!(
+                "the batch of A2E epoch {epoch} was already replied to; the next reply is for \
+                 epoch {front}"
+            ))),
+            Some(&front) => Err(Error::invalid(format!(
+                "E2A replies go in A2E order: the next is for epoch {front}, this batch is of \
+                 epoch {epoch}"
+            ))),
+            None => Err(Error::invalid(format!(
+                "the batch of A2E epoch {epoch} was already replied to: no received call waits \
+                 for a reply"
+            ))),
+        }
+    }
+
+    /// The oldest call has been replied to.
+    pub(crate) fn replied(&mut self) {
+        self.unreplied.pop_front();
+    }
+
+    /// Tells every attention rank that this rank is done with their rows of `epoch`.
+    pub(crate) fn credit(&self, ctx: &Context, epoch: u64) -> Result<()> {
+        for &src in ctx.attention() {
+            ctx.signal(src, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every source's message of the next call is complete, reporting arrivals to
+    /// `on`. Returns the call's epoch; `self.messages` holds each source's message.
+    fn receive(
+        &mut self,
+        ctx: &Context,
+        stream: bool,
+        deadline: Instant,
+        on: &mut dyn FnMut(&mut RowReader, Arrival<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        self.check_room(ctx)?;
+        let epoch = self.last_epoch + 1;
+        let buf = ctx.layout.buffer(epoch);
+        let start = Instant::now();
+        let sources = ctx.attention();
+        let (max_tokens, attention_rows) = (ctx.cfg.max_tokens_per_rank, ctx.layout.attention_rows);
+        self.messages.clear();
+        self.messages.resize(sources.len(), None);
+        let mut handled = vec![0usize; sources.len()];
+        let mut done = vec![false; sources.len()];
+        let mut missing = sources.len();
+        let mut failure: Option<Error> = None;
+        let (messages, reader) = (&mut self.messages, &mut self.reader);
+        let mut pass = || -> Result<Option<Waiting>> {
+            let mut waiting = None;
+            for (i, &src) in sources.iter().enumerate() {
+                if done[i] {
+                    continue;
+                }
+                let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(src)), epoch);
+                if p == Progress::NotYet {
+                    waiting.get_or_insert(Waiting {
+                        peer: src,
+                        what: "A2E record",
+                    });
+                    continue;
+                }
+                if messages[i].is_none() {
+                    let mut rec = Record::default();
+                    ctx.get(
+                        ctx.rank,
+                        ctx.layout.record(i, buf),
+                        bytemuck::bytes_of_mut(&mut rec),
+                    )?;
+                    let mode = rec.validate(src, epoch, max_tokens)?;
+                    rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
+                    messages[i] = Some(Message {
+                        index: i,
+                        src,
+                        rec,
+                        mode,
+                        buf,
+                    });
+                    on(reader, Arrival::Record(messages[i].as_ref().expect("set")))?;
+                }
+                let msg = messages[i].as_ref().expect("set above");
+                let ready = p.rows(msg.count());
+                if stream && ready > handled[i] {
+                    on(reader, Arrival::Rows(msg, handled[i]..ready))?;
+                    handled[i] = ready;
+                }
+                if ready < msg.count() {
+                    waiting.get_or_insert(Waiting {
+                        peer: src,
+                        what: "A2E rows",
+                    });
+                    continue;
+                }
+                done[i] = true;
+                missing -= 1;
+                on(reader, Arrival::Complete(msg, start.elapsed()))?;
+            }
+            Ok(if missing == 0 { None } else { waiting })
+        };
+        ctx.wait(deadline, &mut || match pass() {
+            Ok(w) => w,
+            Err(e) => {
+                failure = Some(e);
+                None
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        Ok(epoch)
+    }
+
+    /// Marks call `epoch` received (its batch or view now answers it).
+    fn received(&mut self, epoch: u64) {
+        self.last_epoch = epoch;
+        self.unreplied.push_back(epoch);
+    }
+
+    /// A2E receive into `batch`, expert-major: rows grouped by local expert, ordered by source
+    /// rank then token. Credits every source once the rows are copied.
+    pub(crate) fn recv_expert_major(
+        &mut self,
+        ctx: &Context,
+        batch: &mut ExpertBatch,
+        deadline: Instant,
+    ) -> Result<()> {
+        let recv = &mut batch.recv;
+        recv.begin(ctx.id, ctx.attention().len());
+        let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
+            recv.note(&arrival);
+            Ok(())
+        })?;
+        self.arrange_expert_major(ctx, batch)?;
+        self.credit(ctx, epoch)?;
+        self.received(epoch);
+        batch.recv.epoch = epoch;
+        Ok(())
+    }
+
+    /// Decodes every row's metadata (pass 1), then copies payloads into their expert-major
+    /// places (pass 2), reading each source where it lies.
+    fn arrange_expert_major(&mut self, ctx: &Context, batch: &mut ExpertBatch) -> Result<()> {
+        let local = ctx.topo.local_experts(ctx.rank).len();
+        let payload = ctx.layout.a2e.payload;
+        let messages: Vec<Message> = self.messages.iter().map(|m| m.expect("complete")).collect();
+
+        // Pass 1: decode and validate every row; count rows per local expert.
+        self.row_token.clear();
+        self.row_start.clear();
+        self.row_experts.clear();
+        self.row_start.push(0);
+        batch.expert_offsets.clear();
+        batch.expert_offsets.resize(local + 1, 0);
+        let mut first_token = 0;
+        for (i, msg) in messages.iter().enumerate() {
+            batch.recv.sources[i].first_token = first_token;
+            first_token += msg.count();
+            self.reader.prepare(ctx, msg, 0..msg.count())?;
+            for r in 0..msg.count() {
+                let token = self.reader.decode(ctx, msg, r)?;
+                for &(j, _) in &self.reader.experts {
+                    batch.expert_offsets[j as usize + 1] += 1;
+                }
+                self.row_token.push(token);
+                self.row_experts.extend_from_slice(&self.reader.experts);
+                self.row_start.push(self.row_experts.len() as u32);
+            }
+        }
+        for j in 0..local {
+            batch.expert_offsets[j + 1] += batch.expert_offsets[j];
+        }
+        let rows = self.row_experts.len();
+
+        // Pass 2: place rows (source order, then wire order = token order).
+        batch.recv.dtype = Some(ctx.cfg.dtype);
+        batch.recv.hidden = ctx.cfg.hidden;
+        batch.rows.resize(rows * payload);
+        batch.src_rank.resize(rows, 0);
+        batch.src_token.resize(rows, 0);
+        batch.weight.resize(rows, 0.0);
+        batch.token_row_start.clear();
+        batch.token_row_start.push(0);
+        batch.token_rows.clear();
+        batch.cursors.clear();
+        batch
+            .cursors
+            .extend_from_slice(&batch.expert_offsets[..local]);
+        let out = batch.rows.bytes_mut();
+        let mut n = 0;
+        for msg in &messages {
+            self.reader.prepare(ctx, msg, 0..msg.count())?;
+            for r in 0..msg.count() {
+                let token = self.row_token[n];
+                let experts =
+                    &self.row_experts[self.row_start[n] as usize..self.row_start[n + 1] as usize];
+                n += 1;
+                let mut first: Option<usize> = None;
+                for &(j, w) in experts {
+                    let dst = batch.cursors[j as usize];
+                    batch.cursors[j as usize] += 1;
+                    match first {
+                        None => {
+                            let row = &mut out[dst * payload..(dst + 1) * payload];
+                            self.reader.payload(ctx, msg, r, token, row)?;
+                            first = Some(dst);
+                        }
+                        Some(f) => out.copy_within(f * payload..(f + 1) * payload, dst * payload),
+                    }
+                    batch.src_rank[dst] = msg.src as u32;
+                    batch.src_token[dst] = token;
+                    batch.weight[dst] = w;
+                    batch.token_rows.push(dst as u32);
+                }
+                batch.token_row_start.push(batch.token_rows.len() as u32);
+            }
+        }
+        Ok(())
+    }
+
+    /// A2E receive into `batch`, one row per token, copying each source's rows as they stream
+    /// in and calling `on_arrival(batch, tokens)` when a source is complete. Credits every source
+    /// once all rows are copied.
+    pub(crate) fn recv_tokens(
+        &mut self,
+        ctx: &Context,
+        batch: &mut TokenBatch,
+        on_arrival: &mut dyn FnMut(&TokenBatch, Range<usize>),
+        deadline: Instant,
+    ) -> Result<()> {
+        let payload = ctx.layout.a2e.payload;
+        batch.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
+        batch.recv.begin(ctx.id, ctx.attention().len());
+        let epoch = self.receive(ctx, true, deadline, &mut |reader, arrival| {
+            batch.recv.note(&arrival);
+            match arrival {
+                Arrival::Record(msg) => {
+                    // Reserve the source's rows at the end of the batch (arrival order).
+                    let first = batch.num_tokens();
+                    batch.grow(first + msg.count(), payload, true);
+                    batch.recv.sources[msg.index].first_token = first;
+                }
+                Arrival::Rows(msg, rows) => {
+                    reader.prepare(ctx, msg, rows.clone())?;
+                    let base = batch.recv.sources[msg.index].first_token;
+                    for r in rows {
+                        let token = reader.decode(ctx, msg, r)?;
+                        let t = base + r;
+                        let out = &mut batch.rows.bytes_mut()[t * payload..(t + 1) * payload];
+                        reader.payload(ctx, msg, r, token, out)?;
+                        batch.set_token(t, msg.src, token, &reader.experts);
+                    }
+                }
+                Arrival::Complete(msg, _) => {
+                    let first = batch.recv.sources[msg.index].first_token;
+                    on_arrival(batch, first..first + msg.count());
+                }
+            }
+            Ok(())
+        })?;
+        self.credit(ctx, epoch)?;
+        self.received(epoch);
+        batch.recv.epoch = epoch;
+        Ok(())
+    }
+
+    /// A2E receive for a view: waits for every source, fills `meta` with every token's origin
+    /// and experts (no rows; sources in rank order) and returns the epoch and each source's
+    /// message. No credit goes out: the senders' buffers stay reserved until the view's reply.
+    pub(crate) fn recv_view(
+        &mut self,
+        ctx: &Context,
+        meta: &mut TokenBatch,
+        deadline: Instant,
+    ) -> Result<(u64, Vec<Message>)> {
+        meta.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
+        meta.recv.begin(ctx.id, ctx.attention().len());
+        let recv = &mut meta.recv;
+        let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
+            recv.note(&arrival);
+            Ok(())
+        })?;
+        let messages: Vec<Message> = self.messages.iter().map(|m| m.expect("complete")).collect();
+        let total: usize = messages.iter().map(Message::count).sum();
+        meta.grow(total, 0, false);
+        let mut first = 0;
+        for msg in &messages {
+            meta.recv.sources[msg.index].first_token = first;
+            self.reader.prepare(ctx, msg, 0..msg.count())?;
+            for r in 0..msg.count() {
+                let token = self.reader.decode(ctx, msg, r)?;
+                meta.set_token(first + r, msg.src, token, &self.reader.experts);
+            }
+            first += msg.count();
+        }
+        self.received(epoch);
+        meta.recv.epoch = epoch;
+        Ok((epoch, messages))
+    }
+}

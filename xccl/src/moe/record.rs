@@ -1,0 +1,176 @@
+//! [`Record`]: the 32-byte metadata of one (source, destination) message per call, and
+//! [`WireMode`], how that message's rows travel.
+//!
+//! A sender puts the record into the destination's record area for the call's buffer before any
+//! row, then signals progress. The receiver validates it against the epoch it expects, its check
+//! word, and the exact region its count and offset may address ([`Record::validate`] plus the
+//! region check of the caller), and names the sender in every error.
+
+use bytemuck::{Pod, Zeroable};
+
+use super::config::TransferMode;
+use super::hash::Fnv;
+use crate::{Error, Result};
+
+/// How a message's rows travel, as its record says (the receiver follows it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireMode {
+    /// Full rows (payload + metadata) were written into the receiver's window.
+    Push,
+    /// Full rows wait in the sender's staging area at the record's offset.
+    Pull,
+    /// Metadata rows wait in the sender's staging area; each payload is token `t`'s row of the
+    /// sender's registered input: the receiver gathers them.
+    Gather,
+}
+
+impl WireMode {
+    fn code(self) -> u32 {
+        match self {
+            WireMode::Push => 0,
+            WireMode::Pull => 1,
+            WireMode::Gather => 2,
+        }
+    }
+}
+
+impl From<TransferMode> for WireMode {
+    fn from(m: TransferMode) -> Self {
+        match m {
+            TransferMode::Push => WireMode::Push,
+            TransferMode::Pull => WireMode::Pull,
+        }
+    }
+}
+
+/// The 32-byte metadata record of one (source, destination) pair for one call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[repr(C)]
+pub struct Record {
+    /// The call's epoch (sequence number; the first call is `epoch_base + 1`).
+    pub epoch: u64,
+    /// Rows in this message (0 is a valid empty message).
+    pub count: u32,
+    /// Row offset: where the rows start in the sender's staging area (pull, gather) and, for
+    /// A2E, where the destination's E2A replies go in the sender's E2A receive area.
+    pub offset: u32,
+    /// [`WireMode`] of this message (0 push, 1 pull, 2 gather).
+    pub mode: u32,
+    /// Check word: a hash of every field above; catches torn and stale records.
+    pub check: u32,
+    /// Reserved, zero.
+    pub reserved: u64,
+}
+
+impl Record {
+    /// A record with its check word filled in.
+    pub fn new(epoch: u64, count: u32, offset: u32, mode: impl Into<WireMode>) -> Self {
+        let mut r = Record {
+            epoch,
+            count,
+            offset,
+            mode: mode.into().code(),
+            check: 0,
+            reserved: 0,
+        };
+        r.check = r.expected_check();
+        r
+    }
+
+    fn expected_check(&self) -> u32 {
+        let mut h = Fnv::new();
+        h.u64(self.epoch);
+        h.u64(u64::from(self.count) | u64::from(self.offset) << 32);
+        h.u64(u64::from(self.mode));
+        let v = h.finish();
+        (v ^ (v >> 32)) as u32
+    }
+
+    /// Checks a received record from `peer` against the epoch the receiver expects, its check
+    /// word, and the row capacity; returns its mode. The caller checks the offset against the
+    /// exact region it addresses.
+    pub fn validate(&self, peer: usize, epoch: u64, max_rows: usize) -> Result<WireMode> {
+        let bad = |detail: String| Err(Error::Protocol { peer, detail });
+        if self.epoch != epoch {
+            return bad(format!(
+                "record for epoch {} where epoch {epoch} was expected",
+                self.epoch
+            ));
+        }
+        if self.check != self.expected_check() {
+            return bad(format!("record for epoch {epoch} fails its check word"));
+        }
+        if self.count as usize > max_rows {
+            return bad(format!(
+                "record announces {} rows, capacity is {max_rows}",
+                self.count
+            ));
+        }
+        match self.mode {
+            0 => Ok(WireMode::Push),
+            1 => Ok(WireMode::Pull),
+            2 => Ok(WireMode::Gather),
+            m => bad(format!("record has unknown transfer mode {m}")),
+        }
+    }
+
+    /// Checks that rows `offset..offset + count` fit a region of `region_rows` rows, naming
+    /// `peer` and `what` the region is.
+    pub fn check_region(&self, peer: usize, region_rows: usize, what: &str) -> Result<()> {
+        let end = self.offset as usize + self.count as usize;
+        if end > region_rows {
+            return Err(Error::Protocol {
+                peer,
+                detail: format!(
+                    "record for epoch {} addresses rows {}..{end} of {what}, which holds {region_rows}",
+                    self.epoch, self.offset
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_is_32_bytes_and_rejects_wrong_epoch_and_torn_fields() {
+        assert_eq!(std::mem::size_of::<Record>(), 32);
+        let r = Record::new(7, 3, 12, TransferMode::Pull);
+        assert_eq!(r.validate(1, 7, 10).unwrap(), WireMode::Pull);
+        assert!(matches!(
+            r.validate(1, 8, 10),
+            Err(Error::Protocol { peer: 1, .. })
+        ));
+        assert!(r.validate(1, 7, 2).is_err(), "count above capacity");
+        for torn in [
+            Record { count: 4, ..r },
+            Record { offset: 13, ..r },
+            Record { mode: 0, ..r },
+            // Differs from the expected epoch only above bit 32.
+            Record {
+                epoch: 7 + (1 << 40),
+                ..r
+            },
+        ] {
+            assert!(torn.validate(1, torn.epoch, 10).is_err(), "{torn:?}");
+        }
+    }
+
+    #[test]
+    fn region_check_names_the_peer_and_the_rows() {
+        let r = Record::new(7, 3, 12, TransferMode::Push);
+        r.check_region(4, 15, "the reply area").unwrap();
+        match r.check_region(4, 14, "the reply area") {
+            Err(Error::Protocol { peer: 4, detail }) => {
+                assert!(
+                    detail.contains("12..15") && detail.contains("reply area"),
+                    "{detail}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

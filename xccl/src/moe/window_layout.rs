@@ -1,0 +1,166 @@
+//! [`WindowLayout`]: the byte offset of every region in every rank's window.
+//!
+//! Every rank computes every peer's layout from the same [`Topology`] and [`MoeConfig`], so no
+//! offsets are exchanged at init; the handshake at init checks that the ranks agree. Each region
+//! that a call uses exists `max_in_flight` times ("buffers"); call `e` uses buffer
+//! `e % max_in_flight`, and a sender reuses a buffer only after every receiver has credited the
+//! call that last used it.
+//!
+//! Attention rank: handshake | E2A record area (per expert rank, per buffer) | A2E staging (per
+//! buffer, `max_tokens * min(topk, N)` rows, grouped by destination at the offsets the records
+//! name) | E2A receive area (same shape: expert rank `d` writes its replies at the offset the A2E
+//! record to `d` named) | registered A2E input (per buffer, `[max_tokens, hidden]`).
+//!
+//! Expert rank: handshake | A2E record area (per attention rank, per buffer) | A2E receive area
+//! (per attention rank, per buffer, `max_tokens` rows) | E2A staging (per buffer,
+//! `M * max_tokens` rows).
+
+use super::config::MoeConfig;
+use super::rows::A2eRow;
+use crate::topology::{Role, Topology};
+
+/// Bytes a record slot takes in a window (one cache line).
+pub const RECORD_SLOT: usize = 64;
+/// Bytes reserved at the start of every window for the init handshake.
+pub const HANDSHAKE_BYTES: usize = 256;
+
+fn page(v: usize) -> usize {
+    v.next_multiple_of(4096)
+}
+
+/// Byte offsets of every region in every rank's window.
+#[derive(Clone, Debug)]
+pub struct WindowLayout {
+    /// The A2E row format.
+    pub a2e: A2eRow,
+    /// Bytes of one E2A row (the payload: staging and reply areas are dense `[rows, hidden]`).
+    pub e2a_stride: usize,
+    /// Rows an attention rank's staging and reply areas hold per buffer.
+    pub attention_rows: usize,
+    /// Max tokens per attention rank.
+    pub max_tokens: usize,
+    /// Buffers per region (`max_in_flight`).
+    pub depth: usize,
+    num_attention: usize,
+    num_expert: usize,
+    roles: Vec<Role>,
+}
+
+impl WindowLayout {
+    /// Computes the layout for a topology and config.
+    pub fn new(topo: &Topology, cfg: &MoeConfig) -> Self {
+        let n = topo.expert_ranks().len();
+        WindowLayout {
+            a2e: A2eRow::new(cfg, topo),
+            e2a_stride: cfg.hidden * cfg.dtype.size(),
+            attention_rows: cfg.max_tokens_per_rank * cfg.topk.min(n),
+            max_tokens: cfg.max_tokens_per_rank,
+            depth: cfg.max_in_flight,
+            num_attention: topo.attention_ranks().len(),
+            num_expert: n,
+            roles: (0..topo.world_size()).map(|r| topo.role(r)).collect(),
+        }
+    }
+
+    /// The buffer call `epoch` uses.
+    pub fn buffer(&self, epoch: u64) -> usize {
+        (epoch % self.depth as u64) as usize
+    }
+
+    fn records_end(&self, role: Role) -> usize {
+        let peers = match role {
+            Role::Attention => self.num_expert,
+            Role::Expert => self.num_attention,
+        };
+        page(HANDSHAKE_BYTES + self.depth * peers * RECORD_SLOT)
+    }
+
+    /// Offset of the record slot for `peer_index` (the peer's index among its role), `buffer`.
+    pub fn record(&self, peer_index: usize, buffer: usize) -> usize {
+        HANDSHAKE_BYTES + (self.depth * peer_index + buffer) * RECORD_SLOT
+    }
+
+    fn a2e_stage_bytes(&self) -> usize {
+        page(self.attention_rows * self.a2e.stride)
+    }
+
+    /// Attention rank: start of the A2E staging area of `buffer`.
+    pub fn a2e_stage(&self, buffer: usize) -> usize {
+        self.records_end(Role::Attention) + buffer * self.a2e_stage_bytes()
+    }
+
+    /// Attention rank: start of the E2A receive area of `buffer`.
+    pub fn e2a_recv(&self, buffer: usize) -> usize {
+        self.a2e_stage(self.depth) + buffer * page(self.attention_rows * self.e2a_stride)
+    }
+
+    /// Attention rank: start of the registered A2E input of `buffer`: `[max_tokens, hidden]`
+    /// dense rows the caller writes and receivers gather from.
+    pub fn a2e_input(&self, buffer: usize) -> usize {
+        self.e2a_recv(self.depth) + buffer * page(self.max_tokens * self.a2e.payload)
+    }
+
+    fn a2e_recv_bytes(&self) -> usize {
+        page(self.max_tokens * self.a2e.stride)
+    }
+
+    /// Expert rank: start of the A2E receive area of attention index `src_index`, `buffer`.
+    pub fn a2e_recv(&self, src_index: usize, buffer: usize) -> usize {
+        self.records_end(Role::Expert) + (self.depth * src_index + buffer) * self.a2e_recv_bytes()
+    }
+
+    /// Rows an expert rank's E2A staging holds per buffer.
+    pub fn expert_rows(&self) -> usize {
+        self.num_attention * self.max_tokens
+    }
+
+    /// Expert rank: start of the E2A staging area of `buffer`.
+    pub fn e2a_stage(&self, buffer: usize) -> usize {
+        self.a2e_recv(self.num_attention, 0) + buffer * page(self.expert_rows() * self.e2a_stride)
+    }
+
+    /// Window size of `rank`.
+    pub fn window_len(&self, rank: usize) -> usize {
+        match self.roles[rank] {
+            Role::Attention => self.a2e_input(self.depth),
+            Role::Expert => self.e2a_stage(self.depth),
+        }
+    }
+
+    /// Window sizes of every rank, in rank order.
+    pub fn window_lens(&self) -> Vec<usize> {
+        (0..self.roles.len()).map(|r| self.window_len(r)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+
+    #[test]
+    fn window_regions_do_not_overlap_for_any_depth() {
+        let topo = Topology::contiguous(3, 2, 8).unwrap();
+        for depth in 1..=3 {
+            let cfg = MoeConfig {
+                max_in_flight: depth,
+                ..MoeConfig::new(16, DType::F32, 4, 10)
+            };
+            let l = WindowLayout::new(&topo, &cfg);
+            let last = depth - 1;
+            assert!(HANDSHAKE_BYTES <= l.record(0, 0));
+            assert!(l.record(1, last) + RECORD_SLOT <= l.a2e_stage(0));
+            for b in 0..depth {
+                assert!(l.a2e_stage(b) + l.attention_rows * l.a2e.stride <= l.a2e_stage(b + 1));
+                assert!(l.e2a_recv(b) + l.attention_rows * l.e2a_stride <= l.e2a_recv(b + 1));
+                assert!(l.a2e_input(b) + 10 * l.a2e.payload <= l.a2e_input(b + 1));
+            }
+            assert!(l.a2e_stage(depth) <= l.e2a_recv(0));
+            assert!(l.e2a_recv(depth) <= l.a2e_input(0));
+            assert!(l.a2e_input(depth) <= l.window_len(0));
+            assert!(l.record(2, last) + RECORD_SLOT <= l.a2e_recv(0, 0));
+            assert!(l.a2e_recv(2, last) + 10 * l.a2e.stride <= l.e2a_stage(0));
+            assert!(l.e2a_stage(last) + l.expert_rows() * l.e2a_stride <= l.window_len(3));
+        }
+    }
+}

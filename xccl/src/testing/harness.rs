@@ -1,0 +1,504 @@
+//! Reference workloads driven through a real [`Communicator`], checked bit for bit against
+//! [`super::reference`].
+//!
+//! One place for what tests, `xccl-bench --check` and the C ABI tests all do: generate a
+//! deterministic routing and hidden states per (attention rank, round), run one A2E + E2A step on
+//! each rank, and compare what arrived and what came back with the single-process reference,
+//! which replays the protocol's order and roundings: every comparison is of bits, for every
+//! dtype, mode, layout and buffer kind.
+
+use std::collections::BTreeMap;
+
+use super::reference::{
+    expected_combine_exact, expected_dispatch, expert_output, reduce_on_expert, test_expert,
+    ExpertRankRows, RankInput, SplitMix64,
+};
+use crate::moe::dtype::Element;
+use crate::topology::Topology;
+use crate::{Communicator, ExpertBatch, Result, TokenBatch};
+
+/// A deterministic MoE workload.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    /// Seed of every random choice.
+    pub seed: u64,
+    /// Tokens per attention rank per round: fixed, or random in `0..=max` when `vary` is set.
+    pub tokens: usize,
+    /// Draw T uniformly in `0..=tokens` per (rank, round) instead of using `tokens`.
+    pub vary: bool,
+    /// Hot-expert skew (Zipf exponent), or uniform routing.
+    pub skew: Option<f64>,
+}
+
+impl Workload {
+    fn mix(&self, rank: usize, round: u64) -> u64 {
+        let mut s = SplitMix64::new(
+            self.seed ^ (round.wrapping_mul(0x2545_f491_4f6c_dd1d)) ^ ((rank as u64) << 40),
+        );
+        s.next_u64()
+    }
+
+    /// Token count of `rank` in `round`.
+    pub fn num_tokens(&self, rank: usize, round: u64) -> usize {
+        if self.vary {
+            (self.mix(rank, round) % (self.tokens as u64 + 1)) as usize
+        } else {
+            self.tokens
+        }
+    }
+
+    /// Routing of attention rank `rank` in `round`.
+    pub fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput {
+        RankInput::random(
+            rank,
+            self.mix(rank, round),
+            self.num_tokens(rank, round),
+            k,
+            topo.num_experts(),
+            self.skew,
+        )
+    }
+
+    /// Hidden states of `rank` in `round`, in the wire dtype (drawn in f32, rounded once).
+    pub fn hidden_states<T: Element>(
+        &self,
+        rank: usize,
+        round: u64,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> Vec<T> {
+        let mut s = SplitMix64::new(self.mix(rank, round) ^ 0x5bd1_e995);
+        (0..num_tokens * hidden)
+            .map(|_| T::from_f32(((s.next_u64() % 200_001) as f32 - 100_000.0) / 51_200.0))
+            .collect()
+    }
+}
+
+/// Where A2E takes its rows from and where E2A puts its rows (see [`attention_round_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Buffers {
+    /// The caller's own memory: `a2e_send`, `e2a_send_tokens`.
+    Copy,
+    /// Registered buffers in the window: `a2e_input` + `a2e_send_input`, `e2a_output` +
+    /// `e2a_send_output`.
+    Registered,
+}
+
+/// Runs one attention-rank step (A2E send, then E2A receive) of `round` and checks the combined
+/// output against the reference, bit for bit. Returns `Ok(Err(description))` on a mismatch.
+pub fn attention_round<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+) -> Result<std::result::Result<(), String>> {
+    attention_round_with::<T>(comm, wl, round, Buffers::Copy)
+}
+
+/// The first difference between `got` and `want` (compared as bits), described.
+pub fn first_difference<T: Element>(got: &[T], want: &[T], hidden: usize) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} elements, reference {}", got.len(), want.len()));
+    }
+    let (gb, wb): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
+    let size = std::mem::size_of::<T>();
+    (0..got.len())
+        .find(|&i| gb[i * size..(i + 1) * size] != wb[i * size..(i + 1) * size])
+        .map(|i| {
+            format!(
+                "[{}][{}] = {} ({:02x?}), reference {} ({:02x?})",
+                i / hidden,
+                i % hidden,
+                got[i].to_f32(),
+                &gb[i * size..(i + 1) * size],
+                want[i].to_f32(),
+                &wb[i * size..(i + 1) * size]
+            )
+        })
+}
+
+/// [`attention_round`] with the A2E rows written to the registered input
+/// ([`Communicator::a2e_input`]) when `buffers` is [`Buffers::Registered`].
+pub fn attention_round_with<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    buffers: Buffers,
+) -> Result<std::result::Result<(), String>> {
+    let topo = comm.topology().clone();
+    let (k, hidden) = (comm.config().topk, comm.config().hidden);
+    let input = wl.input(&topo, k, comm.rank(), round);
+    let x: Vec<T> = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
+    let handle = match buffers {
+        Buffers::Copy => comm.a2e_send(&x, &input.topk_idx, &input.topk_weights)?,
+        Buffers::Registered => {
+            comm.a2e_input::<T>()?[..x.len()].copy_from_slice(&x);
+            comm.a2e_send_input(input.num_tokens, &input.topk_idx, &input.topk_weights)?
+        }
+    };
+    let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
+    comm.e2a_recv(&handle, &mut out)?;
+    let want = expected_combine_exact(&topo, &input, &x, hidden, &test_expert);
+    Ok(match first_difference(&out, &want, hidden) {
+        None => Ok(()),
+        Some(d) => Err(format!("rank {} round {round}: out{d}", comm.rank())),
+    })
+}
+
+/// Runs one expert-rank step of `round`: A2E receive into `batch`, checks it against the
+/// reference dispatch, applies [`test_expert`] to every row (its output rounded to the dtype),
+/// and sends E2A.
+pub fn expert_round<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut ExpertBatch,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    comm.a2e_recv(batch)?;
+    let ctx = Expecting::of(comm);
+    let hidden = ctx.hidden;
+    let rows: &[T] = batch.rows::<T>()?;
+    let verdict = if check {
+        check_batch::<T>(&ctx, wl, round, batch, rows)
+    } else {
+        Ok(())
+    };
+    let locals = ctx.topo.local_experts(ctx.rank).to_vec();
+    let mut out: Vec<T> = Vec::with_capacity(rows.len());
+    for (j, &e) in locals.iter().enumerate() {
+        for r in batch.expert_rows(j) {
+            out.extend(expert_output(
+                &test_expert,
+                e,
+                &rows[r * hidden..(r + 1) * hidden],
+            ));
+        }
+    }
+    comm.e2a_send(batch, &out)?;
+    Ok(verdict)
+}
+
+fn check_batch<T: Element>(
+    ctx: &Expecting,
+    wl: &Workload,
+    round: u64,
+    batch: &ExpertBatch,
+    rows: &[T],
+) -> std::result::Result<(), String> {
+    let (inputs, me) = ctx.expected(wl, round)?;
+    let (hidden, rank) = (ctx.hidden, ctx.rank);
+    if batch.num_local_experts() != me.per_local_expert.len() {
+        return Err(format!(
+            "rank {rank}: {} local experts, reference {}",
+            batch.num_local_experts(),
+            me.per_local_expert.len()
+        ));
+    }
+    let mut xs = BTreeMap::new();
+    for (j, want) in me.per_local_expert.iter().enumerate() {
+        let got = batch.expert_rows(j);
+        if got.len() != want.len() {
+            return Err(format!(
+                "rank {rank} round {round}: local expert {j} got {} rows, reference {}",
+                got.len(),
+                want.len()
+            ));
+        }
+        for (r, &(src, tok, w)) in got.zip(want) {
+            let seen = (batch.src_rank()[r], batch.src_token()[r], batch.weight()[r]);
+            if seen.0 != src || seen.1 != tok || seen.2.to_bits() != w.to_bits() {
+                return Err(format!(
+                    "rank {rank} round {round}: expert {j} row {r} is {seen:?}, reference ({src}, {tok}, {w})"
+                ));
+            }
+            let x = xs
+                .entry(src)
+                .or_insert_with(|| source_states::<T>(wl, &inputs, src as usize, round, hidden));
+            let t = tok as usize;
+            if first_difference(
+                &rows[r * hidden..(r + 1) * hidden],
+                &x[t * hidden..(t + 1) * hidden],
+                hidden,
+            )
+            .is_some()
+            {
+                return Err(format!(
+                    "rank {rank} round {round}: payload of row {r} (rank {src} token {tok}) differs"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The hidden states attention rank `src` sent in `round`.
+fn source_states<T: Element>(
+    wl: &Workload,
+    inputs: &[RankInput],
+    src: usize,
+    round: u64,
+    hidden: usize,
+) -> Vec<T> {
+    let n = inputs
+        .iter()
+        .find(|i| i.rank == src)
+        .map_or(0, |i| i.num_tokens);
+    wl.hidden_states(src, round, n, hidden)
+}
+
+/// The reply of one received token: [`test_expert`] of each local expert (rounded to the
+/// dtype), weighted and summed as the protocol documents ([`reduce_on_expert`]).
+fn token_reply<T: Element>(locals: &[usize], experts: &[u32], weights: &[f32], x: &[T]) -> Vec<T> {
+    let outputs: Vec<(f32, Vec<T>)> = experts
+        .iter()
+        .zip(weights)
+        .map(|(&j, &w)| (w, expert_output(&test_expert, locals[j as usize], x)))
+        .collect();
+    reduce_on_expert(&outputs, x.len())
+}
+
+/// The replies of every token of `batch`, as [`expert_round_tokens`] computes them (`locals`:
+/// the rank's local experts' global ids).
+pub fn token_replies<T: Element>(locals: &[usize], batch: &TokenBatch) -> Vec<T> {
+    let rows: &[T] = batch.rows::<T>().unwrap_or(&[]);
+    let hidden = batch.recv.hidden;
+    let mut out = Vec::with_capacity(rows.len());
+    for i in 0..batch.num_tokens() {
+        let (experts, weights) = batch.experts_of(i);
+        out.extend(token_reply(
+            locals,
+            experts,
+            weights,
+            &rows[i * hidden..(i + 1) * hidden],
+        ));
+    }
+    out
+}
+
+/// Runs one expert-rank step of `round` on the token-major path: A2E receive into `batch`
+/// (checked against the reference when `check`), each token's reply computed as
+/// [`reduce_on_expert`] does, and a token-major E2A send.
+pub fn expert_round_tokens<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut TokenBatch,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    expert_round_tokens_with::<T>(comm, wl, round, batch, check, Buffers::Copy)
+}
+
+/// [`expert_round_tokens`] computing into the registered output ([`Communicator::e2a_output`])
+/// when `buffers` is [`Buffers::Registered`].
+pub fn expert_round_tokens_with<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut TokenBatch,
+    check: bool,
+    buffers: Buffers,
+) -> Result<std::result::Result<(), String>> {
+    let mut arrivals = 0usize;
+    comm.a2e_recv_tokens(batch, &mut |_, _| arrivals += 1)?;
+    let ctx = Expecting::of(comm);
+    let rows: &[T] = batch.rows::<T>()?;
+    let mut verdict = Ok(());
+    if arrivals != ctx.topo.attention_ranks().len() {
+        verdict = Err(format!(
+            "{arrivals} arrival callbacks for {} sources",
+            ctx.topo.attention_ranks().len()
+        ));
+    }
+    if check && verdict.is_ok() {
+        verdict = check_tokens::<T>(&ctx, wl, round, batch, rows);
+    }
+    let locals = ctx.topo.local_experts(ctx.rank).to_vec();
+    let reduced: Vec<T> = token_replies(&locals, batch);
+    match buffers {
+        Buffers::Copy => comm.e2a_send_tokens(batch, &reduced)?,
+        Buffers::Registered => {
+            comm.e2a_output::<T>(batch)?.copy_from_slice(&reduced);
+            comm.e2a_send_output(batch)?;
+        }
+    }
+    Ok(verdict)
+}
+
+/// What a check needs to know about the expert rank that received a batch.
+struct Expecting {
+    topo: Topology,
+    k: usize,
+    hidden: usize,
+    rank: usize,
+}
+
+impl Expecting {
+    /// Every attention rank's routing of `round`, and what the reference says this rank gets.
+    fn expected(
+        &self,
+        wl: &Workload,
+        round: u64,
+    ) -> std::result::Result<(Vec<RankInput>, ExpertRankRows), String> {
+        let topo = &self.topo;
+        let inputs: Vec<RankInput> = topo
+            .attention_ranks()
+            .iter()
+            .map(|&a| wl.input(topo, self.k, a, round))
+            .collect();
+        let me = expected_dispatch(topo, &inputs)
+            .into_iter()
+            .find(|e| e.rank == self.rank)
+            .ok_or("no reference for this rank")?;
+        Ok((inputs, me))
+    }
+
+    fn of(comm: &Communicator) -> Self {
+        Expecting {
+            topo: comm.topology().clone(),
+            k: comm.config().topk,
+            hidden: comm.config().hidden,
+            rank: comm.rank(),
+        }
+    }
+}
+
+/// Runs one expert-rank step of `round` through [`Communicator::a2e_recv_view`]: the rows are
+/// read in place (checked against the reference when `check`), and each token's reply is
+/// computed straight into the reply row.
+pub fn expert_round_view<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    let ctx = Expecting::of(comm);
+    let locals = ctx.topo.local_experts(ctx.rank).to_vec();
+    let hidden = ctx.hidden;
+    let mode = comm.config().mode;
+    let mut view = comm.a2e_recv_view()?;
+    let mut rows: Vec<T> = Vec::with_capacity(view.num_tokens() * hidden);
+    for i in 0..view.num_tokens() {
+        rows.extend_from_slice(view.row::<T>(i)?);
+    }
+    let verdict = if check {
+        check_tokens::<T>(&ctx, wl, round, view.meta(), &rows)
+    } else {
+        Ok(())
+    };
+    let meta = view.meta().clone();
+    view.e2a_send::<T>(mode, |i, input, output| {
+        let (experts, weights) = meta.experts_of(i);
+        output.copy_from_slice(&token_reply(&locals, experts, weights, input));
+    })?;
+    Ok(verdict)
+}
+
+/// Checks a token-major batch against the reference: every expected (source, token) exactly
+/// once, with its experts, weights (as bits) and payload (as bits), and nothing else.
+fn check_tokens<T: Element>(
+    ctx: &Expecting,
+    wl: &Workload,
+    round: u64,
+    batch: &TokenBatch,
+    rows: &[T],
+) -> std::result::Result<(), String> {
+    let (inputs, me) = ctx.expected(wl, round)?;
+    let (hidden, rank) = (ctx.hidden, ctx.rank);
+    let mut want: BTreeMap<(u32, u32), Vec<(u32, u32)>> = BTreeMap::new();
+    for (j, list) in me.per_local_expert.iter().enumerate() {
+        for &(src, tok, w) in list {
+            want.entry((src, tok))
+                .or_default()
+                .push((j as u32, w.to_bits()));
+        }
+    }
+    if want.len() != batch.num_tokens() {
+        return Err(format!(
+            "rank {rank} round {round}: {} tokens arrived, reference {}",
+            batch.num_tokens(),
+            want.len()
+        ));
+    }
+    let mut xs = BTreeMap::new();
+    for i in 0..batch.num_tokens() {
+        let key = (batch.src_rank()[i], batch.src_token()[i]);
+        let (experts, weights) = batch.experts_of(i);
+        let got: Vec<(u32, u32)> = experts
+            .iter()
+            .zip(weights)
+            .map(|(&j, w)| (j, w.to_bits()))
+            .collect();
+        // Each expected token exactly once: remove it, so a duplicate finds nothing.
+        match want.remove(&key) {
+            Some(w) if w == got => {}
+            Some(w) => {
+                return Err(format!(
+                    "rank {rank} round {round}: token {key:?} has experts {got:?}, reference {w:?}"
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "rank {rank} round {round}: token {key:?} arrived twice or was never sent"
+                ))
+            }
+        }
+        let src = key.0 as usize;
+        let x = xs
+            .entry(src)
+            .or_insert_with(|| source_states::<T>(wl, &inputs, src, round, hidden));
+        let t = key.1 as usize;
+        if first_difference(
+            &rows[i * hidden..(i + 1) * hidden],
+            &x[t * hidden..(t + 1) * hidden],
+            hidden,
+        )
+        .is_some()
+        {
+            return Err(format!(
+                "rank {rank} round {round}: payload of token {key:?} differs"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::batch::TokenBatch;
+
+    /// A batch of the tokens `keys`, each with one expert (local 0) and weight 1, rows zero.
+    fn batch_of(keys: &[(u32, u32)]) -> TokenBatch {
+        let mut b = TokenBatch::new();
+        b.reset(1, crate::DType::F32, 1, 1);
+        b.grow(keys.len(), 4, true);
+        for (i, &(src, tok)) in keys.iter().enumerate() {
+            b.set_token(i, src as usize, tok, &[(0, 1.0)]);
+        }
+        b
+    }
+
+    #[test]
+    fn check_tokens_rejects_a_duplicated_pair_standing_in_for_a_missing_one() {
+        // One attention rank (0), one expert rank (1) with one expert; two tokens of T=2.
+        let topo = Topology::contiguous(1, 1, 1).unwrap();
+        let wl = Workload {
+            seed: 3,
+            tokens: 2,
+            vary: false,
+            skew: None,
+        };
+        let ctx = Expecting {
+            topo,
+            k: 1,
+            hidden: 1,
+            rank: 1,
+        };
+        let x: Vec<f32> = wl.hidden_states(0, 0, 2, 1);
+        let good = batch_of(&[(0, 0), (0, 1)]);
+        check_tokens::<f32>(&ctx, &wl, 0, &good, &x).unwrap();
+        let dup = batch_of(&[(0, 0), (0, 0)]);
+        let err = check_tokens::<f32>(&ctx, &wl, 0, &dup, &[x[0], x[0]]).unwrap_err();
+        assert!(err.contains("twice"), "{err}");
+    }
+}
