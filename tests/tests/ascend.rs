@@ -5,7 +5,7 @@
 //! staging buffer from a thread that did not make the fabric, a collective close, a SIGKILLed
 //! peer, the missing-library error (on every rank, and on one rank only), runtime error codes
 //! surfacing with the call's name and the runtime's message, mismatched slot counts, and the
-//! stand-in's own enforcement of the IPC rules, and A2E/E2A (1A:1E, 2A:2E, every mode and
+//! stand-in's own enforcement of the IPC rules, and A2E/E2A (1A:1E, 2A:2E, 1A:3E, every mode and
 //! receive path as in `moe_shm.rs`) checked against the reference, with the window in "device
 //! memory" reached only through `put`/`get`. Every job's stand-in segments are checked to be gone
 //! from `/dev/shm`.
@@ -151,6 +151,7 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
             .map_err(|e| format!("round {round}: {e}"))?
             .map_err(|e| format!("round {round}: {e}"))?;
     }
+    announce(&format!("{rounds} rounds checked"));
     Ok(())
 }
 
@@ -585,12 +586,17 @@ fn ascend_conformance_with_3_processes_found_through_ld_library_path() {
 
 #[test]
 fn ascend_one_attention_one_expert_matches_reference() {
-    run_ok("moe:1:1:40", 2, Via::Home, Duration::from_secs(60));
+    run_ok("moe:1:1:200", 2, Via::Home, Duration::from_secs(60));
 }
 
 #[test]
 fn ascend_two_attention_two_expert_matches_reference() {
-    run_ok("moe:2:2:30", 4, Via::Home, Duration::from_secs(90));
+    run_ok("moe:2:2:100", 4, Via::Home, Duration::from_secs(90));
+}
+
+#[test]
+fn ascend_one_attention_three_expert_matches_reference() {
+    run_ok("moe:1:3:60", 4, Via::LibraryPath, Duration::from_secs(90));
 }
 
 #[test]
