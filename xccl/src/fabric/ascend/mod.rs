@@ -64,7 +64,9 @@
 //! peer window over HCCS/UB, write the status flag with the vector unit after the rows, and spin
 //! on its own flags in device memory without a host round trip; an AICPU task could drive the
 //! metadata records. Here rows come from and go to host memory, which is the API this crate's
-//! protocol offers today.
+//! protocol offers today; since the host cannot address the window ([`Fabric::local_window`] is
+//! `None`), the protocol's registered buffers (`a2e_input`, `e2a_output`), which are slices of
+//! the window, are not available on this fabric.
 //!
 //! ## Known gaps (not verified without hardware)
 //! - On-chip device-to-device copies need 64-byte aligned addresses; puts at unaligned offsets
