@@ -487,6 +487,15 @@ impl AscendFabric {
         })();
         gather_outcomes(&*exchange, &imported, timeout, "join the ascend fabric")?;
         imported?;
+        tracing::debug!(
+            rank,
+            world = size,
+            device,
+            window_len,
+            num_slots,
+            library = %rt.library_path().display(),
+            "ascend fabric ready; every peer's window imported"
+        );
         Ok(AscendFabric {
             exchange,
             rank,

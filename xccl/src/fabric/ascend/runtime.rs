@@ -112,6 +112,11 @@ impl Runtime {
         self.device
     }
 
+    /// The library file that was opened.
+    pub(crate) fn library_path(&self) -> &std::path::Path {
+        self.acl.path()
+    }
+
     /// Whether optional function `name` exists in the loaded library.
     pub(crate) fn has(&self, name: &str) -> bool {
         self.acl.has(name)
