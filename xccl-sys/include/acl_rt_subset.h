@@ -9,6 +9,13 @@
  * (bindgen, allowlist `acl.*`, dynamic loading: every function becomes a field of `AclRuntime`
  * resolved with dlsym). `ci/gen-acl-bindings.sh --check` fails when the committed file is stale.
  *
+ * Signals: the stream-ordered value calls (aclrtValueWrite/aclrtValueWait) rather than notifies.
+ * They are the better documented fit: a 64-bit store into any device memory, IPC-imported memory
+ * included, ordered after the earlier tasks of its stream, with documented comparison modes for
+ * the wait; so a signal is one store into the block the peer already exported, and the host can
+ * read the value. A notify carries no value (set/reset only), needs an IPC export per notify and
+ * peer, and cannot be read from the host.
+ *
  * Availability (from the API reference): the IPC memory calls, aclrtValueWrite/aclrtValueWait,
  * aclrtDeviceGetBareTgid and aclrtSynchronizeStreamWithTimeout exist in CANN 8.2 and later only;
  * xccl resolves them as optional symbols and checks them before use. The rest are required.
