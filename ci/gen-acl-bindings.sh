@@ -10,9 +10,16 @@ BINDGEN_VERSION=0.73.2
 header=xccl-sys/include/acl_rt_subset.h
 out=xccl-sys/src/acl/bindings.rs
 
-if ! command -v bindgen >/dev/null 2>&1; then
-  echo "gen-acl-bindings: installing bindgen-cli $BINDGEN_VERSION"
-  cargo install bindgen-cli --version "$BINDGEN_VERSION" --locked --quiet
+# The output names the bindgen version, so --check needs exactly the pinned one: use the bindgen
+# on PATH if it is that version, else install that version under target/tools.
+bindgen=bindgen
+if ! command -v bindgen >/dev/null 2>&1 || [ "$(bindgen --version | awk '{print $2}')" != "$BINDGEN_VERSION" ]; then
+  root=target/tools/bindgen-$BINDGEN_VERSION
+  bindgen=$root/bin/bindgen
+  if [ ! -x "$bindgen" ]; then
+    echo "gen-acl-bindings: installing bindgen-cli $BINDGEN_VERSION into $root"
+    cargo install bindgen-cli --version "$BINDGEN_VERSION" --locked --quiet --root "$root"
+  fi
 fi
 # bindgen needs libclang and clang's own headers (stddef.h, stdint.h): Debian's libclang-dev.
 if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libclang-dev >/dev/null 2>&1; then
@@ -21,16 +28,11 @@ if command -v dpkg >/dev/null 2>&1 && ! dpkg -s libclang-dev >/dev/null 2>&1; th
   apt-get update -qq
   apt-get install -y -qq libclang-dev
 fi
-have=$(bindgen --version | awk '{print $2}')
-if [ "$have" != "$BINDGEN_VERSION" ]; then
-  echo "gen-acl-bindings: bindgen $have, the committed file was made with $BINDGEN_VERSION" >&2
-fi
-
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 # Every function becomes a field of `AclRuntime`, resolved by name when the library is opened
 # (dlopen through libloading), so nothing links against libascendcl.so.
-bindgen "$header" \
+"$bindgen" "$header" \
   --allowlist-item 'acl.*|ACL_.*' \
   --dynamic-loading AclRuntime \
   --no-prepend-enum-name \
