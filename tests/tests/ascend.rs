@@ -60,6 +60,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["slot_mismatch"] => slot_mismatch(ctx),
         ["threads_and_close"] => threads_and_close(ctx),
         ["standin_rules"] => standin_rules(ctx),
+        ["moe_kill"] => return killed_expert(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     r.map_err(|e| e.to_string())
@@ -153,6 +154,48 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     }
     announce(&format!("{rounds} rounds checked"));
     Ok(())
+}
+
+/// 1A:2E; expert rank 1 is SIGKILLed after 5 rounds: the attention rank's next round fails
+/// naming it, the other expert's completes.
+fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
+    let mut cfg = MoeConfig::new(16, DType::BF16, 2, 8);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Arc::new(Topology::contiguous(1, 2, 8).map_err(|e| e.to_string())?);
+    let mut comm =
+        Communicator::init_ascend(ex, topo, cfg, ctx.rank as i32).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 9,
+        tokens: 8,
+        vary: false,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let mut round = |comm: &mut Communicator, r: u64| match comm.role() {
+        Role::Attention => attention_round_with::<bf16>(comm, &wl, r, Buffers::Copy),
+        Role::Expert => expert_round::<bf16>(comm, &wl, r, &mut batch, true),
+    };
+    for r in 0..5 {
+        round(&mut comm, r).map_err(|e| e.to_string())??;
+    }
+    if ctx.rank == 1 {
+        // SAFETY: kill(2) on this process's own pid; takes no pointers.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let start = Instant::now();
+    match (ctx.rank, round(&mut comm, 5)) {
+        (2, Ok(Ok(()))) => Ok(()),
+        (0, Err(Error::PeerFailed { peer: 1, .. })) if start.elapsed() < Duration::from_secs(5) => {
+            announce(&format!("noticed in {:?}", start.elapsed()));
+            Ok(())
+        }
+        (_, other) => Err(format!(
+            "rank {}: expected PeerFailed naming rank 1 within 5 s, got {other:?} after {:?}",
+            ctx.rank,
+            start.elapsed()
+        )),
+    }
 }
 
 fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
@@ -590,6 +633,16 @@ fn ascend_two_attention_two_expert_matches_reference() {
 #[test]
 fn ascend_one_attention_three_expert_matches_reference() {
     run_ok("moe:1:3:60", 4, Via::LibraryPath, Duration::from_secs(90));
+}
+
+#[test]
+fn ascend_killed_expert_is_reported_by_the_survivors() {
+    let (mut job, _segs) = spawn("moe_kill", 3, Via::Home, &[]);
+    job.wait(Duration::from_secs(60));
+    job.assert_killed(1);
+    job.assert_succeeded(0);
+    job.assert_succeeded(2);
+    println!("attention rank: {}", job.output(0).trim());
 }
 
 #[test]
