@@ -1,14 +1,18 @@
 //! The ascend fabric between real processes, through the real `dlopen` and FFI path, against a
 //! **stand-in** of the Ascend runtime (`tests/ascend_standin/acl_standin.c`, built here with gcc
-//! as `libascendcl.so`; no NPU is involved): the conformance suite with 2 and 3 ranks, the
-//! library found through `ASCEND_HOME_PATH` and through `LD_LIBRARY_PATH`, puts larger than the
-//! staging buffer from a thread that did not make the fabric, a collective close, a SIGKILLed
-//! peer, the missing-library error (on every rank, and on one rank only), runtime error codes
-//! surfacing with the call's name and the runtime's message, mismatched slot counts, and the
-//! stand-in's own enforcement of the IPC rules, and A2E/E2A (1A:1E, 2A:2E, 1A:3E, every mode and
-//! receive path as in `moe_shm.rs`) checked against the reference, with the window in "device
-//! memory" reached only through `put`/`get`. Every job's stand-in segments are checked to be gone
-//! from `/dev/shm`.
+//! as `libascendcl.so`; no NPU is involved):
+//! - the conformance suite with 2 and 3 ranks, the library found through `ASCEND_HOME_PATH` and
+//!   through `LD_LIBRARY_PATH`;
+//! - A2E/E2A (1A:1E, 2A:2E, 1A:3E; push and pull; every receive path, as in `moe_shm.rs`) checked
+//!   against the reference, the window in "device memory" reached only through `put`/`get`;
+//! - puts and gets larger than the staging buffer from threads that did not make the fabric, and
+//!   a collective close;
+//! - a SIGKILLed peer, and an expert SIGKILLed mid-run, named by the survivors;
+//! - the missing-library error (on every rank, and on one rank only), runtime error codes
+//!   surfacing with the call's name and the runtime's message, mismatched slot counts;
+//! - the stand-in's own enforcement of the documented IPC rules.
+//!
+//! Every job's stand-in segments are checked to be gone from `/dev/shm`.
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
