@@ -19,8 +19,9 @@
 //! and a private staging buffer for host data. [`AscendFabric::new`] exports the block
 //! (`aclrtIpcMemGetExportKey`, pid whitelist on) and allgathers `{pid, driver pid, device, host,
 //! sizes, key}` through the bootstrap; each rank whitelists every peer's driver pid
-//! (`aclrtIpcMemSetImportPid`, with pids from `aclrtDeviceGetBareTgid`), a second round
-//! confirms it, then each rank enables peer access to every other device
+//! (`aclrtIpcMemSetImportPid`, with pids from `aclrtDeviceGetBareTgid`) after checking the
+//! adverts agree (slot counts, one host), a second round confirms both, then each rank enables
+//! peer access to every other device
 //! (`aclrtDeviceCanAccessPeer`, `aclrtDeviceEnablePeerAccess`) and imports every peer's block
 //! (`aclrtIpcMemImportByKey`); a third round reports each rank's outcome, so one rank that fails
 //! makes every rank fail, naming it. A rank whose local setup fails (no runtime, a runtime error)
@@ -67,6 +68,14 @@
 //! protocol offers today; since the host cannot address the window ([`Fabric::local_window`] is
 //! `None`), the protocol's registered buffers (`a2e_input`, `e2a_output`), which are slices of
 //! the window, are not available on this fabric.
+//!
+//! ## Threads, teardown
+//! ACL binds a device per thread: the constructor binds the calling thread (`aclrtSetDevice`),
+//! and every call from another thread binds that thread first (once). Dropping the fabric drains
+//! the stream, closes the imported keys, stops exporting its own, frees and resets the device;
+//! [`AscendFabric::close`] does the same collectively, with barriers so that every importer has
+//! closed before any exporter does (the order the runtime documents for IPC memory). ACL itself
+//! is initialised once per process and finalized only on request ([`finalize_runtime`]).
 //!
 //! ## Known gaps (not verified without hardware)
 //! - On-chip device-to-device copies need 64-byte aligned addresses; puts at unaligned offsets
