@@ -1,6 +1,7 @@
 //! A2E + E2A between real processes over shared memory, every result checked against the
-//! single-process reference: 1A:1E, 2A:2E, 3A:1E, 1A:3E, 10,000 back-to-back rounds with a random
-//! token count per round, and an expert rank SIGKILLed mid-run.
+//! single-process reference, bit for bit: 1A:1E, 2A:2E, 3A:1E, 1A:3E, INT8 on the wire, 10,000
+//! back-to-back rounds with a random token count per round, and an expert rank SIGKILLed
+//! mid-run.
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
@@ -13,7 +14,8 @@ use xccl::testing::harness::{
     expert_round_view, Buffers, Workload,
 };
 use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
+    TransferMode,
 };
 use xccl_tests::{child_main, ChildCtx, Job};
 
@@ -30,7 +32,11 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     match parts.as_slice() {
         ["moe", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
-            checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64)
+            checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::None)
+        }
+        ["moe_int8", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8)
         }
         ["moe_kill"] => killed_expert(ctx),
         _ => Err(format!("unknown scenario {scenario:?}")),
@@ -45,9 +51,18 @@ fn join(ctx: &ChildCtx, m: usize, n: usize, cfg: MoeConfig) -> Result<Communicat
     Communicator::init_shm(ex, topo, cfg).map_err(|e| e.to_string())
 }
 
-fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+/// Checked rounds; with `quant` INT8, A2E and E2A both quantize (bit-exact reference too).
+fn checked_rounds(
+    ctx: &ChildCtx,
+    m: usize,
+    n: usize,
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
     cfg.timeout = Duration::from_secs(30);
+    cfg.a2e_quant = quant;
+    cfg.e2a_quant = quant;
     let mut comm = join(ctx, m, n, cfg)?;
     let wl = Workload {
         seed: 0x5eed + (m * 10 + n) as u64,
@@ -153,6 +168,11 @@ fn three_attention_one_expert_over_shm_matches_reference() {
 #[test]
 fn one_attention_three_expert_over_shm_matches_reference() {
     run(1, 3, 100, 60);
+}
+
+#[test]
+fn int8_on_the_wire_over_shm_matches_the_quantizing_reference() {
+    Job::spawn(ENTRY, "moe_int8:2:2:200", 4).expect_success(Duration::from_secs(60));
 }
 
 #[test]

@@ -405,6 +405,17 @@ impl Communicator {
         self.ctx.cfg.mode = mode;
     }
 
+    /// Changes how later A2E sends of this rank put rows on the wire (the receivers follow each
+    /// record, so ranks need not agree).
+    pub fn set_a2e_quant(&mut self, quant: crate::moe::quant::Quant) {
+        self.ctx.cfg.a2e_quant = quant;
+    }
+
+    /// Changes how later E2A sends of this rank put reply rows on the wire.
+    pub fn set_e2a_quant(&mut self, quant: crate::moe::quant::Quant) {
+        self.ctx.cfg.e2a_quant = quant;
+    }
+
     /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         if timeout.is_zero() {

@@ -9,6 +9,7 @@ use proptest::prelude::*;
 use crate::fabric::Capabilities;
 use crate::moe::config::{MoeConfig, TransferMode};
 use crate::moe::dtype::{DType, Element};
+use crate::moe::quant::Quant;
 use crate::testing::harness::{
     attention_round, attention_round_with, expert_round, expert_round_tokens_with,
     expert_round_view, first_difference, token_replies, Buffers, Workload,
@@ -439,8 +440,11 @@ proptest! {
         seed in any::<u64>(),
         skewed in any::<bool>(),
         dtype in prop_oneof![Just(DType::F32), Just(DType::BF16)],
+        quant in 0u8..4,
     ) {
-        let c = cfg(hidden, dtype, topk, tokens.max(1));
+        let mut c = cfg(hidden, dtype, topk, tokens.max(1));
+        c.a2e_quant = if quant & 1 == 1 { Quant::Int8 } else { Quant::None };
+        c.e2a_quant = if quant & 2 == 2 { Quant::Int8 } else { Quant::None };
         let w = Workload { seed, tokens, vary: true, skew: skewed.then_some(1.2) };
         let r = match dtype {
             DType::BF16 => run_local::<bf16>(&topo, &c, &w, 3, BOTH),
@@ -916,4 +920,99 @@ fn a_view_reply_rejected_before_sending_keeps_the_view() {
     let mut out = vec![0f32; 32];
     attn.e2a_recv(&h, &mut out).unwrap();
     assert_eq!(first_difference(&out, &expected_of(0), 8), None);
+}
+
+fn int8_cfg(hidden: usize, dtype: DType, a2e: Quant, e2a: Quant) -> MoeConfig {
+    let mut c = cfg(hidden, dtype, 3, 12);
+    c.a2e_quant = a2e;
+    c.e2a_quant = e2a;
+    c
+}
+
+#[test]
+fn int8_on_the_wire_matches_the_quantizing_reference_bit_for_bit() {
+    let topo = TopologyBuilder::contiguous(3, 2, 8)
+        .replicas(&[(0, 1)])
+        .build()
+        .unwrap();
+    for (a2e, e2a) in [
+        (Quant::Int8, Quant::None),
+        (Quant::None, Quant::Int8),
+        (Quant::Int8, Quant::Int8),
+    ] {
+        let c = int8_cfg(96, DType::BF16, a2e, e2a);
+        run_local::<bf16>(&topo, &c, &wl(40, 12, true), 6, BOTH).unwrap();
+        run_local_caps::<bf16>(&topo, &c, &wl(41, 12, true), 4, BOTH, false).unwrap();
+        let c = int8_cfg(33, DType::F16, a2e, e2a);
+        run_local::<f16>(&topo, &c, &wl(42, 12, true), 4, BOTH).unwrap();
+        let c = int8_cfg(8192, DType::F32, a2e, e2a);
+        run_local::<f32>(&topo, &c, &wl(43, 12, true), 2, BOTH).unwrap();
+    }
+}
+
+#[test]
+fn keep_int8_hands_out_the_rows_and_scales_of_the_quantizer() {
+    use crate::testing::reference::quantize_int8;
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    for a2e in [Quant::Int8, Quant::None] {
+        let mut c = int8_cfg(16, DType::BF16, a2e, Quant::None);
+        c.keep_int8 = true;
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut expert = comms.pop().unwrap();
+        let mut attn = comms.pop().unwrap();
+        let w = wl(44, 6, false);
+        let input = w.input(&topo, 3, 0, 0);
+        let x: Vec<bf16> = w.hidden_states(0, 0, input.num_tokens, 16);
+        let _h = attn
+            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+            .unwrap();
+        let mut batch = ExpertBatch::new();
+        expert.a2e_recv(&mut batch).unwrap();
+        assert!(batch.rows::<bf16>().unwrap().is_empty());
+        let (q, scales) = batch.int8_rows().expect("kept as INT8");
+        assert_eq!(q.len(), batch.num_rows() * 16);
+        for r in 0..batch.num_rows() {
+            let t = batch.src_token()[r] as usize;
+            let wide: Vec<f32> = x[t * 16..(t + 1) * 16].iter().map(|v| v.to_f32()).collect();
+            let (wq, ws) = quantize_int8(&wide);
+            assert_eq!(&q[r * 16..(r + 1) * 16], &wq[..], "row {r} ({a2e:?})");
+            assert_eq!(scales[r].to_bits(), ws.to_bits());
+        }
+    }
+}
+
+#[test]
+fn int8_rejects_non_finite_hidden_states_naming_the_token_before_any_write() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = int8_cfg(8, DType::F32, Quant::Int8, Quant::None);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let mut x = vec![1f32; 16];
+    x[8 + 3] = f32::NAN;
+    let err = attn.a2e_send(&x, &[0, 1, 2, 3], &[0.5; 4]).unwrap_err();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("token 1") && m.contains("at 3")),
+        "{err}"
+    );
+    assert!(attn.poisoned().is_none());
+    std::thread::scope(|s| {
+        let e = s.spawn(move || {
+            let mut b = TokenBatch::new();
+            expert_round_tokens_with::<f32>(
+                &mut expert,
+                &wl(45, 4, false),
+                0,
+                &mut b,
+                true,
+                Buffers::Copy,
+            )
+            .unwrap()
+            .unwrap();
+        });
+        attention_round::<f32>(&mut attn, &wl(45, 4, false), 0)
+            .unwrap()
+            .unwrap();
+        e.join().unwrap();
+    });
 }

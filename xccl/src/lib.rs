@@ -33,6 +33,7 @@ pub use error::{Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
 pub use moe::dtype::{DType, Element};
+pub use moe::quant::Quant;
 pub use moe::view::TokenView;
 pub use topology::{Role, Topology, TopologyBuilder};
 

@@ -96,6 +96,8 @@ pub(crate) struct Received {
     pub(crate) hidden: usize,
     pub(crate) sources: Vec<SourceInfo>,
     pub(crate) arrival_order: Vec<u32>,
+    /// Rows are kept as INT8 plus scales (`MoeConfig::keep_int8`), not in the dtype.
+    pub(crate) int8: bool,
 }
 
 /// The rows an expert rank received in one A2E call, grouped by local expert (expert-major).
@@ -117,6 +119,9 @@ pub struct ExpertBatch {
     pub(crate) token_rows: Vec<u32>,
     /// Scratch: next free row per local expert while rows are placed.
     pub(crate) cursors: Vec<usize>,
+    /// With `keep_int8`: `hidden` bytes of INT8 per row, and one scale per row.
+    pub(crate) qrows: Vec<u8>,
+    pub(crate) scales: Vec<f32>,
 }
 
 impl ExpertBatch {
@@ -191,11 +196,20 @@ impl ExpertBatch {
     }
 
     /// All rows as elements of `T` (`num_rows * hidden`); `T` must be the communicator's dtype.
+    /// Empty when rows are kept as INT8 ([`Self::int8_rows`]).
     pub fn rows<T: Element>(&self) -> Result<&[T]> {
         match self.recv.dtype {
             Some(dt) => typed(self.rows.bytes(), dt),
             None => Ok(&[]),
         }
+    }
+
+    /// With `MoeConfig::keep_int8`: every row as `hidden` INT8 values (row-major) and its f32
+    /// scale (a value is `q * scale`); `None` when rows are kept in the dtype ([`Self::rows`]).
+    pub fn int8_rows(&self) -> Option<(&[i8], &[f32])> {
+        self.recv
+            .int8
+            .then(|| (bytemuck::cast_slice(&self.qrows[..]), &self.scales[..]))
     }
 }
 
@@ -211,6 +225,9 @@ pub struct TokenBatch {
     pub(crate) local_expert: Vec<u32>,
     pub(crate) weight: Vec<f32>,
     pub(crate) topk: usize,
+    /// With `keep_int8`: `hidden` bytes of INT8 per token, and one scale per token.
+    pub(crate) qrows: Vec<u8>,
+    pub(crate) scales: Vec<f32>,
 }
 
 impl TokenBatch {
@@ -261,11 +278,20 @@ impl TokenBatch {
     }
 
     /// All rows as elements of `T` (`num_tokens * hidden`); `T` must be the communicator's dtype.
+    /// Empty when rows are kept as INT8 ([`Self::int8_rows`]).
     pub fn rows<T: Element>(&self) -> Result<&[T]> {
         match self.recv.dtype {
             Some(dt) => typed(self.rows.bytes(), dt),
             None => Ok(&[]),
         }
+    }
+
+    /// With `MoeConfig::keep_int8`: every row as `hidden` INT8 values (row-major) and its f32
+    /// scale (a value is `q * scale`); `None` when rows are kept in the dtype ([`Self::rows`]).
+    pub fn int8_rows(&self) -> Option<(&[i8], &[f32])> {
+        self.recv
+            .int8
+            .then(|| (bytemuck::cast_slice(&self.qrows[..]), &self.scales[..]))
     }
 
     /// Clears everything and reserves per-source bookkeeping for `sources` sources.
@@ -277,11 +303,14 @@ impl TokenBatch {
             hidden,
             sources: std::mem::take(&mut self.recv.sources),
             arrival_order: std::mem::take(&mut self.recv.arrival_order),
+            int8: false,
         };
         self.recv.sources.clear();
         self.recv.arrival_order.clear();
         self.topk = topk;
         self.rows.resize(0);
+        self.qrows.clear();
+        self.scales.clear();
         self.src_rank.clear();
         self.src_token.clear();
         self.expert_count.clear();
@@ -293,6 +322,9 @@ impl TokenBatch {
     pub(crate) fn grow(&mut self, total: usize, payload: usize, with_rows: bool) {
         if with_rows {
             self.rows.resize(total * payload);
+        } else if self.recv.int8 {
+            self.qrows.resize(total * self.recv.hidden, 0);
+            self.scales.resize(total, 0.0);
         }
         self.src_rank.resize(total, 0);
         self.src_token.resize(total, 0);

@@ -23,6 +23,9 @@
 //! - On the attention rank, for each token: no contributing expert rank gives zeros; one gives
 //!   its row unchanged; several give `acc = f32(r_first)`, then `acc = acc + f32(r)` for each
 //!   further contribution in ascending expert-rank order, then one rounding to the dtype.
+//! - With INT8 replies (`MoeConfig::e2a_quant`), the expert quantizes each reduced row (see
+//!   `moe::quant`) and the attention rank dequantizes inside the sum: `f32(r)` above becomes
+//!   `f32(q) * scale`, and a single INT8 contribution is dequantized and rounded once.
 
 use std::time::Instant;
 
@@ -31,6 +34,7 @@ use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
+use super::quant::{dequantize, dequantize_add, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use crate::fabric::Waiting;
 use crate::{Error, Result};
@@ -61,6 +65,8 @@ pub(crate) enum Replies<'a> {
 pub(crate) struct CombineSender {
     acc: Vec<f32>,
     row: Vec<u8>,
+    qrow: Vec<u8>,
+    quant: Quantizer,
     /// The epoch whose registered output `prepare_output` handed out.
     output_for: Option<u64>,
 }
@@ -142,15 +148,16 @@ impl CombineSender {
             deadline,
         )?;
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
-        let stride = ctx.layout.e2a_stride;
-        let mode = match replies {
-            Replies::Staged => TransferMode::Pull,
-            _ => mode,
-        };
+        let staged = matches!(replies, Replies::Staged);
+        let int8 = !staged && ctx.cfg.e2a_quant == Quant::Int8;
+        let p = ctx.layout.e2a_stride;
+        let stride = ctx.layout.e2a_stride_for(int8);
+        let mode = if staged { TransferMode::Pull } else { mode };
         let slot = ctx.slots.e2a_ready(ctx.rank);
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
         self.acc.resize(ctx.cfg.hidden, 0.0);
-        self.row.resize(stride, 0);
+        self.row.resize(p, 0);
+        self.qrow.resize(int8_payload(ctx.cfg.hidden), 0);
         let n = ranks.len();
         for step in 0..n {
             let i = (my_index + step) % n;
@@ -170,7 +177,7 @@ impl CombineSender {
                 ),
             };
             // The record goes first: the receiver may start on the first chunk.
-            let rec = Record::new(epoch, count as u32, offset as u32, mode);
+            let rec = Record::with_payload(epoch, count as u32, offset as u32, mode, int8);
             ctx.put(
                 s,
                 ctx.layout.record(my_index, buf),
@@ -189,11 +196,18 @@ impl CombineSender {
                     Replies::Reduce { batch, out } => {
                         for k in 0..rows.len() {
                             self.reduce(ctx, batch, out, first + k);
-                            ctx.put(dst, at + k * stride, &self.row)?;
+                            self.put_row(ctx, int8, first + k, dst, at + k * stride)?;
+                        }
+                    }
+                    Replies::Tokens(reduced) if int8 => {
+                        for k in 0..rows.len() {
+                            let t = first + k;
+                            self.row.copy_from_slice(&reduced[t * p..(t + 1) * p]);
+                            self.put_row(ctx, true, t, dst, at + k * stride)?;
                         }
                     }
                     Replies::Tokens(reduced) => {
-                        let bytes = &reduced[first * stride..(first + rows.len()) * stride];
+                        let bytes = &reduced[first * p..(first + rows.len()) * p];
                         ctx.put(dst, at, bytes)?;
                     }
                     Replies::Fill(fill) => {
@@ -211,6 +225,28 @@ impl CombineSender {
             }
         }
         Ok(())
+    }
+
+    /// Puts `self.row` (token `t`'s reply in the dtype) at `(dst, at)`, quantized when `int8`.
+    fn put_row(
+        &mut self,
+        ctx: &Context,
+        int8: bool,
+        t: usize,
+        dst: usize,
+        at: usize,
+    ) -> Result<()> {
+        if !int8 {
+            return ctx.put(dst, at, &self.row);
+        }
+        if let Err(i) = self.quant.scale(ctx.cfg.dtype, &self.row) {
+            return Err(Error::invalid(format!(
+                "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows"
+            )));
+        }
+        self.quant
+            .quantize(ctx.cfg.dtype, &self.row, &mut self.qrow);
+        ctx.put(dst, at, &self.qrow)
     }
 
     /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
@@ -251,27 +287,31 @@ impl CombineReceiver {
         let experts = ctx.experts();
         let hl = &sent.layout;
         let t_count = sent.num_tokens;
-        let stride = ctx.layout.e2a_stride;
+        let p = ctx.layout.e2a_stride;
+        let hidden = ctx.cfg.hidden;
         let dtype = ctx.cfg.dtype;
         let (max_rows, expert_rows) = (ctx.layout.attention_rows, ctx.layout.expert_rows());
         let mut recs: Vec<Option<(Record, WireMode)>> = vec![None; experts.len()];
         let mut delivered = vec![0usize; experts.len()];
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
-        self.acc.resize(ctx.cfg.hidden, 0.0);
-        self.row.resize(stride, 0);
+        self.acc.resize(hidden, 0.0);
+        self.row.resize(p.max(int8_payload(hidden)), 0);
         self.cursors.clear();
         self.cursors
             .extend(experts.iter().map(|&d| hl.entries(d).start));
-        let row_at = |j: usize, rec: &Record, mode: WireMode, i: usize| match mode {
-            WireMode::Push => (
-                ctx.rank,
-                ctx.layout.e2a_recv(buf) + (sent.offsets[j] + i) * stride,
-            ),
-            _ => (
-                experts[j],
-                ctx.layout.e2a_stage(buf) + (rec.offset as usize + i) * stride,
-            ),
+        let row_at = |j: usize, rec: &Record, mode: WireMode, i: usize| {
+            let stride = ctx.layout.e2a_stride_for(rec.int8());
+            match mode {
+                WireMode::Push => (
+                    ctx.rank,
+                    ctx.layout.e2a_recv(buf) + (sent.offsets[j] + i) * stride,
+                ),
+                _ => (
+                    experts[j],
+                    ctx.layout.e2a_stage(buf) + (rec.offset as usize + i) * stride,
+                ),
+            }
         };
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
@@ -344,7 +384,7 @@ impl CombineReceiver {
                 .unwrap_or(t_count);
             while next_token < watermark {
                 let t = next_token;
-                let out_row = &mut out[t * stride..(t + 1) * stride];
+                let out_row = &mut out[t * p..(t + 1) * p];
                 self.contributions.clear();
                 for (j, &d) in experts.iter().enumerate() {
                     let e = self.cursors[j];
@@ -356,22 +396,26 @@ impl CombineReceiver {
                 }
                 match self.contributions.len() {
                     0 => out_row.fill(0),
-                    // One expert rank: its row is already the answer, in the output dtype.
-                    1 => {
+                    // One expert rank in the dtype: its row is already the answer.
+                    1 if !recs[self.contributions[0].0].expect("delivered").0.int8() => {
                         let (j, i) = self.contributions[0];
                         let (rec, mode) = recs[j].expect("delivered rows have a record");
                         let (rank, at) = row_at(j, &rec, mode, i);
                         ctx.get(rank, at, out_row)?;
                     }
+                    // Otherwise sum in f32 (INT8 rows dequantized inside the sum).
                     _ => {
                         for (c, &(j, i)) in self.contributions.iter().enumerate() {
                             let (rec, mode) = recs[j].expect("delivered rows have a record");
                             let (rank, at) = row_at(j, &rec, mode, i);
-                            ctx.get(rank, at, &mut self.row)?;
-                            if c == 0 {
-                                dtype.to_f32(&self.row, &mut self.acc);
-                            } else {
-                                dtype.accumulate(&self.row, 1.0, &mut self.acc);
+                            let len = if rec.int8() { int8_payload(hidden) } else { p };
+                            let row = &mut self.row[..len];
+                            ctx.get(rank, at, row)?;
+                            match (c, rec.int8()) {
+                                (0, false) => dtype.to_f32(row, &mut self.acc),
+                                (0, true) => dequantize(row, hidden, &mut self.acc),
+                                (_, false) => dtype.accumulate(row, 1.0, &mut self.acc),
+                                (_, true) => dequantize_add(row, hidden, &mut self.acc),
                             }
                         }
                         dtype.from_f32(&self.acc, out_row);

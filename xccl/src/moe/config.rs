@@ -5,6 +5,7 @@ use std::time::Duration;
 use super::dtype::DType;
 use super::hash::Fnv;
 use super::progress::{CHUNK_BYTES, EPOCH_MASK, MAX_PROGRESS_ROWS};
+use super::quant::Quant;
 use super::window_layout::WindowLayout;
 use crate::topology::Topology;
 use crate::{Error, Result};
@@ -47,8 +48,9 @@ pub const MAX_IN_FLIGHT: usize = 8;
 /// Fixed parameters of a communicator's MoE exchange.
 ///
 /// `hidden`, `dtype`, `topk`, `max_tokens_per_rank`, `max_in_flight` and `epoch_base` must be
-/// equal on every rank (init checks them and names the field that differs); `mode`, `timeout` and
-/// `chunk_bytes` are local choices.
+/// equal on every rank (init checks them and names the field that differs); `mode`, `timeout`,
+/// `chunk_bytes`, the quantization fields and `keep_int8` are local choices (a receiver follows
+/// what each record says).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
     /// Hidden size H: elements per token row.
@@ -70,6 +72,18 @@ pub struct MoeConfig {
     pub timeout: Duration,
     /// Bytes a sender writes between progress signals, so receivers copy while senders write.
     pub chunk_bytes: usize,
+    /// How this rank's A2E sends put rows on the wire ([`Quant::Int8`]: INT8 with one f32 scale
+    /// per token, about half the bytes of bf16).
+    pub a2e_quant: Quant,
+    /// How this rank's E2A sends put reply rows on the wire; the attention rank dequantizes
+    /// inside its sum. Replies sent from the registered output (`e2a_output`) always travel in
+    /// the dtype.
+    pub e2a_quant: Quant,
+    /// On an expert rank: receive A2E rows as INT8 plus one f32 scale per row
+    /// (`ExpertBatch::int8_rows`, `TokenBatch::int8_rows`, the shape int8 GEMMs take) instead
+    /// of rows dequantized to the dtype; rows that arrive unquantized are quantized on receipt
+    /// with the same quantizer.
+    pub keep_int8: bool,
     /// The epoch numbering starts after this value (0). The first call is epoch
     /// `epoch_base + 1`. Tests set it just below 2^40 to cross the wrap-around of the 40-bit
     /// epoch carried by progress signals.
@@ -88,6 +102,9 @@ impl MoeConfig {
             mode: TransferMode::Push,
             timeout: Duration::from_secs(30),
             chunk_bytes: CHUNK_BYTES,
+            a2e_quant: Quant::None,
+            e2a_quant: Quant::None,
+            keep_int8: false,
             epoch_base: 0,
         }
     }

@@ -25,6 +25,7 @@ use std::time::Instant;
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::Context;
 use super::progress::{chunk_rows, progress, Progress};
+use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use super::regions;
 use super::routing::DispatchLayout;
@@ -62,6 +63,9 @@ pub(crate) struct DispatchSender {
     stage: Vec<u8>,
     /// One payload row read from the registered input (pull from a window not mapped here).
     row: Vec<u8>,
+    /// One encoded INT8 row (payload, scale, metadata).
+    qrow: Vec<u8>,
+    quant: Quantizer,
 }
 
 impl DispatchSender {
@@ -74,6 +78,8 @@ impl DispatchSender {
             input_epoch: None,
             stage: Vec::new(),
             row: Vec::new(),
+            qrow: Vec::new(),
+            quant: Quantizer::default(),
         }
     }
 
@@ -98,6 +104,7 @@ impl DispatchSender {
         num_tokens: usize,
         topk_idx: &[i32],
         topk_weights: &[f32],
+        payloads: Payloads<'_>,
     ) -> Result<Sent> {
         self.check_room(ctx)?;
         if num_tokens > ctx.cfg.max_tokens_per_rank {
@@ -105,6 +112,18 @@ impl DispatchSender {
                 "{num_tokens} tokens exceed max_tokens_per_rank {}",
                 ctx.cfg.max_tokens_per_rank
             )));
+        }
+        if ctx.cfg.a2e_quant == Quant::Int8 {
+            // INT8 needs finite rows: checked for every token before anything is written.
+            for t in 0..num_tokens {
+                let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
+                if let Err(i) = self.quant.scale(ctx.cfg.dtype, x) {
+                    return Err(Error::invalid(format!(
+                        "token {t} has a non-finite element at {i}: INT8 quantization needs \
+                         finite hidden states"
+                    )));
+                }
+            }
         }
         let mut sent = self.spare.pop().unwrap_or_default();
         if let Err(e) = sent.layout.build_into(
@@ -147,8 +166,9 @@ impl DispatchSender {
                 ctx.cfg.dtype.name()
             )));
         }
-        let sent = self.plan(ctx, x.len() / payload, topk_idx, topk_weights)?;
-        self.transmit(ctx, sent, Payloads::Caller(x), mode, deadline)
+        let payloads = Payloads::Caller(x);
+        let sent = self.plan(ctx, x.len() / payload, topk_idx, topk_weights, payloads)?;
+        self.transmit(ctx, sent, payloads, mode, deadline)
     }
 
     /// Prepares the registered input of the next call: waits for its buffer to be free and
@@ -204,13 +224,14 @@ impl DispatchSender {
                 "a2e_send_input needs a2e_input first: the rows must be written for this call",
             ));
         }
-        let sent = self.plan(ctx, num_tokens, topk_idx, topk_weights)?;
-        let mode = if ctx.fabric.capabilities().load_store {
+        let input = Payloads::Input(ctx.layout.a2e_input(ctx.layout.buffer(epoch)));
+        let sent = self.plan(ctx, num_tokens, topk_idx, topk_weights, input)?;
+        // Gather reads the payloads from the input as they are; INT8 rows are staged instead.
+        let mode = if ctx.fabric.capabilities().load_store && ctx.cfg.a2e_quant == Quant::None {
             WireMode::Gather
         } else {
             WireMode::Pull
         };
-        let input = Payloads::Input(ctx.layout.a2e_input(ctx.layout.buffer(epoch)));
         self.transmit(ctx, sent, input, mode, deadline)
     }
 
@@ -267,13 +288,15 @@ impl DispatchSender {
         let n = experts.len();
         let slot = ctx.slots.a2e_ready(ctx.rank);
         let plan = &sent.layout;
+        let int8 = mode != WireMode::Gather && ctx.cfg.a2e_quant == Quant::Int8;
+        let stride = row.stride_for(int8);
         for step in 0..n {
             let j = (src_index + step) % n;
             let d = experts[j];
             let entries = plan.entries(d);
             let count = entries.len();
             // The record goes first: receivers may start on the first chunk.
-            let rec = Record::new(epoch, count as u32, sent.offsets[j] as u32, mode);
+            let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8);
             ctx.put(d, layout.record(src_index, buf), bytemuck::bytes_of(&rec))?;
             if mode == WireMode::Gather {
                 // Metadata only: the receiver gathers payloads from our registered input.
@@ -288,22 +311,21 @@ impl DispatchSender {
             }
             let (dst, base) = match mode {
                 WireMode::Push => (d, layout.a2e_recv(src_index, buf)),
-                _ => (
-                    ctx.rank,
-                    layout.a2e_stage(buf) + sent.offsets[j] * row.stride,
-                ),
+                _ => (ctx.rank, layout.a2e_stage(buf) + sent.offsets[j] * stride),
             };
             let direct = ctx.mapped(dst);
-            let chunk = chunk_rows(row.stride, ctx.cfg.chunk_bytes);
+            let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
             let mut done = 0;
             loop {
                 let rows = done..(done + chunk).min(count);
-                let at = base + rows.start * row.stride;
+                let at = base + rows.start * stride;
                 let entries = entries.start + rows.start..entries.start + rows.end;
-                if direct {
+                if direct && !int8 {
                     self.put_rows(ctx, plan, entries, payloads, dst, at)?;
+                } else if direct {
+                    self.put_rows_int8(ctx, plan, entries, payloads, dst, at)?;
                 } else {
-                    self.stage_rows(ctx, plan, entries, payloads)?;
+                    self.stage_rows(ctx, plan, entries, payloads, int8)?;
                     ctx.put(dst, at, &self.stage)?;
                 }
                 done = rows.end;
@@ -367,6 +389,57 @@ impl DispatchSender {
         Ok(())
     }
 
+    /// Writes INT8 rows of `entries` into `dst`'s window at `at`: each quantized in one pass
+    /// into a private row with its metadata, then one put per row.
+    fn put_rows_int8(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        entries: Range<usize>,
+        payloads: Payloads<'_>,
+        dst: usize,
+        at: usize,
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        let len = row.meta_offset_for(true) + row.meta_len();
+        let mut qrow = std::mem::take(&mut self.qrow);
+        qrow.resize(len, 0);
+        let result = entries.enumerate().try_for_each(|(i, e)| {
+            self.encode_row(ctx, plan, e, payloads, true, &mut qrow)?;
+            ctx.put(dst, at + i * row.int8_stride, &qrow)
+        });
+        self.qrow = qrow;
+        result
+    }
+
+    /// Encodes entry `e`'s row (payload, INT8 or not, then metadata) into `out`.
+    fn encode_row(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        e: usize,
+        payloads: Payloads<'_>,
+        int8: bool,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        let t = plan.token(e);
+        let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
+        if int8 {
+            self.quant
+                .quantize(ctx.cfg.dtype, x, &mut out[..row.int8_payload]);
+        } else {
+            out[..row.payload].copy_from_slice(x);
+        }
+        row.encode_meta(
+            &mut out[row.meta_offset_for(int8)..],
+            t as u32,
+            plan.mask(e),
+            plan.weights(e),
+        );
+        Ok(())
+    }
+
     /// Encodes full rows of `entries` into `self.stage`.
     fn stage_rows(
         &mut self,
@@ -374,24 +447,14 @@ impl DispatchSender {
         plan: &DispatchLayout,
         entries: Range<usize>,
         payloads: Payloads<'_>,
+        int8: bool,
     ) -> Result<()> {
-        let row = ctx.layout.a2e;
-        self.stage.resize(entries.len() * row.stride, 0);
+        let stride = ctx.layout.a2e.stride_for(int8);
+        self.stage.resize(entries.len() * stride, 0);
         let mut stage = std::mem::take(&mut self.stage);
         let result = entries
-            .zip(stage.chunks_exact_mut(row.stride))
-            .try_for_each(|(e, out)| {
-                let t = plan.token(e);
-                let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
-                out[..row.payload].copy_from_slice(x);
-                row.encode_meta(
-                    &mut out[row.meta_offset()..],
-                    t as u32,
-                    plan.mask(e),
-                    plan.weights(e),
-                );
-                Ok(())
-            });
+            .zip(stage.chunks_exact_mut(stride))
+            .try_for_each(|(e, out)| self.encode_row(ctx, plan, e, payloads, int8, out));
         self.stage = stage;
         result
     }
@@ -448,6 +511,8 @@ pub(crate) struct Message {
     pub(crate) rec: Record,
     pub(crate) mode: WireMode,
     pub(crate) buf: usize,
+    /// Payloads are INT8 with a scale.
+    pub(crate) int8: bool,
 }
 
 impl Message {
@@ -459,16 +524,19 @@ impl Message {
     /// The rank and offset of full row `r` (push and pull; gather rows are metadata only).
     pub(crate) fn full_row(&self, ctx: &Context, r: usize) -> (usize, usize) {
         let l = &ctx.layout;
+        let stride = l.a2e.stride_for(self.int8);
         match self.mode {
-            WireMode::Push => (
-                ctx.rank,
-                l.a2e_recv(self.index, self.buf) + r * l.a2e.stride,
-            ),
+            WireMode::Push => (ctx.rank, l.a2e_recv(self.index, self.buf) + r * stride),
             _ => (
                 self.src,
-                l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * l.a2e.stride,
+                l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * stride,
             ),
         }
+    }
+
+    /// Bytes of one payload on the wire.
+    pub(crate) fn payload_len(&self, ctx: &Context) -> usize {
+        ctx.layout.a2e.payload_for(self.int8)
     }
 
     /// The rank and offset of row `r`'s metadata.
@@ -481,7 +549,7 @@ impl Message {
             ),
             _ => {
                 let (rank, at) = self.full_row(ctx, r);
-                (rank, at + l.a2e.meta_offset())
+                (rank, at + l.a2e.meta_offset_for(self.int8))
             }
         }
     }
@@ -513,6 +581,23 @@ pub(crate) struct RowReader {
     landed_rows: Range<usize>,
     meta: Vec<u8>,
     pub(crate) experts: Vec<(u32, f32)>,
+    /// One payload as it crossed the wire, when it needs converting.
+    raw: Vec<u8>,
+    wide: Vec<f32>,
+    quant: Quantizer,
+}
+
+/// Where [`RowReader::land`] puts a row's payload.
+pub(crate) enum Landing<'a> {
+    /// A row of the communicator's dtype (INT8 payloads dequantized).
+    Row(&'a mut [u8]),
+    /// INT8 bytes and the scale (dtype payloads quantized on receipt).
+    Int8 {
+        /// `hidden` bytes of `q`.
+        q: &'a mut [u8],
+        /// The row's scale.
+        scale: &'a mut f32,
+    },
 }
 
 impl RowReader {
@@ -526,7 +611,7 @@ impl RowReader {
         if !msg.bulk(ctx) || rows.is_empty() {
             return Ok(());
         }
-        let stride = ctx.layout.a2e.stride;
+        let stride = ctx.layout.a2e.stride_for(msg.int8);
         let (rank, at) = msg.full_row(ctx, rows.start);
         self.landing.resize(rows.len() * stride, 0);
         ctx.get(rank, at, &mut self.landing)?;
@@ -539,7 +624,7 @@ impl RowReader {
         if self.landed_of != Some(msg.index) || !self.landed_rows.contains(&r) || !msg.bulk(ctx) {
             return None;
         }
-        let stride = ctx.layout.a2e.stride;
+        let stride = ctx.layout.a2e.stride_for(msg.int8);
         let i = r - self.landed_rows.start;
         Some(&self.landing[i * stride..(i + 1) * stride])
     }
@@ -553,7 +638,7 @@ impl RowReader {
         meta.resize(fmt.meta_len(), 0);
         let read = match self.landed(ctx, msg, r) {
             Some(row) => {
-                meta.copy_from_slice(&row[fmt.meta_offset()..][..fmt.meta_len()]);
+                meta.copy_from_slice(&row[fmt.meta_offset_for(msg.int8)..][..fmt.meta_len()]);
                 Ok(())
             }
             None => {
@@ -567,7 +652,64 @@ impl RowReader {
         token
     }
 
-    /// Copies the payload of row `r` of `msg` (metadata naming `token`) into `out`.
+    /// Puts the payload of row `r` of `msg` (metadata naming `token`) where `dst` says,
+    /// converting between INT8 and the dtype as needed.
+    pub(crate) fn land(
+        &mut self,
+        ctx: &Context,
+        msg: &Message,
+        r: usize,
+        token: u32,
+        dst: Landing<'_>,
+    ) -> Result<()> {
+        let hidden = ctx.cfg.hidden;
+        match (msg.int8, dst) {
+            (false, Landing::Row(out)) => self.payload(ctx, msg, r, token, out),
+            (true, dst) => {
+                let mut raw = std::mem::take(&mut self.raw);
+                raw.resize(msg.payload_len(ctx), 0);
+                let read = self.payload(ctx, msg, r, token, &mut raw);
+                if read.is_ok() {
+                    match dst {
+                        Landing::Row(out) => {
+                            dequantize_to(&raw, ctx.cfg.dtype, &mut self.wide, out)
+                        }
+                        Landing::Int8 { q, scale } => {
+                            q.copy_from_slice(&raw[..hidden]);
+                            *scale = scale_of(&raw, hidden);
+                        }
+                    }
+                }
+                self.raw = raw;
+                read
+            }
+            (false, Landing::Int8 { q, scale }) => {
+                let mut raw = std::mem::take(&mut self.raw);
+                raw.resize(msg.payload_len(ctx), 0);
+                let read = self.payload(ctx, msg, r, token, &mut raw).and_then(|()| {
+                    if let Err(i) = self.quant.scale(ctx.cfg.dtype, &raw) {
+                        return Err(Error::Protocol {
+                            peer: msg.src,
+                            detail: format!(
+                                "token {token} has a non-finite element at {i}: it cannot be \
+                                 kept as INT8"
+                            ),
+                        });
+                    }
+                    let mut qp = vec![0u8; super::quant::int8_payload(hidden)];
+                    self.quant.quantize(ctx.cfg.dtype, &raw, &mut qp);
+                    q.copy_from_slice(&qp[..hidden]);
+                    *scale = scale_of(&qp, hidden);
+                    Ok(())
+                });
+                self.raw = raw;
+                read
+            }
+        }
+    }
+
+    /// Copies the payload of row `r` of `msg` (metadata naming `token`) as it crossed the wire
+    /// into `out`.
     pub(crate) fn payload(
         &self,
         ctx: &Context,
@@ -767,6 +909,7 @@ impl DispatchReceiver {
                         rec,
                         mode,
                         buf,
+                        int8: rec.int8(),
                     });
                     on(reader, Arrival::Record(messages[i].as_ref().expect("set")))?;
                 }
@@ -864,9 +1007,14 @@ impl DispatchReceiver {
         let rows = self.row_experts.len();
 
         // Pass 2: place rows (source order, then wire order = token order).
+        let keep = ctx.cfg.keep_int8;
+        let hidden = ctx.cfg.hidden;
         batch.recv.dtype = Some(ctx.cfg.dtype);
-        batch.recv.hidden = ctx.cfg.hidden;
-        batch.rows.resize(rows * payload);
+        batch.recv.hidden = hidden;
+        batch.recv.int8 = keep;
+        batch.rows.resize(if keep { 0 } else { rows * payload });
+        batch.qrows.resize(if keep { rows * hidden } else { 0 }, 0);
+        batch.scales.resize(if keep { rows } else { 0 }, 0.0);
         batch.src_rank.resize(rows, 0);
         batch.src_token.resize(rows, 0);
         batch.weight.resize(rows, 0.0);
@@ -878,6 +1026,7 @@ impl DispatchReceiver {
             .cursors
             .extend_from_slice(&batch.expert_offsets[..local]);
         let out = batch.rows.bytes_mut();
+        let (qrows, scales) = (&mut batch.qrows, &mut batch.scales);
         let mut n = 0;
         for msg in &messages {
             self.reader.prepare(ctx, msg, 0..msg.count())?;
@@ -892,9 +1041,20 @@ impl DispatchReceiver {
                     batch.cursors[j as usize] += 1;
                     match first {
                         None => {
-                            let row = &mut out[dst * payload..(dst + 1) * payload];
-                            self.reader.payload(ctx, msg, r, token, row)?;
+                            let landing = if keep {
+                                Landing::Int8 {
+                                    q: &mut qrows[dst * hidden..(dst + 1) * hidden],
+                                    scale: &mut scales[dst],
+                                }
+                            } else {
+                                Landing::Row(&mut out[dst * payload..(dst + 1) * payload])
+                            };
+                            self.reader.land(ctx, msg, r, token, landing)?;
                             first = Some(dst);
+                        }
+                        Some(f) if keep => {
+                            qrows.copy_within(f * hidden..(f + 1) * hidden, dst * hidden);
+                            scales[dst] = scales[f];
                         }
                         Some(f) => out.copy_within(f * payload..(f + 1) * payload, dst * payload),
                     }
@@ -922,13 +1082,14 @@ impl DispatchReceiver {
         let payload = ctx.layout.a2e.payload;
         batch.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
         batch.recv.begin(ctx.id, ctx.attention().len());
+        batch.recv.int8 = ctx.cfg.keep_int8;
         let epoch = self.receive(ctx, true, deadline, &mut |reader, arrival| {
             batch.recv.note(&arrival);
             match arrival {
                 Arrival::Record(msg) => {
                     // Reserve the source's rows at the end of the batch (arrival order).
                     let first = batch.num_tokens();
-                    batch.grow(first + msg.count(), payload, true);
+                    batch.grow(first + msg.count(), payload, !ctx.cfg.keep_int8);
                     batch.recv.sources[msg.index].first_token = first;
                 }
                 Arrival::Rows(msg, rows) => {
@@ -937,8 +1098,18 @@ impl DispatchReceiver {
                     for r in rows {
                         let token = reader.decode(ctx, msg, r)?;
                         let t = base + r;
-                        let out = &mut batch.rows.bytes_mut()[t * payload..(t + 1) * payload];
-                        reader.payload(ctx, msg, r, token, out)?;
+                        let landing = if ctx.cfg.keep_int8 {
+                            let h = ctx.cfg.hidden;
+                            Landing::Int8 {
+                                q: &mut batch.qrows[t * h..(t + 1) * h],
+                                scale: &mut batch.scales[t],
+                            }
+                        } else {
+                            Landing::Row(
+                                &mut batch.rows.bytes_mut()[t * payload..(t + 1) * payload],
+                            )
+                        };
+                        reader.land(ctx, msg, r, token, landing)?;
                         batch.set_token(t, msg.src, token, &reader.experts);
                     }
                 }

@@ -12,6 +12,7 @@
 //! | [`record`] | the 32-byte metadata record and [`record::WireMode`] |
 //! | [`progress`] | progress signals and wrap-safe epoch comparison |
 //! | [`rows`] | the A2E row codec (payload, local-expert bitmask, weights) |
+//! | [`quant`] | INT8 per-token quantization: the specified quantizer, its inverse, the payload format |
 //! | [`slots`] | which signal slot means what |
 //! | [`window_layout`] | where every region lies in every rank's window |
 //! | `dispatch` | A2E: `DispatchSender` (attention), `DispatchReceiver` (expert) |
@@ -29,6 +30,7 @@ pub(crate) mod dispatch;
 pub mod dtype;
 mod hash;
 pub mod progress;
+pub mod quant;
 pub mod record;
 mod regions;
 pub mod routing;
@@ -39,4 +41,5 @@ pub mod window_layout;
 
 pub use batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use config::{MoeConfig, TransferMode};
+pub use quant::Quant;
 pub use view::TokenView;

@@ -43,6 +43,9 @@ impl From<TransferMode> for WireMode {
     }
 }
 
+/// Bit of [`Record::mode`] set when the message's payloads are INT8 (see `moe::quant`).
+pub const INT8_FLAG: u32 = 1 << 8;
+
 /// The 32-byte metadata record of one (source, destination) pair for one call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
 #[repr(C)]
@@ -54,7 +57,8 @@ pub struct Record {
     /// Row offset: where the rows start in the sender's staging area (pull, gather) and, for
     /// A2E, where the destination's E2A replies go in the sender's E2A receive area.
     pub offset: u32,
-    /// [`WireMode`] of this message (0 push, 1 pull, 2 gather).
+    /// [`WireMode`] of this message in the low byte (0 push, 1 pull, 2 gather), plus
+    /// [`INT8_FLAG`] when its payloads are INT8 with a scale.
     pub mode: u32,
     /// Check word: a hash of every field above; catches torn and stale records.
     pub check: u32,
@@ -63,13 +67,24 @@ pub struct Record {
 }
 
 impl Record {
-    /// A record with its check word filled in.
+    /// A record with its check word filled in (payloads in the dtype).
     pub fn new(epoch: u64, count: u32, offset: u32, mode: impl Into<WireMode>) -> Self {
+        Self::with_payload(epoch, count, offset, mode, false)
+    }
+
+    /// A record whose payloads are INT8 when `int8`.
+    pub fn with_payload(
+        epoch: u64,
+        count: u32,
+        offset: u32,
+        mode: impl Into<WireMode>,
+        int8: bool,
+    ) -> Self {
         let mut r = Record {
             epoch,
             count,
             offset,
-            mode: mode.into().code(),
+            mode: mode.into().code() | if int8 { INT8_FLAG } else { 0 },
             check: 0,
             reserved: 0,
         };
@@ -106,12 +121,17 @@ impl Record {
                 self.count
             ));
         }
-        match self.mode {
+        match self.mode & !INT8_FLAG {
             0 => Ok(WireMode::Push),
             1 => Ok(WireMode::Pull),
-            2 => Ok(WireMode::Gather),
-            m => bad(format!("record has unknown transfer mode {m}")),
+            2 if !self.int8() => Ok(WireMode::Gather),
+            m => bad(format!("record has unknown transfer mode {m:#x}")),
         }
+    }
+
+    /// Whether the message's payloads are INT8 with a scale.
+    pub fn int8(&self) -> bool {
+        self.mode & INT8_FLAG != 0
     }
 
     /// Checks that rows `offset..offset + count` fit a region of `region_rows` rows, naming

@@ -17,8 +17,14 @@ pub const A2E_META_FIXED: usize = 8;
 /// Byte layout of one A2E row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct A2eRow {
+    /// Elements per row.
+    pub hidden: usize,
     /// Payload bytes (hidden * dtype size).
     pub payload: usize,
+    /// Payload bytes of an INT8 row ([`super::quant::int8_payload`]).
+    pub int8_payload: usize,
+    /// Bytes from one INT8 row to the next (16-byte aligned).
+    pub int8_stride: usize,
     /// u64 words of local-expert mask.
     pub mask_words: usize,
     /// f32 weight slots.
@@ -36,8 +42,12 @@ impl A2eRow {
         let mask_words = topo.mask_words();
         let meta = A2E_META_FIXED + 8 * mask_words + 4 * cfg.topk;
         let stride = (payload.next_multiple_of(8) + meta).next_multiple_of(16);
+        let int8_payload = super::quant::int8_payload(cfg.hidden);
         A2eRow {
+            hidden: cfg.hidden,
             payload,
+            int8_payload,
+            int8_stride: (int8_payload.next_multiple_of(8) + meta).next_multiple_of(16),
             mask_words,
             topk: cfg.topk,
             stride,
@@ -48,6 +58,29 @@ impl A2eRow {
     /// Offset of the metadata within a full row.
     pub fn meta_offset(&self) -> usize {
         self.payload.next_multiple_of(8)
+    }
+
+    /// Payload bytes of a row, INT8 or not.
+    pub fn payload_for(&self, int8: bool) -> usize {
+        if int8 {
+            self.int8_payload
+        } else {
+            self.payload
+        }
+    }
+
+    /// Bytes from one row to the next, INT8 or not.
+    pub fn stride_for(&self, int8: bool) -> usize {
+        if int8 {
+            self.int8_stride
+        } else {
+            self.stride
+        }
+    }
+
+    /// Offset of the metadata within a row, INT8 or not.
+    pub fn meta_offset_for(&self, int8: bool) -> usize {
+        self.payload_for(int8).next_multiple_of(8)
     }
 
     /// Bytes of metadata (without padding).

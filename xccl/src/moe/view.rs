@@ -18,6 +18,7 @@ use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::{DispatchReceiver, Message};
 use super::dtype::Element;
+use super::quant::{dequantize_to, Quant, Quantizer};
 use super::regions;
 use crate::{Error, Result};
 
@@ -84,15 +85,24 @@ impl ViewParts {
         };
         for (s, info) in meta.sources().iter().enumerate() {
             let msg = rows.messages[s];
-            if msg.count() == 0 || ctx.mapped(msg.payload_at(ctx, 0, 0).0) {
+            if msg.count() == 0 || (!msg.int8 && ctx.mapped(msg.payload_at(ctx, 0, 0).0)) {
                 continue;
             }
+            // Not mapped here, or INT8 (dequantized once into the dtype): fetched.
             let at = rows.landing.len();
             rows.landing.resize(at + msg.count() * p, 0);
+            let mut raw = vec![0u8; msg.payload_len(ctx)];
+            let mut wide = Vec::new();
             for r in 0..msg.count() {
                 let token = meta.src_token()[info.first_token() + r];
                 let (rank, off) = msg.payload_at(ctx, r, token);
-                ctx.get(rank, off, &mut rows.landing[at + r * p..at + (r + 1) * p])?;
+                let out = &mut rows.landing[at + r * p..at + (r + 1) * p];
+                if msg.int8 {
+                    ctx.get(rank, off, &mut raw)?;
+                    dequantize_to(&raw, ctx.cfg.dtype, &mut wide, out);
+                } else {
+                    ctx.get(rank, off, out)?;
+                }
             }
             rows.fetched[s] = Some(at);
         }
@@ -175,9 +185,25 @@ impl<'c> TokenView<'c> {
         let deadline = ctx.call_deadline();
         let (rows, meta) = (&self.rows, &self.meta);
         let mut scratch: Vec<T> = vec![T::from_f32(0.0); ctx.cfg.hidden];
+        let int8 = ctx.cfg.e2a_quant == Quant::Int8;
+        let mut quant = Quantizer::default();
+        let mut qrow = vec![0u8; super::quant::int8_payload(ctx.cfg.hidden)];
         let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
             let input = row_of::<T>(ctx, rows, meta, t)?;
             let p = ctx.layout.e2a_stride;
+            if int8 {
+                // Written into a private row, quantized, then put: INT8 rows are not the dtype.
+                fill(t, input, &mut scratch);
+                let bytes: &[u8] = bytemuck::cast_slice(&scratch);
+                if let Err(i) = quant.scale(ctx.cfg.dtype, bytes) {
+                    return Err(Error::invalid(format!(
+                        "the reply of token {t} has a non-finite element at {i}: INT8 needs \
+                         finite rows"
+                    )));
+                }
+                quant.quantize(ctx.cfg.dtype, bytes, &mut qrow);
+                return ctx.put(dst, at, &qrow);
+            }
             // SAFETY: the sender waited for the credit of this buffer's previous use from every
             // attention rank before writing anything, and signals the progress covering this
             // row only after this closure returns; until then nobody reads or writes the row,

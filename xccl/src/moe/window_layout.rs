@@ -35,6 +35,9 @@ pub struct WindowLayout {
     pub a2e: A2eRow,
     /// Bytes of one E2A row (the payload: staging and reply areas are dense `[rows, hidden]`).
     pub e2a_stride: usize,
+    /// Bytes of one INT8 E2A row (payload and scale, 16-byte aligned); E2A areas are sized for
+    /// the larger of the two strides.
+    pub e2a_int8_stride: usize,
     /// Rows an attention rank's staging and reply areas hold per buffer.
     pub attention_rows: usize,
     /// Max tokens per attention rank.
@@ -53,6 +56,7 @@ impl WindowLayout {
         WindowLayout {
             a2e: A2eRow::new(cfg, topo),
             e2a_stride: cfg.hidden * cfg.dtype.size(),
+            e2a_int8_stride: super::quant::int8_payload(cfg.hidden).next_multiple_of(16),
             attention_rows: cfg.max_tokens_per_rank * cfg.topk.min(n),
             max_tokens: cfg.max_tokens_per_rank,
             depth: cfg.max_in_flight,
@@ -60,6 +64,20 @@ impl WindowLayout {
             num_expert: n,
             roles: (0..topo.world_size()).map(|r| topo.role(r)).collect(),
         }
+    }
+
+    /// Bytes from one E2A row to the next, INT8 or not.
+    pub fn e2a_stride_for(&self, int8: bool) -> usize {
+        if int8 {
+            self.e2a_int8_stride
+        } else {
+            self.e2a_stride
+        }
+    }
+
+    /// Bytes reserved per row in E2A areas: room for either row format.
+    fn e2a_room(&self) -> usize {
+        self.e2a_stride.max(self.e2a_int8_stride)
     }
 
     /// The buffer call `epoch` uses.
@@ -81,7 +99,7 @@ impl WindowLayout {
     }
 
     fn a2e_stage_bytes(&self) -> usize {
-        page(self.attention_rows * self.a2e.stride)
+        page(self.attention_rows * self.a2e.stride.max(self.a2e.int8_stride))
     }
 
     /// Attention rank: start of the A2E staging area of `buffer`.
@@ -91,7 +109,7 @@ impl WindowLayout {
 
     /// Attention rank: start of the E2A receive area of `buffer`.
     pub fn e2a_recv(&self, buffer: usize) -> usize {
-        self.a2e_stage(self.depth) + buffer * page(self.attention_rows * self.e2a_stride)
+        self.a2e_stage(self.depth) + buffer * page(self.attention_rows * self.e2a_room())
     }
 
     /// Attention rank: start of the registered A2E input of `buffer`: `[max_tokens, hidden]`
@@ -101,7 +119,7 @@ impl WindowLayout {
     }
 
     fn a2e_recv_bytes(&self) -> usize {
-        page(self.max_tokens * self.a2e.stride)
+        page(self.max_tokens * self.a2e.stride.max(self.a2e.int8_stride))
     }
 
     /// Expert rank: start of the A2E receive area of attention index `src_index`, `buffer`.
@@ -116,7 +134,7 @@ impl WindowLayout {
 
     /// Expert rank: start of the E2A staging area of `buffer`.
     pub fn e2a_stage(&self, buffer: usize) -> usize {
-        self.a2e_recv(self.num_attention, 0) + buffer * page(self.expert_rows() * self.e2a_stride)
+        self.a2e_recv(self.num_attention, 0) + buffer * page(self.expert_rows() * self.e2a_room())
     }
 
     /// Window size of `rank`.

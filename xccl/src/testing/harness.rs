@@ -10,10 +10,11 @@
 use std::collections::BTreeMap;
 
 use super::reference::{
-    expected_combine_exact, expected_dispatch, expert_output, reduce_on_expert, test_expert,
-    ExpertRankRows, RankInput, SplitMix64,
+    a2e_seen, expected_combine_quant, expected_dispatch, expert_output, reduce_on_expert,
+    test_expert, ExpertRankRows, RankInput, SplitMix64,
 };
 use crate::moe::dtype::Element;
+use crate::moe::quant::Quant;
 use crate::topology::Topology;
 use crate::{Communicator, ExpertBatch, Result, TokenBatch};
 
@@ -137,7 +138,8 @@ pub fn attention_round_with<T: Element>(
     };
     let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
     comm.e2a_recv(&handle, &mut out)?;
-    let want = expected_combine_exact(&topo, &input, &x, hidden, &test_expert);
+    let (a2e, e2a) = (comm.config().a2e_quant, comm.config().e2a_quant);
+    let want = expected_combine_quant(&topo, &input, &x, hidden, &test_expert, a2e, e2a);
     Ok(match first_difference(&out, &want, hidden) {
         None => Ok(()),
         Some(d) => Err(format!("rank {} round {round}: out{d}", comm.rank())),
@@ -213,7 +215,7 @@ fn check_batch<T: Element>(
             }
             let x = xs
                 .entry(src)
-                .or_insert_with(|| source_states::<T>(wl, &inputs, src as usize, round, hidden));
+                .or_insert_with(|| source_states::<T>(ctx, wl, &inputs, src as usize, round));
             let t = tok as usize;
             if first_difference(
                 &rows[r * hidden..(r + 1) * hidden],
@@ -231,19 +233,24 @@ fn check_batch<T: Element>(
     Ok(())
 }
 
-/// The hidden states attention rank `src` sent in `round`.
+/// The hidden states attention rank `src` sent in `round`, as an expert rank sees them (after
+/// INT8 quantization when A2E uses it).
 fn source_states<T: Element>(
+    ctx: &Expecting,
     wl: &Workload,
     inputs: &[RankInput],
     src: usize,
     round: u64,
-    hidden: usize,
 ) -> Vec<T> {
     let n = inputs
         .iter()
         .find(|i| i.rank == src)
         .map_or(0, |i| i.num_tokens);
-    wl.hidden_states(src, round, n, hidden)
+    let hidden = ctx.hidden;
+    let x: Vec<T> = wl.hidden_states(src, round, n, hidden);
+    x.chunks(hidden.max(1))
+        .flat_map(|row| a2e_seen(row, ctx.a2e))
+        .collect()
 }
 
 /// The reply of one received token: [`test_expert`] of each local expert (rounded to the
@@ -289,7 +296,9 @@ pub fn expert_round_tokens<T: Element>(
 }
 
 /// [`expert_round_tokens`] computing into the registered output ([`Communicator::e2a_output`])
-/// when `buffers` is [`Buffers::Registered`].
+/// when `buffers` is [`Buffers::Registered`] — unless E2A uses INT8, whose replies cannot come
+/// from the registered output (it holds dtype rows, which travel unquantized): then the copy
+/// path, so every reply is quantized as the reference expects.
 pub fn expert_round_tokens_with<T: Element>(
     comm: &mut Communicator,
     wl: &Workload,
@@ -314,6 +323,10 @@ pub fn expert_round_tokens_with<T: Element>(
     }
     let locals = ctx.topo.local_experts(ctx.rank).to_vec();
     let reduced: Vec<T> = token_replies(&locals, batch);
+    let buffers = match comm.config().e2a_quant {
+        Quant::Int8 => Buffers::Copy,
+        Quant::None => buffers,
+    };
     match buffers {
         Buffers::Copy => comm.e2a_send_tokens(batch, &reduced)?,
         Buffers::Registered => {
@@ -330,6 +343,8 @@ struct Expecting {
     k: usize,
     hidden: usize,
     rank: usize,
+    /// How the attention ranks quantize A2E rows (tests give every rank the same config).
+    a2e: Quant,
 }
 
 impl Expecting {
@@ -358,6 +373,7 @@ impl Expecting {
             k: comm.config().topk,
             hidden: comm.config().hidden,
             rank: comm.rank(),
+            a2e: comm.config().a2e_quant,
         }
     }
 }
@@ -445,7 +461,7 @@ fn check_tokens<T: Element>(
         let src = key.0 as usize;
         let x = xs
             .entry(src)
-            .or_insert_with(|| source_states::<T>(wl, &inputs, src, round, hidden));
+            .or_insert_with(|| source_states::<T>(ctx, wl, &inputs, src, round));
         let t = key.1 as usize;
         if first_difference(
             &rows[i * hidden..(i + 1) * hidden],
@@ -493,6 +509,7 @@ mod tests {
             k: 1,
             hidden: 1,
             rank: 1,
+            a2e: Quant::None,
         };
         let x: Vec<f32> = wl.hidden_states(0, 0, 2, 1);
         let good = batch_of(&[(0, 0), (0, 1)]);

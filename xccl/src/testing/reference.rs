@@ -20,6 +20,7 @@
 //! panic with a message on bad input rather than return errors.
 
 use crate::moe::dtype::Element;
+use crate::moe::quant::Quant;
 use crate::topology::Topology;
 
 /// One attention rank's routing for one call.
@@ -255,6 +256,42 @@ pub fn reduce_on_expert<T: Element>(outputs: &[(f32, Vec<T>)], hidden: usize) ->
     acc.into_iter().map(T::from_f32).collect()
 }
 
+/// The INT8 quantizer as `moe::quant` specifies it, written plainly (scalar, independent of the
+/// library's vectorised one): `(q, scale)`.
+pub fn quantize_int8(x: &[f32]) -> (Vec<i8>, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 {
+        return (vec![0; x.len()], 0.0);
+    }
+    let inv = 127.0f32 / amax;
+    let q = x
+        .iter()
+        .map(|&v| (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8)
+        .collect();
+    (q, amax / 127.0f32)
+}
+
+/// `f32(q_i) * scale`.
+pub fn dequantize_int8(q: &[i8], scale: f32) -> Vec<f32> {
+    q.iter().map(|&v| v as f32 * scale).collect()
+}
+
+/// The row an expert rank sees of `x` when A2E uses `quant`: `x` itself, or `x` quantized,
+/// dequantized and rounded once to `T`.
+pub fn a2e_seen<T: Element>(x: &[T], quant: Quant) -> Vec<T> {
+    match quant {
+        Quant::None => x.to_vec(),
+        Quant::Int8 => {
+            let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+            let (q, scale) = quantize_int8(&wide);
+            dequantize_int8(&q, scale)
+                .into_iter()
+                .map(T::from_f32)
+                .collect()
+        }
+    }
+}
+
 /// What attention rank `input.rank` gets back from combine, bit for bit as the protocol computes
 /// it (see the module docs): `x` is `[T, hidden]` in the wire dtype. Replicas are chosen by
 /// [`Topology::route`], so unlike [`expected_combine`] the result depends on the placement.
@@ -269,6 +306,22 @@ pub fn expected_combine_exact<T: Element>(
     hidden: usize,
     expert_fn: &ExpertFn<'_>,
 ) -> Vec<T> {
+    expected_combine_quant(topo, input, x, hidden, expert_fn, Quant::None, Quant::None)
+}
+
+/// [`expected_combine_exact`] with A2E rows quantized as `a2e` says and E2A replies as `e2a`
+/// says: the expert computes on [`a2e_seen`] rows, and an INT8 reply enters the attention
+/// rank's sum as `f32(q) * scale` (a single INT8 reply is dequantized and rounded once).
+#[allow(clippy::too_many_arguments)]
+pub fn expected_combine_quant<T: Element>(
+    topo: &Topology,
+    input: &RankInput,
+    x: &[T],
+    hidden: usize,
+    expert_fn: &ExpertFn<'_>,
+    a2e: Quant,
+    e2a: Quant,
+) -> Vec<T> {
     input.check_lengths();
     assert_eq!(
         x.len(),
@@ -277,7 +330,8 @@ pub fn expected_combine_exact<T: Element>(
     );
     let mut out = Vec::with_capacity(x.len());
     for t in 0..input.num_tokens {
-        let xt = &x[t * hidden..(t + 1) * hidden];
+        let seen = a2e_seen(&x[t * hidden..(t + 1) * hidden], a2e);
+        let xt = &seen[..];
         // Per expert rank (ascending): its (local expert, expert, merged weight), ascending.
         type Locals = Vec<(usize, usize, f32)>;
         let mut per_rank: Vec<(usize, Locals)> = Vec::new();
@@ -300,14 +354,28 @@ pub fn expected_combine_exact<T: Element>(
                 reduce_on_expert(&outputs, hidden)
             })
             .collect();
+        // Each reply as the attention rank adds it: f32 of the row, or its dequantized INT8.
+        let values: Vec<Vec<f32>> = replies
+            .iter()
+            .map(|r| {
+                let wide: Vec<f32> = r.iter().map(|v| v.to_f32()).collect();
+                match e2a {
+                    Quant::None => wide,
+                    Quant::Int8 => {
+                        let (q, scale) = quantize_int8(&wide);
+                        dequantize_int8(&q, scale)
+                    }
+                }
+            })
+            .collect();
         match replies.len() {
             0 => out.extend(std::iter::repeat_n(T::from_f32(0.0), hidden)),
-            1 => out.extend_from_slice(&replies[0]),
+            1 if e2a == Quant::None => out.extend_from_slice(&replies[0]),
             _ => {
-                let mut acc: Vec<f32> = replies[0].iter().map(|v| v.to_f32()).collect();
-                for r in &replies[1..] {
-                    for (a, v) in acc.iter_mut().zip(r) {
-                        *a += 1.0 * v.to_f32();
+                let mut acc = values[0].clone();
+                for v in &values[1..] {
+                    for (a, &d) in acc.iter_mut().zip(v) {
+                        *a += d;
                     }
                 }
                 out.extend(acc.into_iter().map(T::from_f32));
