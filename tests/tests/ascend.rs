@@ -3,8 +3,9 @@
 //! as `libascendcl.so`; no NPU is involved):
 //! - the conformance suite with 2 and 3 ranks, the library found through `ASCEND_HOME_PATH` and
 //!   through `LD_LIBRARY_PATH`;
-//! - A2E/E2A (1A:1E, 2A:2E, 1A:3E; push and pull; every receive path, as in `moe_shm.rs`) checked
-//!   against the reference, the window in "device memory" reached only through `put`/`get`;
+//! - A2E/E2A (1A:1E, 2A:2E, 1A:3E, INT8 on the wire; push and pull; every receive path, as in
+//!   `moe_shm.rs`) checked bit for bit against the reference, the window in "device memory"
+//!   reached only through `put`/`get`;
 //! - puts and gets larger than the staging buffer from threads that did not make the fabric, and
 //!   a collective close;
 //! - a SIGKILLed peer, and an expert SIGKILLed mid-run, named by the survivors;
@@ -32,7 +33,8 @@ use xccl::testing::harness::{
     Workload,
 };
 use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology, TransferMode,
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
+    TransferMode,
 };
 use xccl_tests::{announce, child_main, shm_entries, ChildCtx, Job};
 
@@ -54,7 +56,11 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["conformance"] => conformance_rank(ctx),
         ["moe", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
-            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::None);
+        }
+        ["moe_int8", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8);
         }
         ["missing_library"] => missing_library(ctx),
         ["missing_on_rank_1"] => missing_on_rank_1(ctx),
@@ -111,9 +117,18 @@ fn conformance_rank(ctx: &ChildCtx) -> xccl::Result<()> {
     Ok(())
 }
 
-fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+/// Checked rounds; with `quant` INT8, A2E and E2A both quantize (bit-exact reference too).
+fn checked_rounds(
+    ctx: &ChildCtx,
+    m: usize,
+    n: usize,
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
     cfg.timeout = Duration::from_secs(30);
+    cfg.a2e_quant = quant;
+    cfg.e2a_quant = quant;
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
     let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
     let mut comm =
@@ -637,6 +652,11 @@ fn ascend_two_attention_two_expert_matches_reference() {
 #[test]
 fn ascend_one_attention_three_expert_matches_reference() {
     run_ok("moe:1:3:60", 4, Via::LibraryPath, Duration::from_secs(90));
+}
+
+#[test]
+fn ascend_int8_on_the_wire_matches_reference() {
+    run_ok("moe_int8:2:2:60", 4, Via::Home, Duration::from_secs(90));
 }
 
 #[test]
