@@ -260,6 +260,16 @@ struct Owned {
 impl Owned {
     fn release(&mut self) -> Vec<Error> {
         let mut errors = Vec::new();
+        let anything = self.stream.is_some()
+            || !self.imports.is_empty()
+            || self.own_key.is_some()
+            || self.staging.is_some()
+            || self.block.is_some()
+            || self.device_bound;
+        if !anything {
+            // Released already (`close`): do not bind the thread to the device again.
+            return errors;
+        }
         let mut note = |r: Result<()>| {
             if let Err(e) = r {
                 errors.push(e);
