@@ -161,11 +161,21 @@ mod kernels {
         }
     }
 
+    /// 1.5 * 2^23: adding it to an f32 of magnitude below 2^22 rounds it to an integer, ties
+    /// to even (the default rounding), leaving the integer in the low mantissa bits.
+    const ROUNDER: f32 = 12_582_912.0;
+    /// The bits of [`ROUNDER`].
+    const ROUNDER_BITS: i32 = 0x4B40_0000;
+
     multiversion! {
-        /// `q_i = clamp(round_ties_even(x_i * inv), -127, 127)`.
+        /// `q_i = clamp(round_ties_even(x_i * inv), -127, 127)`: the product is an f32
+        /// operation, the rounding the add-and-subtract of [`ROUNDER`] (exact for these
+        /// magnitudes: `|x_i * inv|` is at most about 127), the clamp an integer one, so the
+        /// loop vectorises with no float-to-int conversion.
         fn quantize(x: &[f32], inv: f32, q: &mut [u8]) -> () {
             q.iter_mut().zip(x).for_each(|(o, &v)| {
-                *o = ((v * inv).round_ties_even().clamp(-127.0, 127.0) as i32 as i8) as u8
+                let r = ((v * inv + ROUNDER).to_bits() as i32).wrapping_sub(ROUNDER_BITS);
+                *o = r.clamp(-127, 127) as i8 as u8;
             });
         }
     }
