@@ -493,14 +493,25 @@ impl Communicator {
                 let peer = (ctx.rank + step) % world;
                 ctx.signal(peer, ctx.slots.barrier(ctx.rank), generation)?;
             }
+            let mut next = std::time::Instant::now();
+            let mut failure = None;
             ctx.wait(ctx.call_deadline(), &mut || {
-                (0..world)
-                    .find(|&p| p != ctx.rank && ctx.slot_value(ctx.slots.barrier(p)) < generation)
-                    .map(|peer| Waiting {
-                        peer,
-                        what: "barrier",
+                let missing = || {
+                    (0..world).filter(|&p| {
+                        p != ctx.rank && ctx.slot_value(ctx.slots.barrier(p)) < generation
                     })
-            })
+                };
+                let peer = missing().next()?;
+                if let Err(e) = ctx.check_awaited(missing(), &mut next) {
+                    failure = Some(e);
+                    return None;
+                }
+                Some(Waiting {
+                    peer,
+                    what: "barrier",
+                })
+            })?;
+            failure.map_or(Ok(()), Err)
         })
     }
 

@@ -129,6 +129,7 @@ impl LocalFabric {
 impl Drop for LocalFabric {
     fn drop(&mut self) {
         let me = &self.world.ranks[self.rank];
+        me.control.set_departed();
         me.alive.store(false, Ordering::SeqCst);
         // Wake everyone so that waits on this rank notice at once.
         for r in &self.world.ranks {
@@ -199,7 +200,10 @@ impl Fabric for LocalFabric {
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        let liveness = || self.check_peers();
+        let liveness = |awaited: usize| {
+            self.check_peer(awaited)?;
+            self.check_peers()
+        };
         self.world.ranks[self.rank]
             .control
             .wait_with(self.wait_policy, deadline, poll, &liveness)
@@ -260,5 +264,11 @@ impl Fabric for LocalFabric {
                 detail: "its endpoint was dropped".into(),
             })
         }
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        // Ranks as threads: a dropped endpoint is a clean departure, never a crash of this
+        // process, so only the awaited peer matters (`check_peer`).
+        Ok(())
     }
 }

@@ -217,6 +217,8 @@ impl Liveness {
         for (peer, s) in segments.iter().enumerate() {
             match &s.liveness {
                 _ if peer == me => {}
+                // Finished, not dead: only a wait for it (the awaited peer) reports it.
+                _ if s.control.departed() => {}
                 Liveness::SameProcess => {}
                 Liveness::PidFd(fd) => {
                     fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
@@ -236,6 +238,10 @@ impl Liveness {
                     .zip(&ranks)
                     .find(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
                     .map_or(ranks[0], |(_, &r)| r);
+                if segments[dead].control.departed() {
+                    // It left cleanly between the two reads.
+                    return Ok(());
+                }
                 Err(Error::PeerFailed {
                     peer: dead,
                     detail: format!("process {} exited", segments[dead].pid),
@@ -638,6 +644,16 @@ impl ShmFabric {
     }
 }
 
+impl Drop for ShmFabric {
+    fn drop(&mut self) {
+        // A clean exit after the last call: peers still waiting for others must not take this
+        // rank's exit for a crash.
+        if let Some(own) = self.segments.get(self.rank) {
+            own.control.set_departed();
+        }
+    }
+}
+
 impl Fabric for ShmFabric {
     fn name(&self) -> &'static str {
         "shm"
@@ -702,7 +718,10 @@ impl Fabric for ShmFabric {
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        let liveness = || self.check_peers();
+        let liveness = |awaited: usize| {
+            self.check_peer(awaited)?;
+            self.check_peers()
+        };
         self.segments[self.rank]
             .control
             .wait_with(self.wait_policy, deadline, poll, &liveness)
@@ -726,7 +745,17 @@ impl Fabric for ShmFabric {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let s = self.segment(peer)?;
-        s.liveness.check(peer, s.pid)
+        match s.liveness.check(peer, s.pid) {
+            Err(Error::PeerFailed { peer, detail }) if s.control.departed() => {
+                Err(Error::PeerFailed {
+                    peer,
+                    detail: format!(
+                        "{detail} after leaving the job (its communicator was dropped)"
+                    ),
+                })
+            }
+            other => other,
+        }
     }
 
     fn check_peers(&self) -> Result<()> {

@@ -6,7 +6,7 @@
 //!
 //! | offset | what |
 //! |---|---|
-//! | 0 | header: magic, layout version, slot count, owner pid |
+//! | 0 | header: magic, layout version, slot count, owner pid; at 64 the departed word |
 //! | 128 | doorbell: a 32-bit futex word bumped by every signal, and a count of sleepers |
 //! | 256 | abort: the abort word (0, or 1 + the rank that aborted), the claim word, the reason length |
 //! | 384 | abort reason: up to [`ABORT_REASON_BYTES`] bytes of UTF-8 |
@@ -36,6 +36,8 @@ pub const ABORT_REASON_BYTES: usize = 256;
 /// Spacing of independently written words: a pair of 64-byte lines (see the module docs).
 const LINE: usize = 128;
 const HEADER_OFF: usize = 0;
+/// Set by the owner when it leaves the job cleanly (its endpoint dropped after its last call).
+const DEPARTED_OFF: usize = 64;
 const DOORBELL_OFF: usize = LINE;
 const ABORT_OFF: usize = 2 * LINE;
 const ABORT_CLAIM_OFF: usize = ABORT_OFF + 8;
@@ -207,6 +209,19 @@ impl ControlArea {
         }
     }
 
+    /// Records that the owner left the job cleanly: peers then tell "finished" from "died".
+    pub fn set_departed(&self) {
+        // SYNC POINT: Release pairs with the Acquire load in `departed`.
+        self.atomic_u64(DEPARTED_OFF).store(1, Ordering::Release);
+        self.wake();
+    }
+
+    /// Whether the owner left the job cleanly.
+    pub fn departed(&self) -> bool {
+        // SYNC POINT: pairs with the Release store in `set_departed`.
+        self.atomic_u64(DEPARTED_OFF).load(Ordering::Acquire) != 0
+    }
+
     /// Marks the area aborted by `by` for `reason` and wakes sleepers. The first abort wins:
     /// later ones (from any rank) change nothing.
     pub fn set_abort(&self, by: usize, reason: &str) {
@@ -268,14 +283,15 @@ impl ControlArea {
     /// Waits until `poll` reports nothing pending, the deadline passes, the area is aborted, or
     /// `liveness` fails.
     ///
-    /// `poll` returns `None` when done, or what it still waits for. `liveness` is called between
-    /// sleeps and once more before a timeout is reported; it checks every peer (not only the
-    /// awaited one) and any out-of-band abort, and its error ends the wait.
+    /// `poll` returns `None` when done, or what it still waits for. `liveness` is called with
+    /// the awaited peer between sleeps and once more before a timeout is reported; it checks
+    /// that peer and every other peer that has not left the job, and any out-of-band abort, and
+    /// its error ends the wait.
     pub fn wait_until(
         &self,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
-        liveness: &dyn Fn() -> Result<()>,
+        liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
         self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
     }
@@ -286,7 +302,7 @@ impl ControlArea {
         policy: WaitPolicy,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
-        liveness: &dyn Fn() -> Result<()>,
+        liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
         let start = Instant::now();
         let mut iter: u32 = 0;
@@ -312,7 +328,7 @@ impl ControlArea {
             let now = Instant::now();
             if now >= deadline {
                 // A dead peer or an abort explains the silence better than a timeout does.
-                liveness()?;
+                liveness(waiting.peer)?;
                 return Err(Error::Timeout {
                     peer: waiting.peer,
                     what: waiting.what.to_string(),
@@ -324,7 +340,7 @@ impl ControlArea {
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
-                liveness()?;
+                liveness(waiting.peer)?;
                 last_check = now;
             }
             // SYNC POINT: Acquire pairs with the SeqCst doorbell bumps in `store` and `wake`. A

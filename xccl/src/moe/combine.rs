@@ -295,6 +295,7 @@ impl CombineReceiver {
         let mut delivered = vec![0usize; experts.len()];
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
+        let mut next_check = Instant::now() + super::context::AWAITED_CHECK_EVERY;
         self.acc.resize(hidden, 0.0);
         self.row.resize(p.max(int8_payload(hidden)), 0);
         self.cursors.clear();
@@ -422,6 +423,12 @@ impl CombineReceiver {
                     }
                 }
                 next_token += 1;
+            }
+            if waiting.is_some() {
+                let awaited = (0..experts.len())
+                    .filter(|&j| recs[j].is_none() || delivered[j] < hl.count(experts[j]))
+                    .map(|j| experts[j]);
+                ctx.check_awaited(awaited, &mut next_check)?;
             }
             Ok(waiting)
         };

@@ -19,6 +19,10 @@ use crate::fabric::{Fabric, Waiting};
 use crate::topology::Topology;
 use crate::{Error, Result};
 
+/// How often a protocol wait checks every peer it waits for (the fabric checks the first one
+/// between sleeps).
+pub(crate) const AWAITED_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
     pub(crate) fabric: Box<dyn Fabric>,
@@ -133,6 +137,24 @@ impl Context {
         self.fabric.wait_until(deadline, poll)
     }
 
+    /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most
+    /// once per [`AWAITED_CHECK_EVERY`] (tracked in `next`): the fabric's wait loop checks only
+    /// the first awaited peer, this catches a dead one further down the list.
+    pub(crate) fn check_awaited(
+        &self,
+        missing: impl IntoIterator<Item = usize>,
+        next: &mut Instant,
+    ) -> Result<()> {
+        let now = Instant::now();
+        if now < *next {
+            return Ok(());
+        }
+        *next = now + AWAITED_CHECK_EVERY;
+        missing
+            .into_iter()
+            .try_for_each(|p| self.fabric.check_peer(p))
+    }
+
     /// The attention ranks, in rank order.
     pub(crate) fn attention(&self) -> &[usize] {
         self.topo.attention_ranks()
@@ -159,11 +181,22 @@ impl Context {
             return Ok(());
         }
         let need = epoch - depth;
+        let mut next = Instant::now() + AWAITED_CHECK_EVERY;
+        let mut failure = None;
         self.wait(deadline, &mut || {
-            peers
-                .iter()
-                .find(|&&p| self.slot_value(base + p) < need)
-                .map(|&peer| Waiting { peer, what })
-        })
+            let lagging = || {
+                peers
+                    .iter()
+                    .copied()
+                    .filter(|&p| self.slot_value(base + p) < need)
+            };
+            let first = lagging().next()?;
+            if let Err(e) = self.check_awaited(lagging(), &mut next) {
+                failure = Some(e);
+                return None;
+            }
+            Some(Waiting { peer: first, what })
+        })?;
+        failure.map_or(Ok(()), Err)
     }
 }

@@ -879,6 +879,7 @@ impl DispatchReceiver {
         let mut done = vec![false; sources.len()];
         let mut missing = sources.len();
         let mut failure: Option<Error> = None;
+        let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
         let (messages, reader) = (&mut self.messages, &mut self.reader);
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
@@ -930,7 +931,12 @@ impl DispatchReceiver {
                 missing -= 1;
                 on(reader, Arrival::Complete(msg, start.elapsed()))?;
             }
-            Ok(if missing == 0 { None } else { waiting })
+            if missing == 0 {
+                return Ok(None);
+            }
+            let awaited = (0..sources.len()).filter(|&i| !done[i]).map(|i| sources[i]);
+            ctx.check_awaited(awaited, &mut next_check)?;
+            Ok(waiting)
         };
         ctx.wait(deadline, &mut || match pass() {
             Ok(w) => w,
