@@ -8,7 +8,8 @@
 //!   reached only through `put`/`get`;
 //! - puts and gets larger than the staging buffer from threads that did not make the fabric, and
 //!   a collective close;
-//! - a SIGKILLed peer, and an expert SIGKILLed mid-run, named by the survivors;
+//! - a SIGKILLed peer, and an expert SIGKILLed mid-run, named by the survivors; a rank that left
+//!   cleanly not taken for a crash;
 //! - the missing-library error (on every rank, and on one rank only), runtime error codes
 //!   surfacing with the call's name and the runtime's message, mismatched slot counts;
 //! - the stand-in's own enforcement of the documented IPC rules.
@@ -71,6 +72,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["threads_and_close"] => threads_and_close(ctx),
         ["standin_rules"] => standin_rules(ctx),
         ["moe_kill"] => return killed_expert(ctx),
+        ["departed"] => departed(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     r.map_err(|e| e.to_string())
@@ -173,6 +175,42 @@ fn checked_rounds(
     }
     announce(&format!("{rounds} rounds checked"));
     Ok(())
+}
+
+/// Rank 2 drops its fabric and exits cleanly; rank 0's wait for rank 1 (which signals later)
+/// must not take that for a crash, while a check of rank 2 itself reports it gone.
+fn departed(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    f.barrier(CONNECT)?;
+    match ctx.rank {
+        2 => Ok(()),
+        1 => {
+            std::thread::sleep(Duration::from_millis(300));
+            f.signal(0, 0, 7)
+        }
+        _ => {
+            f.wait_signal(
+                0,
+                1,
+                "rank 1's late signal",
+                deadline_after(CONNECT),
+                &|v| v == 7,
+            )?;
+            let start = Instant::now();
+            loop {
+                match f.check_peer(2) {
+                    Err(Error::PeerFailed { peer: 2, detail }) if detail.contains("leaving") => {
+                        announce(&format!("rank 2: {detail}"));
+                        return Ok(());
+                    }
+                    Ok(()) if start.elapsed() < Duration::from_secs(5) => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    other => return Err(fail(format!("check of rank 2: {other:?}"))),
+                }
+            }
+        }
+    }
 }
 
 /// 1A:2E; expert rank 1 is SIGKILLed after 5 rounds: the attention rank's next round fails
@@ -657,6 +695,11 @@ fn ascend_one_attention_three_expert_matches_reference() {
 #[test]
 fn ascend_int8_on_the_wire_matches_reference() {
     run_ok("moe_int8:2:2:60", 4, Via::Home, Duration::from_secs(90));
+}
+
+#[test]
+fn a_rank_that_left_cleanly_is_not_taken_for_a_crash() {
+    run_ok("departed", 3, Via::Home, Duration::from_secs(30));
 }
 
 #[test]

@@ -140,8 +140,13 @@ const LONGEST_NAP: Duration = Duration::from_millis(1);
 /// How often a sleeping wait checks the peers and the abort channels.
 const CHECK_EVERY: Duration = Duration::from_millis(10);
 
-fn control_bytes(num_slots: usize) -> usize {
+/// Where the departure marks start: one 64-bit word per rank, after the slots.
+fn departed_off(num_slots: usize) -> usize {
     SLOTS_OFF + SLOT_STRIDE * num_slots
+}
+
+fn control_bytes(num_slots: usize, world: usize) -> usize {
+    departed_off(num_slots) + 8 * world
 }
 
 fn round_up(v: usize, to: usize) -> Option<usize> {
@@ -338,6 +343,8 @@ pub struct AscendFabric {
     staging: DevPtr,
     /// Set by this rank's own `abort`.
     aborted: AtomicBool,
+    /// Set once this rank told its peers it left the job (drop or `close`).
+    departed: AtomicBool,
     /// The reason this rank gave.
     abort_reason: Mutex<String>,
     /// The first runtime error seen where none can be returned (`signal_value`).
@@ -397,7 +404,7 @@ impl AscendFabric {
             )));
         }
         let too_large = || Error::invalid(format!("a window of {window_len} bytes is too large"));
-        let window_offset = round_up(control_bytes(num_slots), 4096).ok_or_else(too_large)?;
+        let window_offset = round_up(control_bytes(num_slots, size), 4096).ok_or_else(too_large)?;
         let block_len = window_offset
             .checked_add(window_len)
             .ok_or_else(too_large)?;
@@ -457,7 +464,7 @@ impl AscendFabric {
                 })
                 .collect::<Result<_>>()?;
             for (peer, ad) in adverts.iter().enumerate() {
-                check_compatible(peer, ad, &mine)?;
+                check_compatible(peer, ad, &mine, size)?;
             }
             let pids: Vec<i32> = adverts
                 .iter()
@@ -523,6 +530,7 @@ impl AscendFabric {
             state,
             staging,
             aborted: AtomicBool::new(false),
+            departed: AtomicBool::new(false),
             abort_reason: Mutex::new(String::new()),
             sticky: Mutex::new(None),
             owned,
@@ -623,6 +631,7 @@ impl AscendFabric {
             }
         };
         note(self.flush());
+        self.mark_departed();
         note(self.exchange.barrier(timeout));
         note(rt.bind_thread());
         for (peer, key) in std::mem::take(&mut self.owned.imports) {
@@ -751,7 +760,7 @@ impl AscendFabric {
 }
 
 /// Checks that `peer`'s advert can work with this rank's.
-fn check_compatible(peer: usize, ad: &Advert, mine: &Advert) -> Result<()> {
+fn check_compatible(peer: usize, ad: &Advert, mine: &Advert, world: usize) -> Result<()> {
     if ad.num_slots != mine.num_slots {
         return Err(Error::Protocol {
             peer,
@@ -769,7 +778,9 @@ fn check_compatible(peer: usize, ad: &Advert, mine: &Advert) -> Result<()> {
             ),
         });
     }
-    if ad.window_offset < control_bytes(ad.num_slots) || !ad.window_offset.is_multiple_of(LINE) {
+    if ad.window_offset < control_bytes(ad.num_slots, world)
+        || !ad.window_offset.is_multiple_of(LINE)
+    {
         return Err(Error::Protocol {
             peer,
             detail: format!(
@@ -1057,16 +1068,100 @@ impl Fabric for AscendFabric {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let p = self.peer(peer)?;
-        p.liveness.check(peer, p.pid)
+        match p.liveness.check(peer, p.pid) {
+            Err(Error::PeerFailed { peer, detail }) if self.has_departed(peer) => {
+                Err(Error::PeerFailed {
+                    peer,
+                    detail: format!("{detail} after leaving the job (its fabric was dropped)"),
+                })
+            }
+            other => other,
+        }
+    }
+
+    fn aborted(&self) -> Option<(usize, String)> {
+        let seen = self
+            .owned
+            .rt
+            .bind_thread()
+            .and_then(|()| self.aborted_in_device());
+        match seen {
+            Ok(Some(abort)) => return Some(abort),
+            Ok(None) => {}
+            Err(e) => self.remember(e),
+        }
+        self.aborted.load(Ordering::Acquire).then(|| {
+            let reason = self.abort_reason.lock().unwrap_or_else(|e| e.into_inner());
+            (self.rank, reason.clone())
+        })
     }
 
     fn check_peers(&self) -> Result<()> {
         if let Some((by, reason)) = self.exchange.poll_abort() {
             return Err(Error::Aborted { by, reason });
         }
-        (0..self.peers.len())
-            .filter(|&p| p != self.rank)
-            .try_for_each(|p| self.check_peer(p))
+        for (peer, p) in self.peers.iter().enumerate() {
+            if peer == self.rank {
+                continue;
+            }
+            // A rank that left cleanly after its last call is finished, not dead: only a wait
+            // for it (`check_peer` on the awaited rank) reports it.
+            if let Err(e) = p.liveness.check(peer, p.pid) {
+                if !self.has_departed(peer) {
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AscendFabric {
+    /// Tells every peer that this rank left the job cleanly (a departure mark in each peer's
+    /// control area), so that its exit is not taken for a crash by waits on other ranks. Best
+    /// effort, once.
+    fn mark_departed(&self) {
+        if self.departed.swap(true, Ordering::AcqRel) || self.owned.rt.bind_thread().is_err() {
+            return;
+        }
+        let rt = &self.owned.rt;
+        let off = departed_off(self.num_slots) + 8 * self.rank;
+        let mut st = self.lock();
+        for (peer, p) in self.peers.iter().enumerate() {
+            if peer == self.rank {
+                continue;
+            }
+            // SAFETY: the mark is an 8-aligned word of rank `peer`'s control area (every rank
+            // has the same slot count and world size, checked at init), own or imported; the
+            // stream is synchronized below.
+            let queued = unsafe {
+                rt.write_value_async(&st.stream, p.base.add(off), 1, || {
+                    format!("departure mark to rank {peer}")
+                })
+            };
+            if queued.is_ok() {
+                st.pending = true;
+            }
+        }
+        let _ = self.sync(&mut st, || "departure marks".into());
+    }
+
+    /// Whether `peer` left the job cleanly (its mark in this rank's control area).
+    fn has_departed(&self, peer: usize) -> bool {
+        let off = departed_off(self.num_slots) + 8 * peer;
+        self.owned
+            .rt
+            .bind_thread()
+            .and_then(|()| self.read_own_word(off))
+            .is_ok_and(|v| v != 0)
+    }
+}
+
+impl Drop for AscendFabric {
+    fn drop(&mut self) {
+        // Leaving the job (the runtime resources go with `owned`, after): peers waiting for
+        // other ranks must not take this rank's exit for a crash.
+        self.mark_departed();
     }
 }
 
@@ -1159,8 +1254,9 @@ mod tests {
 
     #[test]
     fn window_starts_past_the_control_area_and_aligned() {
-        let off = round_up(control_bytes(10), 4096).unwrap();
-        assert!(off >= control_bytes(10) && off.is_multiple_of(LINE));
+        let off = round_up(control_bytes(10, 448), 4096).unwrap();
+        assert!(off >= control_bytes(10, 448) && off.is_multiple_of(LINE));
+        assert!(departed_off(10) >= SLOTS_OFF + 10 * SLOT_STRIDE);
     }
 
     #[test]
