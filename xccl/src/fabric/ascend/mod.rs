@@ -14,6 +14,7 @@
 //! | 0 | abort word: 0, or 1 + the rank that aborted |
 //! | 64 | abort reason: up to 256 bytes of UTF-8, NUL-padded |
 //! | 384 + 128*i | signal slot `i`, a 64-bit value alone on its 128-byte line |
+//! | 384 + 128*slots + 8*r | departure mark of rank `r`: 1 once it left the job cleanly |
 //! | `window_offset` (4096-aligned) | the data window, `window_len` bytes |
 //!
 //! and a private staging buffer for host data. [`AscendFabric::new`] exports the block
@@ -42,7 +43,9 @@
 //! - Waits poll this rank's own slots with a 64-bit device-to-host copy each (`signal_value`),
 //!   spin briefly, then sleep in growing naps (up to 1 ms); between naps they check every peer
 //!   process (pidfd, as the shm fabric), the abort word, a local abort flag and the bootstrap's
-//!   out-of-band abort ([`Exchange::poll_abort`]). Every wait has a deadline.
+//!   out-of-band abort ([`Exchange::poll_abort`]). Every wait has a deadline. A rank that drops
+//!   its fabric writes its departure mark into every peer's control area first, so its exit is
+//!   reported only by a wait for that rank itself, not taken for a crash by waits on others.
 //! - `abort(reason)`: the reason goes into every rank's reason area (staged, device-to-device),
 //!   then `by + 1` into its abort word with a value write on the same stream, so a rank that
 //!   sees the word reads the reason; the bootstrap carries it out of band too. A rank that has
