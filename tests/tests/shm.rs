@@ -40,6 +40,8 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         "pingpong_until_killed" => pingpong_until_killed(ctx),
         "killed_between_put_and_signal" => killed_between_put_and_signal(ctx),
         "killed_after_init" => killed_after_init(ctx),
+        "third_rank_leaves" => third_rank_goes(ctx, false),
+        "third_rank_dies" => third_rank_goes(ctx, true),
         "fail_on_rank_1" => {
             return if ctx.rank == 1 {
                 Err("failing on purpose".into())
@@ -158,6 +160,51 @@ fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
     expect_peer_failure(&f, 1)
 }
 
+/// Rank 2 leaves the job (its fabric dropped, the process exits) or is SIGKILLed while rank 0
+/// waits for rank 1, which signals later: a clean exit must not fail the wait; a death must,
+/// naming rank 2, even though rank 0 waits for rank 1.
+fn third_rank_goes(ctx: &ChildCtx, dies: bool) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    f.barrier(CONNECT)?;
+    match ctx.rank {
+        2 if dies => sigkill_self(),
+        2 => {
+            drop(f);
+            Ok(())
+        }
+        1 => {
+            // Long enough, when rank 2 dies, for rank 0 to notice first even on a loaded host.
+            std::thread::sleep(Duration::from_millis(if dies { 3000 } else { 300 }));
+            let _ = f.signal(0, SLOT, 1);
+            // Stay until rank 0 has seen it (or given up), so rank 1 is never the one missing.
+            std::thread::sleep(Duration::from_millis(500));
+            Ok(())
+        }
+        _ => {
+            let r = f.wait_signal(
+                SLOT,
+                1,
+                "rank 1's signal",
+                deadline_after(LONG_DEADLINE),
+                &|v| v >= 1,
+            );
+            match (dies, r) {
+                (false, Ok(_)) => Ok(()),
+                (true, Err(Error::PeerFailed { peer: 2, .. })) => Ok(()),
+                (_, other) => Err(Error::invalid(format!(
+                    "rank 2 {}: expected {}, got {other:?}",
+                    if dies { "died" } else { "left" },
+                    if dies {
+                        "PeerFailed naming rank 2"
+                    } else {
+                        "the signal"
+                    }
+                ))),
+            }
+        }
+    }
+}
+
 // ---- parent side ----
 
 fn run_ok(scenario: &str, size: usize, timeout: Duration) {
@@ -259,4 +306,23 @@ fn harness_reports_a_failing_rank() {
 fn harness_kills_ranks_that_overrun_their_timeout() {
     let mut job = Job::spawn(ENTRY, "hang", 2);
     job.wait(Duration::from_millis(500));
+}
+
+#[test]
+fn a_rank_that_left_cleanly_does_not_fail_waits_on_other_peers() {
+    run_ok("third_rank_leaves", 3, Duration::from_secs(30));
+}
+
+#[test]
+fn a_rank_that_died_fails_waits_on_other_peers_naming_it() {
+    let mut job = Job::spawn(ENTRY, "third_rank_dies", 3);
+    let st = job.wait(Duration::from_secs(30));
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        st[2].signal(),
+        Some(libc::SIGKILL),
+        "rank 2: {}",
+        job.output(2)
+    );
+    assert!(st[0].success(), "rank 0: {}", job.output(0));
 }
