@@ -9,7 +9,7 @@
 //! - puts and gets larger than the staging buffer from threads that did not make the fabric, and
 //!   a collective close;
 //! - a SIGKILLed peer, and an expert SIGKILLed mid-run, named by the survivors; a rank that left
-//!   cleanly not taken for a crash;
+//!   cleanly not taken for a crash, a dead one failing waits on other peers;
 //! - the missing-library error (on every rank, and on one rank only), runtime error codes
 //!   surfacing with the call's name and the runtime's message, mismatched slot counts;
 //! - the stand-in's own enforcement of the documented IPC rules.
@@ -73,6 +73,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["standin_rules"] => standin_rules(ctx),
         ["moe_kill"] => return killed_expert(ctx),
         ["departed"] => departed(ctx),
+        ["third_dies"] => third_dies(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     r.map_err(|e| e.to_string())
@@ -208,6 +209,44 @@ fn departed(ctx: &ChildCtx) -> xccl::Result<()> {
                     }
                     other => return Err(fail(format!("check of rank 2: {other:?}"))),
                 }
+            }
+        }
+    }
+}
+
+/// Rank 2 is SIGKILLed while rank 0 waits for rank 1 (which signals only 3 s later): the wait
+/// fails promptly naming rank 2, although it awaits rank 1.
+fn third_dies(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    f.barrier(CONNECT)?;
+    match ctx.rank {
+        2 => {
+            // SAFETY: kill(2) on this process's own pid; takes no pointers.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            Ok(())
+        }
+        1 => {
+            std::thread::sleep(Duration::from_millis(3000));
+            let _ = f.signal(0, 0, 1);
+            std::thread::sleep(Duration::from_millis(500));
+            Ok(())
+        }
+        _ => {
+            let start = Instant::now();
+            let r = f.wait_signal(0, 1, "rank 1's signal", deadline_after(CONNECT), &|v| {
+                v >= 1
+            });
+            match r {
+                Err(Error::PeerFailed { peer: 2, detail })
+                    if start.elapsed() < Duration::from_millis(2500) =>
+                {
+                    announce(&format!("noticed in {:?}: {detail}", start.elapsed()));
+                    Ok(())
+                }
+                other => Err(fail(format!(
+                    "expected PeerFailed naming rank 2, got {other:?} after {:?}",
+                    start.elapsed()
+                ))),
             }
         }
     }
@@ -700,6 +739,16 @@ fn ascend_int8_on_the_wire_matches_reference() {
 #[test]
 fn a_rank_that_left_cleanly_is_not_taken_for_a_crash() {
     run_ok("departed", 3, Via::Home, Duration::from_secs(30));
+}
+
+#[test]
+fn a_dead_rank_fails_waits_on_other_peers_naming_it() {
+    let (mut job, _segs) = spawn("third_dies", 3, Via::Home, &[]);
+    job.wait(Duration::from_secs(30));
+    job.assert_killed(2);
+    job.assert_succeeded(0);
+    job.assert_succeeded(1);
+    println!("rank 0: {}", job.output(0).trim());
 }
 
 #[test]
