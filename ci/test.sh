@@ -8,6 +8,9 @@ need=()
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
+command -v python3 >/dev/null 2>&1 || need+=(python3)
+command -v nm >/dev/null 2>&1 || need+=(binutils)
 if [ ${#need[@]} -gt 0 ]; then
   echo "ci/test.sh: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -28,6 +31,8 @@ echo "== doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
+echo "== C ABI symbols"
+XCCL_LIB_DIR=target/release/deps ci/check-capi.sh
 echo "== leftovers"
 left=$(ls /dev/shm | grep -i '^xccl' || true)
 if [ -n "$left" ]; then

@@ -10,6 +10,8 @@
 //! - [`moe`]: the A2E (dispatch) and E2A (combine) wire protocol, one type per role and
 //!   direction.
 //! - [`Communicator`]: builds and checks everything, delegates, and owns the failure state.
+//! - [`capi`]: the C ABI of `include/xccl.h` (`libxccl.so`, `libxccl.a`); the only module with
+//!   `extern "C"` functions.
 //! - `testing` (feature `testing`): the single-process reference and the workloads that tests
 //!   and `xccl-bench --check` compare against, bit for bit.
 //!
@@ -17,6 +19,7 @@
 //! aborts; nothing per call above `debug`); install a subscriber to see it.
 
 pub mod bootstrap;
+pub mod capi;
 pub mod comm;
 pub mod error;
 pub mod fabric;

@@ -43,3 +43,22 @@ fn the_multi_process_example_runs_2_attention_and_2_expert_ranks() {
 fn the_multi_process_example_runs_3_attention_ranks_against_1_expert() {
     run(&["3", "1", "10"]);
 }
+
+/// The soak example (`examples/soak.rs`, built with the `testing` feature, which the workspace's
+/// test crates turn on) for a short run: every result checked, the resident set flat.
+#[cfg(feature = "testing")]
+#[test]
+fn a_short_soak_checks_every_result_and_keeps_memory_flat() {
+    let bin = example_binary().with_file_name("soak");
+    assert!(bin.exists(), "{} not built", bin.display());
+    let out = Command::new(&bin)
+        .arg("2000")
+        .output()
+        .expect("run the soak");
+    assert!(
+        out.status.success(),
+        "soak failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,506 @@
+/*
+ * xccl.h: the C ABI of xccl (libxccl.so / libxccl.a), token exchange between attention and
+ * expert ranks for disaggregated Mixture-of-Experts serving.
+ *
+ * Shaped like NCCL: an opaque communicator, a 128-byte unique id, every call returns an
+ * xcclResult_t and hands results back through out-parameters, a versioned config struct from an
+ * initializer macro.
+ *
+ * General rules (they hold for every function below unless its comment says otherwise):
+ * - Ownership: xccl never takes ownership of a caller's pointer and never keeps one after the
+ *   call returns. Buffers passed in are read or written during the call only. Pointers xccl
+ *   hands out (batch rows, registered buffers, strings) point into memory xccl owns; each
+ *   comment says how long they stay valid.
+ * - Errors: a NULL pointer argument is xcclInvalidArgument (an argument that may be NULL says
+ *   so). A destroyed or unknown communicator, handle or batch is xcclInvalidUsage (handles are
+ *   checked against a registry, never dereferenced). A communicator on which xcclCommAbort was
+ *   called returns xcclAborted (from every call but xcclCommDestroy, xcclCommAbort,
+ *   xcclCommGetAsyncError and xcclGetLastError). xcclGetLastError gives the message (which call, which
+ *   rank or peer, which field). No function aborts or exits the process: an internal panic is
+ *   xcclInternalError and poisons the communicator.
+ * - Retryable vs poisoned: a call that fails before publishing anything to a peer (bad
+ *   arguments, wrong role, too many calls in flight, a timeout waiting for a buffer or for the
+ *   first rows) changes nothing: fix the cause and call again; handles and batches stay valid.
+ *   Any other failure (a peer died or broke the protocol, an abort, a failure after data went
+ *   out) poisons the communicator: the job is aborted (every peer's blocked call returns
+ *   xcclAborted within milliseconds) and every later call on it returns the first error again.
+ * - Thread safety: calls on different communicators are independent. Calls on one communicator
+ *   are serialised by a lock (two threads calling at once is safe, the second waits), except
+ *   xcclCommAbort, xcclCommGetAsyncError, xcclGetLastError and the queries, which never wait
+ *   for a call in progress.
+ * - Blocking: the MoE calls block until their data moved or the call's deadline
+ *   (config.timeoutMs) passes (xcclTimeout). Init blocks until every rank joined.
+ * - Pairing: every rank makes the same sequence of calls. A2E call e on every attention rank
+ *   meets A2E receive e on every expert rank; the E2A of a call completes in A2E order (the
+ *   oldest handle or batch first). At most config.maxInFlight calls may be between their A2E
+ *   and their E2A; one more fails at once with xcclInvalidArgument. A call with 0 tokens is an
+ *   ordinary call. xccl has no end-of-stream message: an expert loop runs the number of rounds
+ *   the job agrees on.
+ * - Exact results: the combine is bitwise reproducible. On each expert rank
+ *   acc = 0; acc = acc + w_j * y_j (f32, over its local experts in ascending order, no FMA),
+ *   one rounding to the dtype; on the attention rank one contribution is copied, several are
+ *   summed in f32 in ascending expert-rank order, then rounded once.
+ */
+#ifndef XCCL_H_
+#define XCCL_H_
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* Version                                                                                   */
+
+/** Version of this header (ci/check-capi.sh checks them against Cargo.toml). */
+#define XCCL_MAJOR 0
+#define XCCL_MINOR 1
+#define XCCL_PATCH 0
+/** A version as one comparable integer: x * 10000 + y * 100 + z. */
+#define XCCL_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+/** This header's version code. */
+#define XCCL_VERSION_CODE XCCL_VERSION(XCCL_MAJOR, XCCL_MINOR, XCCL_PATCH)
+
+/** One rank's communicator: opaque. The value is an id checked against a registry on every
+ *  call, so a destroyed communicator is reported (xcclInvalidUsage), never dereferenced. */
+typedef struct xcclComm* xcclComm_t;
+
+/* ---------------------------------------------------------------------------------------- */
+/* Results                                                                                   */
+
+/** Result of every call. Codes are never reused or renumbered. */
+typedef enum {
+  /** The call did what it says. */
+  xcclSuccess = 0,
+  /** An argument is NULL, out of range, of the wrong size or inconsistent (the message names
+   *  it). Nothing was sent to any peer: fix it and call again. */
+  xcclInvalidArgument = 1,
+  /** The call is not allowed now: wrong role for this rank (A2E send on an expert rank), a
+   *  destroyed or unknown communicator, handle or batch. Nothing was sent. */
+  xcclInvalidUsage = 2,
+  /** The operating system or the rendezvous failed (shared memory, sockets, a rank that never
+   *  joined). At init: nothing to clean up. */
+  xcclSystemError = 3,
+  /** A peer failed (its process died) or sent data that breaks the protocol. The communicator
+   *  is poisoned and the job aborted. */
+  xcclRemoteError = 4,
+  /** A wait passed the call's deadline (config.timeoutMs), naming the awaited peer. Before
+   *  anything was published this is retryable; after, the communicator is poisoned. */
+  xcclTimeout = 5,
+  /** The job was aborted: xcclCommAbort here or on a peer, or a peer's poisoning failure.
+   *  The message names the aborting rank and its reason. */
+  xcclAborted = 6,
+  /** The fabric asked for (config.fabric) is not available in this build or on this host. */
+  xcclUnavailable = 7,
+  /** A bug in xccl (an internal panic). The communicator is poisoned and the job aborted;
+   *  the process keeps running. */
+  xcclInternalError = 8
+} xcclResult_t;
+
+/** A static, never freed description of `result` ("unknown result code" for others).
+ *  Thread-safe; never fails. */
+const char* xcclGetErrorString(xcclResult_t result);
+
+/** The message of the last failed call on `comm` (which call, which rank or peer, which field),
+ *  or, when `comm` is NULL or not a live communicator, of the last failed call on this thread
+ *  (use NULL after a failed init). "" when there was none. The string is owned by xccl and
+ *  stays valid until this thread's next xccl call. Thread-safe; never fails; never waits for a
+ *  call in progress. */
+const char* xcclGetLastError(xcclComm_t comm);
+
+/** Writes this library's version code (XCCL_VERSION_CODE of the header it was built with) to
+ *  `*version`. Compare it with XCCL_VERSION_CODE to detect a header/library mismatch.
+ *  Errors: xcclInvalidArgument if `version` is NULL. */
+xcclResult_t xcclGetVersion(int* version);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Communicator, unique id, config                                                           */
+
+/** Names a job's rendezvous: 128 opaque bytes, copied freely (by value, over a socket, in a
+ *  file, as 256 hex characters). */
+typedef struct {
+  char internal[128];
+} xcclUniqueId;
+
+/** Element type of token rows. */
+typedef enum {
+  xcclFloat32 = 0,
+  xcclFloat16 = 1,
+  xcclBfloat16 = 2
+} xcclDataType_t;
+
+/** How rows move between ranks (the sender chooses; receivers follow). */
+typedef enum {
+  /** The sender writes rows into the receiver's memory. */
+  xcclTransferPush = 0,
+  /** The sender stages rows; the receiver reads them (receiver-controlled incast). */
+  xcclTransferPull = 1
+} xcclTransferMode_t;
+
+/** How rows travel on the wire (config version 2). */
+typedef enum {
+  /** In config.dtype. */
+  xcclQuantNone = 0,
+  /** INT8 with one f32 scale per token: scale = max|x| / 127, q = clamp(round_half_even(x *
+   *  (127 / max|x|)), -127, 127), value = q * scale (about half the bytes of bf16). A row with
+   *  a NaN or infinity is rejected (A2E: xcclInvalidArgument naming the token). */
+  xcclQuantInt8 = 1
+} xcclQuant_t;
+
+/** A rank's role: global ranks 0..numAttentionRanks-1 are attention ranks, the rest expert
+ *  ranks. */
+typedef enum {
+  xcclRoleAttention = 0,
+  xcclRoleExpert = 1
+} xcclRole_t;
+
+/** An unset integer field of xcclConfig_t (as NCCL's NCCL_CONFIG_UNDEF_INT). */
+#define XCCL_CONFIG_UNDEF_INT INT_MIN
+/** xcclConfig_t.magic. */
+#define XCCL_CONFIG_MAGIC 0x6c636378u
+/** xcclConfig_t.version of this header's layout. Later versions append fields (relay ranks,
+ *  data-parallel domains, INT8 rows) after the last field below; `size` and `version` tell the
+ *  library which layout the caller compiled against. */
+#define XCCL_CONFIG_VERSION 2u
+
+/** The communicator's parameters. Start from XCCL_CONFIG_INITIALIZER (size, magic, version set;
+ *  every other field unset), then set fields. Fields marked "agreed" must be equal on every
+ *  rank (init fails naming the field and both values otherwise).
+ *  Errors at init (xcclInvalidArgument, the message naming the field): an unknown version, a
+ *  wrong size or magic, a required field unset, a value out of range. The struct is read during
+ *  init only; xccl keeps no pointer into it. */
+typedef struct {
+  /** sizeof(xcclConfig_t); set by the initializer. */
+  size_t size;
+  /** XCCL_CONFIG_MAGIC; set by the initializer. */
+  unsigned int magic;
+  /** XCCL_CONFIG_VERSION; set by the initializer. */
+  unsigned int version;
+  /** Attention ranks (agreed). At least one of numAttentionRanks and numExpertRanks must be
+   *  set; the other defaults to nranks minus it. Both set must sum to nranks. */
+  int numAttentionRanks;
+  /** Expert ranks (agreed). */
+  int numExpertRanks;
+  /** Global experts (agreed; required; >= 1). */
+  int numExperts;
+  /** Routing entries per token (agreed; required; 1..numExperts). */
+  int topk;
+  /** Elements per token row (agreed; required; >= 1). */
+  int hidden;
+  /** Most tokens one attention rank passes to one A2E call (agreed; required; >= 1). */
+  int maxTokensPerRank;
+  /** xcclDataType_t of every row (agreed); default xcclBfloat16. */
+  int dtype;
+  /** xcclTransferMode_t of this rank's sends (local); default xcclTransferPush. */
+  int transferMode;
+  /** Calls between their A2E and their E2A (agreed; 1..8); default 2. */
+  int maxInFlight;
+  /** Deadline of each call, and of each init step (at least 10 s there), in ms (local; >= 1);
+   *  default 30000. */
+  int timeoutMs;
+  /** Fabric name, NUL-terminated (local); NULL means "shm" (processes on one host). Others are
+   *  xcclUnavailable in this build. Read during init only. */
+  const char* fabric;
+  /** Explicit expert placement (agreed), or NULL (with placementRanks NULL) for the contiguous
+   *  default (expert ranks host equal consecutive blocks of experts). placementCounts[e] is the
+   *  number of replicas of expert e (numExperts entries, each 1..numExpertRanks). */
+  const int* placementCounts;
+  /** The global ranks (expert ranks) hosting each expert's replicas, concatenated in expert
+   *  order, the primary first (sum of placementCounts entries). A rank hosts an expert at most
+   *  once. Attention rank a routes expert e to one of its replicas, deterministically. */
+  const int* placementRanks;
+  /* ---- version 2 ---- */
+  /** xcclQuant_t of this rank's A2E sends (local; receivers follow each message); default
+   *  xcclQuantNone. */
+  int a2eQuant;
+  /** xcclQuant_t of this rank's E2A replies (local); the attention rank dequantizes inside its
+   *  sum. Replies from xcclE2AOutput travel in config.dtype. Default xcclQuantNone. */
+  int e2aQuant;
+  /** Expert ranks: 1 to receive A2E rows as INT8 plus one f32 scale per row (batch info
+   *  `int8Rows` and `scales`, `rows` NULL), 0 for rows in config.dtype (local); default 0. */
+  int keepInt8;
+} xcclConfig_t;
+
+/** Initializer of an xcclConfig_t: size, magic and version set, every other field unset. */
+#define XCCL_CONFIG_INITIALIZER                                                               \
+  {                                                                                          \
+    sizeof(xcclConfig_t), XCCL_CONFIG_MAGIC, XCCL_CONFIG_VERSION, XCCL_CONFIG_UNDEF_INT,     \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL, NULL, \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT                  \
+  }
+
+/** Makes a new job id and starts its rendezvous root in this process (a background thread
+ *  bound to an ephemeral port on XCCL_SOCKET_ADDR, default 127.0.0.1). This process must live
+ *  until every rank has initialised. Give the id to every rank (each calls
+ *  xcclCommInitRankConfig with it). Thread-safe.
+ *  Errors: xcclInvalidArgument (`uniqueId` NULL), xcclSystemError (no socket). */
+xcclResult_t xcclGetUniqueId(xcclUniqueId* uniqueId);
+
+/** Joins the job named by `commId` as `rank` of `nranks` (collective: every rank calls it; it
+ *  blocks until all have joined and checked that they share the config's agreed fields).
+ *  Writes the new communicator to `*comm` on success (untouched on failure). `config` is read
+ *  during the call only. The job lives in shared memory (/dev/shm) until every rank destroyed
+ *  its communicator.
+ *  Errors: xcclInvalidArgument (NULL pointer, nranks < 2, rank outside 0..nranks-1, a config
+ *  field, a malformed id), xcclSystemError (rendezvous failed or timed out, shared memory),
+ *  xcclRemoteError (a peer has a different agreed field: the message names it and both
+ *  values), xcclUnavailable (config.fabric). */
+xcclResult_t xcclCommInitRankConfig(xcclComm_t* comm, int nranks, xcclUniqueId commId, int rank,
+                                    const xcclConfig_t* config);
+
+/** Like xcclCommInitRankConfig, with rank, size and rendezvous read from the launcher's
+ *  environment: torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Open MPI
+ *  (OMPI_COMM_WORLD_RANK/SIZE), PMI (PMI_RANK/SIZE) or Slurm (SLURM_PROCID/NTASKS) plus
+ *  XCCL_ROOT=host:port, or XCCL_RANK, XCCL_SIZE and XCCL_ROOT. Rank 0 hosts the root on that
+ *  port. Errors: as xcclCommInitRankConfig; no launcher variables is xcclInvalidArgument, a
+ *  malformed one xcclSystemError naming it. */
+xcclResult_t xcclCommInitFromEnv(xcclComm_t* comm, const xcclConfig_t* config);
+
+/** Releases `comm`, its shared memory, and every A2E handle and batch still open on it
+ *  (pointers into them become invalid). Not collective and never blocks: if another thread is
+ *  inside a call on `comm`, that call finishes (call xcclCommAbort first to make it return)
+ *  and the resources go when it returns. Destroying a communicator whose peers still expect
+ *  calls makes them fail (xcclRemoteError) once they notice. Works on aborted and poisoned
+ *  communicators. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (already destroyed). */
+xcclResult_t xcclCommDestroy(xcclComm_t comm);
+
+/** Aborts the job: returns promptly (no waiting for a call in progress), callable from any
+ *  thread, also while another thread is blocked in a call on `comm`. Every blocked call, here
+ *  and on every peer, returns xcclAborted within milliseconds; later calls on `comm` return
+ *  xcclAborted; peers' later calls fail too. Unlike ncclCommAbort it does not free `comm`:
+ *  call xcclCommDestroy afterwards. Calling it again is a no-op.
+ *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed). */
+xcclResult_t xcclCommAbort(xcclComm_t comm);
+
+/** Writes to `*asyncError` the failure that poisoned `comm`, or one raised since outside any
+ *  call (an abort by a peer, a peer process that died), or xcclSuccess. The message is then in
+ *  xcclGetLastError(comm). A peer that exited or destroyed its communicator counts as failed
+ *  (xcclRemoteError), also at the normal end of a job. Never waits for a call in progress;
+ *  works on aborted communicators.
+ *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed). */
+xcclResult_t xcclCommGetAsyncError(xcclComm_t comm, xcclResult_t* asyncError);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Queries (never wait for a call in progress; xcclAborted after xcclCommAbort)              */
+
+/** Number of ranks in the job. */
+xcclResult_t xcclCommCount(xcclComm_t comm, int* count);
+
+/** This rank. */
+xcclResult_t xcclCommUserRank(xcclComm_t comm, int* rank);
+
+/** This rank's role (an xcclRole_t value). */
+xcclResult_t xcclCommRole(xcclComm_t comm, int* role);
+
+/** Number of experts this rank hosts (`*count`; 0 on attention ranks) and, when `experts` is
+ *  not NULL, their global ids in ascending order (the local expert index j of a batch is
+ *  experts[j]); `experts` must hold `*count` ints (query with NULL first). */
+xcclResult_t xcclCommLocalExperts(xcclComm_t comm, int* count, int* experts);
+
+/** Sizes of the buffers one call needs on this rank:
+ *  `*rowBytes` = hidden * element size (bytes of one token row);
+ *  `*maxRecvTokens`: attention ranks: maxTokensPerRank (rows of xcclE2ARecv's `out`); expert
+ *  ranks: the most tokens of a token-major batch (numAttentionRanks * maxTokensPerRank);
+ *  `*maxRecvRows`: expert ranks: the most rows of an expert-major batch
+ *  (maxRecvTokens * min(topk, local experts)); attention ranks: maxTokensPerRank.
+ *  Multiply by rowBytes for buffer sizes. */
+xcclResult_t xcclCommBufferSizes(xcclComm_t comm, size_t* rowBytes, size_t* maxRecvTokens,
+                                 size_t* maxRecvRows);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Attention ranks: A2E send, E2A receive                                                    */
+
+/** One A2E call's token on its way to the experts, kept for its E2A receive: opaque, an id. */
+typedef struct xcclA2EHandle* xcclA2EHandle_t;
+
+/** A2E (dispatch) on an attention rank: sends each of `numTokens` tokens of `x`
+ *  ([numTokens, hidden] rows of config.dtype, row-major, caller-owned, read during the call
+ *  only) to the expert ranks hosting the experts of its row of `topkIdx` ([numTokens, topk]
+ *  int32 global expert ids, -1 = no expert) with the gating weights `topkWeights`
+ *  ([numTokens, topk] finite float32). `numTokens` is 0..maxTokensPerRank; with 0 the three
+ *  pointers may be NULL. Validates everything before anything goes out. Blocks until the rows
+ *  are handed to the fabric (a free buffer may need the E2A of call e - maxInFlight on the
+ *  peers). Writes the call's handle to `*handle`; pass it to xcclE2ARecv.
+ *  Errors: xcclInvalidArgument (NULL, numTokens, an expert id out of range, a non-finite
+ *  weight, too many calls in flight), xcclInvalidUsage (expert rank), xcclTimeout,
+ *  xcclRemoteError, xcclAborted. */
+xcclResult_t xcclA2ESend(xcclComm_t comm, const void* x, int numTokens, const int32_t* topkIdx,
+                         const float* topkWeights, xcclA2EHandle_t* handle);
+
+/** E2A (combine) on an attention rank: waits for the expert outputs of the call of `handle`
+ *  and writes out[t] = sum_k topkWeights[t,k] * expert_k(x[t]) ([numTokens, hidden] of
+ *  config.dtype, caller-owned, written during the call only), combined exactly as documented at
+ *  the top of this header. `handle` must be the oldest unanswered handle of `comm`. On success
+ *  `handle` is freed (do not use it again). On a retryable failure (a rejected handle, a
+ *  timeout before any row arrived, a NULL `out`) it stays valid: call again. After a poisoning
+ *  failure free it with xcclA2EHandleFree (or xcclCommDestroy frees it).
+ *  Errors: xcclInvalidArgument (NULL, a handle that is not the oldest: the message names both
+ *  epochs), xcclInvalidUsage (unknown or used handle, expert rank), xcclTimeout,
+ *  xcclRemoteError, xcclAborted. */
+xcclResult_t xcclE2ARecv(xcclComm_t comm, xcclA2EHandle_t handle, void* out);
+
+/** Frees a handle without receiving its E2A (after a failure; a healthy job's experts would
+ *  still send it). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (unknown or freed). */
+xcclResult_t xcclA2EHandleFree(xcclA2EHandle_t handle);
+
+/** Zero-copy A2E, step 1: writes to `*input` the registered input of the next A2E call:
+ *  [maxTokensPerRank, hidden] rows of config.dtype inside this rank's shared window, owned by
+ *  xccl. Blocks until the buffer's previous use has been consumed by every expert rank.
+ *  Lifetime: write token t's row into row t (ideally the layer producing it writes there),
+ *  then call xcclA2ESendInput; after that call returns, do not touch the buffer (expert ranks
+ *  read it) until the next xcclA2EInput returns it again. Valid until xcclCommDestroy.
+ *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (expert rank), xcclTimeout,
+ *  xcclAborted. */
+xcclResult_t xcclA2EInput(xcclComm_t comm, void** input);
+
+/** Zero-copy A2E, step 2: A2E of the first `numTokens` rows of the registered input (see
+ *  xcclA2EInput, which must have been called for this call); arguments and errors as
+ *  xcclA2ESend without `x`. Only routing metadata is written: expert ranks gather the rows. */
+xcclResult_t xcclA2ESendInput(xcclComm_t comm, int numTokens, const int32_t* topkIdx,
+                              const float* topkWeights, xcclA2EHandle_t* handle);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Expert ranks: A2E receive, E2A send                                                       */
+
+/** The rows one A2E call brought to this expert rank, grouped by local expert: opaque, an id.
+ *  Owned by xccl; freed by a successful E2A send or by xcclExpertBatchFree. */
+typedef struct xcclExpertBatch* xcclExpertBatch_t;
+
+/** What an expert batch holds. Every pointer points into the batch (owned by xccl) and stays
+ *  valid until the batch is freed (a successful xcclE2ASend, xcclExpertBatchFree or
+ *  xcclCommDestroy). Read only. */
+typedef struct {
+  /** Rows: received (token, local expert) pairs. */
+  size_t numRows;
+  /** Received tokens (one per (source rank, token)). */
+  size_t numTokens;
+  /** Local experts of this rank (see xcclCommLocalExperts for their global ids). */
+  size_t numLocalExperts;
+  /** [numRows, hidden] rows of config.dtype: the rows of local expert j are
+   *  expertOffsets[j]..expertOffsets[j+1], within an expert ordered by (source rank, token). */
+  const void* rows;
+  /** Rows per local expert [numLocalExperts]. */
+  const size_t* expertCounts;
+  /** [numLocalExperts + 1] row offsets (0 first, numRows last). */
+  const size_t* expertOffsets;
+  /** Per row: the attention rank it came from. */
+  const uint32_t* srcRank;
+  /** Per row: the token's index at that attention rank. */
+  const uint32_t* srcToken;
+  /** Per row: the gating weight of this (token, expert). */
+  const float* weights;
+  /** With config.keepInt8: [numRows, hidden] INT8 values (a value is int8Rows * scales[row]),
+   *  and `rows` is NULL; otherwise NULL. */
+  const int8_t* int8Rows;
+  /** With config.keepInt8: [numRows] per-row scales; otherwise NULL. */
+  const float* scales;
+} xcclExpertBatchInfo_t;
+
+/** A2E receive on an expert rank, expert-major: blocks until every attention rank's rows of
+ *  the next A2E call arrived, writes the batch to `*batch`. Compute each local expert on its
+ *  rows, then reply with xcclE2ASend. At most maxInFlight batches may be unreplied.
+ *  Errors: xcclInvalidArgument (NULL, too many unreplied batches), xcclInvalidUsage (attention
+ *  rank), xcclTimeout (no rows in time: retryable), xcclRemoteError, xcclAborted. */
+xcclResult_t xcclA2ERecv(xcclComm_t comm, xcclExpertBatch_t* batch);
+
+/** Describes `batch` (see xcclExpertBatchInfo_t for the lifetime of the pointers).
+ *  Thread-safe. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed batch). */
+xcclResult_t xcclExpertBatchGetInfo(xcclExpertBatch_t batch, xcclExpertBatchInfo_t* info);
+
+/** E2A send on an expert rank: `expertOut` ([numRows, hidden] of config.dtype, same layout as
+ *  the batch rows, caller-owned, read during the call only) holds each row's expert output.
+ *  xccl reduces each token's local experts with its gating weights (acc = 0; acc += w_j * y_j
+ *  over local experts ascending, in f32, one rounding) and sends one row per token back. The
+ *  batch must be the oldest unreplied one. On success `batch` is freed; on a retryable failure
+ *  it stays valid (call again).
+ *  Errors: xcclInvalidArgument (NULL, not the oldest batch), xcclInvalidUsage (freed batch,
+ *  attention rank), xcclTimeout, xcclRemoteError, xcclAborted. */
+xcclResult_t xcclE2ASend(xcclComm_t comm, xcclExpertBatch_t batch, const void* expertOut);
+
+/** Frees a batch without replying (after a failure: the attention ranks of a healthy job wait
+ *  for the reply). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed). */
+xcclResult_t xcclExpertBatchFree(xcclExpertBatch_t batch);
+
+/** The tokens one A2E call brought to this expert rank, one row per token: opaque, an id.
+ *  Owned by xccl; freed by a successful E2A send or by xcclTokenBatchFree. */
+typedef struct xcclTokenBatch* xcclTokenBatch_t;
+
+/** What a token batch holds; pointers into the batch, valid until the batch is freed. */
+typedef struct {
+  /** Received tokens, each source's tokens consecutive, sources in arrival order. */
+  size_t numTokens;
+  /** Row stride of localExperts and weights (config.topk). */
+  size_t topk;
+  /** [numTokens, hidden] rows of config.dtype. */
+  const void* rows;
+  /** Per token: the attention rank it came from. */
+  const uint32_t* srcRank;
+  /** Per token: its index at that attention rank. */
+  const uint32_t* srcToken;
+  /** Per token: how many of this rank's local experts it selected (1..topk). */
+  const uint32_t* expertCount;
+  /** [numTokens, topk]: token i's local expert indices, ascending, the first expertCount[i]
+   *  entries valid. */
+  const uint32_t* localExperts;
+  /** [numTokens, topk]: the matching gating weights. */
+  const float* weights;
+  /** With config.keepInt8: [numTokens, hidden] INT8 values, and `rows` is NULL; else NULL. */
+  const int8_t* int8Rows;
+  /** With config.keepInt8: [numTokens] per-token scales; otherwise NULL. */
+  const float* scales;
+} xcclTokenBatchInfo_t;
+
+/** A2E receive, token-major: like xcclA2ERecv with one row per received token (reply with
+ *  xcclE2ASendTokens or, zero-copy, xcclE2AOutput + xcclE2ASendOutput). */
+xcclResult_t xcclA2ERecvTokens(xcclComm_t comm, xcclTokenBatch_t* batch);
+
+/** Called by xcclA2ERecvTokensWithCallback on the receiving thread each time one attention
+ *  rank's tokens have all landed: tokens firstToken..firstToken+numTokens-1 of `arrived` are
+ *  complete (with those of earlier callbacks of this receive; other tokens may still be
+ *  arriving). `arrived` and every pointer in it are valid during the callback only. Start the
+ *  experts' work on those tokens here to overlap it with the rest of the receive. The callback
+ *  must return normally (no C++ exception, no longjmp) and must not call xccl functions on the
+ *  same communicator (they fail with xcclInvalidUsage); `userData` is passed through. */
+typedef void (*xcclArrivalFn)(void* userData, const xcclTokenBatchInfo_t* arrived,
+                              size_t firstToken, size_t numTokens);
+
+/** xcclA2ERecvTokens calling `onArrival` (not NULL) as each source's tokens land, in completion
+ *  order: at most once per attention rank (numTokens may be 0); every received token is in
+ *  exactly one callback's range. Errors as xcclA2ERecv. */
+xcclResult_t xcclA2ERecvTokensWithCallback(xcclComm_t comm, xcclTokenBatch_t* batch,
+                                           xcclArrivalFn onArrival, void* userData);
+
+/** Describes `batch`. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed batch). */
+xcclResult_t xcclTokenBatchGetInfo(xcclTokenBatch_t batch, xcclTokenBatchInfo_t* info);
+
+/** E2A send, token-major: `reduced` ([numTokens, hidden] of config.dtype, caller-owned, read
+ *  during the call only) holds each token's reply, already the gating-weighted sum over its
+ *  local experts. Frees `batch` on success; a retryable failure leaves it valid. Errors as
+ *  xcclE2ASend. */
+xcclResult_t xcclE2ASendTokens(xcclComm_t comm, xcclTokenBatch_t batch, const void* reduced);
+
+/** Zero-copy E2A, step 1: writes to `*output` the registered output of `batch`'s reply:
+ *  [numTokens, hidden] rows of config.dtype in this rank's shared window, owned by xccl, row i
+ *  for the batch's token i. Blocks until the buffer's previous use was consumed. Lifetime:
+ *  write every row, then call xcclE2ASendOutput; do not touch the buffer after that (the
+ *  attention ranks read it). `batch` stays valid. Errors as xcclE2ASend. */
+xcclResult_t xcclE2AOutput(xcclComm_t comm, xcclTokenBatch_t batch, void** output);
+
+/** Zero-copy E2A, step 2: replies with the rows written into xcclE2AOutput (which must have
+ *  been called for this batch); only records and signals go out. Frees `batch` on success.
+ *  Errors as xcclE2ASend. */
+xcclResult_t xcclE2ASendOutput(xcclComm_t comm, xcclTokenBatch_t batch);
+
+/** Frees a token batch without replying (after a failure). */
+xcclResult_t xcclTokenBatchFree(xcclTokenBatch_t batch);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* XCCL_H_ */

@@ -1,0 +1,441 @@
+//! The C ABI (`include/xccl.h`, `libxccl.so`) from C, C++ and Python, in real processes.
+//!
+//! Each test compiles its program with `gcc -std=c11` or `g++ -std=c++17` and `-Wall -Wextra
+//! -Werror -pedantic` against the header and the `libxccl.so` next to this test binary
+//! (`target/release` under `cargo test --release`), runs its ranks as separate processes
+//! (each in its own process group, killed with its children on timeout or panic), and checks
+//! every rank's exit status and that the job left nothing in `/dev/shm`.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use xccl::bootstrap::{LaunchEnv, RootConfig, UniqueId};
+use xccl_tests::{shm_entries, unique_job_id};
+
+/// One job at a time: the machine may have 2 cores.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// `target/<profile>`: this binary is `target/<profile>/deps/capi-<hash>`.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_path_buf()
+}
+
+/// The directory holding `libxccl.so` and `libxccl.a`: `target/<profile>/deps`, where the
+/// build of this very test put them (`cargo build` copies them up to `target/<profile>`, which
+/// may be older), else `target/<profile>`.
+fn lib_dir() -> PathBuf {
+    let profile = profile_dir();
+    [profile.join("deps"), profile.clone()]
+        .into_iter()
+        .find(|d| d.join("libxccl.so").exists())
+        .unwrap_or_else(|| {
+            panic!(
+                "no libxccl.so under {}: run `cargo build -p xccl --release`",
+                profile.display()
+            )
+        })
+}
+
+fn out_dir() -> PathBuf {
+    let d = profile_dir().join("capi-tests");
+    std::fs::create_dir_all(&d).expect("creating the capi-tests directory");
+    d
+}
+
+/// Compiles `src` (C11 with gcc, or C++17 with g++ for `.cpp`) into an executable linked
+/// against `libxccl.so`; panics with the compiler's output on any warning.
+fn compile(src: &Path, name: &str) -> PathBuf {
+    let lib = lib_dir();
+    let out = out_dir().join(name);
+    let cpp = src.extension().is_some_and(|e| e == "cpp");
+    let (cc, std) = if cpp {
+        ("g++", "-std=c++17")
+    } else {
+        ("gcc", "-std=c11")
+    };
+    let output = Command::new(cc)
+        .args([std, "-Wall", "-Wextra", "-Werror", "-pedantic", "-O1"])
+        .arg("-I")
+        .arg(repo().join("include"))
+        .arg("-I")
+        .arg(repo().join("tests/capi"))
+        .arg(src)
+        .arg("-o")
+        .arg(&out)
+        .arg("-L")
+        .arg(&lib)
+        .arg("-lxccl")
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .arg("-pthread")
+        .output()
+        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+    assert!(
+        output.status.success(),
+        "{cc} {} failed:\n{}{}",
+        src.display(),
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    out
+}
+
+/// Running ranks; killed (with their process groups) when dropped.
+struct Ranks {
+    children: Vec<(Child, PathBuf)>,
+}
+
+impl Ranks {
+    fn spawn(name: &str, cmds: Vec<Command>) -> Ranks {
+        let mut ranks = Ranks {
+            children: Vec::new(),
+        };
+        for (r, mut cmd) in cmds.into_iter().enumerate() {
+            let log = out_dir().join(format!("{name}.{}.rank{r}.log", std::process::id()));
+            let f = File::create(&log).expect("log file");
+            // cargo's LD_LIBRARY_PATH outranks the programs' RUNPATH and may name another
+            // (older) libxccl.so: point it at the one the programs were linked against.
+            let child = cmd
+                .env("LD_LIBRARY_PATH", lib_dir())
+                .stdin(Stdio::null())
+                .stdout(f.try_clone().expect("log file"))
+                .stderr(f)
+                .process_group(0)
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawning rank {r}: {e}"));
+            ranks.children.push((child, log));
+        }
+        ranks
+    }
+
+    fn kill_all(&mut self) {
+        for (c, _) in &mut self.children {
+            if let Ok(None) = c.try_wait() {
+                // SAFETY: kill(2) on the process group we created for this child.
+                unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// Waits for every rank; panics with every rank's output unless all exited with 0.
+    fn expect_success(mut self, timeout: Duration) -> Vec<String> {
+        let deadline = Instant::now() + timeout;
+        let mut status = vec![None; self.children.len()];
+        while status.iter().any(Option::is_none) && Instant::now() < deadline {
+            for (i, (c, _)) in self.children.iter_mut().enumerate() {
+                if status[i].is_none() {
+                    status[i] = c.try_wait().expect("try_wait");
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let timed_out = status.iter().any(Option::is_none);
+        self.kill_all();
+        let logs: Vec<String> = self
+            .children
+            .iter()
+            .map(|(_, log)| std::fs::read_to_string(log).unwrap_or_default())
+            .collect();
+        let failed = status.iter().any(|s| !s.is_some_and(|s| s.success()));
+        if timed_out || failed {
+            let mut msg = format!("ranks failed (timed out: {timed_out}): {status:?}\n");
+            for (r, l) in logs.iter().enumerate() {
+                msg.push_str(&format!("--- rank {r}\n{l}"));
+            }
+            panic!("{msg}");
+        }
+        for (_, log) in &self.children {
+            let _ = std::fs::remove_file(log);
+        }
+        logs
+    }
+}
+
+impl Drop for Ranks {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+fn assert_no_leftovers(job_id: u64) {
+    let prefix = format!("xccl-{job_id:016x}-");
+    let left = shm_entries(&prefix);
+    assert!(left.is_empty(), "the job left {left:?} in /dev/shm");
+}
+
+/// Runs `exe` as `n` ranks joined by a unique id on the command line (after `first_args`).
+fn run_with_unique_id(exe: &Path, n: usize, first_args: &[&str]) {
+    let job_id = unique_job_id();
+    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+    let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
+    let cmds = (0..n)
+        .map(|r| {
+            let mut c = Command::new(exe);
+            c.args(first_args)
+                .args(["--id", &id.to_string(), "--rank", &r.to_string()])
+                .args(["--nranks", &n.to_string()]);
+            c
+        })
+        .collect();
+    let name = exe.file_name().unwrap().to_string_lossy().into_owned();
+    let logs = Ranks::spawn(&name, cmds).expect_success(TIMEOUT);
+    for (r, l) in logs.iter().enumerate() {
+        assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+    }
+    assert_no_leftovers(job_id);
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind");
+    l.local_addr().expect("local_addr").port()
+}
+
+/// Launcher variables of rank `r` of `n`: `style` is `"xccl"`, `"torchrun"` or `"mpirun"`.
+fn launcher_env(style: &str, r: usize, n: usize, port: u16, job: u64) -> BTreeMap<String, String> {
+    let root = format!("127.0.0.1:{port}");
+    let mut env = BTreeMap::new();
+    let mut set = |k: &str, v: String| {
+        env.insert(k.to_string(), v);
+    };
+    match style {
+        "xccl" => {
+            set("XCCL_RANK", r.to_string());
+            set("XCCL_SIZE", n.to_string());
+            set("XCCL_ROOT", root);
+        }
+        "torchrun" => {
+            set("RANK", r.to_string());
+            set("WORLD_SIZE", n.to_string());
+            set("LOCAL_RANK", r.to_string());
+            set("MASTER_ADDR", "127.0.0.1".into());
+            set("MASTER_PORT", port.to_string());
+        }
+        "mpirun" => {
+            set("OMPI_COMM_WORLD_RANK", r.to_string());
+            set("OMPI_COMM_WORLD_SIZE", n.to_string());
+            set("XCCL_ROOT", root);
+        }
+        other => panic!("unknown launcher style {other}"),
+    }
+    set("XCCL_JOB_ID", format!("{job}"));
+    // Where the Python wrapper finds the library.
+    let lib = lib_dir().join("libxccl.so");
+    set("XCCL_LIBRARY", lib.to_string_lossy().into_owned());
+    env
+}
+
+/// Runs `n` ranks of `argv` under launcher variables of `style`.
+fn run_with_launcher_env(argv: &[&str], style: &str, n: usize) -> Vec<String> {
+    let port = free_port();
+    let job = unique_job_id();
+    let envs: Vec<_> = (0..n)
+        .map(|r| launcher_env(style, r, n, port, job))
+        .collect();
+    let job_id = LaunchEnv::detect_with(&|k| envs[0].get(k).cloned())
+        .expect("launcher variables")
+        .expect("a launcher")
+        .job_id;
+    let cmds = envs
+        .iter()
+        .map(|env| {
+            let mut c = Command::new(argv[0]);
+            c.args(&argv[1..]).envs(env);
+            c
+        })
+        .collect();
+    let name = Path::new(argv[argv.len() - 1])
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let logs = Ranks::spawn(&format!("{name}-{style}"), cmds).expect_success(TIMEOUT);
+    assert_no_leftovers(job_id);
+    logs
+}
+
+#[test]
+fn c11_program_four_ranks_joined_by_unique_id() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_test.c"), "capi_test_c");
+    run_with_unique_id(&exe, 4, &[]);
+}
+
+#[test]
+fn c11_program_two_ranks_joined_by_launcher_env() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_test.c"), "capi_test_c_env");
+    let exe = exe.to_string_lossy().into_owned();
+    let logs = run_with_launcher_env(&[&exe, "--env"], "xccl", 2);
+    assert!(logs[1].contains("rank 1: ok"), "{logs:?}");
+}
+
+#[test]
+fn cpp17_program_explicit_placement_and_registered_buffers() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_test.cpp"), "capi_test_cpp");
+    run_with_unique_id(&exe, 3, &[]);
+    run_with_unique_id(&exe, 2, &["--bf16"]);
+    let exe = exe.to_string_lossy().into_owned();
+    run_with_launcher_env(&[&exe, "--env"], "torchrun", 4);
+}
+
+#[test]
+fn c11_program_int8_on_the_wire_with_rows_kept_as_int8() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_int8.c"), "capi_int8_c");
+    run_with_unique_id(&exe, 2, &[]);
+}
+
+#[test]
+fn header_included_twice_compiles_clean_as_c_and_cpp() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let src = out_dir().join("header_twice.c");
+    std::fs::write(
+        &src,
+        "#include \"xccl.h\"\n#include \"xccl.h\"\n\
+         int main(void) { xcclConfig_t c = XCCL_CONFIG_INITIALIZER; xcclComm_t comm = 0;\n\
+         (void)comm; return (int)c.version - XCCL_CONFIG_VERSION + (XCCL_VERSION_CODE < 0); }\n",
+    )
+    .expect("writing the test source");
+    for (cc, std) in [
+        ("gcc", "-std=c11"),
+        ("gcc", "-std=c99"),
+        ("g++", "-std=c++17"),
+    ] {
+        let mut cmd = Command::new(cc);
+        if cc == "g++" {
+            cmd.args(["-x", "c++"]);
+        }
+        let out = cmd
+            .args([
+                std,
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-pedantic",
+                "-fsyntax-only",
+            ])
+            .arg("-I")
+            .arg(repo().join("include"))
+            .arg(&src)
+            .output()
+            .expect("running the compiler");
+        assert!(
+            out.status.success(),
+            "{cc} {std}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn c_example_from_the_readme_runs_four_ranks() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("examples/c/xccl_example.c"), "xccl_example");
+    let before = shm_entries("xccl-");
+    // The example starts its own ranks (xcclGetUniqueId, then fork/exec of itself).
+    let mut launcher = Command::new(&exe);
+    launcher.arg("4");
+    let logs = Ranks::spawn("xccl_example", vec![launcher]).expect_success(TIMEOUT);
+    assert!(logs[0].contains("all 4 ranks ok"), "{}", logs[0]);
+    let new: Vec<_> = shm_entries("xccl-")
+        .into_iter()
+        .filter(|e| !before.contains(e))
+        .collect();
+    assert!(new.is_empty(), "the example left {new:?} in /dev/shm");
+}
+
+fn python() -> String {
+    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+#[test]
+fn python_ctypes_example_two_ranks_mpirun_and_four_ranks_torchrun() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let py = python();
+    let script = repo().join("examples/python/moe_demo.py");
+    let script = script.to_string_lossy().into_owned();
+    for (style, n) in [("mpirun", 2), ("torchrun", 4)] {
+        let logs = run_with_launcher_env(&[&py, &script], style, n);
+        for (r, l) in logs.iter().enumerate() {
+            assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+        }
+    }
+}
+
+#[test]
+fn install_step_pkg_config_and_static_library_build_the_example() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let prefix = out_dir().join(format!("prefix-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    let st = Command::new(repo().join("ci/install-capi.sh"))
+        .arg(&prefix)
+        .env("XCCL_LIB_DIR", lib_dir())
+        .status()
+        .expect("running ci/install-capi.sh");
+    assert!(st.success(), "ci/install-capi.sh failed");
+    let pkg = |args: &[&str]| {
+        let out = Command::new("pkg-config")
+            .args(args)
+            .arg("xccl")
+            .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
+            .output()
+            .expect("running pkg-config");
+        assert!(out.status.success(), "pkg-config {args:?} xccl failed");
+        String::from_utf8(out.stdout).expect("utf-8")
+    };
+    assert_eq!(pkg(&["--modversion"]).trim(), env!("CARGO_PKG_VERSION"));
+    let example = repo().join("examples/c/xccl_example.c");
+    // Shared: the README's command line, plus an rpath to the prefix.
+    let shared = prefix.join("xccl_example");
+    let libdir = prefix.join("lib");
+    let mut cc = Command::new("gcc");
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg(&example)
+        .args(pkg(&["--cflags", "--libs"]).split_whitespace())
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .arg("-o")
+        .arg(&shared);
+    assert!(cc.status().expect("gcc").success(), "{cc:?} failed");
+    // Static: libxccl.a and the private libraries pkg-config lists.
+    let fully = prefix.join("xccl_example_static");
+    let mut cc = Command::new("gcc");
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .arg(&example)
+        .args(pkg(&["--cflags"]).split_whitespace())
+        .arg(libdir.join("libxccl.a"))
+        .args(
+            pkg(&["--libs", "--static"])
+                .split_whitespace()
+                .filter(|a| *a != "-lxccl"),
+        )
+        .arg("-o")
+        .arg(&fully);
+    assert!(cc.status().expect("gcc").success(), "{cc:?} failed");
+    for exe in [&shared, &fully] {
+        let mut launcher = Command::new(exe);
+        launcher.arg("2");
+        let logs = Ranks::spawn("installed_example", vec![launcher]).expect_success(TIMEOUT);
+        assert!(logs[0].contains("all 2 ranks ok"), "{}", logs[0]);
+    }
+    let _ = std::fs::remove_dir_all(&prefix);
+}

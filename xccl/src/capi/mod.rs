@@ -1,0 +1,515 @@
+//! The C ABI declared by `include/xccl.h` (hand-written; `ci/check-capi.sh` checks that every
+//! declared function is exported here and nothing else is).
+//!
+//! This is the only module with `extern "C"`, raw pointers from callers and `catch_unwind`:
+//! this file holds the panic boundary, the handle registry and the pointer checks; `init.rs`
+//! the calls for errors, version, init, teardown and queries; `moe.rs` the A2E/E2A calls;
+//! `config.rs` the versioned `xcclConfig_t`.
+//!
+//! Rules every exported function follows:
+//! - the body runs inside [`catch_unwind`]: a panic becomes `xcclInternalError` and poisons the
+//!   communicator (the job is aborted with a reason naming the call); it never unwinds into C
+//!   and never aborts the host process;
+//! - every pointer is checked for NULL (`xcclInvalidArgument`, naming the argument) and for the
+//!   alignment of its type before it is read or written;
+//! - communicators, A2E handles and batches are *ids*, not addresses: the `xcclComm_t` a caller
+//!   holds is a number looked up in a registry, so a destroyed or made-up handle is reported
+//!   (`xcclInvalidUsage`) instead of being dereferenced;
+//! - a call on a communicator aborted with `xcclCommAbort` returns `xcclAborted`;
+//! - every failure leaves its message for `xcclGetLastError`.
+//!
+//! `xcclCommAbort` must work while another thread is blocked in a call on the same
+//! communicator, which holds the communicator's lock. So the communicator is built on a
+//! `SharedFabric` whose fabric this module also keeps: abort raises the fabric's abort flag
+//! directly, the blocked wait sees it within milliseconds and returns `Aborted`.
+
+#![allow(non_camel_case_types, non_snake_case)]
+
+mod config;
+mod init;
+mod moe;
+
+pub use init::*;
+pub use moe::*;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::fabric::{Capabilities, Fabric, Waiting, Window};
+use crate::{A2eHandle, Communicator, DType, Error, ExpertBatch, Role, TokenBatch};
+
+pub use config::xcclConfig_t;
+
+/// `xcclResult_t` (a C enum: an `int`).
+pub type xcclResult_t = c_int;
+
+/// `xcclSuccess`.
+pub const XCCL_SUCCESS: xcclResult_t = 0;
+/// `xcclInvalidArgument`: a NULL pointer, a value out of range, a buffer of the wrong size.
+pub const XCCL_INVALID_ARGUMENT: xcclResult_t = 1;
+/// `xcclInvalidUsage`: a call the state does not allow (wrong role, destroyed handle, order).
+pub const XCCL_INVALID_USAGE: xcclResult_t = 2;
+/// `xcclSystemError`: the OS or the rendezvous failed.
+pub const XCCL_SYSTEM_ERROR: xcclResult_t = 3;
+/// `xcclRemoteError`: a peer failed or broke the protocol.
+pub const XCCL_REMOTE_ERROR: xcclResult_t = 4;
+/// `xcclTimeout`: a wait passed the call's deadline.
+pub const XCCL_TIMEOUT: xcclResult_t = 5;
+/// `xcclAborted`: the job was aborted (here or by a peer).
+pub const XCCL_ABORTED: xcclResult_t = 6;
+/// `xcclUnavailable`: the fabric asked for is not available.
+pub const XCCL_UNAVAILABLE: xcclResult_t = 7;
+/// `xcclInternalError`: a bug in xccl (a panic or an impossible state).
+pub const XCCL_INTERNAL_ERROR: xcclResult_t = 8;
+
+/// A failed C call: its result code and message.
+#[derive(Debug)]
+pub(crate) struct Fail {
+    code: xcclResult_t,
+    msg: String,
+}
+
+impl Fail {
+    fn new(code: xcclResult_t, msg: impl Into<String>) -> Self {
+        Fail {
+            code,
+            msg: msg.into(),
+        }
+    }
+
+    fn invalid(msg: impl Into<String>) -> Self {
+        Fail::new(XCCL_INVALID_ARGUMENT, msg)
+    }
+
+    fn usage(msg: impl Into<String>) -> Self {
+        Fail::new(XCCL_INVALID_USAGE, msg)
+    }
+
+    fn from_error(e: &Error) -> Self {
+        Fail::new(code_of(e), e.to_string())
+    }
+
+    fn prefixed(mut self, what: &str) -> Self {
+        self.msg = format!("{what}: {}", self.msg);
+        self
+    }
+}
+
+impl From<Error> for Fail {
+    fn from(e: Error) -> Self {
+        Fail::from_error(&e)
+    }
+}
+
+/// The result code of an xccl error.
+fn code_of(e: &Error) -> xcclResult_t {
+    match e {
+        Error::InvalidArgument(_) => XCCL_INVALID_ARGUMENT,
+        Error::WrongRole(_) => XCCL_INVALID_USAGE,
+        Error::Timeout { .. } => XCCL_TIMEOUT,
+        Error::PeerFailed { .. } | Error::Protocol { .. } => XCCL_REMOTE_ERROR,
+        Error::Aborted { .. } => XCCL_ABORTED,
+        Error::Bootstrap(_) | Error::Os { .. } => XCCL_SYSTEM_ERROR,
+        Error::FabricUnavailable { .. } => XCCL_UNAVAILABLE,
+        Error::OutOfWindow { .. } => XCCL_INTERNAL_ERROR,
+        #[allow(unreachable_patterns)]
+        _ => XCCL_INTERNAL_ERROR,
+    }
+}
+
+thread_local! {
+    /// The message `xcclGetLastError` returns on this thread.
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The communicator whose arrival callback this thread is running (0: none).
+    static IN_CALLBACK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn set_thread_error(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+/// Null and alignment check of a pointer argument (an opaque handle's type has alignment 1, so
+/// for handles only NULL fails). Calls check their out-pointers before any side effect, so a
+/// bad out-pointer never loses a handle or a batch.
+fn check_ptr<T>(p: *mut T, name: &str) -> Result<(), Fail> {
+    if p.is_null() {
+        return Err(Fail::invalid(format!("{name} is NULL")));
+    }
+    if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        return Err(Fail::invalid(format!("{name} is not aligned")));
+    }
+    Ok(())
+}
+
+/// Null and alignment check of an output pointer, then the write.
+///
+/// # Safety
+/// `p`, when non-NULL, is valid for a write of `T`.
+unsafe fn put<T>(p: *mut T, v: T, name: &str) -> Result<(), Fail> {
+    check_ptr(p, name)?;
+    // SAFETY: non-NULL and aligned (checked); the caller guarantees it is writable.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// The `len` elements at `p` (NULL allowed when `len` is 0).
+///
+/// # Safety
+/// `p`, when non-NULL, is valid for reads of `len` `T`s that nobody writes while the slice
+/// lives.
+unsafe fn slice<'a, T>(p: *const T, len: usize, name: &str) -> Result<&'a [T], Fail> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(Fail::invalid(format!("{name} is NULL")));
+    }
+    if !(p as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        return Err(Fail::invalid(format!(
+            "{name} is not aligned to {} bytes",
+            std::mem::align_of::<T>()
+        )));
+    }
+    // SAFETY: non-NULL and aligned (checked); the caller guarantees `len` readable elements.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// The `len` bytes at `p`, writable (NULL allowed when `len` is 0).
+///
+/// # Safety
+/// `p`, when non-NULL, is valid for writes of `len` bytes nobody else touches meanwhile.
+unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, name: &str) -> Result<&'a mut [u8], Fail> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    if p.is_null() {
+        return Err(Fail::invalid(format!("{name} is NULL")));
+    }
+    // SAFETY: non-NULL (checked); the caller guarantees `len` writable bytes.
+    Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+}
+
+/// A fabric shared between the communicator and this module, so that `xcclCommAbort` reaches
+/// it while a call holds the communicator. Every method forwards, default ones included.
+struct SharedFabric(Arc<dyn Fabric>);
+
+impl Fabric for SharedFabric {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    fn window_len(&self, rank: usize) -> usize {
+        self.0.window_len(rank)
+    }
+    fn num_signal_slots(&self) -> usize {
+        self.0.num_signal_slots()
+    }
+    fn local_window(&self) -> Option<Window<'_>> {
+        self.0.local_window()
+    }
+    fn peer_window(&self, peer: usize) -> Option<Window<'_>> {
+        self.0.peer_window(peer)
+    }
+    fn put(&self, peer: usize, offset: usize, data: &[u8]) -> crate::Result<()> {
+        self.0.put(peer, offset, data)
+    }
+    fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> crate::Result<()> {
+        self.0.get(peer, offset, buf)
+    }
+    fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
+        self.0.signal(peer, slot, value)
+    }
+    fn signal_value(&self, slot: usize) -> u64 {
+        self.0.signal_value(slot)
+    }
+    fn flush(&self) -> crate::Result<()> {
+        self.0.flush()
+    }
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+    ) -> crate::Result<()> {
+        self.0.wait_until(deadline, poll)
+    }
+    fn barrier(&self, timeout: Duration) -> crate::Result<()> {
+        self.0.barrier(timeout)
+    }
+    fn abort(&self, reason: &str) {
+        self.0.abort(reason)
+    }
+    fn check_peer(&self, peer: usize) -> crate::Result<()> {
+        self.0.check_peer(peer)
+    }
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.0.aborted()
+    }
+    fn check_peers(&self) -> crate::Result<()> {
+        self.0.check_peers()
+    }
+    fn wait_signal(
+        &self,
+        slot: usize,
+        peer: usize,
+        what: &'static str,
+        deadline: Instant,
+        ready: &dyn Fn(u64) -> bool,
+    ) -> crate::Result<u64> {
+        self.0.wait_signal(slot, peer, what, deadline, ready)
+    }
+}
+
+/// What the C side's `xcclComm_t` names.
+struct Comm {
+    rank: usize,
+    nranks: usize,
+    role: Role,
+    local_experts: Vec<usize>,
+    num_attention: usize,
+    max_tokens: usize,
+    topk: usize,
+    row_bytes: usize,
+    dtype: DType,
+    comm: Mutex<Communicator>,
+    fabric: Arc<dyn Fabric>,
+    /// Set by `xcclCommAbort`.
+    aborted: AtomicBool,
+    /// The first error that poisoned the communicator (code and message).
+    first_error: Mutex<Option<(xcclResult_t, String)>>,
+    /// The message of the last failed call on this communicator.
+    last_error: Mutex<String>,
+    /// Batches whose reply went out, reused by the next receive (their buffers keep their
+    /// capacity, so steady-state receives do not allocate).
+    spare_expert: Mutex<Vec<ExpertBatch>>,
+    /// As `spare_expert`, token-major.
+    spare_token: Mutex<Vec<TokenBatch>>,
+}
+
+/// Keeps `batch` for the next receive (at most `MAX_IN_FLIGHT` spares).
+fn recycle<T>(pool: &Mutex<Vec<T>>, batch: T) {
+    let mut p = lock(pool);
+    if p.len() < crate::moe::config::MAX_IN_FLIGHT {
+        p.push(batch);
+    }
+}
+
+/// An opaque C handle (`xcclComm_t`): an id from a counter, never an address.
+pub enum xcclComm {}
+/// Opaque A2E handle (an id).
+pub enum xcclA2EHandle {}
+/// Opaque expert-major batch (an id).
+pub enum xcclExpertBatch {}
+/// Opaque token-major batch (an id).
+pub enum xcclTokenBatch {}
+
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0x100);
+static COMMS: Mutex<BTreeMap<usize, Arc<Comm>>> = Mutex::new(BTreeMap::new());
+static HANDLES: Mutex<BTreeMap<usize, (usize, A2eHandle)>> = Mutex::new(BTreeMap::new());
+static EXPERT_BATCHES: Mutex<BTreeMap<usize, ExpertBatchObj>> = Mutex::new(BTreeMap::new());
+static TOKEN_BATCHES: Mutex<BTreeMap<usize, TokenBatchObj>> = Mutex::new(BTreeMap::new());
+
+fn next_id() -> usize {
+    // Multiples of 16, so ids look like (and compare like) aligned pointers in debuggers.
+    NEXT_ID.fetch_add(1, Ordering::Relaxed) << 4
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct ExpertBatchObj {
+    comm: usize,
+    batch: ExpertBatch,
+    counts: Vec<usize>,
+    offsets: Vec<usize>,
+}
+
+struct TokenBatchObj {
+    comm: usize,
+    batch: TokenBatch,
+}
+
+/// `xcclExpertBatchInfo_t`.
+#[repr(C)]
+pub struct xcclExpertBatchInfo_t {
+    /// Rows (received (token, local expert) pairs).
+    pub numRows: usize,
+    /// Received tokens.
+    pub numTokens: usize,
+    /// Local experts of this rank.
+    pub numLocalExperts: usize,
+    /// `[numRows, hidden]` rows, expert-major.
+    pub rows: *const c_void,
+    /// Rows per local expert.
+    pub expertCounts: *const usize,
+    /// `numLocalExperts + 1` offsets.
+    pub expertOffsets: *const usize,
+    /// Per row: source attention rank.
+    pub srcRank: *const u32,
+    /// Per row: token index at the source.
+    pub srcToken: *const u32,
+    /// Per row: gating weight.
+    pub weights: *const f32,
+    /// With `keepInt8`: `[numRows, hidden]` INT8 values; else NULL.
+    pub int8Rows: *const i8,
+    /// With `keepInt8`: per-row scales; else NULL.
+    pub scales: *const f32,
+}
+
+/// `xcclTokenBatchInfo_t`.
+#[repr(C)]
+pub struct xcclTokenBatchInfo_t {
+    /// Received tokens.
+    pub numTokens: usize,
+    /// Stride of `localExperts` and `weights`.
+    pub topk: usize,
+    /// `[numTokens, hidden]` rows.
+    pub rows: *const c_void,
+    /// Per token: source attention rank.
+    pub srcRank: *const u32,
+    /// Per token: token index at the source.
+    pub srcToken: *const u32,
+    /// Per token: local experts it selected here.
+    pub expertCount: *const u32,
+    /// `[numTokens, topk]` local expert indices, ascending.
+    pub localExperts: *const u32,
+    /// `[numTokens, topk]` gating weights.
+    pub weights: *const f32,
+    /// With `keepInt8`: `[numTokens, hidden]` INT8 values; else NULL.
+    pub int8Rows: *const i8,
+    /// With `keepInt8`: per-token scales; else NULL.
+    pub scales: *const f32,
+}
+
+/// `xcclUniqueId`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct xcclUniqueId {
+    /// The encoded id.
+    pub internal: [c_char; 128],
+}
+
+/// Runs `f` inside the panic boundary, records its failure for `xcclGetLastError`, returns the
+/// code.
+fn guard(name: &str, f: impl FnOnce() -> Result<(), Fail>) -> xcclResult_t {
+    let outcome = catch_unwind(AssertUnwindSafe(f));
+    let fail = match outcome {
+        Ok(Ok(())) => return XCCL_SUCCESS,
+        Ok(Err(fail)) => fail,
+        Err(_) => Fail::new(XCCL_INTERNAL_ERROR, "internal error (panic); see stderr"),
+    };
+    set_thread_error(&format!("{name}: {}", fail.msg));
+    fail.code
+}
+
+fn lookup(comm: *mut xcclComm) -> Result<(usize, Arc<Comm>), Fail> {
+    if comm.is_null() {
+        return Err(Fail::invalid("comm is NULL"));
+    }
+    let id = comm as usize;
+    lock(&COMMS)
+        .get(&id)
+        .cloned()
+        .map(|c| (id, c))
+        .ok_or_else(|| {
+            Fail::usage(format!(
+                "comm {id:#x} is not a live communicator (destroyed, or not from xcclCommInit*)"
+            ))
+        })
+}
+
+/// Runs a call on a live, not aborted communicator, holding its lock: the panic boundary,
+/// the poisoned state and the error message.
+fn with_comm(
+    name: &str,
+    comm: *mut xcclComm,
+    f: impl FnOnce(usize, &Comm, &mut Communicator) -> Result<(), Fail>,
+) -> xcclResult_t {
+    let mut target = None;
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let (id, c) = lookup(comm)?;
+        target = Some(c.clone());
+        if IN_CALLBACK.with(|cb| cb.get()) == id {
+            return Err(Fail::usage(
+                "called from an arrival callback of this communicator (the receive is still running)",
+            ));
+        }
+        if c.aborted.load(Ordering::Acquire) {
+            return Err(Fail::new(
+                XCCL_ABORTED,
+                format!(
+                    "rank {}: the communicator was aborted by xcclCommAbort",
+                    c.rank
+                ),
+            ));
+        }
+        let mut guard = c.comm.lock().map_err(|_| {
+            Fail::new(
+                XCCL_INTERNAL_ERROR,
+                "the communicator was poisoned by an internal error (panic) in an earlier call",
+            )
+        })?;
+        let res = f(id, &c, &mut guard);
+        if let Some(e) = guard.poisoned() {
+            lock(&c.first_error).get_or_insert_with(|| (code_of(e), e.to_string()));
+        }
+        res
+    }));
+    let fail = match outcome {
+        Ok(Ok(())) => return XCCL_SUCCESS,
+        Ok(Err(fail)) => fail,
+        Err(_) => {
+            let msg = "internal error (panic); the communicator is poisoned and the job aborted";
+            if let Some(c) = &target {
+                c.fabric
+                    .abort(&format!("rank {}: panic inside {name}", c.rank));
+                lock(&c.first_error).get_or_insert((XCCL_INTERNAL_ERROR, msg.to_string()));
+            }
+            Fail::new(XCCL_INTERNAL_ERROR, msg)
+        }
+    };
+    let msg = format!("{name}: {}", fail.msg);
+    if let Some(c) = &target {
+        *lock(&c.last_error) = msg.clone();
+    }
+    set_thread_error(&msg);
+    fail.code
+}
+
+/// Like [`with_comm`] for queries: no lock, answers from what init cached.
+fn query(
+    name: &str,
+    comm: *mut xcclComm,
+    f: impl FnOnce(&Comm) -> Result<(), Fail>,
+) -> xcclResult_t {
+    guard(name, || {
+        let (_, c) = lookup(comm)?;
+        if c.aborted.load(Ordering::Acquire) {
+            return Err(Fail::new(
+                XCCL_ABORTED,
+                format!(
+                    "rank {}: the communicator was aborted by xcclCommAbort",
+                    c.rank
+                ),
+            ));
+        }
+        f(&c)
+    })
+}
+
+#[cfg(test)]
+mod tests;
