@@ -11,6 +11,10 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v pkg-config >/dev/null 2>&1 || need+=(pkg-config)
 command -v python3 >/dev/null 2>&1 || need+=(python3)
 command -v nm >/dev/null 2>&1 || need+=(binutils)
+# libfabric for the ofi fabric (its tests use the real tcp provider), clang for bindgen.
+[ -f /usr/include/rdma/fabric.h ] || need+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || need+=(libfabric-bin)
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need+=(libclang-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "ci/test.sh: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
@@ -19,7 +23,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt
 
-echo "== bindings"
+echo "== ofi bindings"
+ci/gen-ofi-bindings.sh --check
+echo "== acl bindings"
 # The committed bindgen output must match the header it is generated from (installs bindgen-cli
 # and libclang-dev when missing).
 bash ci/gen-acl-bindings.sh --check
@@ -37,6 +43,11 @@ echo "== leftovers"
 left=$(ls /dev/shm | grep -i '^xccl' || true)
 if [ -n "$left" ]; then
   echo "ci/test.sh: /dev/shm holds xccl segments after the tests: $left" >&2
+  exit 1
+fi
+left=$(ip netns list 2>/dev/null | grep '^xccl-' || true)
+if [ -n "$left" ]; then
+  echo "ci/test.sh: network namespaces of the ofi tests left behind: $left" >&2
   exit 1
 fi
 passed=$(grep -E '^test result:' target/test-output.txt | awk '{p+=$4; f+=$6} END {print p+0, f+0}')

@@ -142,21 +142,29 @@ impl Job {
     /// Starts a bootstrap root and spawns `size` ranks of this test binary, each running the
     /// test function `entry` (the one that calls [`child_main`]) with scenario `scenario`.
     pub fn spawn(entry: &str, scenario: &str, size: usize) -> Job {
-        Self::spawn_with_env(entry, scenario, size, &[])
+        let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+        Job::spawn_with(
+            entry,
+            scenario,
+            size,
+            &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
+            &|_, _| {},
+        )
     }
 
-    /// [`Job::spawn`] with extra environment variables for every rank (`None` removes one).
-    pub fn spawn_with_env(
+    /// [`Job::spawn`] with the bootstrap root made by `start_root(job_id)` (e.g. bound in
+    /// another network namespace) and each rank's command adjusted by `customize(rank, cmd)`
+    /// before it is spawned (environment, `pre_exec`).
+    pub fn spawn_with(
         entry: &str,
         scenario: &str,
         size: usize,
-        env: &[(&str, Option<&str>)],
+        start_root: &dyn Fn(u64) -> xccl::Result<(UniqueId, RootHandle)>,
+        customize: &dyn Fn(usize, &mut Command),
     ) -> Job {
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let job_id = unique_job_id();
-        let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
-        let (id, root) =
-            UniqueId::start_root(bind, RootConfig::new(job_id)).expect("starting bootstrap root");
+        let (id, root) = start_root(job_id).expect("starting bootstrap root");
         let exe = std::env::current_exe().expect("current_exe");
         let mut job = Job {
             ranks: Vec::with_capacity(size),
@@ -166,20 +174,17 @@ impl Job {
             _serial: serial,
         };
         for rank in 0..size {
-            let mut command = Command::new(&exe);
-            for (k, _) in env.iter().filter(|(_, v)| v.is_none()) {
-                command.env_remove(k);
-            }
-            let mut child = command
-                .args([entry, "--exact", "--nocapture", "--test-threads=1"])
+            let mut cmd = Command::new(&exe);
+            cmd.args([entry, "--exact", "--nocapture", "--test-threads=1"])
                 .env(SCENARIO_ENV, scenario)
                 .env(RANK_ENV, rank.to_string())
                 .env(SIZE_ENV, size.to_string())
                 .env(ID_ENV, id.to_string())
-                .envs(env.iter().filter_map(|(k, v)| v.map(|v| (k, v))))
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
+                .stderr(Stdio::piped());
+            customize(rank, &mut cmd);
+            let mut child = cmd
                 .spawn()
                 .unwrap_or_else(|e| panic!("spawning rank {rank}: {e}"));
             let output = Arc::new(Mutex::new(String::new()));

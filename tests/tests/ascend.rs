@@ -18,6 +18,7 @@
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
+use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,7 +26,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use xccl::bootstrap::Exchange;
+use xccl::bootstrap::{Exchange, RootConfig, UniqueId};
 use xccl::fabric::ascend::AscendFabric;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::{deadline_after, Fabric};
@@ -691,7 +692,22 @@ fn spawn(scenario: &str, size: usize, via: Via, extra: &[(&str, Option<&str>)]) 
         }
     }
     env.extend_from_slice(extra);
-    (Job::spawn_with_env(ENTRY, scenario, size, &env), segs)
+    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+    let job = Job::spawn_with(
+        ENTRY,
+        scenario,
+        size,
+        &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
+        &|_, cmd| {
+            for (k, v) in &env {
+                match v {
+                    Some(v) => cmd.env(k, v),
+                    None => cmd.env_remove(k),
+                };
+            }
+        },
+    );
+    (job, segs)
 }
 
 fn run_ok(scenario: &str, size: usize, via: Via, timeout: Duration) {

@@ -21,6 +21,15 @@ TIMING
   (one row per (token, destination rank)); the round trip counts twice that.
   algbw = bytes_per_rank / p50. vs_memcpy = algbw / bandwidth of a memcpy of the same bytes
   between two buffers of that size, timed the same way (p50) on rank 0 after the run.
+  With --buffers registered the caller's copy into a2e_input / e2a_output (and their credit
+  waits) is part of the A2E / E2A.
+
+LIMITS (same run, same fabric, same wait policy)
+  limit(us): p50 of streaming the same bytes between processes: attention rank a writes them
+  into expert rank M+a's window in --chunk-bytes chunks with a signal per chunk, the expert
+  copies each chunk out, then streams them back the same way (min(M,N) pairs at once).
+  vs_limit = limit p50 / xccl p50 (1.0 = at the limit). floor: the same with one row each way
+  and one pair, a cross-process ping-pong, printed beside the T=1 round trip.
 
 LAUNCHING
   Without a launcher, xccl-bench starts M+N rank processes itself (--fabric shm) or runs the
@@ -103,6 +112,11 @@ pub struct Args {
     #[arg(long, value_name = "S")]
     pub skew: Option<f64>,
 
+    /// Rows on the wire: `none` (the dtype), `int8` (INT8 with a per-token scale, A2E and E2A),
+    /// or `both` (the whole sweep without, then with INT8, in the same run and processes).
+    #[arg(long, value_enum, default_value_t = QuantChoice::None)]
+    pub quant: QuantChoice,
+
     /// Replay every iteration through `xccl::testing::harness` (reference expert, untimed) and compare
     /// with the reference; exit non-zero on any mismatch.
     #[arg(long)]
@@ -112,19 +126,49 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
 
-    /// Write a PNG of the sweep: p50 latency and algbw vs tokens.
+    /// Write an SVG plot of the sweep: p50 latency and algbw vs tokens (log scale), with the
+    /// streaming limit and, with `--mpi-baseline`, the MPI baseline.
     #[arg(long, value_name = "PATH")]
     pub plot: Option<PathBuf>,
+
+    /// Output of `benches/baselines/moe_alltoallv.c` (its `MPIBASE` lines, as `ci/mpi-baseline.sh`
+    /// saves them) for the same routing: adds `mpi(us)` and `vs_mpi` to the table and JSON and
+    /// the MPI lines to the plot.
+    #[arg(long, value_name = "PATH")]
+    pub mpi_baseline: Option<PathBuf>,
 
     /// Write the routing of every iteration (format in xccl-bench/README.md) so another program
     /// replays the same traffic.
     #[arg(long, value_name = "PATH")]
     pub routing_out: Option<PathBuf>,
 
+    /// Only write `--routing-out` and exit (no ranks are started), so the MPI baseline can run
+    /// first and its output be given to the measured run with `--mpi-baseline`.
+    #[arg(long, requires = "routing_out")]
+    pub routing_only: bool,
+
+    /// Pinning of the rank processes this launcher starts (`--fabric shm`, no external
+    /// launcher): `auto` pins rank r to the r-th allowed CPU when every rank has one (as
+    /// `mpirun --bind-to core`) and leaves them unpinned when ranks outnumber CPUs (as
+    /// `--bind-to none`); `core` always pins (round robin); `none` never does.
+    #[arg(long, value_enum, default_value_t = Bind::Auto)]
+    pub bind: Bind,
+
     /// Deadline in seconds of every wait and rendezvous step. The launcher kills every rank when
     /// one fails or when the job exceeds SECS x (2 + number of token counts).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub timeout: f64,
+}
+
+/// Which wire formats a run measures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum QuantChoice {
+    /// Rows in the dtype.
+    None,
+    /// INT8 rows with a per-token f32 scale (A2E and E2A).
+    Int8,
+    /// Both, one sweep after the other.
+    Both,
 }
 
 /// Which fabric carries the traffic.
@@ -134,6 +178,8 @@ pub enum FabricKind {
     Shm,
     /// Threads of one process.
     Local,
+    /// libfabric (`XCCL_OFI_PROVIDER`, default `tcp;ofi_rxm`; `XCCL_OFI_ADDR` picks the interface).
+    Ofi,
 }
 
 impl FabricKind {
@@ -142,12 +188,35 @@ impl FabricKind {
         match self {
             FabricKind::Shm => "shm",
             FabricKind::Local => "local",
+            FabricKind::Ofi => "ofi",
         }
     }
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
     DType::parse(s).map_err(|e| e.to_string())
+}
+
+/// CPU pinning of rank processes (see `--bind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Bind {
+    /// Pin when ranks <= allowed CPUs.
+    Auto,
+    /// Pin rank r to allowed CPU r mod CPUs.
+    Core,
+    /// Never pin.
+    None,
+}
+
+impl Bind {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Bind::Auto => "auto",
+            Bind::Core => "core",
+            Bind::None => "none",
+        }
+    }
 }
 
 /// Where rows come from and go to (see `--buffers`).
@@ -219,6 +288,16 @@ impl Args {
         if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(format!("--timeout must be positive, got {}", self.timeout));
         }
+        if let Some(p) = &self.plot {
+            let ext = p.extension().and_then(|e| e.to_str()).unwrap_or("");
+            if !ext.eq_ignore_ascii_case("svg") {
+                return Err(format!(
+                    "--plot writes SVG: give a .svg path, not {} (render a PNG with \
+                     `rsvg-convert -o plot.png plot.svg`)",
+                    p.display()
+                ));
+            }
+        }
         if self.buffers == BufferKind::Registered && self.layout == ExpertLayout::Expert {
             return Err(
                 "--buffers registered needs --layout token (expert-major rows are reduced \
@@ -242,6 +321,20 @@ impl Args {
     /// Largest token count of the sweep.
     pub fn max_tokens(&self) -> usize {
         self.tokens.iter().copied().max().unwrap_or(1).max(1)
+    }
+
+    /// The wire formats of the run, in order: each runs the whole token sweep.
+    pub fn quants(&self) -> Vec<xccl::Quant> {
+        match self.quant {
+            QuantChoice::None => vec![xccl::Quant::None],
+            QuantChoice::Int8 => vec![xccl::Quant::Int8],
+            QuantChoice::Both => vec![xccl::Quant::None, xccl::Quant::Int8],
+        }
+    }
+
+    /// Sweep points of the run: every token count once per wire format.
+    pub fn points(&self) -> usize {
+        self.tokens.len() * self.quants().len()
     }
 
     /// Iterations run per token count (warmup plus measured).

@@ -170,3 +170,33 @@ fn kill_all(children: &mut [Option<Child>]) {
         *slot = None;
     }
 }
+
+/// Pins this process (rank `rank` of `size`) to one CPU of the set it may run on, per `bind`.
+/// Returns the CPU, or `None` when left unpinned.
+pub fn bind_rank(
+    bind: crate::cli::Bind,
+    rank: usize,
+    size: usize,
+) -> Result<Option<usize>, String> {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let allowed =
+        sched_getaffinity(Pid::from_raw(0)).map_err(|e| format!("sched_getaffinity: {e}"))?;
+    let cpus: Vec<usize> = (0..CpuSet::count())
+        .filter(|&c| allowed.is_set(c).unwrap_or(false))
+        .collect();
+    let pin = match bind {
+        crate::cli::Bind::None => false,
+        crate::cli::Bind::Core => true,
+        crate::cli::Bind::Auto => size <= cpus.len(),
+    };
+    if !pin || cpus.is_empty() {
+        return Ok(None);
+    }
+    let cpu = cpus[rank % cpus.len()];
+    let mut set = CpuSet::new();
+    set.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+    sched_setaffinity(Pid::from_raw(0), &set)
+        .map_err(|e| format!("pinning rank {rank} to CPU {cpu}: {e}"))?;
+    Ok(Some(cpu))
+}

@@ -1,5 +1,7 @@
 //! `xccl-bench`: A2E, E2A and round-trip latency and bandwidth between M attention and N expert
-//! ranks, printed as an nccl-tests style table and optionally written as JSON and a PNG.
+//! ranks, printed as an nccl-tests style table beside the machine's limits (memcpy, the
+//! cross-process streaming limit, the one-row ping-pong floor), optionally written as JSON and an
+//! SVG plot.
 //!
 //! With no arguments it runs the DeepSeek-V3 decode shape scaled to one host (H=7168, bf16,
 //! top-8 of 64 experts, 128 tokens per attention rank, 2A:2E) on shared memory, starting its own
@@ -8,6 +10,7 @@
 
 mod cli;
 mod launch;
+mod limit;
 mod plot;
 mod report;
 mod routing;
@@ -19,12 +22,46 @@ use std::sync::Arc;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use xccl::fabric::shm::ShmFabric;
+use xccl::fabric::WaitPolicy;
 use xccl::Communicator;
 
 use cli::{Args, FabricKind};
 use run::RankReport;
 
+/// Installs a `tracing` subscriber writing to stderr at the level `XCCL_DEBUG` names
+/// (`error`, `warn`, `info`, `debug`, `trace`, `off`; like `NCCL_DEBUG`), default `warn`.
+fn init_logging() {
+    use std::io::IsTerminal;
+    use tracing_subscriber::filter::LevelFilter;
+    let var = std::env::var("XCCL_DEBUG").unwrap_or_default();
+    let level = match var.trim().to_ascii_lowercase().as_str() {
+        "off" | "none" => LevelFilter::OFF,
+        "error" => LevelFilter::ERROR,
+        "" | "warn" | "warning" => LevelFilter::WARN,
+        "info" => LevelFilter::INFO,
+        "debug" => LevelFilter::DEBUG,
+        "trace" => LevelFilter::TRACE,
+        _ => {
+            eprintln!("xccl-bench: XCCL_DEBUG={var} is not one of off, error, warn, info, debug, trace; using warn");
+            LevelFilter::WARN
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// The wait policy of the ranks of this run: [`WaitPolicy::for_ranks_on_host`] with the world
+/// size, decided before any pinning (a pinned rank may run on one CPU only, but the job has one
+/// per rank).
+fn wait_policy(args: &Args) -> WaitPolicy {
+    WaitPolicy::for_ranks_on_host(args.world_size())
+}
+
 fn main() -> ExitCode {
+    init_logging();
     let args = Args::parse();
     if let Err(e) = args.validate() {
         eprintln!("xccl-bench: {e}");
@@ -43,9 +80,17 @@ fn main() -> ExitCode {
 }
 
 fn real_main(args: &Args) -> Result<i32, String> {
+    if args.routing_only {
+        write_routing(args)?;
+        return Ok(0);
+    }
     let timeout = args.timeout();
     if let Some(env) = launch::child_rank(timeout)? {
-        return process_rank(args, env);
+        // Our own children: pinned as `--bind` says (an external launcher pins its own).
+        let policy = wait_policy(args);
+        let cpu = launch::bind_rank(args.bind, env.rank, args.world_size())?;
+        tracing::info!(rank = env.rank, ?cpu, "rank pinning");
+        return process_rank(args, env, policy);
     }
     if args.fabric == FabricKind::Local {
         return run_local(args);
@@ -62,15 +107,15 @@ fn real_main(args: &Args) -> Result<i32, String> {
             ));
         }
         let env = launch::launcher_rank(&launched, timeout)?;
-        return process_rank(args, env);
+        return process_rank(args, env, wait_policy(args));
     }
-    let limit = timeout.mul_f64(2.0 + args.tokens.len() as f64);
+    let limit = timeout.mul_f64(2.0 + args.points() as f64);
     launch::spawn_ranks(args.world_size(), limit)
 }
 
 fn progress(args: &Args) -> ProgressBar {
     let per_point = args.rounds() * if args.check { 2 } else { 1 };
-    let pb = ProgressBar::new((args.tokens.len() * per_point) as u64);
+    let pb = ProgressBar::new((args.points() * per_point) as u64);
     if let Ok(style) = ProgressStyle::with_template("{prefix} [{bar:40}] {pos}/{len} {elapsed}") {
         pb.set_style(style.progress_chars("=> "));
     }
@@ -79,7 +124,7 @@ fn progress(args: &Args) -> ProgressBar {
 }
 
 /// One rank of a multi-process job on shared memory.
-fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
+fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result<i32, String> {
     let e = |e: xccl::Error| e.to_string();
     let topo = run::topology(args).map_err(e)?;
     let cfg = run::moe_config(args);
@@ -87,14 +132,31 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     if env.rank == 0 {
         write_routing(args)?;
     }
-    let fabric = ShmFabric::with_timeout(
-        env.exchange.clone(),
-        lens[env.rank],
-        Communicator::signal_slots(&topo),
-        args.timeout(),
-    )
-    .map_err(e)?;
-    let mut comm = Communicator::new(Box::new(fabric), Arc::new(topo), cfg).map_err(e)?;
+    let slots = Communicator::signal_slots(&topo);
+    let fabric: Box<dyn xccl::fabric::Fabric> = if args.fabric == FabricKind::Ofi {
+        let opts = xccl::fabric::ofi::OfiOptions {
+            timeout: args.timeout(),
+            ..Default::default()
+        };
+        let ex = env.exchange.clone();
+        Box::new(
+            xccl::fabric::ofi::OfiFabric::with_options(ex, lens[env.rank], slots, &opts)
+                .map_err(e)?,
+        )
+    } else {
+        let ex = env.exchange.clone();
+        let mut fabric =
+            ShmFabric::with_timeout(ex, lens[env.rank], slots, args.timeout()).map_err(e)?;
+        fabric.set_wait_policy(policy);
+        tracing::info!(
+            rank = env.rank,
+            size = args.world_size(),
+            ?policy,
+            "xccl-bench rank joined the shm fabric"
+        );
+        Box::new(fabric)
+    };
+    let mut comm = Communicator::new(fabric, Arc::new(topo), cfg).map_err(e)?;
     let records = comm.a2e_records_per_call();
     let pb = (env.rank == 0).then(|| progress(args));
     let report = match run::run_rank(&mut comm, args, pb.as_ref()) {
@@ -107,9 +169,36 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
+    // The limits, on a fabric of their own over the same bootstrap, same processes.
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let limit_words = ShmFabric::with_timeout(
+        env.exchange.clone(),
+        plan.window_len(),
+        limit::slots(args.world_size()),
+        args.timeout(),
+    )
+    .and_then(|mut f| {
+        f.set_wait_policy(policy);
+        let r = limit::run(&f, args, &plan);
+        if let Err(e) = &r {
+            xccl::fabric::Fabric::abort(&f, &format!("xccl-bench limit: {e}"));
+        }
+        r
+    });
+    let limit_words = match limit_words {
+        Ok(w) => w,
+        Err(err) => {
+            let _ = env.exchange.broadcast_abort(&err.to_string());
+            return Err(format!("measuring the streaming limit: {err}"));
+        }
+    };
     let blobs = env
         .exchange
         .allgather(&report.encode(), args.timeout())
+        .map_err(e)?;
+    let limit_blobs = env
+        .exchange
+        .allgather(&encode_words(&limit_words), args.timeout())
         .map_err(e)?;
     drop(comm);
     if env.rank != 0 {
@@ -119,7 +208,18 @@ fn process_rank(args: &Args, env: launch::RankEnv) -> Result<i32, String> {
         .iter()
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
-    finish(args, &reports, records)
+    let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
+    finish(args, &reports, records, &plan, &limit_words, policy)
+}
+
+fn encode_words(words: &[u64]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+fn decode_words(blob: &[u8]) -> Vec<u64> {
+    blob.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
 }
 
 /// Every rank as a thread of this process on the `local` fabric.
@@ -152,7 +252,16 @@ fn run_local(args: &Args) -> Result<i32, String> {
     });
     pb.finish_and_clear();
     let reports = results.into_iter().collect::<Result<Vec<_>, _>>()?;
-    finish(args, &reports, records)
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let limit_words = limit::run_local(args, &plan)?;
+    finish(
+        args,
+        &reports,
+        records,
+        &plan,
+        &limit_words,
+        wait_policy(args),
+    )
 }
 
 fn write_routing(args: &Args) -> Result<(), String> {
@@ -162,10 +271,36 @@ fn write_routing(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
-/// On rank 0 after the run: statistics, memcpy reference, table, JSON, plot. Returns the exit code.
-fn finish(args: &Args, reports: &[RankReport], records: usize) -> Result<i32, String> {
+/// On rank 0 after the run: statistics, memcpy reference, limits, table, JSON, plot. Returns
+/// the exit code.
+fn finish(
+    args: &Args,
+    reports: &[RankReport],
+    records: usize,
+    plan: &limit::Plan,
+    limit_words: &[Vec<u64>],
+    policy: WaitPolicy,
+) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
+    let limits = limit::aggregate(args, plan, limit_words);
+    report::attach_limits(args, &mut rows, &limits);
+    let mpi = match &args.mpi_baseline {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            let mpi = report::MpiBaseline::parse(&text)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            report::attach_mpi(&mut rows, &mpi);
+            Some(mpi)
+        }
+        None => None,
+    };
+    let extras = report::Extras {
+        floor: limits.last().copied(),
+        mpi,
+        wait_policy: format!("{policy:?}"),
+    };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {
         (false, _) => "skipped",
@@ -173,26 +308,34 @@ fn finish(args: &Args, reports: &[RankReport], records: usize) -> Result<i32, St
         (true, false) => "failed",
     };
     let machine = report::Machine::detect();
-    print!("{}", report::table(args, &machine, &rows, check));
+    print!("{}", report::table(args, &machine, &rows, check, &extras));
+    if args.quants().len() > 1 {
+        print!("{}", report::quant_summary(&rows));
+    }
     for m in mismatches.iter().take(10) {
         eprintln!("xccl-bench: check failed: {m}");
     }
     if let Some(path) = &args.json {
-        let doc = report::to_json(args, &machine, &rows, check);
+        let doc = report::to_json(args, &machine, &rows, check, &extras);
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
             .map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     if let Some(path) = &args.plot {
-        let subtitle = format!(
-            "{}A:{}E H={} {} {}",
+        let title = format!(
+            "xccl-bench {}A:{}E H={} {} {}, {} layout, {} buffers",
             args.attention,
             args.experts,
             args.hidden,
             args.dtype.name(),
-            args.fabric.name()
+            args.fabric.name(),
+            args.layout.name(),
+            args.buffers.name(),
         );
-        plot::write(path, &rows, &subtitle)
+        // One wire format per plot: the first of the run.
+        let first = rows.first().map_or("none", |r| r.quant);
+        let plotted: Vec<_> = rows.iter().filter(|r| r.quant == first).cloned().collect();
+        plot::write(path, &plotted, &title)
             .map_err(|e| format!("writing {}: {e}", path.display()))?;
     }
     Ok(if check == "failed" { 1 } else { 0 })

@@ -1,282 +1,249 @@
-//! `--plot`: a PNG of a sweep, p50 latency (left) and algorithm bandwidth (right) against tokens,
-//! one line per operation. Drawn by hand (a 3x5 pixel font, an uncompressed PNG writer) so the
-//! benchmark needs no font or image library.
+//! `--plot`: an SVG of a sweep, drawn with `plotters` (its SVG backend writes text as SVG
+//! `<text>`, so no system font is needed): p50 latency (left) and algorithm bandwidth (right)
+//! against tokens per attention rank, both axes logarithmic. One colour per operation: xccl
+//! solid with points, the streaming limit of the same bytes dashed, the MPI baseline (when
+//! given) dotted with crosses.
 
 use std::path::Path;
 
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
 use crate::report::{ResultRow, OPS};
 
-const W: usize = 960;
-const H: usize = 420;
-const COLORS: [[u8; 3]; 3] = [[31, 119, 180], [214, 39, 40], [44, 160, 44]];
+const W: u32 = 1200;
+const H: u32 = 520;
+const COLORS: [RGBColor; 3] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+];
 
-struct Canvas {
-    px: Vec<u8>,
+/// Which figure of a row a panel shows.
+#[derive(Clone, Copy)]
+enum Panel {
+    Latency,
+    Bandwidth,
 }
 
-impl Canvas {
-    fn new() -> Self {
-        Canvas {
-            px: vec![255; W * H * 3],
+impl Panel {
+    fn title(self) -> &'static str {
+        match self {
+            Panel::Latency => "p50 latency (us)",
+            Panel::Bandwidth => "algbw (GB/s)",
         }
     }
 
-    fn set(&mut self, x: i64, y: i64, c: [u8; 3]) {
-        if (0..W as i64).contains(&x) && (0..H as i64).contains(&y) {
-            let i = (y as usize * W + x as usize) * 3;
-            self.px[i..i + 3].copy_from_slice(&c);
+    /// (xccl, limit, mpi) values of a row in this panel's unit.
+    fn values(self, r: &ResultRow) -> (f64, Option<f64>, Option<f64>) {
+        let bw = |us: f64| r.bytes_per_rank as f64 / (us * 1e3);
+        match self {
+            Panel::Latency => (r.p50_us, r.limit_us, r.mpi_us),
+            Panel::Bandwidth => (
+                r.algbw_gbps,
+                r.limit_us.filter(|&l| l > 0.0).map(bw),
+                r.mpi_us.filter(|&m| m > 0.0).map(bw),
+            ),
         }
     }
+}
 
-    fn rect(&mut self, x: i64, y: i64, w: i64, h: i64, c: [u8; 3]) {
-        for yy in y..y + h {
-            for xx in x..x + w {
-                self.set(xx, yy, c);
-            }
-        }
-    }
+type Series = Vec<(f64, f64)>;
 
-    /// A line `thick` pixels wide (Bresenham with a square pen).
-    fn line(&mut self, (x0, y0): (i64, i64), (x1, y1): (i64, i64), c: [u8; 3], thick: i64) {
-        let (dx, dy) = ((x1 - x0).abs(), -(y1 - y0).abs());
-        let (sx, sy) = (if x0 < x1 { 1 } else { -1 }, if y0 < y1 { 1 } else { -1 });
-        let (mut x, mut y, mut err) = (x0, y0, dx + dy);
-        loop {
-            self.rect(x - thick / 2, y - thick / 2, thick, thick, c);
-            if x == x1 && y == y1 {
-                break;
-            }
-            let e2 = 2 * err;
-            if e2 >= dy {
-                err += dy;
-                x += sx;
-            }
-            if e2 <= dx {
-                err += dx;
-                y += sy;
-            }
-        }
-    }
-
-    /// Text in the 3x5 font, scaled by 2; unknown characters are blank.
-    fn text(&mut self, x: i64, y: i64, s: &str, c: [u8; 3]) {
-        const SCALE: i64 = 2;
-        for (i, ch) in s.chars().enumerate() {
-            let rows = glyph(ch.to_ascii_uppercase());
-            for (r, bits) in rows.iter().enumerate() {
-                for b in 0..3 {
-                    if bits & (4 >> b) != 0 {
-                        let px = x + (i as i64 * 4 + b) * SCALE;
-                        self.rect(px, y + r as i64 * SCALE, SCALE, SCALE, c);
-                    }
+/// Per op: xccl, limit and MPI points of `panel`, positive values only (log axes).
+fn series(rows: &[ResultRow], panel: Panel) -> Vec<(&'static str, Series, Series, Series)> {
+    OPS.iter()
+        .map(|&op| {
+            let mut mine: Vec<&ResultRow> = rows.iter().filter(|r| r.op == op).collect();
+            mine.sort_by_key(|r| r.tokens);
+            let (mut x, mut l, mut m) = (Vec::new(), Vec::new(), Vec::new());
+            for r in mine {
+                let t = r.tokens as f64;
+                let (v, lim, mpi) = panel.values(r);
+                if v > 0.0 {
+                    x.push((t, v));
+                }
+                if let Some(v) = lim.filter(|&v| v > 0.0) {
+                    l.push((t, v));
+                }
+                if let Some(v) = mpi.filter(|&v| v > 0.0) {
+                    m.push((t, v));
                 }
             }
-        }
-    }
-
-    fn text_width(s: &str) -> i64 {
-        s.chars().count() as i64 * 8
-    }
+            (op, x, l, m)
+        })
+        .collect()
 }
 
-/// Rows (3 bits each, MSB left) of a 3x5 glyph.
-fn glyph(c: char) -> [u8; 5] {
-    match c {
-        '0' => [7, 5, 5, 5, 7],
-        '1' => [2, 6, 2, 2, 7],
-        '2' => [7, 1, 7, 4, 7],
-        '3' => [7, 1, 3, 1, 7],
-        '4' => [5, 5, 7, 1, 1],
-        '5' => [7, 4, 7, 1, 7],
-        '6' => [7, 4, 7, 5, 7],
-        '7' => [7, 1, 1, 2, 2],
-        '8' => [7, 5, 7, 5, 7],
-        '9' => [7, 5, 7, 1, 7],
-        'A' => [2, 5, 7, 5, 5],
-        'B' => [6, 5, 6, 5, 6],
-        'C' => [3, 4, 4, 4, 3],
-        'D' => [6, 5, 5, 5, 6],
-        'E' => [7, 4, 6, 4, 7],
-        'F' => [7, 4, 6, 4, 4],
-        'G' => [3, 4, 5, 5, 3],
-        'H' => [5, 5, 7, 5, 5],
-        'I' => [7, 2, 2, 2, 7],
-        'K' => [5, 5, 6, 5, 5],
-        'L' => [4, 4, 4, 4, 7],
-        'M' => [5, 7, 7, 5, 5],
-        'N' => [6, 5, 5, 5, 5],
-        'O' => [2, 5, 5, 5, 2],
-        'P' => [6, 5, 6, 4, 4],
-        'R' => [6, 5, 6, 5, 5],
-        'S' => [3, 4, 2, 1, 6],
-        'T' => [7, 2, 2, 2, 2],
-        'U' => [5, 5, 5, 5, 7],
-        'W' => [5, 5, 7, 7, 5],
-        'X' => [5, 5, 2, 5, 5],
-        'Y' => [5, 5, 2, 2, 2],
-        '.' => [0, 0, 0, 0, 2],
-        ',' => [0, 0, 0, 2, 4],
-        ':' => [0, 2, 0, 2, 0],
-        '-' => [0, 0, 7, 0, 0],
-        '/' => [1, 1, 2, 4, 4],
-        '(' => [1, 2, 2, 2, 1],
-        ')' => [4, 2, 2, 2, 4],
-        '=' => [0, 7, 0, 7, 0],
-        _ => [0; 5],
-    }
-}
-
-/// A short number label: 3 significant digits at most.
-fn fmt_num(v: f64) -> String {
-    if v >= 100.0 || v == 0.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
+/// A log range around `lo..hi` with some margin, never empty.
+fn log_range(lo: f64, hi: f64) -> std::ops::Range<f64> {
+    let (lo, hi) = if lo.is_finite() && hi.is_finite() && lo > 0.0 {
+        (lo, hi.max(lo))
     } else {
-        format!("{v:.2}")
-    }
-}
-
-/// Draws one panel: `value` of each row against tokens.
-fn panel(cv: &mut Canvas, x0: i64, rows: &[ResultRow], title: &str, value: fn(&ResultRow) -> f64) {
-    let (left, top, w, h) = (x0 + 70, 50i64, 360i64, 300i64);
-    let black = [0, 0, 0];
-    let grey = [200, 200, 200];
-    cv.text(left + (w - Canvas::text_width(title)) / 2, 20, title, black);
-    let mut tokens: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
-    tokens.sort_unstable();
-    tokens.dedup();
-    let log = |t: usize| (t.max(1) as f64).log2();
-    let (tmin, tmax) = (
-        log(tokens[0]),
-        log(*tokens.last().expect("one token count")),
-    );
-    let xpos = |t: usize| {
-        if tmax > tmin {
-            left + ((log(t) - tmin) / (tmax - tmin) * w as f64) as i64
-        } else {
-            left + w / 2
-        }
+        (1.0, 10.0)
     };
-    let vmax = rows.iter().map(value).fold(0.0, f64::max).max(1e-9) * 1.1;
-    let ypos = |v: f64| top + h - (v / vmax * h as f64) as i64;
-    for i in 0..=4 {
-        let v = vmax * i as f64 / 4.0;
-        let y = ypos(v);
-        cv.line((left, y), (left + w, y), grey, 1);
-        let label = fmt_num(v);
-        cv.text(left - 8 - Canvas::text_width(&label), y - 5, &label, black);
-    }
-    for &t in &tokens {
-        let x = xpos(t);
-        cv.line((x, top + h), (x, top + h + 5), black, 1);
-        let label = t.to_string();
-        cv.text(
-            x - Canvas::text_width(&label) / 2,
-            top + h + 10,
-            &label,
-            black,
-        );
-    }
-    cv.line((left, top), (left, top + h), black, 2);
-    cv.line((left, top + h), (left + w, top + h), black, 2);
-    cv.text(left + w / 2 - 24, top + h + 30, "TOKENS", black);
-    for (op, c) in OPS.iter().zip(COLORS) {
-        let mut pts: Vec<(i64, i64)> = rows
-            .iter()
-            .filter(|r| r.op == *op)
-            .map(|r| (xpos(r.tokens), ypos(value(r))))
-            .collect();
-        pts.sort_unstable();
-        for p in &pts {
-            cv.rect(p.0 - 3, p.1 - 3, 7, 7, c);
-        }
-        for pair in pts.windows(2) {
-            cv.line(pair[0], pair[1], c, 2);
-        }
-    }
+    (lo / 1.6)..(hi * 1.6)
 }
 
-/// Renders the sweep and writes it as a PNG.
-pub fn write(path: &Path, rows: &[ResultRow], subtitle: &str) -> std::io::Result<()> {
-    let mut cv = Canvas::new();
-    if !rows.is_empty() {
-        panel(&mut cv, 0, rows, "P50 LATENCY (US)", |r| r.p50_us);
-        panel(&mut cv, 480, rows, "ALGBW (GB/S)", |r| r.algbw_gbps);
-    }
-    let mut x = 80;
-    for (op, c) in OPS.iter().zip(COLORS) {
-        cv.rect(x, H as i64 - 22, 14, 10, c);
-        cv.text(x + 20, H as i64 - 22, op, [0, 0, 0]);
-        x += 40 + Canvas::text_width(op);
-    }
-    cv.text(x + 20, H as i64 - 22, subtitle, [90, 90, 90]);
-    std::fs::write(path, encode_png(&cv.px, W, H))
-}
-
-/// An RGB8 PNG with zlib "stored" (uncompressed) blocks.
-pub fn encode_png(rgb: &[u8], w: usize, h: usize) -> Vec<u8> {
-    let mut raw = Vec::with_capacity((w * 3 + 1) * h);
-    for row in rgb.chunks_exact(w * 3) {
-        raw.push(0); // filter: none
-        raw.extend_from_slice(row);
-    }
-    let mut z = vec![0x78, 0x01];
-    let mut chunks = raw.chunks(65_535).peekable();
-    while let Some(block) = chunks.next() {
-        z.push(u8::from(chunks.peek().is_none()));
-        let len = block.len() as u16;
-        z.extend_from_slice(&len.to_le_bytes());
-        z.extend_from_slice(&(!len).to_le_bytes());
-        z.extend_from_slice(block);
-    }
-    let (mut a, mut b) = (1u32, 0u32);
-    for &byte in &raw {
-        a = (a + u32::from(byte)) % 65_521;
-        b = (b + a) % 65_521;
-    }
-    z.extend_from_slice(&((b << 16) | a).to_be_bytes());
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&(w as u32).to_be_bytes());
-    ihdr.extend_from_slice(&(h as u32).to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    chunk(&mut png, b"IHDR", &ihdr);
-    chunk(&mut png, b"IDAT", &z);
-    chunk(&mut png, b"IEND", &[]);
-    png
-}
-
-fn chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
-}
-
-fn crc32(data: &[u8]) -> u32 {
-    let mut c = 0xffff_ffffu32;
-    for &b in data {
-        c ^= u32::from(b);
-        for _ in 0..8 {
-            c = if c & 1 != 0 {
-                0xedb8_8320 ^ (c >> 1)
+fn draw_panel(
+    area: &DrawingArea<SVGBackend, Shift>,
+    rows: &[ResultRow],
+    panel: Panel,
+) -> Result<(), String> {
+    let e = |e: DrawingAreaErrorKind<_>| e.to_string();
+    let data = series(rows, panel);
+    let tokens: Vec<f64> = rows.iter().map(|r| r.tokens as f64).collect();
+    let (tmin, tmax) = tokens
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), &t| (a.min(t), b.max(t)));
+    let values = data
+        .iter()
+        .flat_map(|(_, x, l, m)| x.iter().chain(l).chain(m).map(|p| p.1));
+    let (vmin, vmax) = values.fold((f64::INFINITY, 0.0f64), |(a, b), v| (a.min(v), b.max(v)));
+    let mut chart = ChartBuilder::on(area)
+        .caption(panel.title(), ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(
+            log_range(tmin, tmax).log_scale(),
+            log_range(vmin, vmax).log_scale(),
+        )
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("tokens per attention rank")
+        .y_desc(panel.title())
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .y_label_formatter(&|v| {
+            if *v >= 100.0 {
+                format!("{v:.0}")
+            } else if *v >= 1.0 {
+                format!("{v:.1}")
             } else {
-                c >> 1
-            };
+                format!("{v:.3}")
+            }
+        })
+        .label_style(("sans-serif", 14))
+        .light_line_style(RGBColor(238, 238, 238))
+        .draw()
+        .map_err(e)?;
+    for (i, (op, xccl, limit, mpi)) in data.into_iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(xccl.clone(), c.stroke_width(3)))
+            .map_err(e)?
+            .label(format!("xccl {op}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
+        chart
+            .draw_series(xccl.iter().map(|&p| Circle::new(p, 4, c.filled())))
+            .map_err(e)?;
+        if !limit.is_empty() {
+            chart
+                .draw_series(DashedLineSeries::new(limit, 8, 5, c.stroke_width(2)))
+                .map_err(e)?
+                .label(format!("limit {op}"))
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 8, y)], c.stroke_width(2))
+                });
+        }
+        if !mpi.is_empty() {
+            chart
+                .draw_series(DashedLineSeries::new(mpi.clone(), 2, 4, c.stroke_width(2)))
+                .map_err(e)?
+                .label(format!("MPI {op}"))
+                .legend(move |(x, y)| Cross::new((x + 12, y), 5, c.stroke_width(2)));
+            chart
+                .draw_series(mpi.iter().map(|&p| Cross::new(p, 5, c.stroke_width(2))))
+                .map_err(e)?;
         }
     }
-    !c
+    // One legend, in the latency panel's upper left (latency grows with tokens, so that corner
+    // stays empty); the bandwidth panel uses the same colours and dashes.
+    if let Panel::Latency = panel {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 13))
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()
+            .map_err(e)?;
+    }
+    Ok(())
+}
+
+/// Renders the sweep as SVG text.
+pub fn render(rows: &[ResultRow], title: &str) -> Result<String, String> {
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (W, H)).into_drawing_area();
+        let e = |e: DrawingAreaErrorKind<_>| e.to_string();
+        root.fill(&WHITE).map_err(e)?;
+        let root = root.titled(title, ("sans-serif", 22)).map_err(e)?;
+        let (left, right) = root.split_horizontally(W / 2);
+        draw_panel(&left, rows, Panel::Latency)?;
+        draw_panel(&right, rows, Panel::Bandwidth)?;
+        root.present().map_err(e)?;
+    }
+    Ok(svg)
+}
+
+/// Writes the SVG of the sweep to `path`.
+pub fn write(path: &Path, rows: &[ResultRow], title: &str) -> Result<(), String> {
+    let svg = render(rows, title)?;
+    std::fs::write(path, svg).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn row(op: &'static str, tokens: usize, p50: f64) -> ResultRow {
+        ResultRow {
+            op,
+            quant: "none",
+            wire_bytes_per_token: 14336,
+            tokens,
+            p50_us: p50,
+            p99_us: p50 * 1.5,
+            bytes_per_rank: tokens as u64 * 14336,
+            algbw_gbps: tokens as f64 * 14336.0 / (p50 * 1e3),
+            memcpy_gbps: 10.0,
+            metadata_records: 1,
+            limit_us: Some(p50 * 0.8),
+            mpi_us: (tokens > 1).then_some(p50 * 3.0),
+        }
+    }
+
     #[test]
-    fn crc_of_iend_matches_the_png_spec() {
-        assert_eq!(crc32(b"IEND"), 0xae42_6082);
+    fn svg_has_both_panels_every_series_and_readable_labels() {
+        let rows: Vec<ResultRow> = OPS
+            .iter()
+            .flat_map(|&op| [1, 32, 512].map(|t| row(op, t, 2.0 + t as f64 * 3.0)))
+            .collect();
+        let svg = render(&rows, "xccl-bench test P50").unwrap();
+        assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(80)]);
+        assert!(svg.trim_end().ends_with("</svg>"));
+        for text in [
+            "p50 latency (us)",
+            "algbw (GB/s)",
+            "xccl roundtrip",
+            "limit a2e",
+            "MPI e2a",
+            "tokens per attention rank",
+            "xccl-bench test P50",
+        ] {
+            assert!(svg.contains(text), "missing {text:?}");
+        }
+    }
+
+    #[test]
+    fn a_single_point_without_limit_or_mpi_still_renders() {
+        let mut r = row("a2e", 128, 100.0);
+        r.limit_us = None;
+        r.mpi_us = None;
+        let svg = render(&[r], "one point").unwrap();
+        assert!(svg.contains("xccl a2e") && !svg.contains("limit a2e"));
     }
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use crate::cli::Args;
+use crate::limit::Limit;
 use crate::run::{RankReport, WORDS};
 
 /// The three measured operations.
@@ -16,6 +17,11 @@ pub const OPS: [&str; 3] = ["a2e", "e2a", "roundtrip"];
 pub struct ResultRow {
     /// `a2e`, `e2a` or `roundtrip`.
     pub op: &'static str,
+    /// Wire format: `none` (the dtype) or `int8`.
+    pub quant: &'static str,
+    /// Payload bytes one token row takes on the wire (hidden x dtype size, or the INT8 row with
+    /// its scale).
+    pub wire_bytes_per_token: u64,
     /// Tokens per attention rank.
     pub tokens: usize,
     /// Median latency in microseconds.
@@ -30,6 +36,10 @@ pub struct ResultRow {
     pub memcpy_gbps: f64,
     /// Metadata records per call in the whole job.
     pub metadata_records: usize,
+    /// p50 of the streaming limit of the same bytes ([`crate::limit`]), microseconds.
+    pub limit_us: Option<f64>,
+    /// p50 of the MPI baseline for the same routing (`--mpi-baseline`), microseconds.
+    pub mpi_us: Option<f64>,
 }
 
 impl ResultRow {
@@ -40,6 +50,117 @@ impl ResultRow {
         } else {
             0.0
         }
+    }
+
+    /// `limit p50 / p50`: 1.0 is at the streaming limit, above 1 is faster than it (possible
+    /// when a mode makes fewer copies than the limit's writer-copy plus reader-copy).
+    pub fn vs_limit(&self) -> Option<f64> {
+        self.limit_us
+            .filter(|_| self.p50_us > 0.0)
+            .map(|l| l / self.p50_us)
+    }
+
+    /// `MPI p50 / p50`: how many times faster than the MPI baseline.
+    pub fn vs_mpi(&self) -> Option<f64> {
+        self.mpi_us
+            .filter(|_| self.p50_us > 0.0)
+            .map(|m| m / self.p50_us)
+    }
+}
+
+/// Index of `op` in [`OPS`].
+pub fn op_index(op: &str) -> usize {
+    OPS.iter().position(|o| *o == op).unwrap_or(0)
+}
+
+/// Fills in every row's streaming limit (`limits[s]` is token count `s` of the sweep; measured
+/// for rows in the dtype, so INT8 rows get none).
+pub fn attach_limits(args: &Args, rows: &mut [ResultRow], limits: &[Limit]) {
+    for r in rows.iter_mut().filter(|r| r.quant == "none") {
+        if let Some(s) = args.tokens.iter().position(|&t| t == r.tokens) {
+            r.limit_us = limits.get(s).map(|l| l.p50_us[op_index(r.op)]);
+        }
+    }
+}
+
+/// Fills in every row's MPI baseline figure, where the baseline has its token count (rows in
+/// the dtype only: the baseline moves the dtype).
+pub fn attach_mpi(rows: &mut [ResultRow], mpi: &MpiBaseline) {
+    for r in rows.iter_mut().filter(|r| r.quant == "none") {
+        r.mpi_us = mpi
+            .points
+            .iter()
+            .find(|p| p.tokens == r.tokens)
+            .map(|p| p.p50_us[op_index(r.op)]);
+    }
+}
+
+/// What `benches/baselines/moe_alltoallv.c` printed: the library and one point per token count.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MpiBaseline {
+    /// The `MPILIB` line (`MPI_Get_library_version`), if present.
+    pub lib: Option<String>,
+    /// One per `MPIBASE` line.
+    pub points: Vec<MpiPoint>,
+}
+
+/// One `MPIBASE` line.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MpiPoint {
+    /// Tokens per attention rank.
+    pub tokens: usize,
+    /// p50 of a2e, e2a, roundtrip in microseconds.
+    pub p50_us: [f64; 3],
+    /// p99 of a2e, e2a, roundtrip in microseconds.
+    pub p99_us: [f64; 3],
+    /// The baseline's own bit-exact combine check passed.
+    pub check_passed: bool,
+}
+
+impl MpiBaseline {
+    /// Parses the baseline's output; other lines are ignored.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut out = MpiBaseline::default();
+        for line in text.lines() {
+            if let Some(lib) = line.strip_prefix("MPILIB ") {
+                out.lib = Some(lib.trim().to_string());
+                continue;
+            }
+            let Some(rest) = line.strip_prefix("MPIBASE ") else {
+                continue;
+            };
+            let kv: Vec<(&str, &str)> = rest
+                .split_whitespace()
+                .filter_map(|f| f.split_once('='))
+                .collect();
+            let get = |k: &str| {
+                kv.iter()
+                    .find(|(key, _)| *key == k)
+                    .map(|(_, v)| *v)
+                    .ok_or_else(|| format!("MPIBASE line without {k}: {line}"))
+            };
+            let num = |k: &str| -> Result<f64, String> {
+                get(k)?
+                    .parse::<f64>()
+                    .map_err(|e| format!("MPIBASE {k}: {e}"))
+            };
+            let mut p = MpiPoint {
+                tokens: get("tokens")?
+                    .parse()
+                    .map_err(|e| format!("MPIBASE tokens: {e}"))?,
+                check_passed: get("check")? == "passed",
+                ..MpiPoint::default()
+            };
+            for (i, op) in OPS.iter().enumerate() {
+                p.p50_us[i] = num(&format!("{op}_p50_us"))?;
+                p.p99_us[i] = num(&format!("{op}_p99_us"))?;
+            }
+            out.points.push(p);
+        }
+        if out.points.is_empty() {
+            return Err("no MPIBASE line (is this the output of moe_alltoallv?)".into());
+        }
+        Ok(out)
     }
 }
 
@@ -58,9 +179,17 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
     let rounds = args.rounds();
     let elem = args.dtype.size() as u64;
     let mut rows = Vec::new();
-    for (s, &tokens) in args.tokens.iter().enumerate() {
+    let points = args
+        .quants()
+        .into_iter()
+        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)));
+    for (p, (quant, tokens)) in points.enumerate() {
+        let wire = match quant {
+            xccl::Quant::None => args.hidden as u64 * elem,
+            xccl::Quant::Int8 => xccl::moe::quant::int8_payload(args.hidden) as u64,
+        };
         let at =
-            |rank: usize, it: usize, w: usize| reports[rank].words[(s * rounds + it) * WORDS + w];
+            |rank: usize, it: usize, w: usize| reports[rank].words[(p * rounds + it) * WORDS + w];
         let mut lat: [Vec<f64>; 3] = Default::default();
         let mut sent_rows = 0u64;
         for it in args.warmup..rounds {
@@ -76,7 +205,7 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             lat[1].push(us(e2a_start, e2a_end));
             lat[2].push(us(a2e_start, e2a_end));
         }
-        let one_way = sent_rows * args.hidden as u64 * elem / (m as u64 * args.iters as u64);
+        let one_way = sent_rows * wire / (m as u64 * args.iters as u64);
         for (op, mut l) in OPS.into_iter().zip(lat) {
             l.sort_by(f64::total_cmp);
             let bytes = if op == "roundtrip" {
@@ -87,6 +216,8 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             let p50 = percentile(&l, 0.5);
             rows.push(ResultRow {
                 op,
+                quant: quant.name(),
+                wire_bytes_per_token: wire,
                 tokens,
                 p50_us: p50,
                 p99_us: percentile(&l, 0.99),
@@ -98,10 +229,12 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
                 },
                 memcpy_gbps: 0.0,
                 metadata_records: records,
+                limit_us: None,
+                mpi_us: None,
             });
         }
     }
-    rows.sort_by_key(|r| (OPS.iter().position(|o| *o == r.op), r.tokens));
+    rows.sort_by_key(|r| (r.quant, OPS.iter().position(|o| *o == r.op), r.tokens));
     rows
 }
 
@@ -152,6 +285,9 @@ pub struct Machine {
     pub cpu: String,
     /// Kernel release.
     pub kernel: String,
+    /// `/proc/loadavg`'s 1-minute load average when the report was made (other work on the host
+    /// shows here; above the core count, timings are noisy).
+    pub load: Option<f64>,
 }
 
 impl Machine {
@@ -169,16 +305,50 @@ impl Machine {
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .map(|s| s.trim().to_string())
             .unwrap_or_else(|_| "unknown".into());
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        // Online CPUs of the host, not this process's affinity (rank 0 may be pinned to one).
+        // SAFETY: sysconf only reads a system constant.
+        let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
         Machine {
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores: usize::try_from(online)
+                .ok()
+                .filter(|&n| n > 0)
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             cpu,
             kernel,
+            load,
         }
     }
 }
 
+/// What the table and the JSON show besides the rows.
+#[derive(Clone, Debug, Default)]
+pub struct Extras {
+    /// The one-row cross-process ping-pong ([`crate::limit`]), when measured.
+    pub floor: Option<Limit>,
+    /// The MPI baseline given with `--mpi-baseline`.
+    pub mpi: Option<MpiBaseline>,
+    /// The wait policy of the ranks (`WaitPolicy` debug form).
+    pub wait_policy: String,
+}
+
+fn opt(v: Option<f64>, width: usize, prec: usize) -> String {
+    match v {
+        Some(v) => format!("{v:>width$.prec$}"),
+        None => format!("{:>width$}", "-"),
+    }
+}
+
 /// The header and table, nccl-tests style.
-pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) -> String {
+pub fn table(
+    args: &Args,
+    machine: &Machine,
+    rows: &[ResultRow],
+    check: &str,
+    extras: &Extras,
+) -> String {
     let mut s = String::new();
     s += &format!(
         "# xccl-bench: {}A:{}E ranks, fabric {}, mode {}, layout {}, buffers {}, H={} {}, top-{} of {} experts{}\n",
@@ -196,38 +366,122 @@ pub fn table(args: &Args, machine: &Machine, rows: &[ResultRow], check: &str) ->
             .map_or(String::new(), |s| format!(", zipf skew {s}")),
     );
     s += &format!(
-        "# iters {} warmup {} seed {}, check {}\n",
-        args.iters, args.warmup, args.seed, check
+        "# iters {} warmup {} seed {} chunk {} B, bind {}, check {}\n",
+        args.iters,
+        args.warmup,
+        args.seed,
+        args.chunk_bytes,
+        args.bind.name(),
+        check
     );
     s += &format!(
-        "# machine: {} cores, {}, Linux {}\n#\n",
-        machine.cores, machine.cpu, machine.kernel
+        "# machine: {} cores, {}, Linux {}, load average {}; wait policy {}\n",
+        machine.cores,
+        machine.cpu,
+        machine.kernel,
+        machine.load.map_or("?".into(), |l| format!("{l:.2}")),
+        extras.wait_policy
     );
+    if let Some(lib) = extras.mpi.as_ref().and_then(|m| m.lib.as_ref()) {
+        s += &format!("# mpi baseline: {lib}\n");
+    }
+    s += "#\n";
+    let with_mpi = extras.mpi.is_some();
     s += &format!(
-        "# {:>9} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10}\n",
+        "# {:>9} {:>5} {:>7} {:>13} {:>10} {:>10} {:>12} {:>10} {:>10} {:>9}",
         "op",
+        "quant",
         "tokens",
         "bytes/rank",
         "p50(us)",
         "p99(us)",
         "algbw(GB/s)",
         "vs_memcpy",
-        "md_records"
+        "limit(us)",
+        "vs_limit",
     );
+    if with_mpi {
+        s += &format!(" {:>10} {:>7}", "mpi(us)", "vs_mpi");
+    }
+    s += &format!(" {:>10}\n", "md_records");
     for r in rows {
         s += &format!(
-            "  {:>9} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {:>10}\n",
+            "  {:>9} {:>5} {:>7} {:>13} {:>10.2} {:>10.2} {:>12.3} {:>10.3} {} {}",
             r.op,
+            r.quant,
             r.tokens,
             r.bytes_per_rank,
             r.p50_us,
             r.p99_us,
             r.algbw_gbps,
             r.vs_memcpy(),
-            r.metadata_records
+            opt(r.limit_us, 10, 2),
+            opt(r.vs_limit(), 9, 3),
         );
+        if with_mpi {
+            s += &format!(" {} {}", opt(r.mpi_us, 10, 2), opt(r.vs_mpi(), 7, 2));
+        }
+        s += &format!(" {:>10}\n", r.metadata_records);
+    }
+    if let Some(f) = &extras.floor {
+        s += &format!(
+            "# floor: cross-process ping-pong of one row ({} B) each way: p50 {:.2} us, p99 {:.2} us",
+            f.bytes, f.p50_us[2], f.p99_us[2]
+        );
+        let smallest = rows
+            .iter()
+            .filter(|r| r.op == "roundtrip")
+            .min_by_key(|r| r.tokens);
+        if let Some(r) = smallest.filter(|_| f.p50_us[2] > 0.0) {
+            s += &format!(
+                "; roundtrip T={} p50 {:.2} us = {:.2} x floor",
+                r.tokens,
+                r.p50_us,
+                r.p50_us / f.p50_us[2]
+            );
+        }
+        s += "\n";
     }
     s
+}
+
+/// With and without INT8 side by side (`--quant both`): wire bytes per token and each p50 as
+/// the INT8 figure over the dtype one.
+pub fn quant_summary(rows: &[ResultRow]) -> String {
+    let mut s = String::from("# int8 vs none:");
+    let find = |q: &str, op: &str, t: usize| {
+        rows.iter()
+            .find(|r| r.quant == q && r.op == op && r.tokens == t)
+    };
+    if let (Some(n), Some(i)) = (
+        rows.iter().find(|r| r.quant == "none"),
+        rows.iter().find(|r| r.quant == "int8"),
+    ) {
+        s += &format!(
+            " wire bytes per token {} vs {} ({:.3}x);",
+            i.wire_bytes_per_token,
+            n.wire_bytes_per_token,
+            i.wire_bytes_per_token as f64 / n.wire_bytes_per_token.max(1) as f64
+        );
+    }
+    let mut tokens: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
+    tokens.sort_unstable();
+    tokens.dedup();
+    for t in tokens {
+        for op in OPS {
+            if let (Some(n), Some(i)) = (find("none", op, t), find("int8", op, t)) {
+                s += &format!(
+                    " {op} T={t} {:.1}/{:.1} us ({:.2}x);",
+                    i.p50_us,
+                    n.p50_us,
+                    i.p50_us / n.p50_us.max(f64::MIN_POSITIVE)
+                );
+            }
+        }
+    }
+    s.pop();
+    s + "
+"
 }
 
 /// The JSON document.
@@ -236,6 +490,7 @@ pub fn to_json(
     machine: &Machine,
     rows: &[ResultRow],
     check: &str,
+    extras: &Extras,
 ) -> serde_json::Value {
     // The reference figure: memcpy of the largest message measured.
     let memcpy = rows
@@ -251,6 +506,7 @@ pub fn to_json(
             "hidden": args.hidden,
             "tokens": args.tokens,
             "dtype": args.dtype.name(),
+            "quant": args.quants().iter().map(|q| q.name()).collect::<Vec<_>>(),
             "fabric": args.fabric.name(),
             "mode": args.mode.name(),
             "layout": args.layout.name(),
@@ -260,18 +516,36 @@ pub fn to_json(
             "warmup": args.warmup,
             "seed": args.seed,
             "skew": args.skew,
+            "bind": args.bind.name(),
+            "wait_policy": extras.wait_policy,
         },
-        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel},
+        "machine": {"cores": machine.cores, "cpu": machine.cpu, "kernel": machine.kernel,
+                    "load_average_1min": machine.load},
         "memcpy_gbps": memcpy,
         "check": check,
+        "floor": extras.floor.map(|f| json!({
+            "bytes": f.bytes,
+            "p50_us": f.p50_us[2],
+            "p99_us": f.p99_us[2],
+        })),
+        "mpi_baseline": extras.mpi.as_ref().map(|m| json!({
+            "library": m.lib,
+            "checks_passed": m.points.iter().all(|p| p.check_passed),
+        })),
         "results": rows.iter().map(|r| json!({
             "op": r.op,
+            "quant": r.quant,
+            "wire_bytes_per_token": r.wire_bytes_per_token,
             "tokens": r.tokens,
             "p50_us": r.p50_us,
             "p99_us": r.p99_us,
             "algbw_gbps": r.algbw_gbps,
             "vs_memcpy": r.vs_memcpy(),
             "memcpy_gbps": r.memcpy_gbps,
+            "limit_us": r.limit_us,
+            "vs_limit": r.vs_limit(),
+            "mpi_us": r.mpi_us,
+            "vs_mpi": r.vs_mpi(),
             "bytes_per_rank": r.bytes_per_rank,
             "metadata_records": r.metadata_records,
         })).collect::<Vec<_>>(),
@@ -289,5 +563,25 @@ mod tests {
         assert_eq!(percentile(&v, 0.99), 99.0);
         assert_eq!(percentile(&[7.0], 0.99), 7.0);
         assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn mpi_baseline_output_parses() {
+        let text = "noise\nMPILIB Open MPI v4.1.4, package: Debian\n\
+            MPIBASE tokens=128 bytes_per_rank=1835008 a2e_p50_us=1.5 a2e_p99_us=2 e2a_p50_us=3 \
+            e2a_p99_us=4 roundtrip_p50_us=5 roundtrip_p99_us=6 check=passed\n";
+        let m = MpiBaseline::parse(text).unwrap();
+        assert_eq!(m.lib.as_deref(), Some("Open MPI v4.1.4, package: Debian"));
+        assert_eq!(
+            m.points,
+            vec![MpiPoint {
+                tokens: 128,
+                p50_us: [1.5, 3.0, 5.0],
+                p99_us: [2.0, 4.0, 6.0],
+                check_passed: true,
+            }]
+        );
+        assert!(MpiBaseline::parse("nothing here").is_err());
+        assert!(MpiBaseline::parse("MPIBASE tokens=1 check=passed").is_err());
     }
 }

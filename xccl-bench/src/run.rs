@@ -127,7 +127,21 @@ fn run_typed<T: Element>(
         Vec::new()
     };
     let mut out = vec![T::from_f32(0.0); x.len()];
-    for (s, &tokens) in args.tokens.iter().enumerate() {
+    let points: Vec<(usize, xccl::Quant, usize)> = args
+        .quants()
+        .into_iter()
+        .flat_map(|q| {
+            args.tokens
+                .iter()
+                .copied()
+                .enumerate()
+                .map(move |(s, t)| (s, q, t))
+        })
+        .collect();
+    for (s, quant, tokens) in points {
+        // Senders choose the wire format per call; every rank switches together.
+        comm.set_a2e_quant(quant);
+        comm.set_e2a_quant(quant);
         let wl = workload(args, tokens);
         let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
             (0..args.rounds())
@@ -143,11 +157,12 @@ fn run_typed<T: Element>(
                     let inp = inputs.get(it).expect("one input per round");
                     let n = inp.num_tokens * hidden;
                     let registered = args.buffers == BufferKind::Registered;
+                    let t0 = now_ns();
                     if registered {
-                        // The layer producing x would write it here; not part of the A2E.
+                        // The caller's copy into the registered input (and the credit wait
+                        // inside `a2e_input`) is part of the A2E: these bytes move too.
                         comm.a2e_input::<T>()?[..n].copy_from_slice(&x[..n]);
                     }
-                    let t0 = now_ns();
                     let handle = if registered {
                         comm.a2e_send_input(inp.num_tokens, &inp.topk_idx, &inp.topk_weights)?
                     } else {
@@ -181,13 +196,14 @@ fn run_typed<T: Element>(
                 Role::Expert if args.buffers == BufferKind::Registered => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                     let t0 = now_ns();
-                    // The identity "computes" into the registered output: between A2E and E2A.
+                    // The identity "computes" into the registered output: that copy (and the
+                    // credit wait inside `e2a_output`) is part of the E2A, as the copy out of
+                    // the caller's rows is with `--buffers copy`.
                     comm.e2a_output::<T>(&tokens_batch)?
                         .copy_from_slice(tokens_batch.rows::<T>()?);
-                    let t1 = now_ns();
                     comm.e2a_send_output(&tokens_batch)?;
                     let t2 = now_ns();
-                    [t0, t1, t2, tokens_batch.num_tokens() as u64]
+                    [t0, t0, t2, tokens_batch.num_tokens() as u64]
                 }
                 Role::Expert => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;

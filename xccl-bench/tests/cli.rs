@@ -65,7 +65,11 @@ fn assert_report(v: &serde_json::Value) {
         assert!(r["p50_us"].as_f64().unwrap() > 0.0);
         assert!(r["p99_us"].as_f64().unwrap() >= r["p50_us"].as_f64().unwrap());
         assert_eq!(r["metadata_records"], 4);
+        assert!(r["limit_us"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["vs_limit"].as_f64().unwrap() > 0.0, "{r}");
     }
+    assert!(v["floor"]["p50_us"].as_f64().unwrap() > 0.0);
+    assert_eq!(v["floor"]["bytes"], 64 * 2, "one bf16 row of H=64");
 }
 
 #[test]
@@ -79,6 +83,135 @@ fn checked_run_over_shm_processes_passes_in_both_layouts_and_modes() {
     assert_report(&run_checked(&[
         "--fabric", "shm", "--layout", "expert", "--mode", "pull",
     ]));
+}
+
+#[test]
+fn registered_buffers_are_checked_and_timed() {
+    assert_report(&run_checked(&[
+        "--fabric",
+        "shm",
+        "--buffers",
+        "registered",
+    ]));
+}
+
+#[test]
+fn plot_is_a_well_formed_svg_with_the_limit_and_the_mpi_baseline() {
+    let svg = tmp("plot.svg");
+    let mpi = tmp("mpi.txt");
+    std::fs::write(
+        &mpi,
+        "MPILIB Open MPI v4.1.4\n\
+         MPIBASE tokens=2 bytes_per_rank=256 a2e_p50_us=10 a2e_p99_us=11 e2a_p50_us=12 \
+         e2a_p99_us=13 roundtrip_p50_us=22 roundtrip_p99_us=24 check=passed\n",
+    )
+    .unwrap();
+    let out = bench()
+        .args([
+            "--fabric",
+            "local",
+            "-a",
+            "1",
+            "-e",
+            "1",
+            "--num-experts",
+            "4",
+            "-k",
+            "2",
+        ])
+        .args([
+            "--hidden", "32", "-t", "1,2,8", "--iters", "3", "--warmup", "1",
+        ])
+        .arg("--plot")
+        .arg(&svg)
+        .arg("--mpi-baseline")
+        .arg(&mpi)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("vs_mpi") && stdout.contains("Open MPI v4.1.4"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("# floor:"), "{stdout}");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).ok();
+    std::fs::remove_file(&mpi).ok();
+    assert!(text.starts_with("<svg") && text.trim_end().ends_with("</svg>"));
+    // Balanced elements: every opened tag is closed or self-closing.
+    let opened = text.matches('<').count();
+    assert_eq!(opened, text.matches('>').count());
+    for label in [
+        "xccl roundtrip",
+        "limit roundtrip",
+        "MPI roundtrip",
+        "p50 latency (us)",
+    ] {
+        assert!(text.contains(label), "plot lacks {label:?}");
+    }
+}
+
+#[test]
+fn xccl_debug_levels_are_accepted() {
+    for level in ["warn", "info", "debug", "bogus"] {
+        let out = bench()
+            .env("XCCL_DEBUG", level)
+            .args([
+                "--fabric",
+                "local",
+                "-a",
+                "1",
+                "-e",
+                "1",
+                "--num-experts",
+                "4",
+                "-k",
+                "2",
+            ])
+            .args(["--hidden", "8", "-t", "1", "--iters", "1", "--warmup", "0"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "XCCL_DEBUG={level}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(level == "bogus", err.contains("XCCL_DEBUG=bogus"), "{err}");
+    }
+}
+
+#[test]
+fn pinned_and_unpinned_rank_processes_both_run() {
+    for bind in ["core", "none"] {
+        let out = bench()
+            .args([
+                "--fabric",
+                "shm",
+                "-a",
+                "1",
+                "-e",
+                "1",
+                "--num-experts",
+                "4",
+                "-k",
+                "2",
+            ])
+            .args([
+                "--hidden", "16", "-t", "2", "--iters", "2", "--warmup", "0", "--check",
+            ])
+            .args(["--bind", bind])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "--bind {bind}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains(&format!("bind {bind}")), "{stdout}");
+    }
 }
 
 #[test]
@@ -122,9 +255,32 @@ fn bad_flags_are_rejected_with_a_message() {
         &["--tokens", "1,x"],
         &["--fabric", "carrier-pigeon"],
         &["--buffers", "registered", "--layout", "expert"],
+        &["--plot", "sweep.png"],
+        &["--bind", "socket"],
     ] {
         let out = bench().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} accepted");
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
+    }
+}
+
+#[test]
+fn quant_both_measures_and_checks_int8_beside_the_dtype_in_one_run() {
+    let v = run_checked(&["--fabric", "shm", "--quant", "both"]);
+    assert_eq!(v["check"], "passed");
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 12, "2 formats x 3 ops x 2 token counts");
+    let wire = |q: &str| {
+        results
+            .iter()
+            .find(|r| r["quant"] == q)
+            .map(|r| r["wire_bytes_per_token"].as_u64().unwrap())
+            .unwrap()
+    };
+    // H=64 bf16: 128 bytes; INT8: 64 bytes and a 4-byte scale.
+    assert_eq!(wire("none"), 128);
+    assert_eq!(wire("int8"), 68);
+    for r in results.iter().filter(|r| r["quant"] == "int8") {
+        assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
     }
 }

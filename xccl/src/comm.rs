@@ -204,6 +204,46 @@ impl Communicator {
         Self::new(Box::new(fabric), topo, cfg)
     }
 
+    /// Joins a job over the libfabric fabric (`ofi`, ranks on any hosts): like
+    /// [`Communicator::init_shm`], with the provider from `XCCL_OFI_PROVIDER` (default
+    /// `tcp;ofi_rxm`) and the interface from `XCCL_OFI_ADDR` (default: the provider's first).
+    pub fn init_ofi(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
+        Self::init_ofi_with(
+            exchange,
+            topo,
+            cfg,
+            &crate::fabric::ofi::OfiOptions::default(),
+        )
+    }
+
+    /// [`Communicator::init_ofi`] with explicit options (provider, interface, timeouts).
+    pub fn init_ofi_with(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+        opts: &crate::fabric::ofi::OfiOptions,
+    ) -> Result<Self> {
+        let lens = Self::window_lens(&topo, &cfg)?;
+        let len = *lens.get(exchange.rank()).ok_or_else(|| {
+            Error::invalid(format!(
+                "bootstrap rank {} is outside the topology's {} ranks",
+                exchange.rank(),
+                lens.len()
+            ))
+        })?;
+        let fabric = crate::fabric::ofi::OfiFabric::with_options(
+            exchange,
+            len,
+            Self::signal_slots(&topo),
+            opts,
+        )?;
+        Self::new(Box::new(fabric), topo, cfg)
+    }
+
     /// Builds this rank's communicator over the Ascend fabric: its window in the device memory
     /// of NPU `device`, reached by its peers through IPC memory keys (see
     /// [`crate::fabric::ascend`]). Collective: every rank of `exchange` calls it with the same

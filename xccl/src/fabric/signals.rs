@@ -16,8 +16,8 @@
 //! prefetcher fetches cache lines in pairs, so two slots written by different ranks never share
 //! a pair.
 //!
-//! Waiting spins briefly, then yields, then sleeps on the doorbell with a futex that is *shared*
-//! between processes (no `FUTEX_PRIVATE_FLAG`). Sleeps are cut into short chunks so that a dead
+//! Waiting spins briefly, then yields for a bounded time, then sleeps on the doorbell with a futex
+//! that is *shared* between processes (no `FUTEX_PRIVATE_FLAG`) ([`WaitPolicy`]). Sleeps are cut into short chunks so that a dead
 //! peer or an abort is noticed long before the caller's deadline.
 
 use std::ptr::NonNull;
@@ -367,8 +367,13 @@ impl ControlArea {
 
 /// How long a wait busy-polls and yields before it sleeps on the futex.
 ///
-/// With a core per rank, spinning gives the lowest latency; with more ranks than cores, a
-/// spinning waiter takes the core the rank it waits for needs, so waits go to sleep almost at once.
+/// Every wait goes through up to three phases and always ends in the third: busy-poll
+/// `spin_iters` times (a `pause` each), then `sched_yield` between polls for up to `yield_for`,
+/// then sleep on the futex doorbell (in chunks, checking liveness and the deadline). With a core
+/// per rank, spinning gives the lowest latency. With more ranks than cores, a spinning waiter
+/// takes the core the rank it waits for needs; yielding hands the core over at once while
+/// staying runnable, so the signal is seen without a futex wake-up (a syscall for the signaller
+/// and a scheduler wake-up for the waiter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -383,29 +388,58 @@ impl WaitPolicy {
         spin_iters: 4096,
         yield_for: Duration::from_micros(200),
     };
-    /// More ranks than cores: poll a few times, then sleep.
+    /// Poll a few times, then sleep on the futex at once (`XCCL_WAIT=sleep`).
     pub const SHARED: WaitPolicy = WaitPolicy {
         spin_iters: 64,
         yield_for: Duration::ZERO,
     };
+    /// More ranks than cores: no busy-polling; `sched_yield` between polls (as Open MPI's
+    /// `mpi_yield_when_idle`) for up to 200 us, then sleep on the futex (`XCCL_WAIT=yield`). The
+    /// measured best when ranks outnumber cores (`xccl-bench/README.md`, "Wait policy").
+    pub const OVERSUBSCRIBED: WaitPolicy = WaitPolicy {
+        spin_iters: 0,
+        yield_for: Duration::from_micros(200),
+    };
 
-    /// The policy for `ranks` ranks on this host: [`WaitPolicy::SHARED`] when they outnumber the
-    /// cores this process may run on, else [`WaitPolicy::DEDICATED`]. `XCCL_WAIT=spin|sleep`
-    /// overrides the choice.
+    /// Parses an `XCCL_WAIT` value: `spin` ([`WaitPolicy::DEDICATED`]), `sleep`
+    /// ([`WaitPolicy::SHARED`]), `yield` ([`WaitPolicy::OVERSUBSCRIBED`]), or `SPINS:YIELD_US`
+    /// (for example `64:500`: 64 polls, then yield for 500 us, then sleep). `None` if it is none
+    /// of these.
+    pub fn parse(value: &str) -> Option<WaitPolicy> {
+        match value.trim() {
+            "spin" => Some(WaitPolicy::DEDICATED),
+            "sleep" => Some(WaitPolicy::SHARED),
+            "yield" => Some(WaitPolicy::OVERSUBSCRIBED),
+            custom => {
+                let (spins, yield_us) = custom.split_once(':')?;
+                Some(WaitPolicy {
+                    spin_iters: spins.trim().parse().ok()?,
+                    yield_for: Duration::from_micros(yield_us.trim().parse().ok()?),
+                })
+            }
+        }
+    }
+
+    /// The policy for `ranks` ranks on this host: [`WaitPolicy::OVERSUBSCRIBED`] when they
+    /// outnumber the cores this process may run on, else [`WaitPolicy::DEDICATED`].
+    /// `XCCL_WAIT` ([`WaitPolicy::parse`]) overrides the choice; a value it does not parse is
+    /// ignored.
     pub fn for_ranks_on_host(ranks: usize) -> Self {
-        match std::env::var("XCCL_WAIT").as_deref() {
-            Ok("spin") => return WaitPolicy::DEDICATED,
-            Ok("sleep") => return WaitPolicy::SHARED,
-            _ => {}
+        if let Some(p) = std::env::var("XCCL_WAIT")
+            .ok()
+            .and_then(|v| WaitPolicy::parse(&v))
+        {
+            return p;
         }
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if ranks > cores {
-            WaitPolicy::SHARED
+            WaitPolicy::OVERSUBSCRIBED
         } else {
             WaitPolicy::DEDICATED
         }
     }
 }
+
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
 const SLEEP_CHUNK: Duration = Duration::from_millis(20);
 /// How often a sleeping wait checks that every peer is alive and nobody aborted out of band.
@@ -484,5 +518,61 @@ impl Drop for AlignedBuf {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with exactly this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+
+    #[test]
+    fn xccl_wait_values_parse() {
+        assert_eq!(WaitPolicy::parse("spin"), Some(WaitPolicy::DEDICATED));
+        assert_eq!(WaitPolicy::parse("sleep"), Some(WaitPolicy::SHARED));
+        assert_eq!(
+            WaitPolicy::parse(" yield "),
+            Some(WaitPolicy::OVERSUBSCRIBED)
+        );
+        assert_eq!(
+            WaitPolicy::parse("100:50"),
+            Some(WaitPolicy {
+                spin_iters: 100,
+                yield_for: Duration::from_micros(50)
+            })
+        );
+        for bad in ["", "fast", "1:", ":2", "x:1", "1:-2"] {
+            assert_eq!(WaitPolicy::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn every_policy_ends_in_a_bounded_sleep_and_keeps_its_deadline() {
+        // A wait whose signal never comes returns Timeout near its deadline under every policy.
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        for policy in [
+            WaitPolicy::DEDICATED,
+            WaitPolicy::SHARED,
+            WaitPolicy::OVERSUBSCRIBED,
+        ] {
+            let start = Instant::now();
+            let r = area.wait_with(
+                policy,
+                start + Duration::from_millis(30),
+                &mut || {
+                    Some(Waiting {
+                        peer: 1,
+                        what: "never",
+                    })
+                },
+                &|_| Ok(()),
+            );
+            assert!(
+                matches!(r, Err(Error::Timeout { peer: 1, .. })),
+                "{policy:?}: {r:?}"
+            );
+            assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
+        }
     }
 }

@@ -1,0 +1,421 @@
+//! The real limits of the machine, measured in the same run as the calls, through the same
+//! fabric (shared memory between the rank processes, or threads with `--fabric local`):
+//!
+//! - **Streaming limit** of each token count: attention rank `a` writes the call's bytes (one
+//!   direction, in whole rows) into expert rank `M + a`'s window in chunks of `--chunk-bytes`
+//!   ([`Fabric::put`]), with a [`Fabric::signal`] per chunk; the expert waits for each signal and
+//!   copies the chunk out into its own memory ([`Fabric::get`] of its window), as the protocol's
+//!   receiver does. Once every row is out, the expert streams the same bytes back the same way.
+//!   `min(M, N)` such pairs run at once, each moving `bytes_per_rank * M / min(M, N)` bytes, so
+//!   the job moves as many bytes as the call. Timed like the calls: `a2e` = last expert done
+//!   reading - first attention start, `e2a` = last attention done - first expert start,
+//!   `roundtrip` = last attention done - first attention start.
+//! - **Latency floor**: the same with one row (H elements) each way and one pair: a
+//!   cross-process ping-pong of one row.
+//!
+//! Every iteration starts with a barrier through the fabric's own signals (as the calls'
+//! `Communicator::barrier` does), and every wait uses the fabric's wait policy, so the limit
+//! and the calls are measured under the same rules.
+
+use std::time::Duration;
+
+use xccl::fabric::{deadline_after, Fabric, Waiting};
+
+use crate::cli::Args;
+use crate::report::percentile;
+use crate::run::{now_ns, round, topology, workload};
+
+/// Signal slot carrying stream progress (a running chunk count) into the reader's control area.
+const PROGRESS: usize = 0;
+/// Slot where rank 0 collects barrier arrivals; rank `r` signals slot `ARRIVE + r`.
+const ARRIVE: usize = 1;
+
+/// Signal slots the limit fabric needs for `size` ranks.
+pub fn slots(size: usize) -> usize {
+    ARRIVE + size + 1
+}
+
+fn release_slot(size: usize) -> usize {
+    ARRIVE + size
+}
+
+/// One measurement: `bytes` each way per pair, over `pairs` concurrent pairs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Measurement {
+    /// Bytes each pair moves in each direction (whole rows).
+    pub bytes: usize,
+    /// Concurrent pairs `(a, M + a)`, `a < pairs`.
+    pub pairs: usize,
+}
+
+/// What the limit run measures: one streaming measurement per token count, then the floor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Bytes of one row (H x dtype size).
+    pub row: usize,
+    /// Per token count, then the one-row ping-pong last.
+    pub measurements: Vec<Measurement>,
+    /// Iterations per measurement: warmup, then measured.
+    pub warmup: usize,
+    /// Measured iterations per measurement.
+    pub iters: usize,
+    /// Bytes a writer moves between signals (rounded down to whole rows, at least one).
+    pub chunk: usize,
+}
+
+impl Plan {
+    /// The plan of a run: per token count, the mean one-way bytes per attention rank of the
+    /// measured iterations (the routing is deterministic), then one row for the floor.
+    pub fn of(args: &Args) -> xccl::Result<Plan> {
+        let topo = topology(args)?;
+        let (m, n) = (args.attention, args.experts);
+        let pairs = m.min(n);
+        let row = args.hidden * args.dtype.size();
+        let mut measurements = Vec::new();
+        for (s, &tokens) in args.tokens.iter().enumerate() {
+            let wl = workload(args, tokens);
+            let mut rows = 0u64;
+            for it in args.warmup..args.rounds() {
+                for &a in topo.attention_ranks() {
+                    let input = wl.input(&topo, args.topk, a, round(s, it));
+                    rows += destination_rows(args, &input.topk_idx) as u64;
+                }
+            }
+            // Rows per pair: the job's rows of one call, shared by the pairs.
+            let per_pair = (rows as f64 / args.iters as f64 / pairs as f64).round() as usize;
+            measurements.push(Measurement {
+                bytes: per_pair.max(1) * row,
+                pairs,
+            });
+        }
+        measurements.push(Measurement {
+            bytes: row,
+            pairs: 1,
+        });
+        Ok(Plan {
+            row,
+            measurements,
+            warmup: args.warmup.max(3),
+            iters: args.iters,
+            chunk: (args.chunk_bytes / row).max(1) * row,
+        })
+    }
+
+    /// Window bytes every rank of the limit fabric needs.
+    pub fn window_len(&self) -> usize {
+        self.measurements
+            .iter()
+            .map(|m| m.bytes)
+            .max()
+            .unwrap_or(self.row)
+    }
+
+    fn rounds(&self) -> usize {
+        self.warmup + self.iters
+    }
+}
+
+/// Rows one attention rank sends for `topk_idx` (`[T, K]`): one per (token, destination rank).
+fn destination_rows(args: &Args, topk_idx: &[i32]) -> usize {
+    let (n, e) = (args.experts, args.num_experts);
+    let mut seen = vec![usize::MAX; n];
+    let mut rows = 0;
+    for (t, ids) in topk_idx.chunks(args.topk).enumerate() {
+        for &id in ids {
+            if id < 0 {
+                continue;
+            }
+            let d = id as usize * n / e;
+            if seen[d] != t {
+                seen[d] = t;
+                rows += 1;
+            }
+        }
+    }
+    rows
+}
+
+/// Words recorded per rank per iteration: `[start, reader done, end]` in ns (0 when not this
+/// rank's part).
+pub const WORDS: usize = 3;
+
+/// A barrier through the fabric's signals: everyone signals rank 0, rank 0 releases everyone.
+fn barrier(f: &dyn Fabric, epoch: u64, timeout: Duration) -> xccl::Result<()> {
+    let (rank, size) = (f.rank(), f.world_size());
+    let deadline = deadline_after(timeout);
+    if rank == 0 {
+        for r in 1..size {
+            f.wait_signal(ARRIVE + r, r, "limit barrier", deadline, &|v| v >= epoch)?;
+        }
+        for r in 1..size {
+            f.signal(r, release_slot(size), epoch)?;
+        }
+    } else {
+        f.signal(0, ARRIVE + rank, epoch)?;
+        f.wait_signal(release_slot(size), 0, "limit barrier", deadline, &|v| {
+            v >= epoch
+        })?;
+    }
+    Ok(())
+}
+
+/// Writes `src` into `peer`'s window from offset 0 in chunks, signalling `base + chunks done`.
+fn stream_out(
+    f: &dyn Fabric,
+    peer: usize,
+    src: &[u8],
+    chunk: usize,
+    base: u64,
+) -> xccl::Result<u64> {
+    let mut n = 0u64;
+    for (i, part) in src.chunks(chunk).enumerate() {
+        f.put(peer, i * chunk, part)?;
+        n += 1;
+        f.signal(peer, PROGRESS, base + n)?;
+    }
+    Ok(base + n)
+}
+
+/// Copies `dst.len()` bytes out of this rank's window as `peer` signals each chunk.
+fn stream_in(
+    f: &dyn Fabric,
+    peer: usize,
+    dst: &mut [u8],
+    chunk: usize,
+    base: u64,
+    timeout: Duration,
+) -> xccl::Result<u64> {
+    let me = f.rank();
+    let chunks = dst.len().div_ceil(chunk) as u64;
+    let deadline = deadline_after(timeout);
+    let mut got = 0u64;
+    while got < chunks {
+        let mut seen = 0;
+        f.wait_until(deadline, &mut || {
+            seen = f.signal_value(PROGRESS);
+            if seen > base + got {
+                None
+            } else {
+                Some(Waiting {
+                    peer,
+                    what: "limit stream chunk",
+                })
+            }
+        })?;
+        let upto = (seen - base).min(chunks);
+        let from = got as usize * chunk;
+        let to = (upto as usize * chunk).min(dst.len());
+        f.get(me, from, &mut dst[from..to])?;
+        got = upto;
+    }
+    Ok(base + chunks)
+}
+
+/// Runs the whole plan on this rank; returns its words (per measurement, per iteration,
+/// [`WORDS`] each). Every rank of the fabric must call it.
+pub fn run(f: &dyn Fabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
+    let (rank, m) = (f.rank(), args.attention);
+    let timeout = args.timeout();
+    let max = plan.window_len();
+    let src: Vec<u8> = (0..max).map(|i| (i * 31 + rank) as u8).collect();
+    let mut dst = vec![0u8; max];
+    let mut words = Vec::with_capacity(plan.measurements.len() * plan.rounds() * WORDS);
+    // Running chunk counts of the stream into this rank and out of it.
+    let (mut seq_in, mut seq_out) = (0u64, 0u64);
+    let mut epoch = 0u64;
+    for meas in &plan.measurements {
+        // Which side of which pair this rank is, if any.
+        let writer_first = rank < meas.pairs;
+        let reader_first = rank >= m && rank - m < meas.pairs;
+        for _ in 0..plan.rounds() {
+            epoch += 1;
+            barrier(f, epoch, timeout)?;
+            let mut w = [0u64; WORDS];
+            if writer_first {
+                let peer = m + rank;
+                w[0] = now_ns();
+                seq_out = stream_out(f, peer, &src[..meas.bytes], plan.chunk, seq_out)?;
+                seq_in = stream_in(f, peer, &mut dst[..meas.bytes], plan.chunk, seq_in, timeout)?;
+                w[2] = now_ns();
+            } else if reader_first {
+                let peer = rank - m;
+                seq_in = stream_in(f, peer, &mut dst[..meas.bytes], plan.chunk, seq_in, timeout)?;
+                w[1] = now_ns();
+                seq_out = stream_out(f, peer, &src[..meas.bytes], plan.chunk, seq_out)?;
+            }
+            words.extend_from_slice(&w);
+        }
+    }
+    epoch += 1;
+    barrier(f, epoch, timeout)?;
+    Ok(words)
+}
+
+/// The limit of one measurement, in microseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Limit {
+    /// Bytes per pair each way.
+    pub bytes: usize,
+    /// Median and 99th percentile of `a2e`, `e2a` and `roundtrip`, in microseconds.
+    pub p50_us: [f64; 3],
+    /// See `p50_us`.
+    pub p99_us: [f64; 3],
+}
+
+/// Every measurement's limit from every rank's words (in rank order).
+pub fn aggregate(args: &Args, plan: &Plan, words: &[Vec<u64>]) -> Vec<Limit> {
+    let m = args.attention;
+    let rounds = plan.rounds();
+    plan.measurements
+        .iter()
+        .enumerate()
+        .map(|(k, meas)| {
+            let at = |r: usize, it: usize, w: usize| words[r][(k * rounds + it) * WORDS + w];
+            let mut lat: [Vec<f64>; 3] = Default::default();
+            for it in plan.warmup..rounds {
+                let writers = 0..meas.pairs;
+                let readers = m..m + meas.pairs;
+                let start = writers.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
+                let end = writers.map(|r| at(r, it, 2)).max().unwrap_or(0);
+                let read_end = readers.clone().map(|r| at(r, it, 1)).max().unwrap_or(0);
+                let back_start = readers.map(|r| at(r, it, 1)).min().unwrap_or(0);
+                let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+                lat[0].push(us(start, read_end));
+                lat[1].push(us(back_start, end));
+                lat[2].push(us(start, end));
+            }
+            let mut out = Limit {
+                bytes: meas.bytes,
+                ..Limit::default()
+            };
+            for (i, mut l) in lat.into_iter().enumerate() {
+                l.sort_by(f64::total_cmp);
+                out.p50_us[i] = percentile(&l, 0.5);
+                out.p99_us[i] = percentile(&l, 0.99);
+            }
+            out
+        })
+        .collect()
+}
+
+/// Runs the plan on threads over a local fabric (for `--fabric local`); returns every rank's
+/// words in rank order.
+pub fn run_local(args: &Args, plan: &Plan) -> Result<Vec<Vec<u64>>, String> {
+    let size = args.world_size();
+    let fabrics =
+        xccl::fabric::local::LocalFabric::create(&vec![plan.window_len(); size], slots(size))
+            .map_err(|e| e.to_string())?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = fabrics
+            .into_iter()
+            .map(|f| {
+                s.spawn(move || {
+                    let r = run(&f, args, plan);
+                    if let Err(e) = &r {
+                        f.abort(&format!("xccl-bench limit: {e}"));
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r.map_err(|e| format!("limit run: {e}")),
+                Err(_) => Err("a limit thread panicked".to_string()),
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["xccl-bench"];
+        v.extend_from_slice(extra);
+        Args::parse_from(v)
+    }
+
+    #[test]
+    fn plan_moves_the_calls_bytes_in_whole_rows_and_ends_with_one_row() {
+        let a = args(&[
+            "-a",
+            "2",
+            "-e",
+            "2",
+            "--num-experts",
+            "8",
+            "-k",
+            "3",
+            "--hidden",
+            "16",
+            "-t",
+            "1,8",
+            "--iters",
+            "4",
+            "--warmup",
+            "1",
+            "--dtype",
+            "f32",
+        ]);
+        let p = Plan::of(&a).unwrap();
+        assert_eq!(p.row, 64);
+        assert_eq!(p.measurements.len(), 3);
+        for m in &p.measurements {
+            assert_eq!(m.bytes % p.row, 0);
+        }
+        assert_eq!(p.measurements[0].pairs, 2);
+        assert_eq!(
+            p.measurements[2],
+            Measurement {
+                bytes: 64,
+                pairs: 1
+            }
+        );
+        // 8 tokens, each to 1 or 2 expert ranks: between 8 and 16 rows per attention rank.
+        assert!((8 * 64..=16 * 64).contains(&p.measurements[1].bytes));
+    }
+
+    #[test]
+    fn destination_rows_dedup_per_rank() {
+        let a = args(&["-a", "1", "-e", "2", "--num-experts", "4", "-k", "2"]);
+        // Token 0: experts 0, 1 -> rank 0 once; token 1: experts 0, 3 -> two ranks; -1 skipped.
+        assert_eq!(destination_rows(&a, &[0, 1, 0, 3, -1, 2]), 4);
+    }
+
+    #[test]
+    fn local_limit_run_measures_every_point() {
+        let a = args(&[
+            "--fabric",
+            "local",
+            "-a",
+            "2",
+            "-e",
+            "1",
+            "--num-experts",
+            "4",
+            "-k",
+            "2",
+            "--hidden",
+            "32",
+            "-t",
+            "1,4",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--chunk-bytes",
+            "64",
+        ]);
+        let plan = Plan::of(&a).unwrap();
+        let words = run_local(&a, &plan).unwrap();
+        let limits = aggregate(&a, &plan, &words);
+        assert_eq!(limits.len(), 3);
+        for l in limits {
+            assert!(l.p50_us[2] > 0.0 && l.p99_us[2] >= l.p50_us[2], "{l:?}");
+        }
+    }
+}
