@@ -34,7 +34,7 @@ use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
-use super::quant::{dequantize, dequantize_add, int8_payload, Quant, Quantizer};
+use super::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use crate::fabric::Waiting;
 use crate::{Error, Result};
@@ -65,7 +65,8 @@ pub(crate) enum Replies<'a> {
 pub(crate) struct CombineSender {
     acc: Vec<f32>,
     row: Vec<u8>,
-    qrow: Vec<u8>,
+    /// One chunk of reply rows computed here, put at once.
+    stage: Vec<u8>,
     quant: Quantizer,
     /// The epoch whose registered output `prepare_output` handed out.
     output_for: Option<u64>,
@@ -157,7 +158,6 @@ impl CombineSender {
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
         self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(p, 0);
-        self.qrow.resize(int8_payload(ctx.cfg.hidden), 0);
         let n = ranks.len();
         for step in 0..n {
             let i = (my_index + step) % n;
@@ -193,18 +193,39 @@ impl CombineSender {
                 let first = info.first_token + rows.start;
                 let at = base + rows.start * stride;
                 match &mut replies {
+                    // Rows computed here are staged for the chunk, then one put: one RDMA write
+                    // per chunk on fabrics without load/store access.
                     Replies::Reduce { batch, out } => {
-                        for k in 0..rows.len() {
+                        let mut stage = std::mem::take(&mut self.stage);
+                        stage.resize(rows.len() * stride, 0);
+                        let staged = (0..rows.len()).try_for_each(|k| {
                             self.reduce(ctx, batch, out, first + k);
-                            self.put_row(ctx, int8, first + k, dst, at + k * stride)?;
-                        }
+                            let slot = &mut stage[k * stride..(k + 1) * stride];
+                            if int8 {
+                                let row = std::mem::take(&mut self.row);
+                                let q = self.quantize_into(ctx, &row, first + k, slot);
+                                self.row = row;
+                                q
+                            } else {
+                                slot[..p].copy_from_slice(&self.row);
+                                Ok(())
+                            }
+                        });
+                        let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
+                        self.stage = stage;
+                        sent?;
                     }
                     Replies::Tokens(reduced) if int8 => {
-                        for k in 0..rows.len() {
+                        let mut stage = std::mem::take(&mut self.stage);
+                        stage.resize(rows.len() * stride, 0);
+                        let staged = (0..rows.len()).try_for_each(|k| {
                             let t = first + k;
-                            self.row.copy_from_slice(&reduced[t * p..(t + 1) * p]);
-                            self.put_row(ctx, true, t, dst, at + k * stride)?;
-                        }
+                            let slot = &mut stage[k * stride..(k + 1) * stride];
+                            self.quantize_into(ctx, &reduced[t * p..(t + 1) * p], t, slot)
+                        });
+                        let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
+                        self.stage = stage;
+                        sent?;
                     }
                     Replies::Tokens(reduced) => {
                         let bytes = &reduced[first * p..(first + rows.len()) * p];
@@ -227,26 +248,16 @@ impl CombineSender {
         Ok(())
     }
 
-    /// Puts `self.row` (token `t`'s reply in the dtype) at `(dst, at)`, quantized when `int8`.
-    fn put_row(
-        &mut self,
-        ctx: &Context,
-        int8: bool,
-        t: usize,
-        dst: usize,
-        at: usize,
-    ) -> Result<()> {
-        if !int8 {
-            return ctx.put(dst, at, &self.row);
-        }
-        if let Err(i) = self.quant.scale(ctx.cfg.dtype, &self.row) {
-            return Err(Error::invalid(format!(
+    /// Quantizes `row` (token `t`'s reply in the dtype) in one pass into `out` (an INT8 row).
+    fn quantize_into(&mut self, ctx: &Context, row: &[u8], t: usize, out: &mut [u8]) -> Result<()> {
+        let amax = self.quant.amax(ctx.cfg.dtype, row).map_err(|i| {
+            Error::invalid(format!(
                 "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows"
-            )));
-        }
-        self.quant
-            .quantize(ctx.cfg.dtype, &self.row, &mut self.qrow);
-        ctx.put(dst, at, &self.qrow)
+            ))
+        })?;
+        let q = &mut out[..int8_payload(ctx.cfg.hidden)];
+        self.quant.quantize_amax(ctx.cfg.dtype, row, amax, q);
+        Ok(())
     }
 
     /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
@@ -403,6 +414,15 @@ impl CombineReceiver {
                         let (rec, mode) = recs[j].expect("delivered rows have a record");
                         let (rank, at) = row_at(j, &rec, mode, i);
                         ctx.get(rank, at, out_row)?;
+                    }
+                    // One INT8 row: dequantized and rounded once, in one pass where it can be.
+                    1 => {
+                        let (j, i) = self.contributions[0];
+                        let (rec, mode) = recs[j].expect("delivered rows have a record");
+                        let (rank, at) = row_at(j, &rec, mode, i);
+                        let row = &mut self.row[..int8_payload(hidden)];
+                        ctx.get(rank, at, row)?;
+                        dequantize_to(row, dtype, &mut self.acc, out_row);
                     }
                     // Otherwise sum in f32 (INT8 rows dequantized inside the sum).
                     _ => {

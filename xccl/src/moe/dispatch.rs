@@ -40,6 +40,9 @@ pub(crate) struct Sent {
     pub(crate) layout: DispatchLayout,
     /// Row offset of each expert rank's rows (by expert index) in staging and reply areas.
     pub(crate) offsets: Vec<usize>,
+    /// With INT8 A2E: each token's `max |x|`, found while validating (reused by the
+    /// quantizing copy to every destination).
+    pub(crate) amax: Vec<f32>,
 }
 
 /// Where a call's payload rows come from.
@@ -113,15 +116,21 @@ impl DispatchSender {
                 ctx.cfg.max_tokens_per_rank
             )));
         }
+        let mut amax = Vec::new();
         if ctx.cfg.a2e_quant == Quant::Int8 {
-            // INT8 needs finite rows: checked for every token before anything is written.
+            // INT8 needs finite rows: checked for every token before anything is written, and
+            // each row's `max |x|` kept for the quantizing copies.
+            amax.reserve(num_tokens);
             for t in 0..num_tokens {
                 let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
-                if let Err(i) = self.quant.scale(ctx.cfg.dtype, x) {
-                    return Err(Error::invalid(format!(
-                        "token {t} has a non-finite element at {i}: INT8 quantization needs \
-                         finite hidden states"
-                    )));
+                match self.quant.amax(ctx.cfg.dtype, x) {
+                    Ok(a) => amax.push(a),
+                    Err(i) => {
+                        return Err(Error::invalid(format!(
+                            "token {t} has a non-finite element at {i}: INT8 quantization needs \
+                             finite hidden states"
+                        )))
+                    }
                 }
             }
         }
@@ -138,6 +147,7 @@ impl DispatchSender {
             return Err(e);
         }
         sent.num_tokens = num_tokens;
+        sent.amax = amax;
         sent.offsets.clear();
         let mut acc = 0;
         for &d in ctx.experts() {
@@ -323,9 +333,9 @@ impl DispatchSender {
                 if direct && !int8 {
                     self.put_rows(ctx, plan, entries, payloads, dst, at)?;
                 } else if direct {
-                    self.put_rows_int8(ctx, plan, entries, payloads, dst, at)?;
+                    self.put_rows_int8(ctx, sent, entries, payloads, dst, at)?;
                 } else {
-                    self.stage_rows(ctx, plan, entries, payloads, int8)?;
+                    self.stage_rows(ctx, sent, entries, payloads, int8)?;
                     ctx.put(dst, at, &self.stage)?;
                 }
                 done = rows.end;
@@ -394,7 +404,7 @@ impl DispatchSender {
     fn put_rows_int8(
         &mut self,
         ctx: &Context,
-        plan: &DispatchLayout,
+        sent: &Sent,
         entries: Range<usize>,
         payloads: Payloads<'_>,
         dst: usize,
@@ -405,7 +415,7 @@ impl DispatchSender {
         let mut qrow = std::mem::take(&mut self.qrow);
         qrow.resize(len, 0);
         let result = entries.enumerate().try_for_each(|(i, e)| {
-            self.encode_row(ctx, plan, e, payloads, true, &mut qrow)?;
+            self.encode_row(ctx, sent, e, payloads, true, &mut qrow)?;
             ctx.put(dst, at + i * row.int8_stride, &qrow)
         });
         self.qrow = qrow;
@@ -416,18 +426,19 @@ impl DispatchSender {
     fn encode_row(
         &mut self,
         ctx: &Context,
-        plan: &DispatchLayout,
+        sent: &Sent,
         e: usize,
         payloads: Payloads<'_>,
         int8: bool,
         out: &mut [u8],
     ) -> Result<()> {
         let row = ctx.layout.a2e;
+        let plan = &sent.layout;
         let t = plan.token(e);
         let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
         if int8 {
-            self.quant
-                .quantize(ctx.cfg.dtype, x, &mut out[..row.int8_payload]);
+            let q = &mut out[..row.int8_payload];
+            self.quant.quantize_amax(ctx.cfg.dtype, x, sent.amax[t], q);
         } else {
             out[..row.payload].copy_from_slice(x);
         }
@@ -444,7 +455,7 @@ impl DispatchSender {
     fn stage_rows(
         &mut self,
         ctx: &Context,
-        plan: &DispatchLayout,
+        sent: &Sent,
         entries: Range<usize>,
         payloads: Payloads<'_>,
         int8: bool,
@@ -454,7 +465,7 @@ impl DispatchSender {
         let mut stage = std::mem::take(&mut self.stage);
         let result = entries
             .zip(stage.chunks_exact_mut(stride))
-            .try_for_each(|(e, out)| self.encode_row(ctx, plan, e, payloads, int8, out));
+            .try_for_each(|(e, out)| self.encode_row(ctx, sent, e, payloads, int8, out));
         self.stage = stage;
         result
     }
@@ -687,17 +698,18 @@ impl RowReader {
                 let mut raw = std::mem::take(&mut self.raw);
                 raw.resize(msg.payload_len(ctx), 0);
                 let read = self.payload(ctx, msg, r, token, &mut raw).and_then(|()| {
-                    if let Err(i) = self.quant.scale(ctx.cfg.dtype, &raw) {
-                        return Err(Error::Protocol {
-                            peer: msg.src,
-                            detail: format!(
-                                "token {token} has a non-finite element at {i}: it cannot be \
-                                 kept as INT8"
-                            ),
-                        });
-                    }
+                    let amax =
+                        self.quant
+                            .amax(ctx.cfg.dtype, &raw)
+                            .map_err(|i| Error::Protocol {
+                                peer: msg.src,
+                                detail: format!(
+                            "token {token} has a non-finite element at {i}: it cannot be kept \
+                             as INT8"
+                        ),
+                            })?;
                     let mut qp = vec![0u8; super::quant::int8_payload(hidden)];
-                    self.quant.quantize(ctx.cfg.dtype, &raw, &mut qp);
+                    self.quant.quantize_amax(ctx.cfg.dtype, &raw, amax, &mut qp);
                     q.copy_from_slice(&qp[..hidden]);
                     *scale = scale_of(&qp, hidden);
                     Ok(())

@@ -68,43 +68,98 @@ pub fn scale_of(payload: &[u8], hidden: usize) -> f32 {
     f32::from_le_bytes(payload[at..at + 4].try_into().expect("4 bytes"))
 }
 
-/// Scratch for quantizing rows: one f32 row.
+/// Quantizes rows in one pass over them once their `amax` is known (bf16 and f32 rows straight
+/// from their bytes; f16 rows through an f32 scratch row).
 #[derive(Debug, Default)]
 pub(crate) struct Quantizer {
     wide: Vec<f32>,
 }
 
+/// The f32 bits of `max |x_i|` of a row of `dtype` (NaN and infinity compare above every finite
+/// value), reading the row once; `wide` is scratch for f16.
+fn amax_bits(dtype: DType, src: &[u8], wide: &mut Vec<f32>) -> u32 {
+    match dtype {
+        DType::BF16 => match bytemuck::try_cast_slice::<u8, u16>(src) {
+            Ok(v) => kernels::amax_bf16(v) << 16,
+            Err(_) => amax_via_wide(dtype, src, wide),
+        },
+        DType::F32 => match bytemuck::try_cast_slice::<u8, f32>(src) {
+            Ok(v) => kernels::amax_bits(v),
+            Err(_) => amax_via_wide(dtype, src, wide),
+        },
+        DType::F16 => amax_via_wide(dtype, src, wide),
+    }
+}
+
+fn amax_via_wide(dtype: DType, src: &[u8], wide: &mut Vec<f32>) -> u32 {
+    wide.resize(src.len() / dtype.size(), 0.0);
+    dtype.to_f32(src, wide);
+    kernels::amax_bits(wide)
+}
+
 impl Quantizer {
-    /// The scale of row `src` (bytes of `dtype`), or the index of its first non-finite element.
-    pub(crate) fn scale(&mut self, dtype: DType, src: &[u8]) -> std::result::Result<f32, usize> {
-        let n = src.len() / dtype.size();
-        self.wide.resize(n, 0.0);
-        dtype.to_f32(src, &mut self.wide);
-        let bits = kernels::amax_bits(&self.wide);
+    /// `max |x_i|` of row `src` (bytes of `dtype`), or the index of its first non-finite
+    /// element. One pass over the row.
+    pub(crate) fn amax(&mut self, dtype: DType, src: &[u8]) -> std::result::Result<f32, usize> {
+        let bits = amax_bits(dtype, src, &mut self.wide);
         if bits >= 0x7f80_0000 {
+            let n = src.len() / dtype.size();
+            self.wide.resize(n, 0.0);
+            dtype.to_f32(src, &mut self.wide);
             return Err(self.wide.iter().position(|v| !v.is_finite()).unwrap_or(0));
         }
-        Ok(f32::from_bits(bits) / 127.0)
+        Ok(f32::from_bits(bits))
     }
 
-    /// Quantizes row `src` (bytes of `dtype`, all finite) into `out` (an INT8 payload:
-    /// [`int8_payload`] bytes) in one pass; returns the scale.
-    pub(crate) fn quantize(&mut self, dtype: DType, src: &[u8], out: &mut [u8]) -> f32 {
+    /// The scale of row `src`, or the index of its first non-finite element.
+    #[cfg(test)]
+    pub(crate) fn scale(&mut self, dtype: DType, src: &[u8]) -> std::result::Result<f32, usize> {
+        self.amax(dtype, src).map(|a| a / 127.0)
+    }
+
+    /// Quantizes row `src` (bytes of `dtype`, all finite, with `amax` from
+    /// [`Quantizer::amax`]) into `out` (an INT8 payload: [`int8_payload`] bytes) in one pass;
+    /// returns the scale.
+    pub(crate) fn quantize_amax(
+        &mut self,
+        dtype: DType,
+        src: &[u8],
+        amax: f32,
+        out: &mut [u8],
+    ) -> f32 {
         let n = src.len() / dtype.size();
-        self.wide.resize(n, 0.0);
-        dtype.to_f32(src, &mut self.wide);
-        let amax = f32::from_bits(kernels::amax_bits(&self.wide));
         let (q, rest) = out.split_at_mut(scale_offset(n));
         let scale = if amax == 0.0 || !amax.is_finite() {
             q.fill(0);
             0.0
         } else {
-            kernels::quantize(&self.wide, 127.0 / amax, &mut q[..n]);
+            let inv = 127.0 / amax;
+            let done = match dtype {
+                DType::BF16 => bytemuck::try_cast_slice::<u8, u16>(src)
+                    .map(|v| kernels::quantize_bf16(v, inv, &mut q[..n]))
+                    .is_ok(),
+                DType::F32 => bytemuck::try_cast_slice::<u8, f32>(src)
+                    .map(|v| kernels::quantize(v, inv, &mut q[..n]))
+                    .is_ok(),
+                DType::F16 => false,
+            };
+            if !done {
+                self.wide.resize(n, 0.0);
+                dtype.to_f32(src, &mut self.wide);
+                kernels::quantize(&self.wide, inv, &mut q[..n]);
+            }
             q[n..].fill(0);
             amax / 127.0
         };
         rest[..4].copy_from_slice(&scale.to_le_bytes());
         scale
+    }
+
+    /// Quantizes row `src` (bytes of `dtype`, all finite) into `out`; returns the scale.
+    #[cfg(test)]
+    pub(crate) fn quantize(&mut self, dtype: DType, src: &[u8], out: &mut [u8]) -> f32 {
+        let amax = f32::from_bits(amax_bits(dtype, src, &mut self.wide));
+        self.quantize_amax(dtype, src, amax, out)
     }
 }
 
@@ -121,9 +176,17 @@ pub fn dequantize_add(payload: &[u8], hidden: usize, acc: &mut [f32]) {
     kernels::dequantize_add(bytemuck::cast_slice(&payload[..hidden]), scale, acc);
 }
 
-/// Dequantizes an INT8 payload into a row of `dtype` (one rounding), using `wide` as scratch.
+/// Dequantizes an INT8 payload into a row of `dtype` (one rounding): one pass for bf16, through
+/// `wide` (scratch) otherwise.
 pub fn dequantize_to(payload: &[u8], dtype: DType, wide: &mut Vec<f32>, out: &mut [u8]) {
     let hidden = out.len() / dtype.size();
+    if dtype == DType::BF16 {
+        if let Ok(o) = bytemuck::try_cast_slice_mut::<u8, u16>(out) {
+            let scale = scale_of(payload, hidden);
+            kernels::dequantize_bf16(bytemuck::cast_slice(&payload[..hidden]), scale, o);
+            return;
+        }
+    }
     wide.resize(hidden, 0.0);
     dequantize(payload, hidden, wide);
     dtype.from_f32(wide, out);
@@ -176,6 +239,35 @@ mod kernels {
             q.iter_mut().zip(x).for_each(|(o, &v)| {
                 let r = ((v * inv + ROUNDER).to_bits() as i32).wrapping_sub(ROUNDER_BITS);
                 *o = r.clamp(-127, 127) as i8 as u8;
+            });
+        }
+    }
+
+    multiversion! {
+        /// The largest `|x_i|` of bf16 bits (the sign cleared; NaN and infinity above every
+        /// finite value), as bf16 bits.
+        fn amax_bf16(x: &[u16]) -> u32 {
+            x.iter().fold(0u16, |m, &v| m.max(v & 0x7fff)) as u32
+        }
+    }
+
+    multiversion! {
+        /// [`quantize`] straight from bf16 bits (widening is a shift: exact).
+        fn quantize_bf16(x: &[u16], inv: f32, q: &mut [u8]) -> () {
+            q.iter_mut().zip(x).for_each(|(o, &b)| {
+                let v = f32::from_bits((b as u32) << 16);
+                let r = ((v * inv + ROUNDER).to_bits() as i32).wrapping_sub(ROUNDER_BITS);
+                *o = r.clamp(-127, 127) as i8 as u8;
+            });
+        }
+    }
+
+    multiversion! {
+        /// `out_i = bf16(f32(q_i) * scale)`, round to nearest even (never NaN: finite inputs).
+        fn dequantize_bf16(q: &[i8], scale: f32, out: &mut [u16]) -> () {
+            out.iter_mut().zip(q).for_each(|(o, &v)| {
+                let b = (v as f32 * scale).to_bits();
+                *o = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
             });
         }
     }

@@ -195,13 +195,13 @@ impl<'c> TokenView<'c> {
                 // Written into a private row, quantized, then put: INT8 rows are not the dtype.
                 fill(t, input, &mut scratch);
                 let bytes: &[u8] = bytemuck::cast_slice(&scratch);
-                if let Err(i) = quant.scale(ctx.cfg.dtype, bytes) {
-                    return Err(Error::invalid(format!(
+                let amax = quant.amax(ctx.cfg.dtype, bytes).map_err(|i| {
+                    Error::invalid(format!(
                         "the reply of token {t} has a non-finite element at {i}: INT8 needs \
                          finite rows"
-                    )));
-                }
-                quant.quantize(ctx.cfg.dtype, bytes, &mut qrow);
+                    ))
+                })?;
+                quant.quantize_amax(ctx.cfg.dtype, bytes, amax, &mut qrow);
                 return ctx.put(dst, at, &qrow);
             }
             // SAFETY: the sender waited for the credit of this buffer's previous use from every
