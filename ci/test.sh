@@ -25,6 +25,10 @@ rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup comp
 
 echo "== ofi bindings"
 ci/gen-ofi-bindings.sh --check
+echo "== acl bindings"
+# The committed bindgen output must match the header it is generated from (installs bindgen-cli
+# and libclang-dev when missing).
+bash ci/gen-acl-bindings.sh --check
 echo "== fmt"
 cargo fmt --all -- --check
 echo "== clippy"

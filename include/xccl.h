@@ -81,8 +81,9 @@ typedef enum {
   /** The call is not allowed now: wrong role for this rank (A2E send on an expert rank), a
    *  destroyed or unknown communicator, handle or batch. Nothing was sent. */
   xcclInvalidUsage = 2,
-  /** The operating system or the rendezvous failed (shared memory, sockets, a rank that never
-   *  joined). At init: nothing to clean up. */
+  /** The operating system, a native runtime (an Ascend runtime call's error code) or the
+   *  rendezvous failed (shared memory, sockets, a rank that never joined). At init: nothing to
+   *  clean up. */
   xcclSystemError = 3,
   /** A peer failed (its process died) or sent data that breaks the protocol. The communicator
    *  is poisoned and the job aborted. */

@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::bootstrap::Exchange;
+use crate::fabric::ascend::AscendFabric;
 use crate::fabric::local::LocalFabric;
 use crate::fabric::shm::ShmFabric;
 use crate::fabric::{Capabilities, Fabric, Waiting};
@@ -283,6 +284,30 @@ impl Communicator {
             Self::signal_slots(&topo),
             opts,
         )?;
+        Self::new(Box::new(fabric), topo, cfg)
+    }
+
+    /// Builds this rank's communicator over the Ascend fabric: its window in the device memory
+    /// of NPU `device`, reached by its peers through IPC memory keys (see
+    /// [`crate::fabric::ascend`]). Collective: every rank of `exchange` calls it with the same
+    /// topology and config and its own device. Fails with [`Error::FabricUnavailable`] naming
+    /// `libascendcl.so` and `ASCEND_HOME_PATH` where the CANN runtime is not installed. The
+    /// window is device memory, so the protocol reaches it through `put`/`get` only.
+    pub fn init_ascend(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+        device: i32,
+    ) -> Result<Self> {
+        let lens = Self::window_lens(&topo, &cfg)?;
+        let len = *lens.get(exchange.rank()).ok_or_else(|| {
+            Error::invalid(format!(
+                "bootstrap rank {} is outside the topology's {} ranks",
+                exchange.rank(),
+                lens.len()
+            ))
+        })?;
+        let fabric = AscendFabric::new(exchange, len, Self::signal_slots(&topo), device)?;
         Self::new(Box::new(fabric), topo, cfg)
     }
 

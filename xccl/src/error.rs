@@ -81,6 +81,22 @@ pub enum Error {
         detail: String,
     },
 
+    /// A call into a native runtime library returned an error code (e.g. the Ascend runtime's
+    /// `aclError`), with the runtime's own message where it has one.
+    #[error("{context}: {library} call {call} failed with code {code}: {message}")]
+    Native {
+        /// The library (`"libascendcl.so"`).
+        library: &'static str,
+        /// The function that failed (`"aclrtMemcpyAsync"`).
+        call: &'static str,
+        /// The code it returned.
+        code: i64,
+        /// The runtime's message (`aclGetRecentErrMsg`), or a note that it gave none.
+        message: String,
+        /// What xccl was doing (and for which peer).
+        context: String,
+    },
+
     /// The operating system refused something.
     #[error("{what}: {source}")]
     Os {
@@ -144,6 +160,19 @@ impl Error {
             Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
                 fabric: fabric.clone(),
                 detail: detail.clone(),
+            },
+            Error::Native {
+                library,
+                call,
+                code,
+                message,
+                context,
+            } => Error::Native {
+                library,
+                call,
+                code: *code,
+                message: message.clone(),
+                context: context.clone(),
             },
             Error::Os { what, source } => Error::Os {
                 what: what.clone(),

@@ -114,7 +114,7 @@ fn code_of(e: &Error) -> xcclResult_t {
         Error::Timeout { .. } => XCCL_TIMEOUT,
         Error::PeerFailed { .. } | Error::Protocol { .. } => XCCL_REMOTE_ERROR,
         Error::Aborted { .. } => XCCL_ABORTED,
-        Error::Bootstrap(_) | Error::Os { .. } => XCCL_SYSTEM_ERROR,
+        Error::Bootstrap(_) | Error::Os { .. } | Error::Native { .. } => XCCL_SYSTEM_ERROR,
         Error::FabricUnavailable { .. } => XCCL_UNAVAILABLE,
         Error::OutOfWindow { .. } => XCCL_INTERNAL_ERROR,
         #[allow(unreachable_patterns)]

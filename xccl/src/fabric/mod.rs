@@ -12,13 +12,15 @@
 //!
 //! Fabrics never fall back silently to another; a missing library is an error naming it.
 //! Implementations: [`local`] (ranks as threads of one process), [`shm`] (processes on one
-//! host, shared memory) and [`ofi`] (processes on any hosts, libfabric RMA over verbs, EFA or
-//! tcp). The conformance suite in [`conformance`] runs against each.
+//! host, shared memory), [`ofi`] (processes on any hosts, libfabric RMA over verbs, EFA or
+//! tcp) and [`ascend`] (processes on one host, one Ascend NPU each, through the CANN runtime
+//! opened at run time). The conformance suite in [`conformance`] runs against each.
 
 use std::time::{Duration, Instant};
 
 use crate::Result;
 
+pub mod ascend;
 pub mod conformance;
 pub mod local;
 pub mod ofi;

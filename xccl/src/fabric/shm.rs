@@ -174,7 +174,7 @@ impl Drop for Mapping {
 
 /// How this rank learns whether a peer process is still alive.
 #[derive(Debug)]
-enum Liveness {
+pub(crate) enum Liveness {
     /// The peer lives in this very process (ranks as threads): alive while we are.
     SameProcess,
     /// A pidfd, readable once the process has exited.
@@ -184,7 +184,7 @@ enum Liveness {
 }
 
 impl Liveness {
-    fn open(pid: u32, peer: usize) -> Result<Self> {
+    pub(crate) fn open(pid: u32, peer: usize) -> Result<Self> {
         if pid == std::process::id() {
             return Ok(Liveness::SameProcess);
         }
@@ -251,7 +251,7 @@ impl Liveness {
         }
     }
 
-    fn check(&self, peer: usize, pid: u32) -> Result<()> {
+    pub(crate) fn check(&self, peer: usize, pid: u32) -> Result<()> {
         let dead = || Error::PeerFailed {
             peer,
             detail: format!("process {pid} exited"),
@@ -339,7 +339,7 @@ fn round_up(v: usize, to: usize) -> Option<usize> {
 }
 
 /// FNV-1a of the kernel's boot id: equal for processes of one host (one kernel).
-fn host_id() -> u64 {
+pub(crate) fn host_id() -> u64 {
     match std::fs::read("/proc/sys/kernel/random/boot_id") {
         Ok(bytes) => bytes
             .iter()
