@@ -296,6 +296,16 @@ impl ControlArea {
         self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
     }
 
+    /// The end of a wait whose liveness check failed with `e`: a peer may have signalled and
+    /// then left (or died) between the last poll and the check, so poll once more; only a wait
+    /// still unfinished reports `e`.
+    fn settle(poll: &mut dyn FnMut() -> Option<Waiting>, e: Error) -> Result<()> {
+        match poll() {
+            None => Ok(()),
+            Some(_) => Err(e),
+        }
+    }
+
     /// [`ControlArea::wait_until`] with an explicit spin/yield policy.
     pub fn wait_with(
         &self,
@@ -328,7 +338,9 @@ impl ControlArea {
             let now = Instant::now();
             if now >= deadline {
                 // A dead peer or an abort explains the silence better than a timeout does.
-                liveness(waiting.peer)?;
+                if let Err(e) = liveness(waiting.peer) {
+                    return Self::settle(poll, e);
+                }
                 return Err(Error::Timeout {
                     peer: waiting.peer,
                     what: waiting.what.to_string(),
@@ -340,7 +352,9 @@ impl ControlArea {
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
-                liveness(waiting.peer)?;
+                if let Err(e) = liveness(waiting.peer) {
+                    return Self::settle(poll, e);
+                }
                 last_check = now;
             }
             // SYNC POINT: Acquire pairs with the SeqCst doorbell bumps in `store` and `wake`. A
