@@ -590,3 +590,49 @@ mod policy_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_that_signalled_then_left_between_poll_and_check_is_not_reported() {
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, alive for the whole test.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        let policy = WaitPolicy {
+            spin_iters: 1,
+            yield_for: Duration::ZERO,
+        };
+        // The peer's last signal lands just after the poll that still waited for it, and the
+        // peer leaves at once: the liveness check that follows finds it gone.
+        let left = std::cell::Cell::new(false);
+        let mut poll = || {
+            (!left.get()).then_some(Waiting {
+                peer: 1,
+                what: "a signal",
+            })
+        };
+        let gone = |peer: usize| {
+            left.set(true);
+            Err(Error::PeerFailed {
+                peer,
+                detail: "left".into(),
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        area.wait_with(policy, deadline, &mut poll, &gone)
+            .expect("its data arrived: not a failure");
+        // Still missing after the check: reported.
+        let mut never = || {
+            Some(Waiting {
+                peer: 1,
+                what: "a signal",
+            })
+        };
+        assert!(matches!(
+            area.wait_with(policy, deadline, &mut never, &gone),
+            Err(Error::PeerFailed { peer: 1, .. })
+        ));
+    }
+}
