@@ -126,6 +126,26 @@ fn require_dtype<T: Element>(ctx: &Context) -> Result<()> {
 
 /// E2A send of an expert rank through relays: its replies to every relay, then, on a relay, the
 /// reduction and forwarding of its members' rows. Nothing is written before the checks pass.
+/// Sends the E2A reply to call `epoch` through the relays when the topology has them, else
+/// directly, then marks the call replied.
+fn send_e2a(
+    ctx: &Context,
+    dispatch: &mut DispatchReceiver,
+    combine: &mut CombineSender,
+    epoch: u64,
+    sources: &[crate::SourceInfo],
+    mode: TransferMode,
+    replies: Replies<'_>,
+) -> Result<()> {
+    if ctx.topo.relay_plan().is_some() {
+        relayed_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+    } else {
+        combine.send(ctx, epoch, sources, mode, replies, ctx.call_deadline())?;
+    }
+    dispatch.replied();
+    Ok(())
+}
+
 fn relayed_e2a(
     ctx: &Context,
     dispatch: &mut DispatchReceiver,
@@ -850,29 +870,8 @@ impl Communicator {
                 ctx.layout.e2a_stride,
             )?;
             let replies = Replies::Reduce { batch, out };
-            let deadline = ctx.call_deadline();
-            if ctx.topo.relay_plan().is_some() {
-                relayed_e2a(
-                    ctx,
-                    dispatch,
-                    combine,
-                    batch.recv.epoch,
-                    batch.sources(),
-                    mode,
-                    replies,
-                )?;
-            } else {
-                combine.send(
-                    ctx,
-                    batch.recv.epoch,
-                    batch.sources(),
-                    mode,
-                    replies,
-                    deadline,
-                )?;
-            }
-            dispatch.replied();
-            Ok(())
+            let (epoch, sources) = (batch.recv.epoch, batch.sources());
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
         })
     }
 
@@ -905,30 +904,9 @@ impl Communicator {
                 batch.num_tokens(),
                 ctx.layout.e2a_stride,
             )?;
-            let deadline = ctx.call_deadline();
             let replies = Replies::Tokens(reduced);
-            if ctx.topo.relay_plan().is_some() {
-                relayed_e2a(
-                    ctx,
-                    dispatch,
-                    combine,
-                    batch.recv.epoch,
-                    batch.sources(),
-                    mode,
-                    replies,
-                )?;
-            } else {
-                combine.send(
-                    ctx,
-                    batch.recv.epoch,
-                    batch.sources(),
-                    mode,
-                    replies,
-                    deadline,
-                )?;
-            }
-            dispatch.replied();
-            Ok(())
+            let (epoch, sources) = (batch.recv.epoch, batch.sources());
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
         })
     }
 
