@@ -382,3 +382,42 @@ impl Drop for Job {
         }
     }
 }
+
+/// One checked round of the mixed workload every fabric's A2E/E2A test runs, bf16: push or pull
+/// by `(round + rank) % 3`, registered buffers every fourth round when `registered` (fabrics
+/// whose windows the host can address), and the expert-major, view and token-major receive
+/// paths in turn. Returns the reference check's verdict.
+pub fn mixed_round(
+    comm: &mut xccl::Communicator,
+    wl: &xccl::testing::harness::Workload,
+    round: u64,
+    registered: bool,
+    batch: &mut xccl::ExpertBatch,
+    tokens: &mut xccl::TokenBatch,
+) -> xccl::Result<Result<(), String>> {
+    use half::bf16;
+    use xccl::testing::harness::{
+        attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
+    };
+    let r = round + comm.rank() as u64;
+    comm.set_mode(if r.is_multiple_of(3) {
+        xccl::TransferMode::Pull
+    } else {
+        xccl::TransferMode::Push
+    });
+    let buffers = if registered && r % 4 == 3 {
+        Buffers::Registered
+    } else {
+        Buffers::Copy
+    };
+    match comm.role() {
+        xccl::Role::Attention => attention_round_with::<bf16>(comm, wl, round, buffers),
+        xccl::Role::Expert if round.is_multiple_of(2) => {
+            expert_round::<bf16>(comm, wl, round, batch, true)
+        }
+        xccl::Role::Expert if round % 4 == 1 => expert_round_view::<bf16>(comm, wl, round, true),
+        xccl::Role::Expert => {
+            expert_round_tokens_with::<bf16>(comm, wl, round, tokens, true, buffers)
+        }
+    }
+}

@@ -30,15 +30,9 @@ use xccl::bootstrap::{Exchange, RootConfig, UniqueId};
 use xccl::fabric::ascend::AscendFabric;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::{deadline_after, Fabric};
-use xccl::testing::harness::{
-    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
-    Workload,
-};
-use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
-    TransferMode,
-};
-use xccl_tests::{announce, child_main, shm_entries, ChildCtx, Job};
+use xccl::testing::harness::{attention_round_with, expert_round, Buffers, Workload};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
+use xccl_tests::{announce, child_main, mixed_round, shm_entries, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
@@ -149,28 +143,10 @@ fn checked_rounds(
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
-        // Push and pull, every receive path (expert-major, view, token-major).
-        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
-            TransferMode::Pull
-        } else {
-            TransferMode::Push
-        };
-        comm.set_mode(mode);
-        // The caller's buffers only: registered buffers (`a2e_input`, `e2a_output`) are slices
-        // of the window, which the host cannot address on this fabric.
-        let buffers = Buffers::Copy;
-        let verdict = match comm.role() {
-            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
-            Role::Expert if round.is_multiple_of(2) => {
-                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
-            Role::Expert if round % 4 == 1 => {
-                expert_round_view::<bf16>(&mut comm, &wl, round, true)
-            }
-            Role::Expert => {
-                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
-            }
-        };
+        // Push and pull, every receive path (expert-major, view, token-major); the caller's
+        // buffers only: registered buffers (`a2e_input`, `e2a_output`) are slices of the
+        // window, which the host cannot address on this fabric.
+        let verdict = mixed_round(&mut comm, &wl, round, false, &mut batch, &mut tokens);
         verdict
             .map_err(|e| format!("round {round}: {e}"))?
             .map_err(|e| format!("round {round}: {e}"))?;

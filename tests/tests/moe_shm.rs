@@ -11,14 +11,10 @@ use std::time::Duration;
 
 use half::bf16;
 use xccl::testing::harness::{
-    attention_round, attention_round_with, expert_round, expert_round_tokens_with,
-    expert_round_view, Buffers, Workload,
+    attention_round, expert_round, expert_round_tokens_with, Buffers, Workload,
 };
-use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
-    TransferMode,
-};
-use xccl_tests::{child_main, ChildCtx, Job};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
+use xccl_tests::{child_main, mixed_round, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 
@@ -82,32 +78,9 @@ fn checked_rounds(
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
-        // Alternate modes per call and per rank (receivers follow each record's mode), and the
-        // expert-major and token-major receive paths.
-        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
-            TransferMode::Pull
-        } else {
-            TransferMode::Push
-        };
-        comm.set_mode(mode);
-        // Registered buffers (gather-mode A2E, pulled E2A) every fourth round.
-        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
-            Buffers::Registered
-        } else {
-            Buffers::Copy
-        };
-        let verdict = match comm.role() {
-            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
-            Role::Expert if round.is_multiple_of(2) => {
-                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
-            Role::Expert if round % 4 == 1 => {
-                expert_round_view::<bf16>(&mut comm, &wl, round, true)
-            }
-            Role::Expert => {
-                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
-            }
-        };
+        // Modes per call and per rank (receivers follow each record), registered buffers every
+        // fourth round, and every receive path.
+        let verdict = mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens);
         verdict.map_err(|e| e.to_string())??;
     }
     Ok(())

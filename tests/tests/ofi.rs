@@ -14,15 +14,9 @@ use xccl::bootstrap::Exchange;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::ofi::{OfiFabric, OfiOptions, SignalOrdering};
 use xccl::fabric::{deadline_after, Fabric};
-use xccl::testing::harness::{
-    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
-    Workload,
-};
-use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology,
-    TransferMode,
-};
-use xccl_tests::{announce, child_main, ChildCtx, Job};
+use xccl::testing::harness::{attention_round_with, expert_round, Buffers, Workload};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
+use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
@@ -348,29 +342,7 @@ fn checked_rounds(
     for round in 0..rounds {
         // As in moe_shm.rs: push and pull per call and per rank, the caller's or registered
         // buffers, and the expert-major, view and token-major receive paths.
-        let mode = if (round + ctx.rank as u64).is_multiple_of(3) {
-            TransferMode::Pull
-        } else {
-            TransferMode::Push
-        };
-        comm.set_mode(mode);
-        let buffers = if (round + ctx.rank as u64) % 4 == 3 {
-            Buffers::Registered
-        } else {
-            Buffers::Copy
-        };
-        let verdict = match comm.role() {
-            Role::Attention => attention_round_with::<bf16>(&mut comm, &wl, round, buffers),
-            Role::Expert if round.is_multiple_of(2) => {
-                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
-            Role::Expert if round % 4 == 1 => {
-                expert_round_view::<bf16>(&mut comm, &wl, round, true)
-            }
-            Role::Expert => {
-                expert_round_tokens_with::<bf16>(&mut comm, &wl, round, &mut tokens, true, buffers)
-            }
-        };
+        let verdict = mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens);
         verdict.map_err(|e| e.to_string())??;
     }
     announce(&format!("{rounds} checked rounds in {:?}", start.elapsed()));
