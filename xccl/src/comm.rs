@@ -182,6 +182,17 @@ impl Communicator {
         Ok(WindowLayout::new(topo, cfg).window_lens())
     }
 
+    /// Window size the fabric of bootstrap rank `rank` must register.
+    fn own_window_len(rank: usize, topo: &Topology, cfg: &MoeConfig) -> Result<usize> {
+        let lens = Self::window_lens(topo, cfg)?;
+        lens.get(rank).copied().ok_or_else(|| {
+            Error::invalid(format!(
+                "bootstrap rank {rank} is outside the topology's {} ranks",
+                lens.len()
+            ))
+        })
+    }
+
     /// Signal slots every rank's fabric must have.
     pub fn signal_slots(topo: &Topology) -> usize {
         Slots::new(topo.world_size()).count()
@@ -255,14 +266,7 @@ impl Communicator {
         topo: Arc<Topology>,
         cfg: MoeConfig,
     ) -> Result<Self> {
-        let lens = Self::window_lens(&topo, &cfg)?;
-        let len = *lens.get(exchange.rank()).ok_or_else(|| {
-            Error::invalid(format!(
-                "bootstrap rank {} is outside the topology's {} ranks",
-                exchange.rank(),
-                lens.len()
-            ))
-        })?;
+        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
         let fabric = ShmFabric::new(exchange, len, Self::signal_slots(&topo))?;
         Self::new(Box::new(fabric), topo, cfg)
     }
@@ -290,14 +294,7 @@ impl Communicator {
         cfg: MoeConfig,
         opts: &crate::fabric::ofi::OfiOptions,
     ) -> Result<Self> {
-        let lens = Self::window_lens(&topo, &cfg)?;
-        let len = *lens.get(exchange.rank()).ok_or_else(|| {
-            Error::invalid(format!(
-                "bootstrap rank {} is outside the topology's {} ranks",
-                exchange.rank(),
-                lens.len()
-            ))
-        })?;
+        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
         let fabric = crate::fabric::ofi::OfiFabric::with_options(
             exchange,
             len,
@@ -319,14 +316,7 @@ impl Communicator {
         cfg: MoeConfig,
         device: i32,
     ) -> Result<Self> {
-        let lens = Self::window_lens(&topo, &cfg)?;
-        let len = *lens.get(exchange.rank()).ok_or_else(|| {
-            Error::invalid(format!(
-                "bootstrap rank {} is outside the topology's {} ranks",
-                exchange.rank(),
-                lens.len()
-            ))
-        })?;
+        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
         let fabric = AscendFabric::new(exchange, len, Self::signal_slots(&topo), device)?;
         Self::new(Box::new(fabric), topo, cfg)
     }
