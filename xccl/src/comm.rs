@@ -582,6 +582,7 @@ impl Communicator {
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
     /// retried; returns `e` either way.
     fn fail(&mut self, e: Error) -> Error {
+        let e = e.naming_the_dead();
         let fatal = matches!(
             e,
             Error::PeerFailed { .. }
@@ -592,9 +593,7 @@ impl Communicator {
         );
         if fatal || self.ctx.has_published() {
             tracing::error!(rank = self.ctx.rank, error = %e, "xccl: call failed; communicator poisoned, job aborted");
-            self.ctx
-                .fabric
-                .abort(&format!("rank {} failed: {e}", self.ctx.rank));
+            self.ctx.fabric.abort(&e.abort_reason(self.ctx.rank));
             self.poisoned = Some(e.duplicate());
         } else if matches!(e, Error::Timeout { .. }) {
             tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");

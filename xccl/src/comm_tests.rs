@@ -782,7 +782,8 @@ fn a_dead_peer_is_reported_while_waiting_for_another() {
         .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
         .unwrap_err();
     assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
-    // And every peer is told: the silent expert's next call fails naming rank 0's abort.
+    // And every peer is told: the silent expert's next call fails naming the dead rank, learnt
+    // through rank 0's abort.
     let mut b = TokenBatch::new();
     let err = loop {
         match silent.a2e_recv_tokens(&mut b, &mut |_, _| {}) {
@@ -791,7 +792,7 @@ fn a_dead_peer_is_reported_while_waiting_for_another() {
         }
     };
     assert!(
-        matches!(&err, Error::Aborted { by: 0, reason } if reason.contains("rank 2")),
+        matches!(&err, Error::PeerFailed { peer: 2, detail } if detail.contains("rank 0's abort")),
         "{err}"
     );
     assert!(silent.poisoned().is_some());

@@ -182,9 +182,79 @@ impl Error {
     }
 }
 
+/// How an abort reason names a dead rank: a rank that poisons its communicator because a peer
+/// failed publishes `"rank D died: …"`, and every rank that receives that abort reports
+/// [`Error::PeerFailed`] naming D, whichever rank noticed the death first.
+const DEAD_RANK_PREFIX: &str = "rank ";
+const DEAD_RANK_MARK: &str = " died: ";
+
+impl Error {
+    /// The reason rank `me` publishes when it aborts the job because of `self`.
+    pub(crate) fn abort_reason(&self, me: usize) -> String {
+        match self {
+            Error::PeerFailed { peer, detail } => {
+                format!("{DEAD_RANK_PREFIX}{peer}{DEAD_RANK_MARK}{detail} (noticed by rank {me})")
+            }
+            other => format!("rank {me} failed: {other}"),
+        }
+    }
+
+    /// An abort raised because a peer died becomes [`Error::PeerFailed`] naming the dead rank
+    /// (so every survivor reports the same rank); any other error is returned unchanged.
+    pub(crate) fn naming_the_dead(self) -> Self {
+        let Error::Aborted { by, reason } = &self else {
+            return self;
+        };
+        let dead = reason
+            .strip_prefix(DEAD_RANK_PREFIX)
+            .and_then(|rest| rest.split_once(DEAD_RANK_MARK))
+            .and_then(|(rank, detail)| Some((rank.parse::<usize>().ok()?, detail)));
+        match dead {
+            Some((peer, detail)) => Error::PeerFailed {
+                peer,
+                detail: format!("{detail}; reported through rank {by}'s abort"),
+            },
+            None => self,
+        }
+    }
+}
+
 impl From<nix::errno::Errno> for Error {
     fn from(e: nix::errno::Errno) -> Self {
         Error::os("system call", std::io::Error::from(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_abort_for_a_dead_peer_names_the_dead_rank_at_every_receiver() {
+        let died = Error::PeerFailed {
+            peer: 7,
+            detail: "process 42 exited".into(),
+        };
+        let reason = died.abort_reason(3);
+        match (Error::Aborted { by: 3, reason }).naming_the_dead() {
+            Error::PeerFailed { peer: 7, detail } => {
+                assert!(detail.contains("process 42 exited") && detail.contains("rank 3"))
+            }
+            other => panic!("expected PeerFailed naming rank 7, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn other_aborts_stay_aborts() {
+        let t = Error::Protocol {
+            peer: 2,
+            detail: "bad record".into(),
+        };
+        let reason = t.abort_reason(1);
+        assert!(matches!(
+            (Error::Aborted { by: 1, reason }).naming_the_dead(),
+            Error::Aborted { by: 1, .. }
+        ));
     }
 }
 
