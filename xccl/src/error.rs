@@ -225,6 +225,9 @@ impl From<nix::errno::Errno> for Error {
     }
 }
 
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,6 +260,3 @@ mod tests {
         ));
     }
 }
-
-/// Result with [`Error`].
-pub type Result<T, E = Error> = std::result::Result<T, E>;
