@@ -1459,3 +1459,17 @@ fn relays_with_dp_domains_match_the_reference() {
         }
     }
 }
+
+/// The direct path at the CloudMatrix384 decode shape (160 x 288 ranks as threads): every result
+/// checked, 46,080 A2E records per call.
+#[test]
+fn direct_at_160_by_288_matches_the_reference() {
+    let topo = Topology::contiguous(160, 288, 288).unwrap();
+    let mut c = cfg(16, DType::BF16, 8, 2);
+    c.max_in_flight = 1;
+    c.timeout = Duration::from_secs(120);
+    let rec = run_relayed::<bf16>(&topo, &c, &wl(79, 2, false), 2, true).unwrap();
+    for x in &rec {
+        assert_eq!(x.a2e, 160 * 288);
+    }
+}
