@@ -262,10 +262,10 @@ fn loss(p: &FabricParams, samples: &[Sample]) -> f64 {
 }
 
 /// Fits latency, link and copy bandwidth and record cost to `samples` (least squares of the log
-/// error, `p.cores` kept): Nelder-Mead in log space from `start`, restarted from its best point
-/// until a restart gains nothing. Deterministic.
+/// error, `p.cores` kept, each within [`BOUNDS`]): Nelder-Mead in log space from `start`,
+/// restarted from its best point until a restart gains nothing. Deterministic.
 pub fn calibrate(start: &FabricParams, samples: &[Sample]) -> FabricParams {
-    let f = |v: &[f64; 4]| loss(&start.with_logs(*v), samples);
+    let f = |v: &[f64; 4]| loss(&start.with_logs(bounded(*v)), samples);
     let mut best = start.logs();
     for _ in 0..20 {
         let before = f(&best);
@@ -274,7 +274,16 @@ pub fn calibrate(start: &FabricParams, samples: &[Sample]) -> FabricParams {
             break;
         }
     }
-    start.with_logs(best)
+    start.with_logs(bounded(best))
+}
+
+/// Bounds of the fitted parameters, in their units: latency and record cost 1 ns to 10 ms,
+/// bandwidths 1 MB/s to 10 TB/s. Noisy samples cannot push a parameter to 0 or infinity.
+const BOUNDS: [(f64, f64); 4] = [(1e-3, 1e4), (1e-3, 1e4), (1e-3, 1e4), (1e-3, 1e4)];
+
+/// `v` (log parameters) clamped to [`BOUNDS`].
+fn bounded(v: [f64; 4]) -> [f64; 4] {
+    std::array::from_fn(|i| v[i].clamp(BOUNDS[i].0.ln(), BOUNDS[i].1.ln()))
 }
 
 /// Minimises `f` from `x0` with Nelder-Mead (reflection 1, expansion 2, contraction and

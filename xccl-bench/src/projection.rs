@@ -380,14 +380,7 @@ pub fn render_plot(proj: &[Projected], title: &str) -> Result<String, String> {
                 .label(format!("{op} xDeepServe (paper)"))
                 .legend(move |(x, y)| Cross::new((x + 12, y), 5, c.stroke_width(2)));
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(e)?;
+        crate::plot::legend_upper_left(&mut chart)?;
         root.present().map_err(e)?;
     }
     Ok(svg)
