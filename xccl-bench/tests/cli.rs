@@ -8,6 +8,17 @@ fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xccl-bench"))
 }
 
+/// Runs `cmd`, asserts it succeeded (showing its stderr when not), returns its stdout.
+fn stdout_of(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("xccl-bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn tmp(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("xccl-bench-test-{}-{name}", std::process::id()))
 }
@@ -334,36 +345,30 @@ fn stats_json_counts_the_relayed_records_and_metadata_of_every_domain_and_checks
 
 #[test]
 fn memory_subcommand_prints_the_windows_of_each_relay_and_domain_count() {
-    let out = bench()
-        .args([
-            "memory",
-            "-a",
-            "16",
-            "-e",
-            "8",
-            "--num-experts",
-            "16",
-            "-k",
-            "2",
-        ])
-        .args([
-            "--hidden",
-            "128",
-            "-t",
-            "8",
-            "--relays",
-            "0,2",
-            "--domains",
-            "1,4",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = stdout_of(
+        bench()
+            .args([
+                "memory",
+                "-a",
+                "16",
+                "-e",
+                "8",
+                "--num-experts",
+                "16",
+                "-k",
+                "2",
+            ])
+            .args([
+                "--hidden",
+                "128",
+                "-t",
+                "8",
+                "--relays",
+                "0,2",
+                "--domains",
+                "1,4",
+            ]),
     );
-    let text = String::from_utf8_lossy(&out.stdout);
     let rows: Vec<Vec<&str>> = text
         .lines()
         .filter(|l| !l.starts_with('#'))
@@ -382,46 +387,35 @@ fn memory_subcommand_prints_the_windows_of_each_relay_and_domain_count() {
 #[test]
 fn model_subcommand_calibrates_against_a_stats_run_and_projects_with_a_plot() {
     let json = tmp("model-input.json");
-    let out = bench()
-        .args([
-            "--fabric",
-            "local",
-            "-a",
-            "1",
-            "-e",
-            "2",
-            "--num-experts",
-            "4",
-        ])
-        .args(["-k", "2", "--hidden", "64", "-t", "1,8", "--iters", "5"])
-        .args(["--warmup", "1", "--stats", "--json"])
-        .arg(&json)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    stdout_of(
+        bench()
+            .args([
+                "--fabric",
+                "local",
+                "-a",
+                "1",
+                "-e",
+                "2",
+                "--num-experts",
+                "4",
+            ])
+            .args(["-k", "2", "--hidden", "64", "-t", "1,8", "--iters", "5"])
+            .args(["--warmup", "1", "--stats", "--json"])
+            .arg(&json),
     );
     let (svg, proj) = (tmp("model.svg"), tmp("model.json"));
-    let out = bench()
-        .args(["model", "--calibrate"])
-        .arg(&json)
-        .args([
-            "-a", "4,8", "-e", "12", "--routed", "8", "-k", "2", "-t", "4",
-        ])
-        .args(["--hidden", "256", "--relays", "2", "--plot"])
-        .arg(&svg)
-        .arg("--json")
-        .arg(&proj)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = stdout_of(
+        bench()
+            .args(["model", "--calibrate"])
+            .arg(&json)
+            .args([
+                "-a", "4,8", "-e", "12", "--routed", "8", "-k", "2", "-t", "4",
+            ])
+            .args(["--hidden", "256", "--relays", "2", "--plot"])
+            .arg(&svg)
+            .arg("--json")
+            .arg(&proj),
     );
-    let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("# calibration:") && text.contains("median |error|"),
         "{text}"
