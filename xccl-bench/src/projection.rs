@@ -46,7 +46,8 @@ pub struct Projected {
     pub e2a_us: f64,
 }
 
-/// Calibration of the model against `files`: the fitted parameters and the samples.
+/// Calibration of the model against `files`: the fitted parameters and the samples (one per
+/// point: the median p50 of the files that measured it).
 fn calibration(files: &[std::path::PathBuf]) -> Result<(FabricParams, Vec<Sample>), String> {
     let mut samples = Vec::new();
     let mut cores = 1.0f64;
@@ -58,6 +59,28 @@ fn calibration(files: &[std::path::PathBuf]) -> Result<(FabricParams, Vec<Sample
         samples.extend(s);
         cores = c;
     }
+    // Repeated runs of one point: the median of their p50s (counts are the first run's; the
+    // routing is the same, so they are too).
+    let mut merged: Vec<(Sample, Vec<f64>)> = Vec::new();
+    for smp in samples {
+        match merged.iter_mut().find(|(m, _)| m.label == smp.label) {
+            Some((_, v)) => v.push(smp.measured_us),
+            None => {
+                let v = vec![smp.measured_us];
+                merged.push((smp, v));
+            }
+        }
+    }
+    let samples: Vec<Sample> = merged
+        .into_iter()
+        .map(|(mut smp, v)| {
+            if v.len() > 1 {
+                smp.label = format!("{} (n={})", smp.label, v.len());
+            }
+            smp.measured_us = median(v);
+            smp
+        })
+        .collect();
     let start = FabricParams {
         latency_us: 1.0,
         link_gbps: 5.0,
@@ -159,7 +182,7 @@ pub fn run(a: &ModelArgs) -> Result<String, String> {
         );
         let _ = writeln!(
             s,
-            "# {:<28} {:>6} {:>12} {:>12} {:>8}",
+            "# {:<34} {:>6} {:>12} {:>12} {:>8}",
             "run point", "use", "measured_us", "model_us", "error"
         );
         let mut errs = (Vec::new(), Vec::new());
@@ -175,7 +198,7 @@ pub fn run(a: &ModelArgs) -> Result<String, String> {
             }
             let _ = writeln!(
                 s,
-                "  {:<28} {:>6} {:>12.1} {:>12.1} {:>+7.0}%",
+                "  {:<34} {:>6} {:>12.1} {:>12.1} {:>+7.0}%",
                 smp.label,
                 if used { "fit" } else { "check" },
                 smp.measured_us,
