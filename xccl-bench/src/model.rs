@@ -8,12 +8,13 @@
 //! attention. In hop `h` rank `r` works
 //!
 //! ```text
-//! work(r, h) = out(r, h) / link + (in(r, h) + own(r, h)) / copy + records(r, h) x record
+//! work(r, h) = max(out(r, h), in(r, h)) / link + (in(r, h) + own(r, h)) / copy
+//!              + records(r, h) x record
 //! ```
 //!
 //! where `out` are the bytes it puts into other ranks' windows, `in` the bytes others put into
-//! its window (which it copies out or reduces), `own` the bytes it puts into its own window (a
-//! local copy), and `records` the records it writes (charged to the last hop it sends in) and
+//! its window (its link carries both, one per direction; it then copies them out or reduces
+//! them), `own` the bytes it puts into its own window (a local copy), and `records` the records it writes (charged to the last hop it sends in) and
 //! polls (charged to the first hop it receives in). A hop takes `stage(h) = max_r work(r, h)`:
 //! senders and receivers stream concurrently (chunks with a progress signal each). A2E hops
 //! pipeline (a relay forwards as rows arrive), so A2E takes `hops x latency + max_h stage(h)`;
@@ -214,9 +215,11 @@ pub fn predict(p: &FabricParams, c: &Counts) -> Prediction {
     let mut all = 0.0;
     for rank in c.loads() {
         for (h, [out, own, inn, rec]) in rank.into_iter().enumerate() {
-            // Bytes / (GB/s) = ns; / 1e3 = us.
-            let work =
-                out / p.link_gbps / 1e3 + (own + inn) / p.copy_gbps / 1e3 + rec * p.record_us;
+            // Bytes / (GB/s) = ns; / 1e3 = us. Its link carries what it sends and what it
+            // receives (each direction at `link`); it copies what arrives and its own rows.
+            let work = out.max(inn) / p.link_gbps / 1e3
+                + (own + inn) / p.copy_gbps / 1e3
+                + rec * p.record_us;
             stages[h] = stages[h].max(work);
             all += work;
         }
@@ -629,16 +632,17 @@ mod tests {
     #[test]
     fn a_direct_call_is_one_latency_plus_its_slowest_rank() {
         let p = predict(&UNIT, &direct_a2e());
-        // Sender: 2000 B / 1 GB/s = 2 us + 2 records x 0.5; receivers: 0.5 + 0.5.
+        // Sender: 2000 B / 1 GB/s = 2 us + 2 records x 0.5; each receiver: 1000 B over its
+        // link (1 us), its copy (0.5 us), one record (0.5 us).
         assert_eq!(p.hops, 1);
         assert!((p.stages_us[0] - 3.0).abs() < 1e-9, "{p:?}");
         assert!((p.total_us - 4.0).abs() < 1e-9, "{p:?}");
-        // Shared CPUs: all work (3 + 2 x 1) on one core exceeds the path.
+        // Shared CPUs: all work (3 + 2 x 2) on one core exceeds the path.
         let one_core = FabricParams {
             cores: Some(1.0),
             ..UNIT
         };
-        assert!((predict(&one_core, &direct_a2e()).total_us - 6.0).abs() < 1e-9);
+        assert!((predict(&one_core, &direct_a2e()).total_us - 8.0).abs() < 1e-9);
     }
 
     /// 2A:2E through relay rank 2: each attention rank sends 1000 B to it; it forwards 1000 B
@@ -686,19 +690,20 @@ mod tests {
         let c = relayed(Direction::A2e);
         assert_eq!((c.hop(0, 2), c.hop(2, 3), c.hop(2, 2)), (0, 1, 1));
         let p = predict(&UNIT, &c);
-        // Hop 0: the relay copies 2000 B in (1 us) + 2 polled records (1 us) = 2 us.
+        // Hop 0: 2000 B reach the relay over its link (2 us), it copies them (1 us) and polls
+        // 2 records (1 us) = 4 us.
         // Hop 1: it puts 1000 B (1 us), copies 1000 B of its own (0.5 us), writes 2 (1 us).
         assert_eq!(p.stages_us.len(), 2);
-        assert!((p.stages_us[0] - 2.0).abs() < 1e-9, "{p:?}");
+        assert!((p.stages_us[0] - 4.0).abs() < 1e-9, "{p:?}");
         assert!((p.stages_us[1] - 2.5).abs() < 1e-9, "{p:?}");
-        assert!((p.total_us - (2.0 + 2.5)).abs() < 1e-9, "pipelined: {p:?}");
+        assert!((p.total_us - (2.0 + 4.0)).abs() < 1e-9, "pipelined: {p:?}");
         let e = relayed(Direction::E2a);
         assert_eq!((e.hop(3, 2), e.hop(2, 0)), (0, 1));
         let q = predict(&UNIT, &e);
-        // Hop 0: rank 3 puts 1000 B + 1 record = 1.5; the relay copies 1000 B in + polls 2 = 1.5.
-        // Hop 1: the relay puts 1000 B + writes 3 = 2.5.
+        // Hop 0: rank 3 puts 1000 B + 1 record = 1.5; the relay receives 1000 B (1 us), copies
+        // them (0.5 us), polls 2 (1 us) = 2.5. Hop 1: the relay puts 1000 B + writes 3 = 2.5.
         assert!(
-            (q.total_us - (2.0 + 1.5 + 2.5)).abs() < 1e-9,
+            (q.total_us - (2.0 + 2.5 + 2.5)).abs() < 1e-9,
             "summed: {q:?}"
         );
     }
