@@ -341,6 +341,8 @@ pub fn render_plot(proj: &[Projected], title: &str) -> Result<String, String> {
         chart
             .configure_mesh()
             .x_desc("attention ranks M")
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_label_formatter(&|v| format!("{v:.0}"))
             .y_desc("projected time (us)")
             .label_style(("sans-serif", 14))
             .light_line_style(RGBColor(238, 238, 238))
@@ -371,8 +373,21 @@ pub fn render_plot(proj: &[Projected], title: &str) -> Result<String, String> {
                 } else {
                     format!("{op} relayed {path}")
                 };
+                // The legend's sample: solid, or as many dashes as the line has per 24 px.
+                let pieces = if j == 0 { 1 } else { 2 + j as i32 % 3 };
                 let legend = move |(x, y): (i32, i32)| {
-                    PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(2))
+                    let w = 24 / pieces;
+                    let gap = 3 * i32::from(pieces > 1);
+                    // Dash k of the sample, or nothing past the last.
+                    let dash = |k: i32| {
+                        let (a, b) = if k < pieces {
+                            (k * w, k * w + w - gap)
+                        } else {
+                            (0, 0)
+                        };
+                        PathElement::new(vec![(a, 0), (b, 0)], c.stroke_width(2))
+                    };
+                    EmptyElement::at((x, y)) + dash(0) + dash(1) + dash(2) + dash(3)
                 };
                 if j == 0 {
                     chart
@@ -381,7 +396,7 @@ pub fn render_plot(proj: &[Projected], title: &str) -> Result<String, String> {
                         .label(label)
                         .legend(legend);
                 } else {
-                    let dash = 12 - 4 * (j as u32 % 3);
+                    let dash = (24 / pieces - 3) as u32;
                     chart
                         .draw_series(DashedLineSeries::new(
                             line.clone(),
