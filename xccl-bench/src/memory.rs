@@ -96,7 +96,7 @@ pub fn report(a: &MemoryArgs) -> xccl::Result<String> {
     let _ = writeln!(
         s,
         "# xccl-bench memory: {}A:{}E, {} experts, top-{}, H={} {}, {} tokens per attention rank, \
-         quant {:?} (windows keep room for either row format)",
+         quant {} (windows keep room for either row format)",
         a.attention,
         a.experts,
         a.num_experts,
@@ -104,7 +104,7 @@ pub fn report(a: &MemoryArgs) -> xccl::Result<String> {
         a.hidden,
         a.dtype.name(),
         a.tokens,
-        a.quant
+        format!("{:?}", a.quant).to_lowercase()
     );
     let _ = writeln!(
         s,
