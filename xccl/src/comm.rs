@@ -51,7 +51,7 @@ use crate::{Error, Result};
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
 /// agreed fields.
-const HANDSHAKE_WORDS: usize = 10;
+const HANDSHAKE_WORDS: usize = 11;
 
 /// The protocol state of one rank, by role.
 enum Side {
