@@ -1473,3 +1473,84 @@ fn direct_at_160_by_288_matches_the_reference() {
         assert_eq!(x.a2e, 160 * 288);
     }
 }
+
+/// INT8 E2A through relays: the relay dequantizes its expert ranks' INT8 replies, sums them in
+/// f32 in the direct path's order and quantizes the sum once more; the attention rank gets the
+/// reference's bits (which replay that), in every dtype, with and without INT8 A2E.
+#[test]
+fn relays_reduce_int8_replies_and_requantize_once_bit_for_bit() {
+    for (m, n, e, r) in [(3, 2, 8, 1), (4, 5, 20, 2), (2, 3, 12, 3)] {
+        let topo = relayed(m, n, e, r);
+        for a2e in [Quant::None, Quant::Int8] {
+            let c = int8_cfg(96, DType::BF16, a2e, Quant::Int8);
+            run_relayed::<bf16>(&topo, &c, &wl(120 + r as u64, 12, true), 4, true).unwrap();
+            let c = int8_cfg(33, DType::F16, a2e, Quant::Int8);
+            run_relayed::<f16>(&topo, &c, &wl(130 + r as u64, 7, true), 3, false).unwrap();
+            let c = int8_cfg(40, DType::F32, a2e, Quant::Int8);
+            run_relayed::<f32>(&topo, &c, &wl(140 + r as u64, 9, true), 3, true).unwrap();
+        }
+    }
+}
+
+/// A receive capacity below the worst case shrinks every expert window; a call that would send
+/// more rows than that to one expert rank fails before writing anything (naming the rank), and
+/// the next call goes through and matches the reference. Direct and through a relay.
+#[test]
+fn a_receive_capacity_below_the_worst_case_is_a_clear_error_never_an_overflow() {
+    use crate::testing::reference::{expert_output, RankInput};
+    for relays in [0, 1] {
+        let topo = match relays {
+            0 => Topology::contiguous(1, 2, 4).unwrap(),
+            r => relayed(1, 2, 4, r),
+        };
+        let mut c = cfg(8, DType::F32, 2, 256);
+        let worst = Communicator::window_lens(&topo, &c).unwrap();
+        c.recv_capacity = 3;
+        let capped = Communicator::window_lens(&topo, &c).unwrap();
+        assert!(capped[1] < worst[1], "{capped:?} against {worst:?}");
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut attn = comms.remove(0);
+        std::thread::scope(|s| {
+            for mut e in comms {
+                s.spawn(move || {
+                    let mut b = ExpertBatch::new();
+                    e.a2e_recv(&mut b).unwrap();
+                    let rows = b.rows::<f32>().unwrap().to_vec();
+                    let locals = e.topology().local_experts(e.rank()).to_vec();
+                    let mut out = Vec::new();
+                    for (j, &x) in locals.iter().enumerate() {
+                        for r in b.expert_rows(j) {
+                            out.extend(expert_output(&test_expert, x, &rows[r * 8..(r + 1) * 8]));
+                        }
+                    }
+                    e.e2a_send(&b, &out).unwrap();
+                });
+            }
+            let x: Vec<f32> = (0..32).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let w = [0.5f32; 8];
+            // Four tokens for expert rank 1 (experts 0 and 1): one more than it can hold.
+            let over = [0, 1, 0, 1, 0, 1, 1, 0];
+            let err = attn.a2e_send(&x, &over, &w).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m)
+                    if m.contains("4 rows to expert rank 1") && m.contains("capacity of 3")),
+                "{err}"
+            );
+            assert!(attn.poisoned().is_none());
+            // Three rows for each expert rank: fits.
+            let fits = vec![0, 2, 1, 3, 0, 1, 2, 3];
+            let h = attn.a2e_send(&x, &fits, &w).unwrap();
+            let mut out = vec![0f32; 32];
+            attn.e2a_recv(&h, &mut out).unwrap();
+            let input = RankInput {
+                rank: 0,
+                num_tokens: 4,
+                k: 2,
+                topk_idx: fits,
+                topk_weights: w.to_vec(),
+            };
+            let want = expected_combine_exact(&topo, &input, &x, 8, &test_expert);
+            assert_eq!(first_difference(&out, &want, 8), None);
+        });
+    }
+}
