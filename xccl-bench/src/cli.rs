@@ -447,6 +447,10 @@ pub struct MemoryArgs {
     /// DP domain counts to show, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,3")]
     pub domains: Vec<usize>,
+    /// Receive capacities to show: rows an expert rank can take from one attention rank per
+    /// call (`MoeConfig::recv_capacity`; 0: the worst case, every token), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub recv_capacity: Vec<usize>,
     /// Calls in flight without domains (domains need 1).
     #[arg(long, default_value_t = 2)]
     pub in_flight: usize,

@@ -17,6 +17,8 @@ pub struct Footprint {
     pub relays: usize,
     /// DP domains.
     pub domains: usize,
+    /// Receive capacity per source (0: the worst case).
+    pub recv_capacity: usize,
     /// Calls in flight (buffers per region).
     pub in_flight: usize,
     /// Largest attention rank window.
@@ -34,6 +36,7 @@ fn shape(
     a: &MemoryArgs,
     relays: usize,
     domains: usize,
+    recv_capacity: usize,
 ) -> xccl::Result<(Topology, MoeConfig, usize)> {
     let topo = Topology::contiguous(a.attention, a.experts, a.num_experts)?;
     let topo = if relays > 0 {
@@ -43,6 +46,7 @@ fn shape(
     };
     let topo = topo.with_domains(domains)?;
     let mut cfg = MoeConfig::new(a.hidden, a.dtype, a.topk, a.tokens);
+    cfg.recv_capacity = recv_capacity;
     // Domains take turns with one call in flight (the library rejects more).
     cfg.max_in_flight = if domains > 1 { 1 } else { a.in_flight };
     if a.quant == QuantChoice::Int8 {
@@ -53,12 +57,17 @@ fn shape(
     Ok((topo, cfg, depth))
 }
 
-/// The footprint of every (relays, domains) pair the flags list, in that order.
+/// The footprint of every (relays, domains, receive capacity) the flags list, in that order.
 pub fn footprints(a: &MemoryArgs) -> xccl::Result<Vec<Footprint>> {
     let mut out = Vec::new();
-    for &relays in &a.relays {
-        for &domains in &a.domains {
-            let (topo, cfg, in_flight) = shape(a, relays, domains)?;
+    let variants = a.relays.iter().flat_map(|&r| {
+        a.domains
+            .iter()
+            .flat_map(move |&d| a.recv_capacity.iter().map(move |&c| (r, d, c)))
+    });
+    for (relays, domains, recv_capacity) in variants {
+        {
+            let (topo, cfg, in_flight) = shape(a, relays, domains, recv_capacity)?;
             let lens = Communicator::window_lens(&topo, &cfg)?;
             let is_relay = |r: usize| {
                 topo.relay_plan()
@@ -74,6 +83,7 @@ pub fn footprints(a: &MemoryArgs) -> xccl::Result<Vec<Footprint>> {
             out.push(Footprint {
                 relays,
                 domains,
+                recv_capacity,
                 in_flight,
                 attention: max(&|r| topo.role(r) == Role::Attention),
                 expert: max(&|r| topo.role(r) == Role::Expert && !is_relay(r)),
@@ -112,15 +122,27 @@ pub fn report(a: &MemoryArgs) -> xccl::Result<String> {
     );
     let _ = writeln!(
         s,
-        "# {:>6} {:>7} {:>9} {:>14} {:>14} {:>14} {:>12}",
-        "relays", "domains", "in_flight", "attention_MiB", "expert_MiB", "relay_MiB", "job_GiB"
+        "# {:>6} {:>7} {:>8} {:>9} {:>14} {:>14} {:>14} {:>12}",
+        "relays",
+        "domains",
+        "recv_cap",
+        "in_flight",
+        "attention_MiB",
+        "expert_MiB",
+        "relay_MiB",
+        "job_GiB"
     );
     for f in &rows {
         let _ = writeln!(
             s,
-            "  {:>6} {:>7} {:>9} {:>14.1} {:>14.1} {:>14} {:>12.2}",
+            "  {:>6} {:>7} {:>8} {:>9} {:>14.1} {:>14.1} {:>14} {:>12.2}",
             f.relays,
             f.domains,
+            if f.recv_capacity == 0 {
+                "all".to_string()
+            } else {
+                f.recv_capacity.to_string()
+            },
             f.in_flight,
             mib(f.attention as u64),
             mib(f.expert as u64),
@@ -150,7 +172,7 @@ mod tests {
     }
 
     #[test]
-    fn expert_windows_shrink_with_domains_and_relays_carry_member_areas() {
+    fn expert_windows_shrink_with_domains_and_receive_capacity_and_relays_carry_member_areas() {
         let a = args(&[
             "-a",
             "12",
@@ -161,17 +183,26 @@ mod tests {
             "-k",
             "2",
             "--hidden",
-            "64",
+            "1024",
             "-t",
             "8",
             "--relays",
             "0,2",
             "--domains",
             "1,3",
+            "--recv-capacity",
+            "0,2",
         ]);
         let f = footprints(&a).unwrap();
-        assert_eq!(f.len(), 4);
-        let (direct1, direct3, relay1) = (&f[0], &f[1], &f[2]);
+        assert_eq!(f.len(), 8);
+        let (direct1, capped, direct3, relay1) = (&f[0], &f[1], &f[2], &f[4]);
+        assert_eq!((capped.recv_capacity, capped.domains), (2, 1));
+        // 2 rows per source instead of 8: receive areas and staging shrink (pages round them).
+        assert!(
+            capped.expert * 2 < direct1.expert,
+            "{capped:?} vs {direct1:?}"
+        );
+        assert_eq!(capped.attention, direct1.attention);
         assert_eq!((direct1.relays, direct1.domains), (0, 1));
         // One domain's receive areas (4 of 12 sources) and one buffer instead of two.
         assert!(
@@ -184,7 +215,7 @@ mod tests {
         );
         assert_eq!(direct1.relay, 0);
         // The totals are the library's own window sizes added up.
-        let (topo, cfg, _) = shape(&a, 2, 1).unwrap();
+        let (topo, cfg, _) = shape(&a, 2, 1, 0).unwrap();
         let lens = Communicator::window_lens(&topo, &cfg).unwrap();
         assert_eq!(relay1.total, lens.iter().map(|&l| l as u64).sum::<u64>());
         assert!(report(&a).unwrap().contains("attention_MiB"));
