@@ -375,13 +375,14 @@ fn memory_subcommand_prints_the_windows_of_each_relay_and_domain_count() {
         .map(|l| l.split_whitespace().collect())
         .collect();
     assert_eq!(rows.len(), 4, "{text}");
-    let expert = |i: usize| rows[i][4].parse::<f64>().unwrap();
+    // relays, domains, recv_cap, in_flight, attention, expert, relay, job
+    let expert = |i: usize| rows[i][5].parse::<f64>().unwrap();
     assert!(
         expert(1) < expert(0),
         "4 domains shrink the expert window: {text}"
     );
-    assert_eq!(rows[0][5], "-", "no relay window direct: {text}");
-    assert!(rows[2][5].parse::<f64>().unwrap() > expert(2), "{text}");
+    assert_eq!(rows[0][6], "-", "no relay window direct: {text}");
+    assert!(rows[2][6].parse::<f64>().unwrap() > expert(2), "{text}");
 }
 
 #[test]
