@@ -7,6 +7,10 @@
 //! top-8 of 64 experts, 128 tokens per attention rank, 2A:2E) on shared memory, starting its own
 //! rank processes. Under mpirun, srun or torchrun each launched process is one rank. See
 //! `xccl-bench --help` and `xccl-bench/README.md` for the timing definition.
+//!
+//! Two subcommands start no ranks: `xccl-bench memory` prints the window bytes per rank at a
+//! shape ([`memory`]), `xccl-bench model` fits the cost model ([`model`]) to measured runs and
+//! projects the decode shape ([`projection`]).
 
 mod cli;
 mod launch;
