@@ -66,6 +66,7 @@ pub fn decode(blob: &[u8]) -> Result<RankStats, String> {
             records_polled: get(3)?,
             relay_rows_forwarded: get(4)?,
             peers,
+            ..Stats::default()
         },
     })
 }
@@ -150,6 +151,7 @@ mod tests {
             records_polled: 5,
             relay_rows_forwarded: 11,
             peers: vec![PeerStats::default(); 2],
+            ..Stats::default()
         };
         s.peers[1].waited = Duration::from_micros(250);
         s.peers[1].rows_sent = 4;

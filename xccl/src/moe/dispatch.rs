@@ -160,6 +160,7 @@ impl DispatchSender {
             self.spare.push(sent);
             return Err(e);
         }
+        ctx.stats.borrow_mut().dropped_slots += sent.layout.dropped() as u64;
         sent.num_tokens = num_tokens;
         sent.amax = amax;
         sent.offsets.clear();

@@ -1,0 +1,274 @@
+//! Shrinking past dead ranks over shared memory, with real processes: in the middle of a stream
+//! of checked A2E/E2A rounds (2 attention ranks, 3 expert ranks, 6 experts) one or two ranks
+//! SIGKILL themselves inside a call; every survivor must see `PeerFailed` naming a victim, call
+//! `Communicator::shrink`, and run more rounds on the shrunk communicator whose results equal the
+//! bit-exact reference for the new placement (the harness checks every batch and every combined
+//! output). The renumbering and the new placement are checked against an independent
+//! computation here. Without replicas, the lost expert is an error naming it on every survivor;
+//! with `drop_orphaned_experts` its selections are dropped, counted, and left out of the
+//! reference.
+//!
+//! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use half::bf16;
+use xccl::testing::harness::Workload;
+use xccl::{
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, ShrinkOptions, TokenBatch, Topology,
+    TopologyBuilder,
+};
+use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
+
+const ENTRY: &str = "child_rank_entry";
+/// Attention ranks `0..M`, expert ranks `M..M + N`.
+const M: usize = 2;
+const N: usize = 3;
+const EXPERTS: usize = 6;
+/// The round in which the victims die (inside their call).
+const KILL_ROUND: u64 = 3;
+/// Checked rounds on the shrunk communicator.
+const AFTER: u64 = 6;
+
+#[test]
+fn child_rank_entry() {
+    child_main(dispatch);
+}
+
+/// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>`.
+fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
+    let parts: Vec<&str> = scenario.split(':').collect();
+    let ["shrink", victims, replicas, orphans] = parts.as_slice() else {
+        return Err(format!("unknown scenario {scenario:?}"));
+    };
+    let victims = victims
+        .split('+')
+        .map(|v| v.parse::<usize>().map_err(|e| e.to_string()))
+        .collect::<Result<Vec<usize>, String>>()?;
+    shrink_scenario(ctx, &victims, *replicas == "rep", *orphans == "drop")
+}
+
+/// 2A:3E, experts 0..6 placed contiguously (two per expert rank); with `replicated` every
+/// expert gets one more replica on another expert rank.
+fn topology(replicated: bool) -> xccl::Result<Topology> {
+    let builder = TopologyBuilder::contiguous(M, N, EXPERTS);
+    if replicated {
+        let extra: Vec<(usize, usize)> = (0..EXPERTS).map(|e| (e, 1)).collect();
+        builder.replicas(&extra).build()
+    } else {
+        builder.build()
+    }
+}
+
+/// The new rank of `old` once `victims` are gone, computed independently of the library.
+fn expected_new_rank(victims: &[usize], old: usize) -> Option<usize> {
+    (!victims.contains(&old)).then(|| old - victims.iter().filter(|&&v| v < old).count())
+}
+
+/// A victim's last act: starts its call of `round` and dies inside it (an attention rank after
+/// its A2E send, an expert rank after its A2E receive, so its peers are waiting for it).
+fn die_mid_call(comm: &mut Communicator, wl: &Workload, round: u64, batch: &mut ExpertBatch) {
+    match comm.role() {
+        Role::Attention => {
+            let topo = comm.topology().clone();
+            let (k, hidden) = (comm.config().topk, comm.config().hidden);
+            let input = wl.input(&topo, k, comm.rank(), round);
+            let x: Vec<bf16> = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
+            let _ = comm.a2e_send(&x, &input.topk_idx, &input.topk_weights);
+        }
+        Role::Expert => {
+            let _ = comm.a2e_recv(batch);
+        }
+    }
+    // SAFETY: kill(2) on this process's own pid; takes no pointers.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL cannot be caught");
+}
+
+fn shrink_scenario(
+    ctx: &ChildCtx,
+    victims: &[usize],
+    replicated: bool,
+    drop_orphans: bool,
+) -> Result<(), String> {
+    let s = |e: Error| e.to_string();
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(Duration::from_secs(30)).map_err(s)?;
+    let topo = topology(replicated).map_err(s)?;
+    let mut comm = Communicator::init_shm(ex, Arc::new(topo.clone()), cfg).map_err(s)?;
+    let wl = Workload {
+        seed: 0x5421,
+        tokens: 24,
+        vary: true,
+        skew: None,
+    };
+    let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
+    let me = ctx.rank;
+
+    // The stream, until the failure reaches this rank.
+    let (failed_in, failure) = (0..)
+        .find_map(|round| {
+            if victims.contains(&me) && round == KILL_ROUND {
+                die_mid_call(&mut comm, &wl, round, &mut batch);
+            }
+            match mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens) {
+                Ok(Ok(())) if round < KILL_ROUND + 20 => None,
+                Ok(Ok(())) => Some((round, Err("no failure noticed 20 rounds after".into()))),
+                Ok(Err(mismatch)) => Some((round, Err(mismatch))),
+                Err(e) => Some((round, Ok(e))),
+            }
+        })
+        .expect("the stream ends");
+    let failure = failure?;
+    match &failure {
+        Error::PeerFailed { peer, .. } if victims.contains(peer) && failed_in >= KILL_ROUND => {}
+        other => {
+            return Err(format!(
+                "round {failed_in}: expected PeerFailed naming one of {victims:?}, got {other}"
+            ))
+        }
+    }
+
+    let opts = ShrinkOptions {
+        drop_orphaned_experts: drop_orphans,
+        timeout: Duration::from_secs(30),
+        ..ShrinkOptions::default()
+    };
+    let shrunk = comm.shrink(&opts);
+    if !replicated && !drop_orphans {
+        return match shrunk {
+            Err(Error::ExpertLost {
+                expert: 2, ranks, ..
+            }) if ranks == [3] => {
+                announce(&format!("rank {me}: expert 2 lost, named"));
+                Ok(())
+            }
+            other => Err(format!(
+                "expected ExpertLost naming expert 2 on rank 3, got {:?}",
+                other.map(|c| c.rank())
+            )),
+        };
+    }
+    let mut comm = shrunk.map_err(s)?;
+
+    // Renumbering and placement, against an independent computation.
+    let mut dead = victims.to_vec();
+    dead.sort_unstable();
+    if comm.shrunk_past() != dead.as_slice() {
+        return Err(format!("agreed dead set {:?}", comm.shrunk_past()));
+    }
+    for old in 0..M + N {
+        if comm.rank_after_shrink(old) != expected_new_rank(victims, old) {
+            return Err(format!(
+                "old rank {old} maps to {:?}",
+                comm.rank_after_shrink(old)
+            ));
+        }
+    }
+    if Some(comm.rank()) != expected_new_rank(victims, me) || comm.rank_before_shrink() != Some(me)
+    {
+        return Err(format!("rank {me} became rank {}", comm.rank()));
+    }
+    let new_topo = comm.topology().clone();
+    if new_topo.world_size() != M + N - victims.len() {
+        return Err(format!("new world size {}", new_topo.world_size()));
+    }
+    for e in 0..EXPERTS {
+        let want: Vec<usize> = topo
+            .replicas(e)
+            .iter()
+            .filter_map(|&r| expected_new_rank(victims, r))
+            .collect();
+        if new_topo.replicas(e) != want.as_slice() || new_topo.is_orphaned(e) != want.is_empty() {
+            return Err(format!(
+                "expert {e} now on {:?}, expected {want:?}",
+                new_topo.replicas(e)
+            ));
+        }
+    }
+    let orphaned: Vec<usize> = (0..EXPERTS).filter(|&e| new_topo.is_orphaned(e)).collect();
+    if comm.orphaned_experts() != orphaned.as_slice() || drop_orphans == orphaned.is_empty() {
+        return Err(format!("orphaned experts {:?}", comm.orphaned_experts()));
+    }
+
+    // Go on: every round checked against the reference for the new placement.
+    let mut dropped = 0u64;
+    for round in 0..AFTER {
+        mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens)
+            .map_err(s)?
+            .map_err(|m| format!("after the shrink: {m}"))?;
+        if comm.role() == Role::Attention {
+            let input = wl.input(&new_topo, comm.config().topk, comm.rank(), round);
+            dropped += input
+                .topk_idx
+                .iter()
+                .filter(|&&id| id >= 0 && new_topo.is_orphaned(id as usize))
+                .count() as u64;
+        }
+    }
+    let counted = comm.total_stats().dropped_slots;
+    if counted != dropped || (drop_orphans && comm.role() == Role::Attention && dropped == 0) {
+        return Err(format!(
+            "dropped selections counted {counted}, expected {dropped}"
+        ));
+    }
+    announce(&format!(
+        "rank {me} shrank to rank {} and ran {AFTER} checked rounds; {dropped} selections dropped",
+        comm.rank()
+    ));
+    Ok(())
+}
+
+/// Runs a scenario; the victims must have died by SIGKILL and every survivor succeeded.
+fn run(scenario: &str, victims: &[usize]) -> Job {
+    let mut job = Job::spawn(ENTRY, scenario, M + N);
+    job.wait(Duration::from_secs(120));
+    for r in 0..M + N {
+        if victims.contains(&r) {
+            job.assert_killed(r);
+        } else {
+            job.assert_succeeded(r);
+        }
+    }
+    job
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_expert_rank_and_match_the_reference_for_the_new_placement() {
+    let job = run("shrink:3:rep:keep", &[3]);
+    assert!(job.output(0).contains("rank 0 shrank to rank 0"));
+    assert!(job.output(4).contains("rank 4 shrank to rank 3"));
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_attention_rank_and_go_on() {
+    let job = run("shrink:1:rep:keep", &[1]);
+    assert!(job.output(2).contains("rank 2 shrank to rank 1"));
+}
+
+#[test]
+fn survivors_shrink_past_two_ranks_killed_at_once() {
+    let job = run("shrink:0+3:rep:keep", &[0, 3]);
+    assert!(job.output(4).contains("rank 4 shrank to rank 2"));
+}
+
+#[test]
+fn an_expert_with_no_replica_left_fails_the_shrink_naming_it_on_every_survivor() {
+    let job = run("shrink:3:norep:keep", &[3]);
+    for r in [0, 1, 2, 4] {
+        assert!(job.output(r).contains("expert 2 lost, named"), "rank {r}");
+    }
+}
+
+#[test]
+fn dropping_an_orphaned_expert_counts_its_selections_and_matches_the_reference_without_it() {
+    let job = run("shrink:3:norep:drop", &[3]);
+    for r in [0, 1] {
+        let out = job.output(r);
+        assert!(out.contains("checked rounds;"), "rank {r}: {out}");
+        assert!(!out.contains("; 0 selections dropped"), "rank {r}: {out}");
+    }
+}
