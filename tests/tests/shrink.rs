@@ -10,14 +10,14 @@
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use half::bf16;
 use xccl::testing::harness::Workload;
 use xccl::{
-    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, ShrinkOptions, TokenBatch, Topology,
-    TopologyBuilder,
+    Communicator, DType, Error, ExpertBatch, MoeConfig, Role, ShrinkOptions, ShrinkStep,
+    TokenBatch, Topology, TopologyBuilder,
 };
 use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
 
@@ -132,12 +132,31 @@ fn shrink_scenario(
         }
     }
 
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let seen = steps.clone();
     let opts = ShrinkOptions {
         drop_orphaned_experts: drop_orphans,
         timeout: Duration::from_secs(30),
+        on_step: Some(Arc::new(move |step| seen.lock().unwrap().push(step))),
         ..ShrinkOptions::default()
     };
     let shrunk = comm.shrink(&opts);
+    let ran = steps.lock().unwrap().clone();
+    let order = [
+        ShrinkStep::Poison,
+        ShrinkStep::Release,
+        ShrinkStep::Agree,
+        ShrinkStep::Plan,
+        ShrinkStep::Rebuild,
+    ];
+    let expected = if replicated || drop_orphans {
+        &order[..]
+    } else {
+        &order[..4] // the plan fails
+    };
+    if ran != expected {
+        return Err(format!("shrink ran the steps {ran:?}"));
+    }
     if !replicated && !drop_orphans {
         return match shrunk {
             Err(Error::ExpertLost {

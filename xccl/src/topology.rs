@@ -1218,4 +1218,97 @@ pub(crate) mod tests {
             prop_assert_eq!(total, hosted);
         }
     }
+
+    /// 2 attention ranks, expert ranks 2..5, 6 experts two per rank; experts 0..4 also have a
+    /// second replica.
+    fn shrinkable() -> Topology {
+        TopologyBuilder::contiguous(2, 3, 6)
+            .replicas(&[(0, 1), (1, 1), (2, 1), (3, 1)])
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn shrink_renumbers_survivors_densely_and_moves_experts_to_their_surviving_replicas() {
+        let t = shrinkable();
+        let s = t.shrink(&[0, 3], false).unwrap();
+        assert_eq!(s.new_rank, vec![None, Some(0), Some(1), None, Some(2)]);
+        assert!(s.orphaned.is_empty());
+        let n = &s.topology;
+        assert_eq!(n.world_size(), 3);
+        assert_eq!(n.attention_ranks(), &[0]);
+        assert_eq!(n.expert_ranks(), &[1, 2]);
+        for e in 0..6 {
+            let want: Vec<usize> = t
+                .replicas(e)
+                .iter()
+                .filter_map(|&r| s.new_rank[r])
+                .collect();
+            assert_eq!(n.replicas(e), want.as_slice(), "expert {e}");
+            assert!(!want.is_empty());
+            // A surviving rank hosts the same experts as before, in the same local order.
+            for &r in t.replicas(e) {
+                if let Some(nr) = s.new_rank[r] {
+                    assert_eq!(n.local_experts(nr), t.local_experts(r));
+                }
+            }
+        }
+        assert_ne!(n.fingerprint(), t.fingerprint());
+    }
+
+    #[test]
+    fn shrink_names_an_expert_with_no_replica_left_or_drops_it_when_asked() {
+        let t = shrinkable();
+        match t.shrink(&[4], false) {
+            Err(Error::ExpertLost {
+                expert: 4,
+                ranks,
+                others,
+            }) => {
+                assert_eq!(ranks, vec![4]);
+                assert!(others.contains("[5]"), "{others}");
+            }
+            other => panic!("expected ExpertLost naming expert 4, got {other:?}"),
+        }
+        let s = t.shrink(&[4], true).unwrap();
+        assert_eq!(s.orphaned, vec![4, 5]);
+        assert!(s.topology.is_orphaned(4) && s.topology.is_orphaned(5));
+        assert!(!s.topology.is_orphaned(0));
+        // Ordinary topologies never have orphans.
+        assert!((0..6).all(|e| !t.is_orphaned(e)));
+        let err = err_msg(
+            TopologyBuilder::contiguous(1, 1, 2)
+                .placement(vec![vec![1], vec![]])
+                .build(),
+        );
+        assert!(err.contains("expert 1 has no replica"), "{err}");
+    }
+
+    #[test]
+    fn shrink_rejects_out_of_range_ranks_and_a_job_without_a_role_left() {
+        let t = shrinkable();
+        assert!(matches!(
+            t.shrink(&[5], false),
+            Err(Error::InvalidArgument(_))
+        ));
+        let err = t.shrink(&[0, 1], true).unwrap_err();
+        assert!(err.to_string().contains("no attention rank"), "{err}");
+        let err = t.shrink(&[2, 3, 4], true).unwrap_err();
+        assert!(err.to_string().contains("no expert rank"), "{err}");
+    }
+
+    #[test]
+    fn shrink_keeps_relays_and_domains_within_the_survivors() {
+        let t = TopologyBuilder::contiguous(3, 3, 6)
+            .replicas(&[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
+            .build()
+            .unwrap()
+            .with_relays(Some(3))
+            .unwrap()
+            .with_domains(3)
+            .unwrap();
+        let s = t.shrink(&[1, 4], false).unwrap().topology;
+        assert_eq!(s.relay_plan().map(RelayPlan::count), Some(2));
+        assert_eq!(s.num_domains(), 2);
+    }
 }

@@ -197,3 +197,182 @@ impl Exchange for Generation {
         Some((by, reason))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::bootstrap::{random_job_id, RootConfig, TcpBootstrap, UniqueId};
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    fn start_job() -> (UniqueId, crate::bootstrap::RootHandle) {
+        let mut cfg = RootConfig::new(random_job_id());
+        cfg.idle_timeout = Duration::from_secs(5);
+        UniqueId::start_root("127.0.0.1:0".parse().unwrap(), cfg).unwrap()
+    }
+
+    /// Connects ranks `0..size` of the job, each on its own thread.
+    fn connect_all(id: &UniqueId, size: usize) -> Vec<Arc<dyn Exchange>> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..size)
+                .map(|r| s.spawn(move || TcpBootstrap::connect(id, r, size, LONG).unwrap()))
+                .collect();
+            hs.into_iter()
+                .map(|h| Arc::new(h.join().unwrap()) as Arc<dyn Exchange>)
+                .collect()
+        })
+    }
+
+    /// Runs `f` on each exchange on its own thread; results in order.
+    fn on_each<T: Send>(
+        ranks: &[Arc<dyn Exchange>],
+        f: impl Fn(&Arc<dyn Exchange>) -> T + Sync,
+    ) -> Vec<T> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = ranks.iter().map(|b| s.spawn(|| f(b))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn wait_for_abort(b: &dyn Exchange, index: usize) {
+        let deadline = Instant::now() + LONG;
+        while b.poll_abort_since(index).is_none() {
+            assert!(Instant::now() < deadline, "abort {index} never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_survivors_round_completes_without_the_ranks_that_left_and_marks_them_absent() {
+        let (id, _root) = start_job();
+        let mut ranks = connect_all(&id, 4);
+        drop(ranks.remove(2));
+        let rounds = on_each(&ranks, |b| {
+            let blob = vec![b.rank() as u8; b.rank()];
+            b.gather_survivors(&blob, LONG, 0).unwrap()
+        });
+        for round in rounds {
+            assert_eq!(
+                round.blobs,
+                vec![Some(vec![]), Some(vec![1]), None, Some(vec![3, 3, 3])]
+            );
+            assert_eq!(round.aborts_before, 0);
+        }
+    }
+
+    #[test]
+    fn a_survivors_round_ignores_aborts_before_its_horizon_and_fails_on_later_ones() {
+        let (id, _root) = start_job();
+        let ranks = connect_all(&id, 2);
+        ranks[0].broadcast_abort("rank 7 died").unwrap();
+        wait_for_abort(ranks[1].as_ref(), 0);
+        // An ordinary round fails on the abort; a survivors' round ignoring it completes.
+        let rounds = on_each(&ranks, |b| {
+            b.gather_survivors(b"x", LONG, usize::MAX).unwrap()
+        });
+        assert_eq!(rounds[1].aborts_before, 1);
+        assert_eq!(
+            rounds[0].aborts_before, 0,
+            "a rank's own abort is not sent back"
+        );
+        // A later abort fails a round whose horizon is before it.
+        ranks[0].broadcast_abort("again").unwrap();
+        let err = ranks[1].gather_survivors(b"y", LONG, 1).unwrap_err();
+        assert!(
+            matches!(&err, Error::Aborted { by: 0, reason } if reason == "again"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_survivors_round_fails_naming_the_root_when_the_root_is_gone() {
+        let (id, root) = start_job();
+        let ranks = connect_all(&id, 2);
+        root.shutdown();
+        let err = ranks[0].gather_survivors(b"x", LONG, 0).unwrap_err();
+        assert!(
+            matches!(&err, Error::Bootstrap(m) if m.contains("connection to the root") && m.contains("lost")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_survivors_round_times_out_naming_a_connected_rank_that_does_not_come() {
+        let (id, _root) = start_job();
+        let ranks = connect_all(&id, 3);
+        let short = Duration::from_millis(300);
+        let errs = on_each(&ranks[..2], |b| {
+            b.gather_survivors(b"x", short, 0).unwrap_err()
+        });
+        for err in errs {
+            assert!(matches!(err, Error::Timeout { peer: 2, .. }), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_generation_renumbers_its_members_and_ignores_the_replaced_jobs_aborts() {
+        let (id, _root) = start_job();
+        let mut ranks = connect_all(&id, 4);
+        ranks[3].broadcast_abort("old job").unwrap();
+        for b in &ranks[..3] {
+            wait_for_abort(b.as_ref(), 0);
+        }
+        drop(ranks.remove(1));
+        let parent_job = ranks[0].job_id();
+        let outcomes = on_each(&ranks, |b| {
+            let horizon = usize::from(b.rank() != 3);
+            let g = Generation::new(b.clone(), vec![0, 2, 3], 1, horizon).unwrap();
+            assert_ne!(g.job_id(), parent_job);
+            assert_eq!(g.poll_abort(), None, "the old job's abort is ignored");
+            let all = g.allgather(&[g.rank() as u8 + 10], LONG).unwrap();
+            g.barrier(LONG).unwrap();
+            (g.rank(), g.size(), g.job_id(), all)
+        });
+        let job = outcomes[0].2;
+        for (i, (rank, size, job_id, all)) in outcomes.into_iter().enumerate() {
+            assert_eq!((rank, size, job_id), (i, 3, job));
+            assert_eq!(all, vec![vec![10], vec![11], vec![12]]);
+        }
+    }
+
+    #[test]
+    fn a_generation_round_fails_naming_the_new_rank_of_a_member_that_left() {
+        let (id, _root) = start_job();
+        let mut ranks = connect_all(&id, 3);
+        let leaver = ranks.remove(2);
+        let gens: Vec<Generation> = ranks
+            .iter()
+            .map(|b| Generation::new(b.clone(), vec![0, 1, 2], 1, 0).unwrap())
+            .collect();
+        drop(leaver);
+        let errs = std::thread::scope(|s| {
+            let hs: Vec<_> = gens
+                .iter()
+                .map(|g| s.spawn(|| g.allgather(b"x", LONG).unwrap_err()))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for err in errs {
+            assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_generation_rejects_members_that_leave_this_rank_out_or_are_unordered() {
+        let (id, _root) = start_job();
+        let b: Arc<dyn Exchange> = Arc::new(TcpBootstrap::connect(&id, 0, 3, LONG).unwrap());
+        for members in [vec![1, 2], vec![2, 0], vec![0, 3]] {
+            let err = Generation::new(b.clone(), members.clone(), 1, 0).unwrap_err();
+            assert!(
+                matches!(err, Error::InvalidArgument(_)),
+                "{members:?}: {err}"
+            );
+        }
+        assert_ne!(generation_job_id(7, 1), generation_job_id(7, 2));
+        assert_ne!(generation_job_id(7, 1), 7);
+    }
+}

@@ -444,3 +444,50 @@ fn rebuild(
     });
     Ok(comm)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Topology};
+
+    #[test]
+    fn a_proposal_round_trips_and_a_malformed_one_names_its_sender() {
+        let p = Proposal {
+            generation: 2,
+            fingerprint: 0xfeed,
+            drop_orphans: true,
+            suspects: vec![1, 4],
+        };
+        assert_eq!(Proposal::decode(&p.encode(), 3, 5).unwrap(), p);
+        let bad = [
+            p.encode()[..39].to_vec(),
+            [&[0u8; 8][..], &p.encode()[8..]].concat(),
+            p.encode()[..48].to_vec(),
+        ];
+        for blob in bad {
+            let err = Proposal::decode(&blob, 3, 5).unwrap_err();
+            assert!(matches!(err, Error::Protocol { peer: 3, .. }), "{err}");
+        }
+        let err = Proposal::decode(&p.encode(), 3, 4).unwrap_err();
+        assert!(err.to_string().contains("outside the job"), "{err}");
+    }
+
+    #[test]
+    fn shrinking_a_communicator_without_a_bootstrap_is_an_invalid_argument() {
+        let topo = Topology::contiguous(1, 1, 2).unwrap();
+        let cfg = MoeConfig::new(8, DType::BF16, 1, 4);
+        let mut group = Communicator::local_group(&topo, &cfg).unwrap();
+        let steps = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = steps.clone();
+        let opts = ShrinkOptions {
+            on_step: Some(Arc::new(move |s| seen.lock().unwrap().push(s))),
+            ..ShrinkOptions::default()
+        };
+        let err = group.pop().unwrap().shrink(&opts).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidArgument(m) if m.contains("local_group")),
+            "{err}"
+        );
+        assert!(steps.lock().unwrap().is_empty(), "nothing ran");
+    }
+}

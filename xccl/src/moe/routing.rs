@@ -674,4 +674,22 @@ mod tests {
             prop_assert_eq!(got, want);
         }
     }
+
+    #[test]
+    fn selections_of_an_orphaned_expert_are_dropped_and_counted() {
+        let t = TopologyBuilder::contiguous(1, 2, 4)
+            .build()
+            .unwrap()
+            .shrink(&[2], true)
+            .unwrap()
+            .topology;
+        // Experts 2 and 3 lived on the dead rank 2.
+        let idx = [0, 2, 3, 1, -1, 3];
+        let w = [0.5f32; 6];
+        let l = DispatchLayout::build(&t, 0, 3, &idx, &w, 2).unwrap();
+        assert_eq!(l.dropped(), 3);
+        assert_eq!(l.count(1), 2, "tokens 0 and 1 still reach expert rank 1");
+        let tokens: Vec<usize> = l.entries(1).map(|e| l.token(e)).collect();
+        assert_eq!(tokens, vec![0, 1]);
+    }
 }
