@@ -36,17 +36,55 @@ fn child_rank_entry() {
     child_main(dispatch);
 }
 
-/// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>`.
+/// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<step>]`; with
+/// the last part, `rank` also dies when its shrink reaches `step` (`agree` or `rebuild`).
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     let parts: Vec<&str> = scenario.split(':').collect();
-    let ["shrink", victims, replicas, orphans] = parts.as_slice() else {
-        return Err(format!("unknown scenario {scenario:?}"));
+    let (victims, replicas, orphans, late) = match parts.as_slice() {
+        ["shrink", v, r, o] => (v, r, o, None),
+        ["shrink", v, r, o, late] => (v, r, o, Some(*late)),
+        _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     let victims = victims
         .split('+')
         .map(|v| v.parse::<usize>().map_err(|e| e.to_string()))
         .collect::<Result<Vec<usize>, String>>()?;
-    shrink_scenario(ctx, &victims, *replicas == "rep", *orphans == "drop")
+    let late = match late.map(|l| l.split_once('@')) {
+        None => None,
+        Some(Some((rank, "agree"))) => Some((rank, ShrinkStep::Agree)),
+        Some(Some((rank, "rebuild"))) => Some((rank, ShrinkStep::Rebuild)),
+        Some(_) => return Err(format!("bad late victim in {scenario:?}")),
+    };
+    let late = late
+        .map(|(r, step)| r.parse::<usize>().map(|r| (r, step)))
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let setup = Setup {
+        victims,
+        replicated: *replicas == "rep",
+        drop_orphans: *orphans == "drop",
+        late,
+    };
+    shrink_scenario(ctx, &setup)
+}
+
+/// What a scenario does.
+struct Setup {
+    /// Ranks that die inside a call of round [`KILL_ROUND`].
+    victims: Vec<usize>,
+    /// Every expert has a second replica.
+    replicated: bool,
+    /// Shrink with `drop_orphaned_experts`.
+    drop_orphans: bool,
+    /// A survivor of the first failure that dies when its shrink reaches this step.
+    late: Option<(usize, ShrinkStep)>,
+}
+
+/// SIGKILLs this process.
+fn die() -> ! {
+    // SAFETY: kill(2) on this process's own pid; takes no pointers.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL cannot be caught");
 }
 
 /// 2A:3E, experts 0..6 placed contiguously (two per expert rank); with `replicated` every
@@ -81,17 +119,12 @@ fn die_mid_call(comm: &mut Communicator, wl: &Workload, round: u64, batch: &mut 
             let _ = comm.a2e_recv(batch);
         }
     }
-    // SAFETY: kill(2) on this process's own pid; takes no pointers.
-    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    unreachable!("SIGKILL cannot be caught");
+    die();
 }
 
-fn shrink_scenario(
-    ctx: &ChildCtx,
-    victims: &[usize],
-    replicated: bool,
-    drop_orphans: bool,
-) -> Result<(), String> {
+fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
+    let (victims, replicated, drop_orphans) =
+        (&setup.victims[..], setup.replicated, setup.drop_orphans);
     let s = |e: Error| e.to_string();
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
     cfg.timeout = Duration::from_secs(30);
@@ -134,10 +167,16 @@ fn shrink_scenario(
 
     let steps = Arc::new(Mutex::new(Vec::new()));
     let seen = steps.clone();
+    let late = setup.late;
     let opts = ShrinkOptions {
         drop_orphaned_experts: drop_orphans,
         timeout: Duration::from_secs(30),
-        on_step: Some(Arc::new(move |step| seen.lock().unwrap().push(step))),
+        on_step: Some(Arc::new(move |step| {
+            if late == Some((me, step)) {
+                die();
+            }
+            seen.lock().unwrap().push(step);
+        })),
         ..ShrinkOptions::default()
     };
     let shrunk = comm.shrink(&opts);
@@ -149,11 +188,15 @@ fn shrink_scenario(
         ShrinkStep::Plan,
         ShrinkStep::Rebuild,
     ];
-    let expected = if replicated || drop_orphans {
-        &order[..]
+    let mut expected = if replicated || drop_orphans {
+        order.to_vec()
     } else {
-        &order[..4] // the plan fails
+        order[..4].to_vec() // the plan fails
     };
+    if let Some((_, ShrinkStep::Rebuild)) = setup.late {
+        // The first rebuild fails on the late victim's death: agreed again, without it.
+        expected.extend_from_slice(&order[2..]);
+    }
     if ran != expected {
         return Err(format!("shrink ran the steps {ran:?}"));
     }
@@ -174,6 +217,13 @@ fn shrink_scenario(
     let mut comm = shrunk.map_err(s)?;
 
     // Renumbering and placement, against an independent computation.
+    // Every rank that died: the victims and the late victim.
+    let all_dead: Vec<usize> = victims
+        .iter()
+        .copied()
+        .chain(setup.late.map(|l| l.0))
+        .collect();
+    let victims = &all_dead[..];
     let mut dead = victims.to_vec();
     dead.sort_unstable();
     if comm.shrunk_past() != dead.as_slice() {
@@ -272,6 +322,18 @@ fn survivors_shrink_past_a_killed_attention_rank_and_go_on() {
 fn survivors_shrink_past_two_ranks_killed_at_once() {
     let job = run("shrink:0+3:rep:keep", &[0, 3]);
     assert!(job.output(4).contains("rank 4 shrank to rank 2"));
+}
+
+#[test]
+fn a_survivor_dying_before_the_agreement_is_left_out_of_the_shrunk_job() {
+    let job = run("shrink:3:rep:keep:1@agree", &[3, 1]);
+    assert!(job.output(4).contains("rank 4 shrank to rank 2"));
+}
+
+#[test]
+fn a_survivor_dying_during_the_rebuild_makes_the_others_agree_again_without_it() {
+    let job = run("shrink:3:rep:keep:1@rebuild", &[3, 1]);
+    assert!(job.output(2).contains("rank 2 shrank to rank 1"));
 }
 
 #[test]
