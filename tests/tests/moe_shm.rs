@@ -118,6 +118,15 @@ fn relayed_rounds(
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
+        // Every third round sends INT8 E2A replies (the relay requantizes its sums), the
+        // next INT8 both ways; all ranks switch together.
+        let (a2e, e2a) = match round % 3 {
+            0 => (Quant::None, Quant::None),
+            1 => (Quant::None, Quant::Int8),
+            _ => (Quant::Int8, Quant::Int8),
+        };
+        comm.set_a2e_quant(a2e);
+        comm.set_e2a_quant(e2a);
         let verdict = match comm.role() {
             Role::Attention if !comm.topology().in_call(ctx.rank, round) => continue,
             Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),

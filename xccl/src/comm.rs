@@ -99,7 +99,7 @@ fn through_relays(ctx: &Context, what: &str) -> Result<()> {
     if ctx.topo.relay_plan().is_some() {
         return Err(Error::invalid(format!(
             "{what} is not supported through relays yet (relays take push transfers, \
-             caller buffers, expert-major or token-major receives and replies in the dtype)"
+             caller buffers, expert-major or token-major receives and replies in the dtype or INT8)"
         )));
     }
     Ok(())
@@ -170,9 +170,6 @@ fn relayed_e2a(
 ) -> Result<()> {
     if mode == TransferMode::Pull {
         through_relays(ctx, "pull E2A")?;
-    }
-    if ctx.cfg.e2a_quant != crate::Quant::None {
-        through_relays(ctx, "INT8 E2A")?;
     }
     let deadline = ctx.call_deadline();
     combine.send_relayed(ctx, epoch, sources, replies, deadline)?;

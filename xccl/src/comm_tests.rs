@@ -1459,3 +1459,35 @@ fn relays_with_dp_domains_match_the_reference() {
         }
     }
 }
+
+/// The direct path at the CloudMatrix384 decode shape (160 x 288 ranks as threads): every result
+/// checked, 46,080 A2E records per call.
+#[test]
+fn direct_at_160_by_288_matches_the_reference() {
+    let topo = Topology::contiguous(160, 288, 288).unwrap();
+    let mut c = cfg(16, DType::BF16, 8, 2);
+    c.max_in_flight = 1;
+    c.timeout = Duration::from_secs(120);
+    let rec = run_relayed::<bf16>(&topo, &c, &wl(79, 2, false), 2, true).unwrap();
+    for x in &rec {
+        assert_eq!(x.a2e, 160 * 288);
+    }
+}
+
+/// INT8 E2A through relays: the relay dequantizes its expert ranks' INT8 replies, sums them in
+/// f32 in the direct path's order and quantizes the sum once more; the attention rank gets the
+/// reference's bits (which replay that), in every dtype, with and without INT8 A2E.
+#[test]
+fn relays_reduce_int8_replies_and_requantize_once_bit_for_bit() {
+    for (m, n, e, r) in [(3, 2, 8, 1), (4, 5, 20, 2), (2, 3, 12, 3)] {
+        let topo = relayed(m, n, e, r);
+        for a2e in [Quant::None, Quant::Int8] {
+            let c = int8_cfg(96, DType::BF16, a2e, Quant::Int8);
+            run_relayed::<bf16>(&topo, &c, &wl(120 + r as u64, 12, true), 4, true).unwrap();
+            let c = int8_cfg(33, DType::F16, a2e, Quant::Int8);
+            run_relayed::<f16>(&topo, &c, &wl(130 + r as u64, 7, true), 3, false).unwrap();
+            let c = int8_cfg(40, DType::F32, a2e, Quant::Int8);
+            run_relayed::<f32>(&topo, &c, &wl(140 + r as u64, 9, true), 3, true).unwrap();
+        }
+    }
+}
