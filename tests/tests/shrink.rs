@@ -49,21 +49,22 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         .split('+')
         .map(|v| v.parse::<usize>().map_err(|e| e.to_string()))
         .collect::<Result<Vec<usize>, String>>()?;
-    let late = match late.map(|l| l.split_once('@')) {
-        None => None,
-        Some(Some((rank, "agree"))) => Some((rank, ShrinkStep::Agree)),
-        Some(Some((rank, "rebuild"))) => Some((rank, ShrinkStep::Rebuild)),
+    let (late, again) = match late.map(|l| l.split_once('@')) {
+        None => (None, None),
+        Some(Some((rank, "agree"))) => (Some((rank, ShrinkStep::Agree)), None),
+        Some(Some((rank, "rebuild"))) => (Some((rank, ShrinkStep::Rebuild)), None),
+        Some(Some((rank, "again"))) => (None, Some(rank)),
         Some(_) => return Err(format!("bad late victim in {scenario:?}")),
     };
-    let late = late
-        .map(|(r, step)| r.parse::<usize>().map(|r| (r, step)))
-        .transpose()
-        .map_err(|e| e.to_string())?;
+    let rank = |r: &str| r.parse::<usize>().map_err(|e| e.to_string());
     let setup = Setup {
         victims,
         replicated: *replicas == "rep",
         drop_orphans: *orphans == "drop",
-        late,
+        late: late
+            .map(|(r, step)| rank(r).map(|r| (r, step)))
+            .transpose()?,
+        again: again.map(rank).transpose()?,
     };
     shrink_scenario(ctx, &setup)
 }
@@ -78,6 +79,32 @@ struct Setup {
     drop_orphans: bool,
     /// A survivor of the first failure that dies when its shrink reaches this step.
     late: Option<(usize, ShrinkStep)>,
+    /// A survivor of the first failure (old rank) that dies inside a call on the shrunk
+    /// communicator, which the others then shrink again.
+    again: Option<usize>,
+}
+
+/// Runs checked rounds from `first` until a call fails, dying inside round `first +
+/// KILL_ROUND` when `victim`. Returns the round that failed and the error.
+fn stream_until_failure(
+    comm: &mut Communicator,
+    wl: &Workload,
+    first: u64,
+    victim: bool,
+) -> Result<(u64, Error), String> {
+    let mut batch = ExpertBatch::new();
+    let mut tokens = TokenBatch::new();
+    for round in first..first + KILL_ROUND + 20 {
+        if victim && round == first + KILL_ROUND {
+            die_mid_call(comm, wl, round, &mut batch);
+        }
+        match mixed_round(comm, wl, round, true, &mut batch, &mut tokens) {
+            Ok(Ok(())) => {}
+            Ok(Err(mismatch)) => return Err(mismatch),
+            Err(e) => return Ok((round, e)),
+        }
+    }
+    Err("no failure noticed 20 rounds after the kill".into())
 }
 
 /// SIGKILLs this process.
@@ -142,20 +169,7 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     let me = ctx.rank;
 
     // The stream, until the failure reaches this rank.
-    let (failed_in, failure) = (0..)
-        .find_map(|round| {
-            if victims.contains(&me) && round == KILL_ROUND {
-                die_mid_call(&mut comm, &wl, round, &mut batch);
-            }
-            match mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens) {
-                Ok(Ok(())) if round < KILL_ROUND + 20 => None,
-                Ok(Ok(())) => Some((round, Err("no failure noticed 20 rounds after".into()))),
-                Ok(Err(mismatch)) => Some((round, Err(mismatch))),
-                Err(e) => Some((round, Ok(e))),
-            }
-        })
-        .expect("the stream ends");
-    let failure = failure?;
+    let (failed_in, failure) = stream_until_failure(&mut comm, &wl, 0, victims.contains(&me))?;
     // A survivor slow to notice the first failure may hear of the late victim first (it may
     // already have released the old job and died).
     let named = |peer: &usize| victims.contains(peer) || setup.late.is_some_and(|l| l.0 == *peer);
@@ -293,6 +307,59 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         "rank {me} shrank to rank {} and ran {AFTER} checked rounds; {dropped} selections dropped",
         comm.rank()
     ));
+    match setup.again {
+        Some(victim) => shrink_again(comm, &wl, me, victim),
+        None => Ok(()),
+    }
+}
+
+/// A second failure on the shrunk communicator: `victim` (old rank) dies inside a call, the
+/// others see it named by its new rank, shrink again and go on.
+fn shrink_again(
+    mut comm: Communicator,
+    wl: &Workload,
+    me: usize,
+    victim: usize,
+) -> Result<(), String> {
+    let s = |e: Error| e.to_string();
+    let new_victim = comm
+        .rank_after_shrink(victim)
+        .ok_or("the second victim did not survive the first shrink")?;
+    let (failed_in, failure) = stream_until_failure(&mut comm, wl, AFTER, me == victim)?;
+    match failure {
+        Error::PeerFailed { peer, .. } if peer == new_victim => {}
+        other => {
+            return Err(format!(
+                "round {failed_in}: expected PeerFailed naming rank {new_victim}, got {other}"
+            ))
+        }
+    }
+    let before = comm.rank();
+    let opts = ShrinkOptions {
+        timeout: Duration::from_secs(30),
+        ..ShrinkOptions::default()
+    };
+    let mut comm = comm.shrink(&opts).map_err(s)?;
+    if comm.shrunk_past() != [new_victim]
+        || comm.rank_before_shrink() != Some(before)
+        || comm.rank_after_shrink(new_victim).is_some()
+    {
+        return Err(format!(
+            "second shrink: dead {:?}, rank {before} became {}",
+            comm.shrunk_past(),
+            comm.rank()
+        ));
+    }
+    let (mut batch, mut tokens) = (ExpertBatch::new(), TokenBatch::new());
+    for round in 0..AFTER {
+        mixed_round(&mut comm, wl, round, true, &mut batch, &mut tokens)
+            .map_err(s)?
+            .map_err(|m| format!("after the second shrink: {m}"))?;
+    }
+    announce(&format!(
+        "rank {me} shrank twice to rank {} and ran {AFTER} checked rounds",
+        comm.rank()
+    ));
     Ok(())
 }
 
@@ -339,6 +406,13 @@ fn a_survivor_dying_before_the_agreement_is_left_out_of_the_shrunk_job() {
 fn a_survivor_dying_during_the_rebuild_makes_the_others_agree_again_without_it() {
     let job = run("shrink:3:rep:keep:1@rebuild", &[3, 1]);
     assert!(job.output(2).contains("rank 2 shrank to rank 1"));
+}
+
+#[test]
+fn survivors_shrink_a_second_time_past_a_rank_that_dies_on_the_shrunk_communicator() {
+    let job = run("shrink:3:rep:keep:0@again", &[3, 0]);
+    assert!(job.output(4).contains("rank 4 shrank twice to rank 2"));
+    assert!(job.output(1).contains("rank 1 shrank twice to rank 0"));
 }
 
 #[test]
