@@ -14,12 +14,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use half::bf16;
+use xccl::bootstrap::generation_job_id;
+use xccl::fabric::shm::segment_prefix;
 use xccl::testing::harness::Workload;
 use xccl::{
     Communicator, DType, Error, ExpertBatch, MoeConfig, Role, ShrinkOptions, ShrinkStep,
     TokenBatch, Topology, TopologyBuilder,
 };
-use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
+use xccl_tests::{announce, child_main, mixed_round, shm_entries, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 /// Attention ranks `0..M`, expert ranks `M..M + N`.
@@ -363,7 +365,8 @@ fn shrink_again(
     Ok(())
 }
 
-/// Runs a scenario; the victims must have died by SIGKILL and every survivor succeeded.
+/// Runs a scenario; the victims must have died by SIGKILL, every survivor succeeded, and no
+/// shared-memory segment of the job or of its generations is left in `/dev/shm`.
 fn run(scenario: &str, victims: &[usize]) -> Job {
     let mut job = Job::spawn(ENTRY, scenario, M + N);
     job.wait(Duration::from_secs(120));
@@ -373,6 +376,19 @@ fn run(scenario: &str, victims: &[usize]) -> Job {
         } else {
             job.assert_succeeded(r);
         }
+    }
+    // Generation 1 and 2 of the job, and generation 1 and 2 of those (a second shrink).
+    let mut jobs = vec![job.job_id()];
+    for _ in 0..2 {
+        let next: Vec<u64> = jobs
+            .iter()
+            .flat_map(|&j| (1..=2).map(move |g| generation_job_id(j, g)))
+            .collect();
+        jobs.extend(next);
+    }
+    for j in jobs {
+        let left = shm_entries(&segment_prefix(j));
+        assert!(left.is_empty(), "{scenario}: left in /dev/shm: {left:?}");
     }
     job
 }

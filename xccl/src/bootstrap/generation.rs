@@ -42,7 +42,7 @@ impl std::fmt::Debug for Generation {
 
 /// The job id of generation `generation` of the job `parent_job`: a SplitMix64 step over both,
 /// so every generation names its resources apart from the others and from its parent.
-pub(crate) fn generation_job_id(parent_job: u64, generation: u64) -> u64 {
+pub fn generation_job_id(parent_job: u64, generation: u64) -> u64 {
     let mut z = parent_job ^ generation.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

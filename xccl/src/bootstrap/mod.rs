@@ -29,7 +29,7 @@ mod unique_id;
 mod wire;
 
 pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
-pub use generation::Generation;
+pub use generation::{generation_job_id, Generation};
 pub use root::{RootConfig, RootHandle, RootReport};
 pub use tcp::{TcpBootstrap, QUERY_GRACE};
 pub use thread::ThreadExchange;
