@@ -673,21 +673,20 @@ impl Coordinator {
         if self.contributed == 0 || !(all_in || (self.survivors && rest_gone())) {
             return false;
         }
-        {
-            let blobs: Vec<Vec<u8>> = self
-                .blobs
-                .iter_mut()
-                .map(|b| b.take().unwrap_or_default())
-                .collect();
-            let payload = wire::encode_blobs(&blobs);
-            let round = self.round;
-            self.round += 1;
-            self.contributed = 0;
-            self.told_failed.iter_mut().for_each(|t| *t = false);
-            self.report.rounds += 1;
-            for r in 0..self.ranks.len() {
-                self.send(r, Kind::Result, round, &payload);
-            }
+        // A rank that left has an empty blob (survivors' rounds carry a presence mark).
+        let blobs: Vec<Vec<u8>> = self
+            .blobs
+            .iter_mut()
+            .map(|b| b.take().unwrap_or_default())
+            .collect();
+        let payload = wire::encode_blobs(&blobs);
+        let round = self.round;
+        self.round += 1;
+        self.contributed = 0;
+        self.told_failed.iter_mut().for_each(|t| *t = false);
+        self.report.rounds += 1;
+        for r in 0..self.ranks.len() {
+            self.send(r, Kind::Result, round, &payload);
         }
         true
     }
