@@ -200,7 +200,9 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         })),
         ..ShrinkOptions::default()
     };
+    let start = std::time::Instant::now();
     let shrunk = comm.shrink(&opts);
+    let took = start.elapsed();
     let ran = steps.lock().unwrap().clone();
     let order = [
         ShrinkStep::Poison,
@@ -306,8 +308,10 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         ));
     }
     announce(&format!(
-        "rank {me} shrank to rank {} and ran {AFTER} checked rounds; {dropped} selections dropped",
-        comm.rank()
+        "rank {me} shrank to rank {} in {:.1} ms and ran {AFTER} checked rounds; {dropped} \
+         selections dropped",
+        comm.rank(),
+        took.as_secs_f64() * 1e3
     ));
     match setup.again {
         Some(victim) => shrink_again(comm, &wl, me, victim),
@@ -396,32 +400,40 @@ fn run(scenario: &str, victims: &[usize]) -> Job {
 #[test]
 fn survivors_shrink_past_a_killed_expert_rank_and_match_the_reference_for_the_new_placement() {
     let job = run("shrink:3:rep:keep", &[3]);
-    assert!(job.output(0).contains("rank 0 shrank to rank 0"));
-    assert!(job.output(4).contains("rank 4 shrank to rank 3"));
+    assert!(job.output(0).contains("rank 0 shrank to rank 0 in"));
+    assert!(job.output(4).contains("rank 4 shrank to rank 3 in"));
+    // How long the shrink took (run with --nocapture to see it).
+    for r in [0, 4] {
+        let out = job.output(r);
+        eprintln!(
+            "{}",
+            out.lines().find(|l| l.contains("shrank")).unwrap_or("")
+        );
+    }
 }
 
 #[test]
 fn survivors_shrink_past_a_killed_attention_rank_and_go_on() {
     let job = run("shrink:1:rep:keep", &[1]);
-    assert!(job.output(2).contains("rank 2 shrank to rank 1"));
+    assert!(job.output(2).contains("rank 2 shrank to rank 1 in"));
 }
 
 #[test]
 fn survivors_shrink_past_two_ranks_killed_at_once() {
     let job = run("shrink:0+3:rep:keep", &[0, 3]);
-    assert!(job.output(4).contains("rank 4 shrank to rank 2"));
+    assert!(job.output(4).contains("rank 4 shrank to rank 2 in"));
 }
 
 #[test]
 fn a_survivor_dying_before_the_agreement_is_left_out_of_the_shrunk_job() {
     let job = run("shrink:3:rep:keep:1@agree", &[3, 1]);
-    assert!(job.output(4).contains("rank 4 shrank to rank 2"));
+    assert!(job.output(4).contains("rank 4 shrank to rank 2 in"));
 }
 
 #[test]
 fn a_survivor_dying_during_the_rebuild_makes_the_others_agree_again_without_it() {
     let job = run("shrink:3:rep:keep:1@rebuild", &[3, 1]);
-    assert!(job.output(2).contains("rank 2 shrank to rank 1"));
+    assert!(job.output(2).contains("rank 2 shrank to rank 1 in"));
 }
 
 #[test]
