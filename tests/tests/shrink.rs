@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use half::bf16;
 use xccl::bootstrap::generation_job_id;
+use xccl::fabric::ofi::OfiOptions;
 use xccl::fabric::shm::segment_prefix;
 use xccl::testing::harness::Workload;
 use xccl::{
@@ -38,13 +39,16 @@ fn child_rank_entry() {
     child_main(dispatch);
 }
 
-/// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<step>]`; with
-/// the last part, `rank` also dies when its shrink reaches `step` (`agree` or `rebuild`).
+/// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<when>]` (over
+/// shm; `shrink_ofi:...` over libfabric's tcp provider); with the last part, `rank` also dies
+/// when its shrink reaches step `when` (`agree` or `rebuild`), or (`again`) inside a call on the
+/// shrunk communicator.
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     let parts: Vec<&str> = scenario.split(':').collect();
+    let ofi = parts.first() == Some(&"shrink_ofi");
     let (victims, replicas, orphans, late) = match parts.as_slice() {
-        ["shrink", v, r, o] => (v, r, o, None),
-        ["shrink", v, r, o, late] => (v, r, o, Some(*late)),
+        ["shrink" | "shrink_ofi", v, r, o] => (v, r, o, None),
+        ["shrink" | "shrink_ofi", v, r, o, late] => (v, r, o, Some(*late)),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     let victims = victims
@@ -67,6 +71,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             .map(|(r, step)| rank(r).map(|r| (r, step)))
             .transpose()?,
         again: again.map(rank).transpose()?,
+        ofi,
     };
     shrink_scenario(ctx, &setup)
 }
@@ -84,6 +89,8 @@ struct Setup {
     /// A survivor of the first failure (old rank) that dies inside a call on the shrunk
     /// communicator, which the others then shrink again.
     again: Option<usize>,
+    /// Over libfabric's tcp provider instead of shared memory.
+    ofi: bool,
 }
 
 /// Runs checked rounds from `first` until a call fails, dying inside round `first +
@@ -100,7 +107,8 @@ fn stream_until_failure(
         if victim && round == first + KILL_ROUND {
             die_mid_call(comm, wl, round, &mut batch);
         }
-        match mixed_round(comm, wl, round, true, &mut batch, &mut tokens) {
+        let registered = comm.fabric_name() == "shm";
+        match mixed_round(comm, wl, round, registered, &mut batch, &mut tokens) {
             Ok(Ok(())) => {}
             Ok(Err(mismatch)) => return Err(mismatch),
             Err(e) => return Ok((round, e)),
@@ -159,7 +167,18 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     cfg.timeout = Duration::from_secs(30);
     let ex = ctx.connect(Duration::from_secs(30)).map_err(s)?;
     let topo = topology(replicated).map_err(s)?;
-    let mut comm = Communicator::init_shm(ex, Arc::new(topo.clone()), cfg).map_err(s)?;
+    let mut comm = if setup.ofi {
+        let opts = OfiOptions {
+            provider: Some("tcp;ofi_rxm".into()),
+            addr: Some("127.0.0.1".into()),
+            timeout: Duration::from_secs(30),
+            ordering: None,
+        };
+        Communicator::init_ofi_with(ex, Arc::new(topo.clone()), cfg, &opts)
+    } else {
+        Communicator::init_shm(ex, Arc::new(topo.clone()), cfg)
+    }
+    .map_err(s)?;
     let wl = Workload {
         seed: 0x5421,
         tokens: 24,
@@ -204,24 +223,21 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     let shrunk = comm.shrink(&opts);
     let took = start.elapsed();
     let ran = steps.lock().unwrap().clone();
-    let order = [
-        ShrinkStep::Poison,
-        ShrinkStep::Release,
-        ShrinkStep::Agree,
-        ShrinkStep::Plan,
-        ShrinkStep::Rebuild,
-    ];
+    use ShrinkStep::{Agree, Plan, Poison, Rebuild, Release};
     let mut expected = if replicated || drop_orphans {
-        order.to_vec()
+        vec![Poison, Agree, Plan, Release, Rebuild]
     } else {
-        order[..4].to_vec() // the plan fails
+        vec![Poison, Agree, Plan] // the plan fails
     };
-    if let Some((_, ShrinkStep::Rebuild)) = setup.late {
+    if let Some((_, Rebuild)) = setup.late {
         // The first rebuild fails on the late victim's death: agreed again, without it.
-        expected.extend_from_slice(&order[2..]);
+        expected.extend_from_slice(&[Agree, Plan, Rebuild]);
     }
     if ran != expected {
-        return Err(format!("shrink ran the steps {ran:?}"));
+        return Err(format!(
+            "shrink ran the steps {ran:?} and returned {:?}",
+            shrunk.as_ref().map(|c| c.rank())
+        ));
     }
     if !replicated && !drop_orphans {
         return match shrunk {
@@ -289,7 +305,7 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     // Go on: every round checked against the reference for the new placement.
     let mut dropped = 0u64;
     for round in 0..AFTER {
-        mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens)
+        mixed_round(&mut comm, &wl, round, !setup.ofi, &mut batch, &mut tokens)
             .map_err(s)?
             .map_err(|m| format!("after the shrink: {m}"))?;
         if comm.role() == Role::Attention {
@@ -302,6 +318,9 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         }
     }
     let counted = comm.total_stats().dropped_slots;
+    // Peers may still pull from this rank's window until every rank is done (over ofi,
+    // registered memory goes away with the process).
+    comm.barrier().map_err(s)?;
     if counted != dropped || (drop_orphans && comm.role() == Role::Attention && dropped == 0) {
         return Err(format!(
             "dropped selections counted {counted}, expected {dropped}"
@@ -358,10 +377,12 @@ fn shrink_again(
     }
     let (mut batch, mut tokens) = (ExpertBatch::new(), TokenBatch::new());
     for round in 0..AFTER {
-        mixed_round(&mut comm, wl, round, true, &mut batch, &mut tokens)
+        let registered = comm.fabric_name() == "shm";
+        mixed_round(&mut comm, wl, round, registered, &mut batch, &mut tokens)
             .map_err(s)?
             .map_err(|m| format!("after the second shrink: {m}"))?;
     }
+    comm.barrier().map_err(s)?;
     announce(&format!(
         "rank {me} shrank twice to rank {} and ran {AFTER} checked rounds",
         comm.rank()
@@ -410,6 +431,17 @@ fn survivors_shrink_past_a_killed_expert_rank_and_match_the_reference_for_the_ne
             out.lines().find(|l| l.contains("shrank")).unwrap_or("")
         );
     }
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_expert_rank_over_ofi_and_match_the_reference() {
+    let job = run("shrink_ofi:3:rep:keep", &[3]);
+    assert!(job.output(4).contains("rank 4 shrank to rank 3 in"));
+    let out = job.output(0);
+    eprintln!(
+        "{}",
+        out.lines().find(|l| l.contains("shrank")).unwrap_or("")
+    );
 }
 
 #[test]

@@ -7,28 +7,30 @@
 //!
 //! 1. **Poison**: the old communicator is poisoned and the old job aborted (if no failure did it
 //!    already), so every rank stops using it; this rank's suspects are collected: the rank its
-//!    failure named, and every peer its fabric's liveness check reports dead.
-//! 2. **Release**: the old communicator is dropped (its fabric endpoint and windows released;
-//!    on shm its segments unmapped). Nothing of it is reused: only the bootstrap, the topology
-//!    (as data) and the config go on.
-//! 3. **Agree**: a survivors' round through the bootstrap root
+//!    failure named, and every peer its fabric's liveness check reports dead. No survivor has
+//!    released its old fabric yet (that needs this rank's agreement first), so a peer that
+//!    merely closed its endpoint is never taken for dead.
+//! 2. **Agree**: a survivors' round through the bootstrap root
 //!    ([`Exchange::gather_survivors`]): each survivor sends its suspects and the round completes
 //!    once every rank has either contributed or lost its connection to the root (a killed
 //!    process's connection closes at once). The dead set is the ranks that did not contribute
 //!    plus every contributor's suspects. Every survivor computes it from the same result, so
 //!    all get the same set; contributions that disagree (generation, topology, options) fail
 //!    every survivor alike, naming the rank.
-//! 4. **Plan**: the new topology ([`Topology::shrink`]): survivors renumbered densely in old
+//! 3. **Plan**: the new topology ([`Topology::shrink`]): survivors renumbered densely in old
 //!    rank order, experts of dead ranks served by their surviving replicas; an expert with none
 //!    left is [`Error::ExpertLost`] (on every survivor), or with
 //!    [`ShrinkOptions::drop_orphaned_experts`] its selections are dropped and counted.
+//! 4. **Release**: the old communicator is dropped (its fabric endpoint and windows released;
+//!    on shm its segments unmapped). Nothing of it is reused: only the bootstrap, the topology
+//!    (as data) and the config go on.
 //! 5. **Rebuild**: a new fabric of the same kind over a [`Generation`] of the bootstrap (new job
 //!    id, so new shm segment names; the old job's aborts ignored) and a new communicator with the
 //!    usual init handshake; its final barrier is the commit: a rank that passes it knows every
 //!    survivor built the same topology and config.
 //!
 //! A rank dying **during** the rebuild fails every survivor's rebuild at the same bootstrap
-//! round (survivors' rounds name the member that left), and the shrink goes back to step 3 with
+//! round (survivors' rounds name the member that left), and the shrink goes back to step 2 with
 //! a new generation, up to [`ShrinkOptions::attempts`] times. If the bootstrap root itself is
 //! gone (the process that made the unique id died), no agreement is possible: every survivor's
 //! shrink fails with [`Error::Bootstrap`] naming the root ("connection to the root lost"), and a
@@ -108,12 +110,12 @@ pub(super) struct ShrinkInfo {
 pub enum ShrinkStep {
     /// Poisoning the old communicator and collecting this rank's suspects.
     Poison,
-    /// Dropping the old communicator's fabric and windows.
-    Release,
     /// The survivors' round that agrees on the dead set (again after a failed rebuild).
     Agree,
     /// Computing the new topology.
     Plan,
+    /// Dropping the old communicator's fabric and windows (once).
+    Release,
     /// Building the new fabric and communicator.
     Rebuild,
 }
@@ -297,8 +299,8 @@ impl Communicator {
     /// survivors keep their order, so new rank = old rank minus the dead ranks below it
     /// ([`Communicator::rank_after_shrink`] maps them). Dead attention ranks simply leave;
     /// experts of dead expert ranks are served by their surviving replicas. The old
-    /// communicator is consumed: poisoned (the old job aborted, if no failure had done it) and
-    /// released before the new one is built. Calls on the new communicator number their epochs
+    /// communicator is consumed: poisoned (the old job aborted, if no failure had done it) and,
+    /// once the survivors agree, released before the new one is built. Calls on the new communicator number their epochs
     /// afresh and use the new topology ([`Communicator::topology`]). Steps, failure while
     /// shrinking, and what happens when the bootstrap root is gone: see [`ShrinkStep`] and the
     /// module docs of [`crate::comm::shrink`].
@@ -325,8 +327,7 @@ impl Communicator {
         let topo = self.ctx.topo.clone();
         let cfg = self.ctx.cfg.clone();
         let origin = self.origin.clone();
-        opts.step(ShrinkStep::Release, rank);
-        drop(self);
+        let mut old = Some(self);
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -336,7 +337,7 @@ impl Communicator {
                 drop_orphans: opts.drop_orphaned_experts,
                 suspects: suspects.clone(),
             };
-            let outcome = rebuild(&exchange, &origin, &topo, &cfg, &proposal, opts);
+            let outcome = rebuild(&exchange, &origin, &topo, &cfg, &proposal, opts, &mut old);
             match outcome {
                 Err(Error::PeerFailed { peer, detail }) if attempt < opts.attempts.max(1) => {
                     tracing::warn!(
@@ -405,7 +406,7 @@ impl Communicator {
     }
 }
 
-/// Steps 3 to 5 for one generation.
+/// Steps 2 to 5 for one generation; `old` is released (once) before the rebuild.
 fn rebuild(
     exchange: &Arc<dyn Exchange>,
     origin: &Origin,
@@ -413,6 +414,7 @@ fn rebuild(
     cfg: &MoeConfig,
     proposal: &Proposal,
     opts: &ShrinkOptions,
+    old: &mut Option<Communicator>,
 ) -> Result<Communicator> {
     let rank = exchange.rank();
     opts.step(ShrinkStep::Agree, rank);
@@ -425,6 +427,10 @@ fn rebuild(
     );
     opts.step(ShrinkStep::Plan, rank);
     let shrunk = topo.shrink(&agreed.dead, proposal.drop_orphans)?;
+    if let Some(old) = old.take() {
+        opts.step(ShrinkStep::Release, rank);
+        drop(old);
+    }
     opts.step(ShrinkStep::Rebuild, rank);
     let members: Vec<usize> = (0..topo.world_size())
         .filter(|&r| shrunk.new_rank[r].is_some())
