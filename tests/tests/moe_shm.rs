@@ -74,6 +74,7 @@ fn checked_rounds(
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
@@ -114,6 +115,7 @@ fn relayed_rounds(
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
@@ -168,6 +170,7 @@ fn round_trip(ctx: &ChildCtx, relays: usize, rounds: usize) -> Result<(), String
         tokens: 128,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut times = Vec::with_capacity(rounds);
@@ -220,6 +223,7 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         tokens: 8,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     for round in 0..5 {

@@ -184,6 +184,7 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();

@@ -60,7 +60,7 @@ pub use shrink::{ShrinkOptions, ShrinkStep};
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
 /// agreed fields.
-const HANDSHAKE_WORDS: usize = 10;
+const HANDSHAKE_WORDS: usize = 11;
 
 /// The protocol state of one rank, by role.
 enum Side {

@@ -112,7 +112,7 @@ pub(crate) struct HeaderEntry {
 }
 
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
-/// expert rank's window: every entry's rows must fit the receive area (`max_tokens`) and its
+/// expert rank's window: every entry's rows must fit the receive area (`recv_rows`) and its
 /// reply offset the member's reply area (`attention_rows`), the counts must add up to the
 /// record's and the entries hash to the value the record carries.
 pub(crate) fn read_header(
@@ -128,7 +128,7 @@ pub(crate) fn read_header(
     let buf = l.buffer(epoch);
     let at = l.relay_header(k, buf);
     let rec = ctx.read_record(at)?;
-    let (max_tokens, rows) = (ctx.cfg.max_tokens_per_rank, l.attention_rows);
+    let (max_tokens, rows) = (l.recv_rows, l.attention_rows);
     let mode = rec.validate(relay, epoch, g * max_tokens)?;
     let bad = |detail: String| {
         Err(Error::Protocol {
@@ -635,9 +635,11 @@ fn begin_member(
     let mut sum = 0usize;
     for (j, &d) in experts.iter().enumerate() {
         let c = word(j + 1);
-        if c as usize > t_count {
+        if c as usize > t_count || c as usize > l.recv_rows {
             return bad(format!(
-                "route table of epoch {epoch} sends {c} rows to rank {d}, it has {t_count} tokens"
+                "route table of epoch {epoch} sends {c} rows to rank {d}, it has {t_count} \
+                 tokens and rank {d} receives at most {} rows per source",
+                l.recv_rows
             ));
         }
         mc.offsets.push(sum as u32);
