@@ -92,6 +92,7 @@ impl Words {
             records_polled: self.next()?,
             relay_rows_forwarded: self.next()?,
             peers: Vec::new(),
+            ..Stats::default()
         };
         let n = self.next()? as usize;
         for _ in 0..n {
@@ -471,6 +472,7 @@ mod tests {
             records_polled: 5,
             relay_rows_forwarded: 11,
             peers: vec![PeerStats::default(); 2],
+            ..Stats::default()
         };
         s.peers[1].waited = Duration::from_micros(250);
         s.peers[1].rows_sent = 4;

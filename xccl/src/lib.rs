@@ -31,7 +31,7 @@ pub mod topology;
 #[cfg(test)]
 mod comm_tests;
 
-pub use comm::Communicator;
+pub use comm::{Communicator, ShrinkOptions, ShrinkStep};
 pub use error::{Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
@@ -39,7 +39,7 @@ pub use moe::dtype::{DType, Element};
 pub use moe::quant::Quant;
 pub use moe::stats::{PeerStats, Stats};
 pub use moe::view::TokenView;
-pub use topology::{RelayPlan, Role, Topology, TopologyBuilder};
+pub use topology::{RelayPlan, Role, ShrunkTopology, Topology, TopologyBuilder};
 
 /// The README's Rust example, compiled and run as a doc-test.
 #[doc = include_str!("../../README.md")]

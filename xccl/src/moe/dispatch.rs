@@ -174,6 +174,7 @@ impl DispatchSender {
                  nothing was sent"
             )));
         }
+        ctx.stats.borrow_mut().dropped_slots += sent.layout.dropped() as u64;
         sent.num_tokens = num_tokens;
         sent.amax = amax;
         sent.offsets.clear();
