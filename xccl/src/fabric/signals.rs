@@ -194,7 +194,8 @@ impl ControlArea {
         // SeqCst fence between its count increment and its last poll of the slot. Whichever
         // fence comes second sees the other side's write: the waiter's poll sees the value, or
         // we see the sleeper and bump the doorbell it sleeps on. (A fence rather than SeqCst
-        // accesses: the same `mov; mfence` on x86 as a SeqCst store, and the form loom checks.)
+        // accesses, which loom treats as AcqRel: loom checks this form, and on x86 it costs
+        // what a SeqCst store does, `mov; mfence` against `xchg`, one full barrier.)
         // A waiter that only spins costs no read-modify-write on its doorbell line.
         fence(sync::weakened(Ordering::SeqCst, Mutant::SignallerFence));
         if self.sleepers().load(Ordering::Relaxed) > 0 {
