@@ -143,6 +143,9 @@ pub(crate) enum Mutant {
     SignallerFence,
     /// The sleeper's SeqCst fence between counting itself and its last poll, made AcqRel.
     SleeperFence,
+    /// The SeqCst fence of `ControlArea::wake` (after an abort or a departure) between the
+    /// caller's stores and its look at the sleeper count, made AcqRel.
+    WakerFence,
     /// The Release store of the abort word that publishes the reason, made Relaxed.
     AbortStore,
 }
@@ -156,6 +159,7 @@ impl Mutant {
             Mutant::SignalLoad => "signal-load",
             Mutant::SignallerFence => "signaller-fence",
             Mutant::SleeperFence => "sleeper-fence",
+            Mutant::WakerFence => "waker-fence",
             Mutant::AbortStore => "abort-store",
         }
     }
@@ -183,8 +187,10 @@ pub(crate) fn weakened(ordering: Ordering, mutant: Mutant) -> Ordering {
     }
 }
 
+#[cfg(all(loom, test))]
+pub(crate) use model::ModelMemory;
 #[cfg(loom)]
-pub(crate) use model::{futex_wait, futex_wake, word_u32, word_u64, ModelMemory};
+pub(crate) use model::{futex_wait, futex_wake, word_u32, word_u64};
 
 /// The loom versions of the control memory and the futex (see the module docs).
 #[cfg(loom)]
@@ -206,6 +212,7 @@ mod model {
 
     impl ModelMemory {
         /// Zeroed words at the given byte offsets.
+        #[cfg(test)]
         pub(crate) fn new(u64_offsets: &[usize], u32_offsets: &[usize]) -> Self {
             ModelMemory {
                 magic: MODEL_MAGIC,
@@ -221,6 +228,7 @@ mod model {
         }
 
         /// The base pointer a control area over this memory takes.
+        #[cfg(test)]
         pub(crate) fn base(&self) -> NonNull<u8> {
             NonNull::from(self).cast()
         }

@@ -284,7 +284,7 @@ impl ControlArea {
         // fences, then re-reads the abort word and polls. So it sees what we wrote, or we see it
         // and wake it; and a bump after its doorbell read makes its futex wait return at once.
         self.doorbell().fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
+        fence(sync::weakened(Ordering::SeqCst, Mutant::WakerFence));
         if self.sleepers().load(Ordering::Relaxed) > 0 {
             sync::futex_wake(self.doorbell());
         }
@@ -393,8 +393,8 @@ impl ControlArea {
     }
 }
 
-/// Loom only: control memory for one area, and the area over it.
-#[cfg(loom)]
+/// Loom tests only: control memory for one area.
+#[cfg(all(test, loom))]
 impl ControlArea {
     /// Model memory holding every word a control area of `num_slots` slots uses.
     pub(crate) fn model_memory(num_slots: usize) -> sync::ModelMemory {

@@ -64,6 +64,21 @@ impl Rank {
     }
 }
 
+/// The receive buffers: `max_in_flight` buffers of chunks, each chunk one model cell that the
+/// sender writes and the receiver reads.
+struct Buffers(Vec<Vec<UnsafeCell<[u64; 2]>>>);
+
+// SAFETY: the cells are shared between the two model threads on purpose: the protocol under test
+// is what must keep their accesses apart, and loom checks every access against it.
+unsafe impl Sync for Buffers {}
+
+impl std::ops::Index<usize> for Buffers {
+    type Output = [UnsafeCell<[u64; 2]>];
+    fn index(&self, buffer: usize) -> &Self::Output {
+        &self.0[buffer]
+    }
+}
+
 /// What chunk `chunk` of call `epoch` holds.
 fn payload(epoch: u64, chunk: usize) -> [u64; 2] {
     [epoch, !epoch ^ chunk as u64]
@@ -82,11 +97,11 @@ fn stream(max_in_flight: usize, epochs: u64, chunks: usize) {
             .area
             .store(READY, progress(EPOCH_BASE, 0), RECEIVER)
             .expect("initial progress");
-        let buffers: Arc<Vec<Vec<UnsafeCell<[u64; 2]>>>> = Arc::new(
+        let buffers = Arc::new(Buffers(
             (0..max_in_flight)
                 .map(|_| (0..chunks).map(|_| UnsafeCell::new([0; 2])).collect())
                 .collect(),
-        );
+        ));
         let calls = move || (1..=epochs).map(|i| EPOCH_BASE + i);
         let buffer_of = move |epoch: u64| (epoch % max_in_flight as u64) as usize;
 
@@ -110,8 +125,11 @@ fn stream(max_in_flight: usize, epochs: u64, chunks: usize) {
                         "credit {credit} for call {epoch}, which is not sent yet"
                     );
                     for (chunk, cell) in buffers[buffer_of(epoch)].iter().enumerate() {
-                        // SAFETY (model): loom checks that no read of this cell races the write.
-                        cell.with_mut(|p| unsafe { *p = payload(epoch, chunk) });
+                        cell.with_mut(|p| {
+                            // SAFETY: `p` is the cell's own pointer; that no read races this
+                            // write is what the model checks (loom fails the test if one does).
+                            unsafe { *p = payload(epoch, chunk) }
+                        });
                         receiver
                             .area
                             .store(READY, progress(epoch, chunk + 1), SENDER)
@@ -141,8 +159,11 @@ fn stream(max_in_flight: usize, epochs: u64, chunks: usize) {
                         })
                     })
                     .expect("rows wait");
-                // SAFETY (model): loom checks that this read is ordered after the write.
-                let got = cell.with(|p| unsafe { *p });
+                let got = cell.with(|p| {
+                    // SAFETY: `p` is the cell's own pointer; that this read is ordered after the
+                    // write it must see is what the model checks (loom fails the test if not).
+                    unsafe { *p }
+                });
                 assert_eq!(
                     got,
                     payload(epoch, chunk),
