@@ -212,6 +212,35 @@ fn loom_a_waiter_going_to_sleep_as_the_signal_arrives_is_always_woken() {
     });
 }
 
+#[test]
+fn loom_a_waiter_for_two_senders_sleeping_between_their_signals_is_woken_by_the_last() {
+    loom::model(|| {
+        let receiver = Rank::new(RECEIVER, 2);
+        let senders: Vec<_> = [0, 2]
+            .into_iter()
+            .enumerate()
+            .map(|(slot, rank)| {
+                let receiver = receiver.clone();
+                thread::spawn(move || receiver.area.store(slot, 1, rank).expect("signal"))
+            })
+            .collect();
+        receiver
+            .wait(|| {
+                [(0, 0), (1, 2)]
+                    .into_iter()
+                    .find(|&(slot, _)| receiver.area.load(slot) != 1)
+                    .map(|(_, peer)| Waiting {
+                        peer,
+                        what: "a signal",
+                    })
+            })
+            .expect("woken by both signals");
+        for s in senders {
+            s.join().expect("sender");
+        }
+    });
+}
+
 /// 19 bytes: the reason spans three words, so a torn read would show.
 const REASON: &str = "expert 3 is on fire";
 
