@@ -24,6 +24,7 @@ pub mod comm;
 pub mod error;
 pub mod fabric;
 pub mod moe;
+mod sync;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod topology;
