@@ -163,6 +163,7 @@ impl TcpBootstrap {
                 )))
             }
         }
+        fault_point!("init.connected");
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             cv: Condvar::new(),
