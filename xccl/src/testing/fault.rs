@@ -235,8 +235,10 @@ fn fire(name: &str, hit: u64, action: Action) {
     );
     let _ = err.flush();
     drop(err);
-    // kill(2) on this very process: SIGKILL does not return; SIGSTOP returns after SIGCONT.
-    let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), signal);
+    // raise(3) directs the signal at this thread, so it takes effect before the call returns
+    // (kill(2) on the process may pick another thread, and this one would run on for a few
+    // microseconds: past the point). SIGKILL does not return; SIGSTOP returns after SIGCONT.
+    let _ = nix::sys::signal::raise(signal);
 }
 
 /// The hits of every point reached so far in this process under `XCCL_FAULT=census` (empty
