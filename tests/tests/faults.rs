@@ -133,6 +133,7 @@ fn joined(
         tokens: TOKENS,
         vary,
         skew: None,
+        shared_experts: 0,
     };
     Ok((comm, wl))
 }
