@@ -13,6 +13,13 @@
 //! outcome, and the detection times (min, median, p99, max). `XCCL_FAULT_RUNS` (default 100) and
 //! `XCCL_FAULT_SEED` override the run count and the seed; `ci/fault-injection.sh` runs 10,000.
 //!
+//! **During shrink** is not drawn yet: `Communicator::shrink` is not on `main`. The hook: its
+//! `ShrinkOptions::on_step` callback calls `fault::point("shrink.<step>")`; [`fault_run`]'s error
+//! path, instead of reporting, shrinks with that callback and runs its remaining rounds on the
+//! new communicator; a run then arms two ranks, the first victim at a point drawn as now and a
+//! second one at a `shrink.*` point (the census lists those points by itself once a census run
+//! shrinks, e.g. with a first victim at `call.between`).
+//!
 //! **SIGSTOP.** A stopped rank is slow, not dead: the ranks that wait for it time out naming it
 //! and, after `SIGCONT`, retry and complete with checked results; a stop shorter than the
 //! timeout goes unnoticed and the job completes.
