@@ -1,7 +1,7 @@
 //! Fault injection over shared memory between real processes.
 //!
 //! **SIGKILL at random points.** Each run draws, from a seed, a job shape (3 or 4 ranks, direct
-//! or through a relay), a victim rank, one of the fault points that rank reaches
+//! or through a relay, rows in bf16 or INT8), a victim rank, one of the fault points that rank reaches
 //! (`xccl::testing::fault::POINTS`: during init, inside an A2E or an E2A after some but not all
 //! of its puts and signals, inside a relay, or between calls) and the hit of that point at which
 //! the victim SIGKILLs itself (`XCCL_FAULT=point:hit`). Which points a rank reaches and how often
@@ -35,7 +35,7 @@ use xccl::testing::harness::{
     attention_round, expert_round, expert_round_tokens_with, first_difference, Buffers, Workload,
 };
 use xccl::testing::reference::{expected_combine_quant, test_expert, SplitMix64};
-use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Role, TokenBatch, Topology};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
 use xccl_tests::{announce, child_main, mixed_round, shm_entries, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
@@ -64,7 +64,10 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     let parts: Vec<&str> = scenario.split(':').collect();
     let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
     match parts.as_slice() {
-        ["run", m, n, r] => fault_run(ctx, Shape::new(p(m)?, p(n)?, p(r)?)),
+        ["run", m, n, r, q] => {
+            let shape = Shape::new(p(m)?, p(n)?, p(r)?);
+            fault_run(ctx, if *q == "int8" { shape.int8() } else { shape })
+        }
         ["stop_timeout"] => stopped_expert_times_out(ctx),
         ["stop_resume", m, n] => stopped_and_resumed(ctx, p(m)?, p(n)?),
         _ => Err(format!("unknown scenario {scenario:?}")),
@@ -76,17 +79,29 @@ const ROUNDS: u64 = 4;
 /// Most tokens per attention rank per round (the count varies per round).
 const TOKENS: usize = 6;
 
-/// A job shape: attention ranks, expert ranks, relays.
+/// A job shape: attention ranks, expert ranks, relays, and whether rows travel as INT8 both
+/// ways.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Shape {
     m: usize,
     n: usize,
     relays: usize,
+    int8: bool,
 }
 
 impl Shape {
     const fn new(m: usize, n: usize, relays: usize) -> Self {
-        Shape { m, n, relays }
+        Shape {
+            m,
+            n,
+            relays,
+            int8: false,
+        }
+    }
+
+    /// The same shape with INT8 rows on the wire both ways.
+    const fn int8(self) -> Self {
+        Shape { int8: true, ..self }
     }
 
     fn size(&self) -> usize {
@@ -94,17 +109,21 @@ impl Shape {
     }
 
     fn scenario(&self) -> String {
-        format!("run:{}:{}:{}", self.m, self.n, self.relays)
+        let q = if self.int8 { "int8" } else { "dtype" };
+        format!("run:{}:{}:{}:{q}", self.m, self.n, self.relays)
     }
 }
 
-/// The shapes fault runs draw from: 3 and 4 ranks, direct and through one relay.
-const SHAPES: [Shape; 5] = [
+/// The shapes fault runs draw from: 3 and 4 ranks, direct and through one relay, in the dtype
+/// and in INT8.
+const SHAPES: [Shape; 7] = [
     Shape::new(1, 2, 0),
     Shape::new(2, 1, 0),
     Shape::new(2, 2, 0),
     Shape::new(1, 3, 0),
     Shape::new(2, 2, 1),
+    Shape::new(2, 2, 0).int8(),
+    Shape::new(2, 2, 1).int8(),
 ];
 
 fn config(max_tokens: usize, timeout: Duration) -> MoeConfig {
@@ -116,7 +135,11 @@ fn config(max_tokens: usize, timeout: Duration) -> MoeConfig {
     cfg
 }
 
-fn join(ctx: &ChildCtx, shape: Shape, cfg: MoeConfig) -> xccl::Result<Communicator> {
+fn join(ctx: &ChildCtx, shape: Shape, mut cfg: MoeConfig) -> xccl::Result<Communicator> {
+    if shape.int8 {
+        cfg.a2e_quant = Quant::Int8;
+        cfg.e2a_quant = Quant::Int8;
+    }
     let ex = ctx.connect(Duration::from_secs(30))?;
     let mut topo = Topology::contiguous(shape.m, shape.n, 4 * shape.n.max(2))?;
     if shape.relays > 0 {
