@@ -10,7 +10,9 @@
 //! - `NAME:N` (`a2e.chunk:3`): the `N`-th time point `NAME` is reached this process prints a line
 //!   ([`FIRED_MARK`], the point, the hit and [`now_ns`]) to stderr and raises `SIGKILL`;
 //! - `NAME:N:stop`: the same, but raises `SIGSTOP` (a slow peer; it goes on after `SIGCONT`);
-//! - `census`: nothing is raised; every hit is counted and [`census`] returns the counts.
+//! - `census`: nothing is raised; every hit is counted and [`census`] returns the counts;
+//! - anything else: the process prints what is wrong and aborts at the first point (a test
+//!   must not run as if it had armed nothing).
 //!
 //! Points are only where a count of hits does not depend on timing, except where noted in
 //! [`POINTS`], so a harness can take the hit counts of one census run as the range of hits to
