@@ -1697,3 +1697,42 @@ fn a_receive_capacity_below_the_worst_case_is_a_clear_error_never_an_overflow() 
         });
     }
 }
+
+/// Through a relay, one call's INT8 and dtype replies cannot be mixed: the relay fails naming
+/// an expert rank and the setting, and every rank learns of it.
+#[test]
+fn relays_reject_expert_ranks_that_disagree_on_int8_replies() {
+    let topo = relayed(1, 2, 4, 1);
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut attn = comms.remove(0);
+    comms[1].set_e2a_quant(Quant::Int8);
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let experts: Vec<_> = comms
+            .into_iter()
+            .map(|mut e| {
+                s.spawn(move || {
+                    let mut b = ExpertBatch::new();
+                    e.a2e_recv(&mut b).unwrap();
+                    let out = vec![0.5f32; b.num_rows() * 8];
+                    e.e2a_send(&b, &out).err()
+                })
+            })
+            .collect();
+        let x = vec![1.0f32; 32];
+        let h = attn
+            .a2e_send(&x, &[0, 2, 1, 3, 0, 3, 1, 2], &[0.5; 8])
+            .unwrap();
+        let mut out = vec![0f32; 32];
+        let mut errors = vec![attn.e2a_recv(&h, &mut out).unwrap_err()];
+        errors.extend(experts.into_iter().filter_map(|h| h.join().unwrap()));
+        errors
+    });
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, Error::Protocol { detail, .. }
+            if detail.contains("same e2a_quant"))),
+        "{errors:?}"
+    );
+}
