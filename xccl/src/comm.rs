@@ -417,6 +417,7 @@ impl Communicator {
         let mine = self.handshake_words();
         const { assert!(8 * HANDSHAKE_WORDS <= HANDSHAKE_BYTES) };
         ctx.fabric.put(ctx.rank, 0, bytemuck::cast_slice(&mine))?;
+        fault_point!("init.handshake");
         ctx.fabric.barrier(ctx.cfg.timeout)?;
         let mut theirs = [0u64; HANDSHAKE_WORDS];
         for peer in 0..ctx.topo.world_size() {
@@ -600,7 +601,7 @@ impl Communicator {
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
     /// retried; returns `e` either way.
     fn fail(&mut self, e: Error) -> Error {
-        let e = e.naming_the_dead();
+        let e = self.first_failure(e);
         let fatal = matches!(
             e,
             Error::PeerFailed { .. }
@@ -617,6 +618,28 @@ impl Communicator {
             tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
         }
         e
+    }
+
+    /// The failure to report for a call that failed with `e`: a dead peer named by another
+    /// rank's abort (see [`Error::naming_the_dead`]), and a peer failure or timeout seen after
+    /// another rank aborted the job reported as that abort. The aborting rank may have left the
+    /// job since, and a wait that finds it gone must not blame it: every rank names the first
+    /// failure.
+    pub(crate) fn first_failure(&self, e: Error) -> Error {
+        let e = e.naming_the_dead();
+        let Some((by, reason)) = self.ctx.fabric.aborted() else {
+            return e;
+        };
+        if by == self.ctx.rank || !matches!(e, Error::PeerFailed { .. } | Error::Timeout { .. }) {
+            return e;
+        }
+        match (Error::Aborted { by, reason }).naming_the_dead() {
+            // This rank saw the same death itself: keep its own account of it.
+            Error::PeerFailed { peer, .. } if matches!(e, Error::PeerFailed { peer: p, .. } if p == peer) => {
+                e
+            }
+            abort => abort,
+        }
     }
 
     /// Waits for every rank (collective), through the fabric's signals: on shared memory a

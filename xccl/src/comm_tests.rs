@@ -800,6 +800,58 @@ fn a_dead_peer_is_reported_while_waiting_for_another() {
 }
 
 #[test]
+fn a_peer_gone_after_another_ranks_abort_is_reported_as_that_abort() {
+    // Rank 1 noticed that rank 2 died, aborted saying so, and left: a wait of rank 0 that then
+    // finds rank 1 gone (or times out on it) reports rank 2, as every other survivor does.
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let dead = Error::PeerFailed {
+        peer: 2,
+        detail: "process 42 exited".into(),
+    };
+    let reason = dead.abort_reason(1);
+    comms[1].abort(&reason);
+    let attn = &comms[0];
+    let left = Error::PeerFailed {
+        peer: 1,
+        detail: "process 43 exited after leaving the job".into(),
+    };
+    let timeout = Error::Timeout {
+        peer: 1,
+        what: "E2A rows".into(),
+        waited: Duration::from_secs(1),
+    };
+    for e in [left, timeout] {
+        match attn.first_failure(e) {
+            Error::PeerFailed { peer: 2, detail } => assert!(detail.contains("rank 1's abort")),
+            other => panic!("expected rank 2 named through rank 1's abort, got {other:?}"),
+        }
+    }
+    // Its own account of the same death is kept; errors of another kind are not replaced.
+    let own = attn.first_failure(Error::PeerFailed {
+        peer: 2,
+        detail: "seen here".into(),
+    });
+    assert!(matches!(&own, Error::PeerFailed { peer: 2, detail } if detail == "seen here"));
+    let bad = Error::Protocol {
+        peer: 1,
+        detail: "bad record".into(),
+    };
+    assert!(matches!(
+        attn.first_failure(bad),
+        Error::Protocol { peer: 1, .. }
+    ));
+    // Without an abort from another rank nothing changes.
+    let alone = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let t = alone[0].first_failure(Error::Timeout {
+        peer: 1,
+        what: "E2A rows".into(),
+        waited: Duration::from_secs(1),
+    });
+    assert!(matches!(t, Error::Timeout { peer: 1, .. }));
+}
+
+#[test]
 fn a_timeout_before_anything_was_published_can_be_retried() {
     let mut c = cfg(8, DType::F32, 2, 4);
     c.timeout = Duration::from_millis(200);

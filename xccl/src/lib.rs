@@ -18,6 +18,15 @@
 //! The library logs through the [`tracing`] facade (init summary, peer failures, timeouts,
 //! aborts; nothing per call above `debug`); install a subscriber to see it.
 
+/// Marks a fault-injection point named `$name` (see `testing::fault`): with the `testing`
+/// feature a test can have the process killed or stopped here; without it this is nothing.
+macro_rules! fault_point {
+    ($name:literal) => {
+        #[cfg(any(test, feature = "testing"))]
+        $crate::testing::fault::point($name);
+    };
+}
+
 pub mod bootstrap;
 pub mod capi;
 pub mod comm;

@@ -173,6 +173,7 @@ impl TcpBootstrap {
                 )))
             }
         }
+        fault_point!("init.connected");
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             cv: Condvar::new(),
