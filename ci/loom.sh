@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Model-checks the control area's signal, credit, epoch, doorbell and abort protocol with loom
 # (tests in xccl/src/fabric/signals_loom.rs; the facade that switches to loom is xccl/src/sync.rs).
-# Not part of ci/test.sh: a loom build is a separate build of the library (`--cfg loom`, in its
-# own target directory so the normal build is not invalidated) and runs only these tests.
+# ci/test.sh runs it at LOOM_MAX_PREEMPTIONS=2. A loom build is a separate build of the library
+# (`--cfg loom`, in its own target directory so the normal build is not invalidated) and runs
+# only these tests.
 #
 #   ci/loom.sh            run the loom tests (LOOM_MAX_PREEMPTIONS defaults to 3)
 #   ci/loom.sh --mutate   then build the mutation build (`--cfg xccl_loom_mutant`) and check
