@@ -8,9 +8,15 @@
 #
 #   ci/fault-injection.sh [RUNS]            # XCCL_FAULT_SEED=<seed> to replay a campaign or a run
 #
-# CI runs 100 runs as part of `cargo test` (tests/tests/faults.rs).
+# Then RUNS / 10 runs of kills during a shrink (tests/tests/shrink.rs): one rank dies inside a
+# call, a second when its shrink reaches a random step (XCCL_SHRINK_FAULT_SEED to replay); every
+# survivor must shrink past both and match the reference.
+#
+# CI runs 100 + 8 runs as part of `cargo test` (tests/tests/faults.rs, tests/tests/shrink.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-10000}"
 XCCL_FAULT_RUNS="$runs" cargo test --release -p xccl-tests --test faults \
     random_sigkills_are_named_by_every_survivor_and_leave_nothing_behind -- --exact --nocapture
+XCCL_SHRINK_FAULT_RUNS="$(( (runs + 9) / 10 ))" cargo test --release -p xccl-tests --test shrink \
+    random_kills_during_the_shrink_are_survived_by_every_other_rank -- --exact --nocapture

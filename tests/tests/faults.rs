@@ -13,12 +13,10 @@
 //! outcome, and the detection times (min, median, p99, max). `XCCL_FAULT_RUNS` (default 100) and
 //! `XCCL_FAULT_SEED` override the run count and the seed; `ci/fault-injection.sh` runs 10,000.
 //!
-//! **During shrink** is not drawn yet: `Communicator::shrink` is not on `main`. The hook: its
-//! `ShrinkOptions::on_step` callback calls `fault::point("shrink.<step>")`; [`fault_run`]'s error
-//! path, instead of reporting, shrinks with that callback and runs its remaining rounds on the
-//! new communicator; a run then arms two ranks, the first victim at a point drawn as now and a
-//! second one at a `shrink.*` point (the census lists those points by itself once a census run
-//! shrinks, e.g. with a first victim at `call.between`).
+//! **During shrink**: kills at random shrink steps have their own campaign,
+//! `random_kills_during_the_shrink_are_survived_by_every_other_rank` in `tests/tests/shrink.rs`
+//! (a first victim dies inside a call, a second when its shrink reaches a random step;
+//! `ci/fault-injection.sh` runs both campaigns).
 //!
 //! **SIGSTOP.** A stopped rank is slow, not dead: the ranks that wait for it time out naming it
 //! and, after `SIGCONT`, retry and complete with checked results; a stop shorter than the

@@ -41,8 +41,8 @@ fn child_rank_entry() {
 
 /// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<when>]` (over
 /// shm; `shrink_ofi:...` over libfabric's tcp provider); with the last part, `rank` also dies
-/// when its shrink reaches step `when` (`agree` or `rebuild`), or (`again`) inside a call on the
-/// shrunk communicator.
+/// when its shrink reaches step `when` (`poison`, `agree`, `plan`, `release` or `rebuild`), or
+/// (`again`) inside a call on the shrunk communicator.
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     let parts: Vec<&str> = scenario.split(':').collect();
     let ofi = parts.first() == Some(&"shrink_ofi");
@@ -57,7 +57,10 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         .collect::<Result<Vec<usize>, String>>()?;
     let (late, again) = match late.map(|l| l.split_once('@')) {
         None => (None, None),
+        Some(Some((rank, "poison"))) => (Some((rank, ShrinkStep::Poison)), None),
         Some(Some((rank, "agree"))) => (Some((rank, ShrinkStep::Agree)), None),
+        Some(Some((rank, "plan"))) => (Some((rank, ShrinkStep::Plan)), None),
+        Some(Some((rank, "release"))) => (Some((rank, ShrinkStep::Release)), None),
         Some(Some((rank, "rebuild"))) => (Some((rank, ShrinkStep::Rebuild)), None),
         Some(Some((rank, "again"))) => (None, Some(rank)),
         Some(_) => return Err(format!("bad late victim in {scenario:?}")),
@@ -230,8 +233,9 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     } else {
         vec![Poison, Agree, Plan] // the plan fails
     };
-    if let Some((_, Rebuild)) = setup.late {
-        // The first rebuild fails on the late victim's death: agreed again, without it.
+    if let Some((_, Plan | Release | Rebuild)) = setup.late {
+        // The late victim took part in the agreement and died after it: the first rebuild
+        // fails on its death, and the others agree again, without it.
         expected.extend_from_slice(&[Agree, Plan, Rebuild]);
     }
     if ran != expected {
@@ -497,4 +501,58 @@ fn dropping_an_orphaned_expert_counts_its_selections_and_matches_the_reference_w
         assert!(out.contains("checked rounds;"), "rank {r}: {out}");
         assert!(!out.contains("; 0 selections dropped"), "rank {r}: {out}");
     }
+}
+
+/// Kills at random points of the shrink: each run SIGKILLs one rank inside a call, and a second
+/// rank when its own shrink reaches a random step (poison, agree, plan, release or rebuild).
+/// One of the two is an attention rank and one an expert rank, so every expert keeps a replica
+/// and an attention rank survives. Every survivor must name a victim, shrink past both and match
+/// the reference for the new placement; nothing is left in `/dev/shm`. The draws come from
+/// `XCCL_SHRINK_FAULT_SEED` (printed) and `XCCL_SHRINK_FAULT_RUNS` runs (8 by default; the
+/// fault-injection script runs more).
+#[test]
+fn random_kills_during_the_shrink_are_survived_by_every_other_rank() {
+    let env = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| match v.strip_prefix("0x") {
+                Some(hex) => u64::from_str_radix(hex, 16).ok(),
+                None => v.parse().ok(),
+            })
+            .unwrap_or(default)
+    };
+    let seed = env("XCCL_SHRINK_FAULT_SEED", 0x5417_2026);
+    let runs = env("XCCL_SHRINK_FAULT_RUNS", 8);
+    let steps = ["poison", "agree", "plan", "release", "rebuild"];
+    let mut state = seed;
+    let mut next = |n: u64| {
+        // SplitMix64.
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n
+    };
+    eprintln!("shrink fault runs: {runs}, seed {seed:#x}");
+    let mut per_step = [0u32; 5];
+    for _ in 0..runs {
+        let attention = next(M as u64) as usize;
+        let expert = M + next(N as u64) as usize;
+        let (first, late) = if next(2) == 0 {
+            (attention, expert)
+        } else {
+            (expert, attention)
+        };
+        let step = next(steps.len() as u64) as usize;
+        per_step[step] += 1;
+        let scenario = format!("shrink:{first}:rep:keep:{late}@{}", steps[step]);
+        run(&scenario, &[first, late]);
+    }
+    let counts: Vec<String> = (steps.iter().zip(per_step))
+        .map(|(s, n)| format!("{s}={n}"))
+        .collect();
+    eprintln!(
+        "shrink fault runs passed, second kill at: {}",
+        counts.join(" ")
+    );
 }
