@@ -9,7 +9,10 @@
 //!   write to a joined rank, so the state needs no lock.
 //!
 //! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
-//! ERROR frame and a closed connection; the job goes on. A rank that sends a malformed frame is
+//! ERROR frame and a closed connection; the job goes on. Every rejection is logged at `warn` and
+//! listed in [`RootReport::rejected`]. A connection has [`RootConfig::hello_timeout`] to say
+//! hello, and at most 256 connections may be waiting to (more are closed at once), so idle or
+//! half-open connections cost one thread each for a bounded time and never block the ranks. A rank that sends a malformed frame is
 //! dropped from the job, and the ranks waiting on a round it can no longer join are told so.
 //! The coordinator exits when every rank has joined and left, when no rank has been connected for
 //! [`RootConfig::idle_timeout`], or when [`RootHandle::shutdown`] asks it to.
@@ -18,7 +21,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -186,6 +189,19 @@ enum Event {
     Rejected { peer: SocketAddr, reason: String },
 }
 
+/// Most connections that may be waiting to say hello at once; more are closed at once, so a
+/// flood of idle connections cannot exhaust the root's threads.
+pub(crate) const MAX_PENDING_HELLOS: usize = 256;
+
+/// Counts a connection that has not said hello yet while it lives.
+struct Pending(Arc<AtomicUsize>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 fn accept_loop(
     listener: TcpListener,
     tx: Sender<Event>,
@@ -194,6 +210,7 @@ fn accept_loop(
 ) {
     use nix::poll::{poll, PollFd, PollFlags};
     let mut next_conn = 0u64;
+    let pending = Arc::new(AtomicUsize::new(0));
     // SYNC POINT: pairs with the Release store in `RootHandle::shutdown` / the coordinator exit.
     while !stop.load(Ordering::Acquire) {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
@@ -209,13 +226,28 @@ fn accept_loop(
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => {
+                    if pending.load(Ordering::Relaxed) >= MAX_PENDING_HELLOS {
+                        // Closed unread: the peer sees a reset or EOF.
+                        let _ = tx.send(Event::Rejected {
+                            peer,
+                            reason: format!(
+                                "closed at once: {MAX_PENDING_HELLOS} connections are already \
+                                 waiting to say hello"
+                            ),
+                        });
+                        continue;
+                    }
+                    pending.fetch_add(1, Ordering::Relaxed);
+                    let waiting = Pending(pending.clone());
                     let conn = next_conn;
                     next_conn += 1;
                     let tx = tx.clone();
                     let stop = stop.clone();
                     let spawned = std::thread::Builder::new()
                         .name("xccl-root-conn".into())
-                        .spawn(move || conn_reader(conn, stream, peer, tx, stop, hello_timeout));
+                        .spawn(move || {
+                            conn_reader(conn, stream, peer, tx, stop, hello_timeout, waiting)
+                        });
                     if spawned.is_err() {
                         // Out of threads: the connection is dropped (closed) and the peer retries
                         // or times out; the root itself goes on.
@@ -267,6 +299,7 @@ fn conn_reader(
     tx: Sender<Event>,
     stop: Arc<AtomicBool>,
     hello_timeout: Duration,
+    waiting: Pending,
 ) {
     let setup = stream
         .set_nonblocking(false)
@@ -319,6 +352,8 @@ fn conn_reader(
         reject_and_drain(&mut stream, &reason, &stop);
         return;
     };
+    // Said hello (or rejected below): no longer counts against the pending cap.
+    drop(waiting);
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
@@ -483,9 +518,7 @@ impl Coordinator {
             } => {
                 if let Some(&rank) = self.conns.get(&conn) {
                     if protocol {
-                        self.report
-                            .rejected
-                            .push(format!("rank {rank} dropped: {reason}"));
+                        self.note_rejected(format!("rank {rank} dropped: {reason}"));
                         self.drop_rank(
                             rank,
                             format!("dropped by the root: {reason}"),
@@ -497,7 +530,7 @@ impl Coordinator {
                 }
             }
             Event::Rejected { peer, reason } => {
-                self.report.rejected.push(format!("{peer}: {reason}"));
+                self.note_rejected(format!("{peer}: {reason}"));
             }
         }
     }
@@ -516,7 +549,7 @@ impl Coordinator {
             let _ = wire::write_frame(&mut stream, Kind::Error, 0, reason.as_bytes());
             // The reader keeps draining the connection until the peer closes it.
             let _ = stream.shutdown(Shutdown::Write);
-            self.report.rejected.push(format!("{peer}: {reason}"));
+            self.note_rejected(format!("{peer}: {reason}"));
             return;
         }
         // `admit` checked that both fit in `usize` and that `rank < size`.
@@ -550,8 +583,14 @@ impl Coordinator {
                 self.cfg.job_id
             ));
         }
-        let Ok(size) = usize::try_from(size) else {
-            return Err(format!("world size {size} is too large"));
+        let size = match usize::try_from(size) {
+            Ok(s) if s <= wire::MAX_WORLD => s,
+            _ => {
+                return Err(format!(
+                    "world size {size} is too large (a root serves at most {} ranks)",
+                    wire::MAX_WORLD
+                ))
+            }
         };
         if size == 0 {
             return Err("world size 0".into());
@@ -622,9 +661,7 @@ impl Coordinator {
                 self.round,
                 if round == self.round { " (twice)" } else { "" }
             );
-            self.report
-                .rejected
-                .push(format!("rank {rank} dropped: {detail}"));
+            self.note_rejected(format!("rank {rank} dropped: {detail}"));
             self.drop_rank(
                 rank,
                 format!("dropped by the root: {detail}"),
@@ -695,6 +732,12 @@ impl Coordinator {
                 self.send(r, Kind::Failed, self.round, &payload);
             }
         }
+    }
+
+    /// Records a rejected connection or dropped rank in the report and logs it (`warn`).
+    fn note_rejected(&mut self, line: String) {
+        tracing::warn!(job = %format_args!("{:016x}", self.cfg.job_id), "bootstrap root: {line}");
+        self.report.rejected.push(line);
     }
 
     /// Writes a frame to `rank` if it is connected; a failed write drops the rank.

@@ -99,9 +99,10 @@ impl TcpBootstrap {
     /// the hello and waits for the root to accept it. Returns once this rank is accepted; the
     /// other ranks may still be on their way (the first collective waits for them).
     ///
-    /// Errors: [`Error::InvalidArgument`] for `rank >= size`; [`Error::Bootstrap`] when the root
-    /// rejects the hello (wrong job id or world size, duplicate rank); [`Error::Timeout`] (with
-    /// `peer` 0, the conventional root host) when the root cannot be reached in time.
+    /// Errors: [`Error::InvalidArgument`] for `rank >= size` or a world size above 65,536;
+    /// [`Error::Bootstrap`] when the root rejects the hello (wrong job id or world size,
+    /// duplicate rank); [`Error::Timeout`] (with `peer` 0, the conventional root host) when the
+    /// root cannot be reached in time.
     pub fn connect(id: &UniqueId, rank: usize, size: usize, timeout: Duration) -> Result<Self> {
         Self::connect_to(id.root_addr(), id.job_id(), rank, size, timeout, None)
     }
@@ -119,6 +120,12 @@ impl TcpBootstrap {
         if size == 0 || rank >= size {
             return Err(Error::invalid(format!(
                 "rank {rank} is out of range for world size {size}"
+            )));
+        }
+        if size > wire::MAX_WORLD {
+            return Err(Error::invalid(format!(
+                "world size {size} is too large for the TCP bootstrap (at most {})",
+                wire::MAX_WORLD
             )));
         }
         let start = Instant::now();
