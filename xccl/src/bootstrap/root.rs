@@ -11,8 +11,9 @@
 //! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
 //! ERROR frame and a closed connection; the job goes on. Every rejection is logged at `warn` and
 //! listed in [`RootReport::rejected`]. A connection has [`RootConfig::hello_timeout`] to say
-//! hello, and at most 256 connections may be waiting to (more are closed at once), so idle or
-//! half-open connections cost one thread each for a bounded time and never block the ranks. A rank that sends a malformed frame is
+//! hello, and at most 256 connections may be waiting to (a new one closes the oldest), so idle
+//! or half-open connections cost one thread each for a bounded time and never lock the ranks
+//! out. A rank that sends a malformed frame is
 //! dropped from the job, and the ranks waiting on a round it can no longer join are told so.
 //! The coordinator exits when every rank has joined and left, when no rank has been connected for
 //! [`RootConfig::idle_timeout`], or when [`RootHandle::shutdown`] asks it to.
@@ -21,7 +22,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -189,16 +190,24 @@ enum Event {
     Rejected { peer: SocketAddr, reason: String },
 }
 
-/// Most connections that may be waiting to say hello at once; more are closed at once, so a
-/// flood of idle connections cannot exhaust the root's threads.
+/// Most connections that may be waiting to say hello at once. When one more arrives, the oldest
+/// waiting connection is closed, so a flood of idle connections neither exhausts the root's
+/// threads nor locks the real ranks out (they say hello at once).
 pub(crate) const MAX_PENDING_HELLOS: usize = 256;
 
-/// Counts a connection that has not said hello yet while it lives.
-struct Pending(Arc<AtomicUsize>);
+/// Connections that have not said hello yet, oldest first: `(conn, a clone of its socket)`.
+type PendingList = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>>;
+
+/// Removes a connection from the pending list when it says hello or ends.
+struct Pending {
+    conn: u64,
+    list: PendingList,
+}
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|(c, _)| *c != self.conn);
     }
 }
 
@@ -210,7 +219,7 @@ fn accept_loop(
 ) {
     use nix::poll::{poll, PollFd, PollFlags};
     let mut next_conn = 0u64;
-    let pending = Arc::new(AtomicUsize::new(0));
+    let pending: PendingList = Arc::default();
     // SYNC POINT: pairs with the Release store in `RootHandle::shutdown` / the coordinator exit.
     while !stop.load(Ordering::Acquire) {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
@@ -226,21 +235,29 @@ fn accept_loop(
         loop {
             match listener.accept() {
                 Ok((stream, peer)) => {
-                    if pending.load(Ordering::Relaxed) >= MAX_PENDING_HELLOS {
-                        // Closed unread: the peer sees a reset or EOF.
-                        let _ = tx.send(Event::Rejected {
-                            peer,
-                            reason: format!(
-                                "closed at once: {MAX_PENDING_HELLOS} connections are already \
-                                 waiting to say hello"
-                            ),
-                        });
-                        continue;
-                    }
-                    pending.fetch_add(1, Ordering::Relaxed);
-                    let waiting = Pending(pending.clone());
                     let conn = next_conn;
                     next_conn += 1;
+                    let waiting = match wait_for_hello(&pending, conn, &stream) {
+                        Ok((waiting, evicted)) => {
+                            if let Some(old) = evicted {
+                                let _ = tx.send(Event::Rejected {
+                                    peer: old,
+                                    reason: format!(
+                                        "closed without a hello: {MAX_PENDING_HELLOS} newer \
+                                         connections were waiting to say hello"
+                                    ),
+                                });
+                            }
+                            waiting
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Event::Rejected {
+                                peer,
+                                reason: format!("cannot clone the socket: {e}"),
+                            });
+                            continue;
+                        }
+                    };
                     let tx = tx.clone();
                     let stop = stop.clone();
                     let spawned = std::thread::Builder::new()
@@ -260,6 +277,31 @@ fn accept_loop(
             }
         }
     }
+}
+
+/// Adds connection `conn` to the pending list; when the list is full, first closes its oldest
+/// connection (whose reader then ends) and returns that one's peer address.
+fn wait_for_hello(
+    pending: &PendingList,
+    conn: u64,
+    stream: &TcpStream,
+) -> std::io::Result<(Pending, Option<SocketAddr>)> {
+    let clone = stream.try_clone()?;
+    let mut list = pending.lock().unwrap_or_else(|e| e.into_inner());
+    let mut evicted = None;
+    if list.len() >= MAX_PENDING_HELLOS {
+        if let Some((_, old)) = list.pop_front() {
+            evicted = old.peer_addr().ok();
+            let _ = old.shutdown(Shutdown::Both);
+        }
+    }
+    list.push_back((conn, clone));
+    drop(list);
+    let waiting = Pending {
+        conn,
+        list: pending.clone(),
+    };
+    Ok((waiting, evicted))
 }
 
 /// Sends an error frame to a peer that is being rejected, half-closes the connection, and drains

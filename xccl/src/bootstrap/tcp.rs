@@ -775,6 +775,29 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_of_idle_connections_does_not_lock_the_ranks_out() {
+        use crate::bootstrap::root::MAX_PENDING_HELLOS;
+        let mut cfg = RootConfig::new(random_job_id());
+        cfg.idle_timeout = Duration::from_secs(5);
+        let (id, root) = UniqueId::start_root(localhost(), cfg).unwrap();
+        let extra = 10;
+        let idle: Vec<TcpStream> = (0..MAX_PENDING_HELLOS + extra)
+            .map(|_| TcpStream::connect(id.root_addr()).unwrap())
+            .collect();
+        // Each newcomer closes the oldest idle connection; the ranks say hello at once.
+        let all = run_ranks(&id, 2, 0..2, |b| b.allgather(&[b.rank() as u8], LONG).unwrap());
+        assert!(all.iter().all(|a| *a == vec![vec![0], vec![1]]));
+        drop(idle);
+        let report = root.join();
+        let evicted = report
+            .rejected
+            .iter()
+            .filter(|r| r.contains("newer connections were waiting"))
+            .count();
+        assert_eq!(evicted, extra + 2, "{:?}", report.rejected);
+    }
+
+    #[test]
     fn wrong_job_id_is_rejected() {
         let (id, _root) = start_job();
         let other = UniqueId::from_parts(id.job_id() ^ 1, id.root_addr());
