@@ -105,11 +105,15 @@ impl RootHandle {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel();
         let acceptor = {
-            let stop = stop.clone();
-            let hello_timeout = config.hello_timeout;
+            let intake = Intake {
+                tx,
+                stop: stop.clone(),
+                hello_timeout: config.hello_timeout,
+                job_id: config.job_id,
+            };
             std::thread::Builder::new()
                 .name("xccl-root-accept".into())
-                .spawn(move || accept_loop(listener, tx, stop, hello_timeout))
+                .spawn(move || accept_loop(listener, intake))
                 .map_err(|e| Error::os("spawning the bootstrap acceptor thread", e))?
         };
         let thread = {
@@ -211,12 +215,37 @@ impl Drop for Pending {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
+/// What the acceptor and the readers of connections that have not said hello share: the
+/// channel to the coordinator and the root's settings.
+#[derive(Clone)]
+struct Intake {
     tx: Sender<Event>,
     stop: Arc<AtomicBool>,
     hello_timeout: Duration,
-) {
+    job_id: u64,
+}
+
+impl Intake {
+    /// Logs a connection rejected before its hello (`warn`) and reports it to the coordinator.
+    /// Logged here, not by the coordinator, so a stranger is logged even after the job is over.
+    fn reject(&self, peer: SocketAddr, reason: String) {
+        tracing::warn!(
+            job = %format_args!("{:016x}", self.job_id),
+            "bootstrap root: {peer}: {reason}"
+        );
+        let _ = self.tx.send(Event::Rejected { peer, reason });
+    }
+
+    /// [`Intake::reject`], then tells the peer why and closes the connection.
+    fn reject_and_drain(&self, stream: &mut TcpStream, peer: SocketAddr, reason: String) {
+        let text = reason.clone();
+        self.reject(peer, reason);
+        reject_and_drain(stream, &text, &self.stop);
+    }
+}
+
+fn accept_loop(listener: TcpListener, intake: Intake) {
+    let stop = &intake.stop;
     use nix::poll::{poll, PollFd, PollFlags};
     let mut next_conn = 0u64;
     let pending: PendingList = Arc::default();
@@ -240,31 +269,25 @@ fn accept_loop(
                     let waiting = match wait_for_hello(&pending, conn, &stream) {
                         Ok((waiting, evicted)) => {
                             if let Some(old) = evicted {
-                                let _ = tx.send(Event::Rejected {
-                                    peer: old,
-                                    reason: format!(
+                                intake.reject(
+                                    old,
+                                    format!(
                                         "closed without a hello: {MAX_PENDING_HELLOS} newer \
                                          connections were waiting to say hello"
                                     ),
-                                });
+                                );
                             }
                             waiting
                         }
                         Err(e) => {
-                            let _ = tx.send(Event::Rejected {
-                                peer,
-                                reason: format!("cannot clone the socket: {e}"),
-                            });
+                            intake.reject(peer, format!("cannot clone the socket: {e}"));
                             continue;
                         }
                     };
-                    let tx = tx.clone();
-                    let stop = stop.clone();
+                    let intake = intake.clone();
                     let spawned = std::thread::Builder::new()
                         .name("xccl-root-conn".into())
-                        .spawn(move || {
-                            conn_reader(conn, stream, peer, tx, stop, hello_timeout, waiting)
-                        });
+                        .spawn(move || conn_reader(conn, stream, peer, intake, waiting));
                     if spawned.is_err() {
                         // Out of threads: the connection is dropped (closed) and the peer retries
                         // or times out; the root itself goes on.
@@ -338,60 +361,45 @@ fn conn_reader(
     conn: u64,
     mut stream: TcpStream,
     peer: SocketAddr,
-    tx: Sender<Event>,
-    stop: Arc<AtomicBool>,
-    hello_timeout: Duration,
+    intake: Intake,
     waiting: Pending,
 ) {
     let setup = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_read_timeout(Some(READ_TICK)));
     if let Err(e) = setup {
-        let _ = tx.send(Event::Rejected {
-            peer,
-            reason: format!("socket setup failed: {e}"),
-        });
+        intake.reject(peer, format!("socket setup failed: {e}"));
         return;
     }
     wire::tune(&stream);
+    let Intake {
+        ref tx,
+        ref stop,
+        hello_timeout,
+        ..
+    } = intake;
     let deadline = Instant::now() + hello_timeout;
-    let hello = match wire::read_frame(&mut stream, Some(deadline), &stop, 0, &|k| k == Kind::Hello)
+    let hello = match wire::read_frame(&mut stream, Some(deadline), stop, 0, &|k| k == Kind::Hello)
     {
         Ok(frame) => wire::decode_hello(&frame.payload),
         Err(ReadError::Stopped) => return,
         Err(ReadError::Eof) => {
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: "closed the connection before saying hello".into(),
-            });
+            intake.reject(peer, "closed the connection before saying hello".into());
             return;
         }
         Err(ReadError::Timeout) => {
             let reason = format!("no hello within {hello_timeout:?}");
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: reason.clone(),
-            });
-            reject_and_drain(&mut stream, &reason, &stop);
+            intake.reject_and_drain(&mut stream, peer, reason);
             return;
         }
         Err(e) => {
             let reason = format!("rejected before hello: {e}");
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: reason.clone(),
-            });
-            reject_and_drain(&mut stream, &reason, &stop);
+            intake.reject_and_drain(&mut stream, peer, reason);
             return;
         }
     };
     let Some((job_id, rank, size)) = hello else {
-        let reason = "malformed hello".to_string();
-        let _ = tx.send(Event::Rejected {
-            peer,
-            reason: reason.clone(),
-        });
-        reject_and_drain(&mut stream, &reason, &stop);
+        intake.reject_and_drain(&mut stream, peer, "malformed hello".into());
         return;
     };
     // Said hello (or rejected below): no longer counts against the pending cap.
@@ -399,10 +407,7 @@ fn conn_reader(
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: format!("cannot clone the socket: {e}"),
-            });
+            intake.reject(peer, format!("cannot clone the socket: {e}"));
             return;
         }
     };
@@ -419,7 +424,7 @@ fn conn_reader(
     }
     let allowed = |k: Kind| matches!(k, Kind::Data | Kind::Query | Kind::Abort | Kind::Bye);
     loop {
-        match wire::read_frame(&mut stream, None, &stop, 0, &allowed) {
+        match wire::read_frame(&mut stream, None, stop, 0, &allowed) {
             Ok(frame) => {
                 if tx.send(Event::Frame { conn, frame }).is_err() {
                     return;
@@ -434,7 +439,7 @@ fn conn_reader(
                     protocol,
                 });
                 if protocol {
-                    drain(&mut stream, &stop);
+                    drain(&mut stream, stop);
                 }
                 return;
             }
@@ -571,8 +576,9 @@ impl Coordinator {
                     }
                 }
             }
+            // Logged where it was rejected.
             Event::Rejected { peer, reason } => {
-                self.note_rejected(format!("{peer}: {reason}"));
+                self.report.rejected.push(format!("{peer}: {reason}"));
             }
         }
     }

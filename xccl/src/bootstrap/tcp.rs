@@ -785,7 +785,9 @@ mod tests {
             .map(|_| TcpStream::connect(id.root_addr()).unwrap())
             .collect();
         // Each newcomer closes the oldest idle connection; the ranks say hello at once.
-        let all = run_ranks(&id, 2, 0..2, |b| b.allgather(&[b.rank() as u8], LONG).unwrap());
+        let all = run_ranks(&id, 2, 0..2, |b| {
+            b.allgather(&[b.rank() as u8], LONG).unwrap()
+        });
         assert!(all.iter().all(|a| *a == vec![vec![0], vec![1]]));
         drop(idle);
         let report = root.join();

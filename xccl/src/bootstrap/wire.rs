@@ -226,13 +226,12 @@ pub(crate) fn read_frame(
     }
     let len = usize::try_from(len)
         .map_err(|_| ReadError::Malformed(format!("frame length {len} too large")))?;
-    let payload = read_payload(stream, len, deadline, stop)
-        .map_err(|e| match e {
-            PayloadError::Truncated(got) => ReadError::Malformed(format!(
-                "truncated {kind:?} payload: {got} of {len} bytes before the connection closed"
-            )),
-            PayloadError::Read(e) => e,
-        })?;
+    let payload = read_payload(stream, len, deadline, stop).map_err(|e| match e {
+        PayloadError::Truncated(got) => ReadError::Malformed(format!(
+            "truncated {kind:?} payload: {got} of {len} bytes before the connection closed"
+        )),
+        PayloadError::Read(e) => e,
+    })?;
     Ok(Frame {
         kind,
         round,
