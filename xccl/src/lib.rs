@@ -24,6 +24,9 @@ pub mod comm;
 pub mod error;
 pub mod fabric;
 pub mod moe;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod topology;

@@ -149,10 +149,11 @@ enum Fill {
     Eof(usize),
 }
 
-/// Fills `buf` from `stream`, whose read timeout must be set (to [`READ_TICK`]); between ticks
-/// it checks `stop` and `deadline`, so it never blocks for longer than one tick past either.
+/// Fills `buf` from `stream`, whose read timeout must be set (to [`READ_TICK`]) if it is a
+/// socket; between ticks it checks `stop` and `deadline`, so it never blocks for longer than one
+/// tick past either. (Any reader works: the fuzz targets read frames from byte slices.)
 fn fill(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     buf: &mut [u8],
     deadline: Option<Instant>,
     stop: &AtomicBool,
@@ -185,7 +186,7 @@ fn fill(
 /// Reads one frame. `result_max` bounds RESULT payloads; `allowed` rejects kinds the reader does
 /// not expect (e.g. a rank sending RESULT to the root).
 pub(crate) fn read_frame(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     deadline: Option<Instant>,
     stop: &AtomicBool,
     result_max: u64,
@@ -251,7 +252,7 @@ enum PayloadError {
 /// per step as the bytes arrive, so its capacity stays below twice the bytes received plus one
 /// step, whatever `len` the peer claimed.
 fn read_payload(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     len: usize,
     deadline: Option<Instant>,
     stop: &AtomicBool,
