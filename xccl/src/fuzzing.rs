@@ -116,7 +116,12 @@ fn topology(inp: &mut Input) -> Option<Topology> {
 /// A small valid config for `topo` (hidden 1-300, every dtype, topk 1-9, 1-600 tokens).
 fn small_config(inp: &mut Input, topo: &Topology) -> Option<MoeConfig> {
     let dtype = [DType::F32, DType::F16, DType::BF16][inp.below(3)];
-    let mut cfg = MoeConfig::new(1 + inp.below(300), dtype, 1 + inp.below(9), 1 + inp.below(600));
+    let mut cfg = MoeConfig::new(
+        1 + inp.below(300),
+        dtype,
+        1 + inp.below(9),
+        1 + inp.below(600),
+    );
     cfg.max_in_flight = if topo.num_domains() > 1 {
         1
     } else {
@@ -214,10 +219,12 @@ pub fn record(data: &[u8]) {
     let end = rec.offset as usize + rec.count as usize;
 
     // A2E, checked by expert rank `expert` as `dispatch.rs` does.
-    let a2e = rec.validate(attention, epoch, layout.max_tokens).and_then(|mode| {
-        rec.check_region(attention, layout.attention_rows, "A2E staging")?;
-        Ok(mode)
-    });
+    let a2e = rec
+        .validate(attention, epoch, layout.max_tokens)
+        .and_then(|mode| {
+            rec.check_region(attention, layout.attention_rows, "A2E staging")?;
+            Ok(mode)
+        });
     if let Ok(mode) = a2e {
         let stride = layout.a2e.stride_for(int8);
         match mode {
@@ -236,7 +243,9 @@ pub fn record(data: &[u8]) {
             }
         }
         // The replies come back at the record's offset in the E2A receive area.
-        let room = layout.e2a_stride_for(false).max(layout.e2a_stride_for(true));
+        let room = layout
+            .e2a_stride_for(false)
+            .max(layout.e2a_stride_for(true));
         assert!(layout.e2a_recv(buf) + end * room <= layout.e2a_recv(buf + 1));
         assert!(layout.e2a_recv(buf + 1) <= layout.window_len(attention));
     }
@@ -291,8 +300,14 @@ pub fn row(data: &[u8]) {
         .expect("a re-encoded row decodes");
     assert_eq!(token2, token);
     assert_eq!(
-        decoded.iter().map(|&(j, w)| (j, w.to_bits())).collect::<Vec<_>>(),
-        experts.iter().map(|&(j, w)| (j, w.to_bits())).collect::<Vec<_>>()
+        decoded
+            .iter()
+            .map(|&(j, w)| (j, w.to_bits()))
+            .collect::<Vec<_>>(),
+        experts
+            .iter()
+            .map(|&(j, w)| (j, w.to_bits()))
+            .collect::<Vec<_>>()
     );
 }
 
@@ -321,6 +336,8 @@ pub fn routing(data: &[u8]) {
     let mut weights: Vec<f32> = (0..tokens * k)
         .map(|_| match inp.u8() {
             0xff => f32::from_bits(inp.u32()),
+            0xfe => f32::MAX,
+            0xfd => f32::MIN_POSITIVE,
             b => f32::from(b) / 16.0 - 4.0,
         })
         .collect();
@@ -331,12 +348,20 @@ pub fn routing(data: &[u8]) {
     }
     let mut layout = DispatchLayout::build(&topo, attention[0], 1, &[0], &[1.0], 1)
         .expect("one token to expert 0 routes");
-    let before = (layout.tokens.clone(), layout.masks.clone(), layout.weights.clone());
+    let before = (
+        layout.tokens.clone(),
+        layout.masks.clone(),
+        layout.weights.clone(),
+    );
     if layout
         .build_into(&topo, src, tokens, &idx, &weights, k)
         .is_err()
     {
-        let after = (layout.tokens.clone(), layout.masks.clone(), layout.weights.clone());
+        let after = (
+            layout.tokens.clone(),
+            layout.masks.clone(),
+            layout.weights.clone(),
+        );
         assert!(before == after, "a rejected routing changed the layout");
         return;
     }
@@ -491,4 +516,94 @@ pub fn c_config(data: &[u8]) {
     // is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
     // of every count the parse accepts; all outlive the call.
     let _ = unsafe { c::parse(&config, nranks) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `count` pseudo-random inputs of 0 to 511 bytes (xorshift, fixed seed).
+    fn inputs(seed: u64, count: usize) -> impl Iterator<Item = Vec<u8>> {
+        let mut x = seed | 1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        (0..count).map(move |_| {
+            let len = (next() % 512) as usize;
+            (0..len).map(|_| next() as u8).collect()
+        })
+    }
+
+    #[test]
+    fn every_entry_point_takes_random_and_empty_input() {
+        let entries: [(&str, fn(&[u8])); 6] = [
+            ("bootstrap", bootstrap),
+            ("record", record),
+            ("row", row),
+            ("routing", routing),
+            ("config", config),
+            ("c_config", c_config),
+        ];
+        for (i, (name, f)) in entries.iter().enumerate() {
+            f(&[]);
+            for input in inputs(0x5eed + i as u64, 300) {
+                let outcome = std::panic::catch_unwind(|| f(&input));
+                assert!(outcome.is_ok(), "{name} panicked on {input:02x?}");
+            }
+        }
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    /// The `routing` target's first crash: an expert selected twice with weights near
+    /// `f32::MAX` was built with an infinite merged weight (fixed in `moe::routing`).
+    #[test]
+    fn fuzz_crash_routing_duplicate_weights_overflowing_to_infinity() {
+        routing(&hex(concat!(
+            "feffffffff0018181818181818181818185918181818181818181818181818183079797979797979",
+            "79797979797979797979797979797979797979797979797979797979797979797979e7e7e7e71818",
+            "7979797979797979feffffffff28ffff797979797979797979797979797979797979797979797979",
+            "79797979797979797979797979797979797979797979797979797979797979797979797979797979",
+            "797979797979797979797979797979797979797979797918180000",
+        )));
+    }
+
+    /// The `config` target's first crash: `hidden * dtype size` overflowed in the window
+    /// layout that `MoeConfig::validate` computes (fixed in `moe::config`).
+    #[test]
+    fn fuzz_crash_config_hidden_size_overflowing_the_layout() {
+        config(&hex(concat!(
+            "3263efbfbdfff7ffff3100f6ffff3131313131ff0000000000000100000000000000007b0000000000",
+            "5d0000000000002f5daf31313131ff0000005d0000000000afafaf57",
+        )));
+    }
+
+    #[test]
+    fn a_valid_frame_stream_reaches_the_decoders() {
+        let mut data = vec![3u8, 1];
+        for (kind, payload) in [
+            (Kind::Hello, wire::encode_hello(7, 1, 2)),
+            (
+                Kind::Status,
+                wire::encode_missing(&[(1, wire::Absence::Late)]),
+            ),
+            (Kind::Abort, wire::encode_rank_text(1, "gone")),
+        ] {
+            data.extend_from_slice(&wire::MAGIC);
+            data.extend_from_slice(&wire::PROTOCOL_VERSION.to_le_bytes());
+            data.extend_from_slice(&(kind as u16).to_le_bytes());
+            data.extend_from_slice(&0u64.to_le_bytes());
+            data.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+            data.extend_from_slice(&payload);
+        }
+        bootstrap(&data);
+    }
 }

@@ -23,10 +23,10 @@ pub mod capi;
 pub mod comm;
 pub mod error;
 pub mod fabric;
-pub mod moe;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod moe;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod topology;
