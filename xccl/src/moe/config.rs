@@ -275,7 +275,7 @@ mod tests {
             MoeConfig::new(1 << 24, DType::F32, 1 << 20, MAX_PROGRESS_ROWS),
         ] {
             match bad.validate(&topo) {
-                Err(Error::InvalidArgument(m)) => assert!(m.contains("bytes"), "{m}"),
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("byte"), "{m}"),
                 other => panic!("{bad:?}: {other:?}"),
             }
         }
