@@ -36,6 +36,19 @@ use crate::moe::rows::A2eRow;
 use crate::moe::window_layout::WindowLayout;
 use crate::{DType, MoeConfig, Quant, Topology, TopologyBuilder, TransferMode};
 
+/// A fuzz entry point: takes any bytes, panics only on a broken promise.
+pub type Entry = fn(&[u8]);
+
+/// Every entry point by the name of its fuzz target in `fuzz/fuzz_targets/`.
+pub const ENTRIES: [(&str, Entry); 6] = [
+    ("bootstrap", bootstrap),
+    ("record", record),
+    ("row", row),
+    ("routing", routing),
+    ("config", config),
+    ("c_config", c_config),
+];
+
 /// A cursor over fuzz bytes; reads past the end yield zeros.
 pub struct Input<'a> {
     data: &'a [u8],
@@ -131,6 +144,13 @@ fn small_config(inp: &mut Input, topo: &Topology) -> Option<MoeConfig> {
     Some(cfg)
 }
 
+/// A topology and a small valid config for it.
+fn setup(inp: &mut Input) -> Option<(Topology, MoeConfig)> {
+    let topo = topology(inp)?;
+    let cfg = small_config(inp, &topo)?;
+    Some((topo, cfg))
+}
+
 /// Which frame kinds a reader accepts, by who reads: the root before a hello, the root after,
 /// a rank, or anyone.
 fn allowed(gate: u8) -> fn(Kind) -> bool {
@@ -197,10 +217,7 @@ fn payload_decoders(p: &[u8], size: usize) {
 /// against a layout: whatever passes the receiver's checks stays inside its regions.
 pub fn record(data: &[u8]) {
     let mut inp = Input::new(data);
-    let Some(topo) = topology(&mut inp) else {
-        return;
-    };
-    let Some(cfg) = small_config(&mut inp, &topo) else {
+    let Some((topo, cfg)) = setup(&mut inp) else {
         return;
     };
     let layout = WindowLayout::new(&topo, &cfg);
@@ -267,10 +284,7 @@ pub fn record(data: &[u8]) {
 /// A received A2E row's metadata: whatever decodes is in range and re-encodes identically.
 pub fn row(data: &[u8]) {
     let mut inp = Input::new(data);
-    let Some(topo) = topology(&mut inp) else {
-        return;
-    };
-    let Some(cfg) = small_config(&mut inp, &topo) else {
+    let Some((topo, cfg)) = setup(&mut inp) else {
         return;
     };
     let row = A2eRow::new(&cfg, &topo);
@@ -539,15 +553,7 @@ mod tests {
 
     #[test]
     fn every_entry_point_takes_random_and_empty_input() {
-        let entries: [(&str, fn(&[u8])); 6] = [
-            ("bootstrap", bootstrap),
-            ("record", record),
-            ("row", row),
-            ("routing", routing),
-            ("config", config),
-            ("c_config", c_config),
-        ];
-        for (i, (name, f)) in entries.iter().enumerate() {
+        for (i, (name, f)) in ENTRIES.iter().enumerate() {
             f(&[]);
             for input in inputs(0x5eed + i as u64, 300) {
                 let outcome = std::panic::catch_unwind(|| f(&input));
