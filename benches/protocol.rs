@@ -121,6 +121,7 @@ fn roundtrip_local(c: &mut Criterion) {
         tokens: T,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let input = wl.input(&topo, K, 0, 0);
     let x: Vec<bf16> = slice_from_f32(&wl.hidden_states(0, 0, T, H));

@@ -165,7 +165,7 @@ typedef enum {
 /** xcclConfig_t.version of this header's layout. Later versions append fields (relay ranks,
  *  data-parallel domains, INT8 rows) after the last field below; `size` and `version` tell the
  *  library which layout the caller compiled against. */
-#define XCCL_CONFIG_VERSION 2u
+#define XCCL_CONFIG_VERSION 3u
 
 /** The communicator's parameters. Start from XCCL_CONFIG_INITIALIZER (size, magic, version set;
  *  every other field unset), then set fields. Fields marked "agreed" must be equal on every
@@ -223,6 +223,12 @@ typedef struct {
   /** Expert ranks: 1 to receive A2E rows as INT8 plus one f32 scale per row (batch info
    *  `int8Rows` and `scales`, `rows` NULL), 0 for rows in config.dtype (local); default 0. */
   int keepInt8;
+  /* ---- version 3 ---- */
+  /** Rows an expert rank receives from one attention rank per call at most (agreed;
+   *  0..maxTokensPerRank); default 0, meaning maxTokensPerRank (the worst case). A lower value
+   *  shrinks every expert window; an xcclA2ESend that would send more rows than this to one
+   *  expert rank fails with xcclInvalidArgument before sending anything. */
+  int recvCapacity;
 } xcclConfig_t;
 
 /** Initializer of an xcclConfig_t: size, magic and version set, every other field unset. */
@@ -232,7 +238,8 @@ typedef struct {
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL, NULL, \
-        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT                  \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
+        XCCL_CONFIG_UNDEF_INT                                                                \
   }
 
 /** Makes a new job id and starts its rendezvous root in this process (a background thread
@@ -306,7 +313,8 @@ xcclResult_t xcclCommLocalExperts(xcclComm_t comm, int* count, int* experts);
 /** Sizes of the buffers one call needs on this rank:
  *  `*rowBytes` = hidden * element size (bytes of one token row);
  *  `*maxRecvTokens`: attention ranks: maxTokensPerRank (rows of xcclE2ARecv's `out`); expert
- *  ranks: the most tokens of a token-major batch (numAttentionRanks * maxTokensPerRank);
+ *  ranks: the most tokens of a token-major batch (numAttentionRanks * maxTokensPerRank, or
+ *  numAttentionRanks * recvCapacity when that is set);
  *  `*maxRecvRows`: expert ranks: the most rows of an expert-major batch
  *  (maxRecvTokens * min(topk, local experts)); attention ranks: maxTokensPerRank.
  *  Multiply by rowBytes for buffer sizes. */

@@ -50,7 +50,8 @@ int main(int argc, char** argv) {
   xcclComm_t comm;
   int role = -1, nlocal = 0, experts[NUM_EXPERTS];
   int round;
-  if (cfg.version != 2u || cfg.a2eQuant != XCCL_CONFIG_UNDEF_INT) FAIL("initializer of version 2");
+  if (cfg.version != 3u || cfg.a2eQuant != XCCL_CONFIG_UNDEF_INT || cfg.recvCapacity != XCCL_CONFIG_UNDEF_INT)
+    FAIL("initializer of version 3");
   cfg.a2eQuant = xcclQuantInt8;
   cfg.keepInt8 = 1;
   /* A value out of range names the field. */

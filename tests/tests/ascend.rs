@@ -139,6 +139,7 @@ fn checked_rounds(
         tokens: 16,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
@@ -243,6 +244,7 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         tokens: 8,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut round = |comm: &mut Communicator, r: u64| match comm.role() {

@@ -74,6 +74,7 @@ fn checked_rounds(
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
@@ -114,10 +115,20 @@ fn relayed_rounds(
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
     for round in 0..rounds {
+        // Every third round sends INT8 E2A replies (the relay requantizes its sums), the
+        // next INT8 both ways; all ranks switch together.
+        let (a2e, e2a) = match round % 3 {
+            0 => (Quant::None, Quant::None),
+            1 => (Quant::None, Quant::Int8),
+            _ => (Quant::Int8, Quant::Int8),
+        };
+        comm.set_a2e_quant(a2e);
+        comm.set_e2a_quant(e2a);
         let verdict = match comm.role() {
             Role::Attention if !comm.topology().in_call(ctx.rank, round) => continue,
             Role::Attention => attention_round::<bf16>(&mut comm, &wl, round),
@@ -159,6 +170,7 @@ fn round_trip(ctx: &ChildCtx, relays: usize, rounds: usize) -> Result<(), String
         tokens: 128,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut times = Vec::with_capacity(rounds);
@@ -211,6 +223,7 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         tokens: 8,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     for round in 0..5 {

@@ -246,6 +246,7 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         tokens: 8,
         vary: false,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let round = |comm: &mut Communicator, batch: &mut ExpertBatch, r: u64| match comm.role() {
@@ -335,6 +336,7 @@ fn checked_rounds(
         tokens: 24,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();

@@ -43,6 +43,7 @@ pub fn workload(args: &Args, tokens: usize) -> Workload {
         tokens,
         vary: false,
         skew: args.skew,
+        shared_experts: 0,
     }
 }
 

@@ -52,6 +52,7 @@ fn main() -> ExitCode {
         tokens: 32,
         vary: true,
         skew: Some(1.1),
+        shared_experts: 0,
     };
     let start = Instant::now();
     let rss_warm = std::sync::Mutex::new(0u64);

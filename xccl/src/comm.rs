@@ -51,7 +51,7 @@ use crate::{Error, Result};
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
 /// agreed fields.
-const HANDSHAKE_WORDS: usize = 10;
+const HANDSHAKE_WORDS: usize = 11;
 
 /// The protocol state of one rank, by role.
 enum Side {
@@ -86,7 +86,7 @@ fn through_relays(ctx: &Context, what: &str) -> Result<()> {
     if ctx.topo.relay_plan().is_some() {
         return Err(Error::invalid(format!(
             "{what} is not supported through relays yet (relays take push transfers, \
-             caller buffers, expert-major or token-major receives and replies in the dtype)"
+             caller buffers, expert-major or token-major receives and replies in the dtype or INT8)"
         )));
     }
     Ok(())
@@ -157,9 +157,6 @@ fn relayed_e2a(
 ) -> Result<()> {
     if mode == TransferMode::Pull {
         through_relays(ctx, "pull E2A")?;
-    }
-    if ctx.cfg.e2a_quant != crate::Quant::None {
-        through_relays(ctx, "INT8 E2A")?;
     }
     let deadline = ctx.call_deadline();
     combine.send_relayed(ctx, epoch, sources, replies, deadline)?;

@@ -104,6 +104,7 @@ fn wl(seed: u64, tokens: usize, vary: bool) -> Workload {
         tokens,
         vary,
         skew: None,
+        shared_experts: 0,
     }
 }
 
@@ -445,7 +446,7 @@ proptest! {
         let mut c = cfg(hidden, dtype, topk, tokens.max(1));
         c.a2e_quant = if quant & 1 == 1 { Quant::Int8 } else { Quant::None };
         c.e2a_quant = if quant & 2 == 2 { Quant::Int8 } else { Quant::None };
-        let w = Workload { seed, tokens, vary: true, skew: skewed.then_some(1.2) };
+        let w = Workload { seed, tokens, vary: true, skew: skewed.then_some(1.2), shared_experts: 0 };
         let r = match dtype {
             DType::BF16 => run_local::<bf16>(&topo, &c, &w, 3, BOTH),
             _ => run_local::<f32>(&topo, &c, &w, 3, BOTH),
@@ -1024,6 +1025,10 @@ struct RoundRecords {
     a2e: u64,
     e2a: u64,
     polled: u64,
+    /// Bytes put to other ranks (records and rows, both directions).
+    bytes: u64,
+    /// The most bytes put over one link (one rank to one other rank).
+    max_link: u64,
 }
 
 /// Runs `rounds` rounds through the paths relays support (push, caller buffers; experts
@@ -1072,12 +1077,20 @@ fn run_relayed<T: Element>(
                             ),
                         };
                         verdict.map_err(|e| format!("rank {}: {e}", c.rank()))??;
-                        let all = c.total_stats().records_written - before.records_written;
+                        let after = c.total_stats();
+                        let all = after.records_written - before.records_written;
                         let e2a = c.last_call_stats().records_written;
+                        // The totals start without peers: absent is zero.
+                        let was = |p: usize| before.peers.get(p).map_or(0, |b| b.bytes_put);
+                        let links = (after.peers.iter().enumerate())
+                            .filter(|&(p, _)| p != c.rank())
+                            .map(|(p, a)| a.bytes_put - was(p));
                         counts.push(RoundRecords {
                             a2e: all - e2a,
                             e2a,
-                            polled: c.total_stats().records_polled - before.records_polled,
+                            polled: after.records_polled - before.records_polled,
+                            bytes: links.clone().sum(),
+                            max_link: links.max().unwrap_or(0),
                         });
                     }
                     Ok(counts)
@@ -1108,6 +1121,8 @@ fn run_relayed<T: Element>(
                     a2e: acc.a2e + c[r].a2e,
                     e2a: acc.e2a + c[r].e2a,
                     polled: acc.polled + c[r].polled,
+                    bytes: acc.bytes + c[r].bytes,
+                    max_link: acc.max_link.max(c[r].max_link),
                 })
         })
         .collect())
@@ -1457,5 +1472,176 @@ fn relays_with_dp_domains_match_the_reference() {
             let members = topo.call_sources(round as u64).len();
             assert_eq!(x.a2e, (members + r * n) as u64, "round {round}");
         }
+    }
+}
+
+/// The xDeepServe decode shape: 160 attention ranks and 288 expert ranks; 256 routed experts
+/// (one per rank on the first 256 expert ranks), one shared expert (id 256) with a replica on
+/// each of the last 32 expert ranks, and the 16 hottest routed experts (0..16 under a Zipf skew)
+/// replicated there too.
+fn decode_shape(relays: usize, domains: usize) -> Topology {
+    let (m, n) = (160, 288);
+    let mut roles = vec![Role::Attention; m];
+    roles.extend(vec![Role::Expert; n]);
+    let mut map: Vec<Vec<usize>> = (0..256).map(|e| vec![m + e]).collect();
+    for (e, hosts) in map.iter_mut().enumerate().take(16) {
+        hosts.push(m + 256 + e);
+    }
+    map.push((m + 256..m + n).collect());
+    let t = TopologyBuilder::new(roles, 257)
+        .placement(map)
+        .build()
+        .unwrap();
+    let t = if relays > 0 {
+        t.with_relays(Some(relays)).unwrap()
+    } else {
+        t
+    };
+    t.with_domains(domains).unwrap()
+}
+
+/// The peak resident set of this process so far (`VmHWM`), in KiB.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// The CloudMatrix384 decode shape end to end on the local fabric (448 ranks as threads):
+/// K = 8 routed experts of 256 plus the shared one, hot-expert replicas, H = 64, 4 tokens per
+/// attention rank; direct and with 16 relays, with D = 1 and 3 DP domains. Every result is
+/// checked against the reference bit for bit; the counted records match the plan; the
+/// counters and window bytes are printed (`--nocapture`).
+#[test]
+fn decode_shape_160_by_288_direct_and_relayed_with_one_and_three_domains() {
+    let wl = Workload {
+        seed: 160_288,
+        tokens: 4,
+        vary: false,
+        skew: Some(1.1),
+        shared_experts: 1,
+    };
+    for (relays, domains) in [(0, 1), (16, 1), (0, 3), (16, 3)] {
+        let topo = decode_shape(relays, domains);
+        let mut c = cfg(64, DType::BF16, 9, 4);
+        c.max_in_flight = 1;
+        c.timeout = Duration::from_secs(120);
+        let lens = Communicator::window_lens(&topo, &c).unwrap();
+        let start = std::time::Instant::now();
+        let rounds = if domains == 1 { 2 } else { domains as u64 };
+        let rec = run_relayed::<bf16>(&topo, &c, &wl, rounds, true).unwrap();
+        let elapsed = start.elapsed();
+        for (round, x) in rec.iter().enumerate() {
+            let m = (0..160).filter(|&a| topo.in_call(a, round as u64)).count() as u64;
+            let want = if relays == 0 { m * 288 } else { m + 16 * 288 };
+            assert_eq!(
+                (x.a2e, x.e2a),
+                (want, want),
+                "R={relays} D={domains}: {x:?}"
+            );
+        }
+        let relay_ranks = topo.relay_plan().map_or(vec![], |p| p.relays().to_vec());
+        let expert_max = (160..448)
+            .filter(|r| !relay_ranks.contains(r))
+            .map(|r| lens[r])
+            .max()
+            .unwrap();
+        let relay_max = relay_ranks.iter().map(|&r| lens[r]).max().unwrap_or(0);
+        eprintln!(
+            "160x288 R={relays} D={domains}: per call {} A2E / {} E2A records, {} bytes put, \
+             busiest link {} bytes; window bytes: attention {}, expert {expert_max}, relay \
+             {relay_max}; {rounds} rounds in {elapsed:?}; peak RSS {} MiB",
+            rec[0].a2e,
+            rec[0].e2a,
+            rec[0].bytes,
+            rec[0].max_link,
+            lens[0],
+            peak_rss_kib() / 1024
+        );
+    }
+}
+
+/// INT8 E2A through relays: the relay dequantizes its expert ranks' INT8 replies, sums them in
+/// f32 in the direct path's order and quantizes the sum once more; the attention rank gets the
+/// reference's bits (which replay that), in every dtype, with and without INT8 A2E.
+#[test]
+fn relays_reduce_int8_replies_and_requantize_once_bit_for_bit() {
+    for (m, n, e, r) in [(3, 2, 8, 1), (4, 5, 20, 2), (2, 3, 12, 3)] {
+        let topo = relayed(m, n, e, r);
+        for a2e in [Quant::None, Quant::Int8] {
+            let c = int8_cfg(96, DType::BF16, a2e, Quant::Int8);
+            run_relayed::<bf16>(&topo, &c, &wl(120 + r as u64, 12, true), 4, true).unwrap();
+            let c = int8_cfg(33, DType::F16, a2e, Quant::Int8);
+            run_relayed::<f16>(&topo, &c, &wl(130 + r as u64, 7, true), 3, false).unwrap();
+            let c = int8_cfg(40, DType::F32, a2e, Quant::Int8);
+            run_relayed::<f32>(&topo, &c, &wl(140 + r as u64, 9, true), 3, true).unwrap();
+        }
+    }
+}
+
+/// A receive capacity below the worst case shrinks every expert window; a call that would send
+/// more rows than that to one expert rank fails before writing anything (naming the rank), and
+/// the next call goes through and matches the reference. Direct and through a relay.
+#[test]
+fn a_receive_capacity_below_the_worst_case_is_a_clear_error_never_an_overflow() {
+    use crate::testing::reference::{expert_output, RankInput};
+    for relays in [0, 1] {
+        let topo = match relays {
+            0 => Topology::contiguous(1, 2, 4).unwrap(),
+            r => relayed(1, 2, 4, r),
+        };
+        let mut c = cfg(8, DType::F32, 2, 256);
+        let worst = Communicator::window_lens(&topo, &c).unwrap();
+        c.recv_capacity = 3;
+        let capped = Communicator::window_lens(&topo, &c).unwrap();
+        assert!(capped[1] < worst[1], "{capped:?} against {worst:?}");
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut attn = comms.remove(0);
+        std::thread::scope(|s| {
+            for mut e in comms {
+                s.spawn(move || {
+                    let mut b = ExpertBatch::new();
+                    e.a2e_recv(&mut b).unwrap();
+                    let rows = b.rows::<f32>().unwrap().to_vec();
+                    let locals = e.topology().local_experts(e.rank()).to_vec();
+                    let mut out = Vec::new();
+                    for (j, &x) in locals.iter().enumerate() {
+                        for r in b.expert_rows(j) {
+                            out.extend(expert_output(&test_expert, x, &rows[r * 8..(r + 1) * 8]));
+                        }
+                    }
+                    e.e2a_send(&b, &out).unwrap();
+                });
+            }
+            let x: Vec<f32> = (0..32).map(|i| i as f32 * 0.25 - 3.0).collect();
+            let w = [0.5f32; 8];
+            // Four tokens for expert rank 1 (experts 0 and 1): one more than it can hold.
+            let over = [0, 1, 0, 1, 0, 1, 1, 0];
+            let err = attn.a2e_send(&x, &over, &w).unwrap_err();
+            assert!(
+                matches!(&err, Error::InvalidArgument(m)
+                    if m.contains("4 rows to expert rank 1") && m.contains("capacity of 3")),
+                "{err}"
+            );
+            assert!(attn.poisoned().is_none());
+            // Three rows for each expert rank: fits.
+            let fits = vec![0, 2, 1, 3, 0, 1, 2, 3];
+            let h = attn.a2e_send(&x, &fits, &w).unwrap();
+            let mut out = vec![0f32; 32];
+            attn.e2a_recv(&h, &mut out).unwrap();
+            let input = RankInput {
+                rank: 0,
+                num_tokens: 4,
+                k: 2,
+                topk_idx: fits,
+                topk_weights: w.to_vec(),
+            };
+            let want = expected_combine_exact(&topo, &input, &x, 8, &test_expert);
+            assert_eq!(first_difference(&out, &want, 8), None);
+        });
     }
 }

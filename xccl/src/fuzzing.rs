@@ -140,6 +140,7 @@ fn small_config(inp: &mut Input, topo: &Topology) -> Option<MoeConfig> {
     } else {
         1 + inp.below(3)
     };
+    cfg.recv_capacity = inp.below(cfg.max_tokens_per_rank + 1);
     cfg.validate(topo).ok()?;
     Some(cfg)
 }
@@ -237,7 +238,7 @@ pub fn record(data: &[u8]) {
 
     // A2E, checked by expert rank `expert` as `dispatch.rs` does.
     let a2e = rec
-        .validate(attention, epoch, layout.max_tokens)
+        .validate(attention, epoch, layout.recv_rows)
         .and_then(|mode| {
             rec.check_region(attention, layout.attention_rows, "A2E staging")?;
             Ok(mode)
@@ -418,6 +419,7 @@ pub fn config(data: &[u8]) {
     cfg.chunk_bytes = inp.u64() as usize;
     cfg.epoch_base = inp.u64();
     cfg.timeout = std::time::Duration::from_millis(inp.u32().into());
+    cfg.recv_capacity = inp.u64() as usize;
     let topo = topology(&mut inp);
     let text = String::from_utf8_lossy(inp.rest()).into_owned();
     for s in text.split(['\0', '\n']).take(8) {
@@ -457,14 +459,16 @@ fn int(inp: &mut Input) -> c_int {
 pub fn c_config(data: &[u8]) {
     let mut inp = Input::new(data);
     let nranks = 1 + inp.below(64);
-    let version = match inp.u8() % 4 {
+    let version = match inp.u8() % 5 {
         0 => 1,
-        1 | 2 => c::CONFIG_VERSION,
+        1 => 2,
+        2 | 3 => c::CONFIG_VERSION,
         _ => inp.u32(),
     };
     let size = match (inp.u8() % 4, version) {
         (0, _) => inp.u64() as usize,
         (_, 1) => c::CONFIG_V1_SIZE,
+        (_, 2) => c::CONFIG_V2_SIZE,
         _ => std::mem::size_of::<xcclConfig_t>(),
     };
     let magic: c_uint = if inp.u8() == 0xff {
@@ -472,7 +476,7 @@ pub fn c_config(data: &[u8]) {
     } else {
         c::CONFIG_MAGIC
     };
-    let mut fields = [0 as c_int; 13];
+    let mut fields = [0 as c_int; 14];
     for f in &mut fields {
         *f = int(&mut inp);
     }
@@ -523,10 +527,11 @@ pub fn c_config(data: &[u8]) {
         a2eQuant: fields[10],
         e2aQuant: fields[11],
         keepInt8: fields[12],
+        recvCapacity: fields[13],
     };
     // Counts above 64 replicas exceed `nranks` (at most 64), so the parse rejects them before
     // it reads the ranks; `ranks` covers every sum it can read.
-    // SAFETY: `config` is a whole version-2 struct (whatever its `size` field says); `fabric`
+    // SAFETY: `config` is a whole version-3 struct (whatever its `size` field says); `fabric`
     // is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
     // of every count the parse accepts; all outlive the call.
     let _ = unsafe { c::parse(&config, nranks) };
@@ -583,12 +588,13 @@ mod tests {
     }
 
     /// The `config` target's first crash: `hidden * dtype size` overflowed in the window
-    /// layout that `MoeConfig::validate` computes (fixed in `moe::config`).
+    /// layout that `MoeConfig::validate` computes (fixed in `moe::config`). (Eight zero bytes
+    /// of `recv_capacity`, read since, are inserted after the timeout.)
     #[test]
     fn fuzz_crash_config_hidden_size_overflowing_the_layout() {
         config(&hex(concat!(
-            "3263efbfbdfff7ffff3100f6ffff3131313131ff0000000000000100000000000000007b0000000000",
-            "5d0000000000002f5daf31313131ff0000005d0000000000afafaf57",
+            "3263efbfbdfff7ffff3100f6ffff3131313131ff0000000000000100000000000000007b00000000",
+            "005d0000000000002f5daf313131000000000000000031ff0000005d0000000000afafaf57",
         )));
     }
 

@@ -10,14 +10,14 @@ use crate::{DType, Error, MoeConfig, Quant, Topology, TopologyBuilder, TransferM
 
 /// `XCCL_CONFIG_MAGIC`: `"xccl"` read as a little-endian `u32`.
 pub const CONFIG_MAGIC: c_uint = 0x6c63_6378;
-/// `XCCL_CONFIG_VERSION`: the newest layout of [`xcclConfig_t`] this library reads (version 1,
-/// without the INT8 fields, is read too).
-pub const CONFIG_VERSION: c_uint = 2;
+/// `XCCL_CONFIG_VERSION`: the newest layout of [`xcclConfig_t`] this library reads (versions 1,
+/// without the INT8 fields, and 2, without `recvCapacity`, are read too).
+pub const CONFIG_VERSION: c_uint = 3;
 /// `XCCL_CONFIG_UNDEF_INT`: an unset integer field.
 pub const UNDEF: c_int = c_int::MIN;
 
-/// The C `xcclConfig_t`, version 2 (field for field the header's struct; version 1 ends
-/// before `a2eQuant`).
+/// The C `xcclConfig_t`, version 3 (field for field the header's struct; version 1 ends
+/// before `a2eQuant`, version 2 before `recvCapacity`).
 #[repr(C)]
 #[derive(Debug)]
 #[allow(non_camel_case_types, non_snake_case)]
@@ -60,10 +60,47 @@ pub struct xcclConfig_t {
     pub e2aQuant: c_int,
     /// Version 2: keep received A2E rows as INT8 plus scales (1) or not (0).
     pub keepInt8: c_int,
+    /// Version 3: rows an expert rank receives from one attention rank per call at most
+    /// (`MoeConfig::recv_capacity`; 0 or unset: `maxTokensPerRank`).
+    pub recvCapacity: c_int,
+}
+
+impl xcclConfig_t {
+    /// A config with every field unset (what `XCCL_CONFIG_INITIALIZER` gives, without the
+    /// header fields).
+    fn unset() -> Self {
+        xcclConfig_t {
+            size: 0,
+            magic: 0,
+            version: 0,
+            numAttentionRanks: UNDEF,
+            numExpertRanks: UNDEF,
+            numExperts: UNDEF,
+            topk: UNDEF,
+            hidden: UNDEF,
+            maxTokensPerRank: UNDEF,
+            dtype: UNDEF,
+            transferMode: UNDEF,
+            maxInFlight: UNDEF,
+            timeoutMs: UNDEF,
+            fabric: std::ptr::null(),
+            placementCounts: std::ptr::null(),
+            placementRanks: std::ptr::null(),
+            a2eQuant: UNDEF,
+            e2aQuant: UNDEF,
+            keepInt8: UNDEF,
+            recvCapacity: UNDEF,
+        }
+    }
 }
 
 /// Bytes of a version 1 config: everything before `a2eQuant`.
 pub const CONFIG_V1_SIZE: usize = std::mem::offset_of!(xcclConfig_t, a2eQuant);
+/// Bytes of a version 2 config: everything before `recvCapacity`, padded to the struct's
+/// alignment as a C compiler lays it out (on LP64 the same as version 3's: `recvCapacity`
+/// took what was tail padding).
+pub const CONFIG_V2_SIZE: usize = (std::mem::offset_of!(xcclConfig_t, recvCapacity))
+    .next_multiple_of(std::mem::align_of::<xcclConfig_t>());
 
 /// What a config turns into.
 pub(crate) struct Parsed {
@@ -119,6 +156,7 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
     }
     let expected = match version {
         1 => CONFIG_V1_SIZE,
+        2 => CONFIG_V2_SIZE,
         CONFIG_VERSION => std::mem::size_of::<xcclConfig_t>(),
         _ => {
             return Err(Fail::invalid(format!(
@@ -131,9 +169,25 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             "config.size = {size}, but version {version} configs are {expected} bytes"
         )));
     }
-    // SAFETY: magic, version and size say the caller's struct is this layout, and `c` is read
-    // past `CONFIG_V1_SIZE` only for version 2 (below).
-    let c = unsafe { &*config };
+    // The caller's `size` bytes over a config whose later fields are unset: an older layout is
+    // never read past its end.
+    let mut local = xcclConfig_t::unset();
+    // SAFETY: magic, version and size say the caller's struct is a prefix of this layout of
+    // `size` bytes (at most `size_of::<xcclConfig_t>()`, checked above), readable by the
+    // header's contract; `local` is a distinct, writable struct of the full size.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            config.cast::<u8>(),
+            std::ptr::addr_of_mut!(local).cast::<u8>(),
+            size,
+        )
+    };
+    if version < 3 {
+        // A version 2 struct is as large (the new field sits in what was its tail padding),
+        // so the version, not the size, says whether the field is there.
+        local.recvCapacity = UNDEF;
+    }
+    let c = &local;
     let (a2e_quant, e2a_quant, keep_int8) = if version >= 2 {
         let quant = |name: &str, v: c_int| {
             int_field(name, v, Some(0), 0, 1)
@@ -257,7 +311,63 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
     cfg.a2e_quant = a2e_quant;
     cfg.e2a_quant = e2a_quant;
     cfg.keep_int8 = keep_int8;
+    cfg.recv_capacity = int_field(
+        "recvCapacity",
+        c.recvCapacity,
+        Some(0),
+        0,
+        max_tokens.min(c_int::MAX as usize) as c_int,
+    )? as usize;
     cfg.validate(&topo)
         .map_err(|err| Fail::from_error(&err).prefixed("config"))?;
     Ok(Parsed { topo, cfg })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(version: c_uint, size: usize, recv_capacity: c_int) -> xcclConfig_t {
+        xcclConfig_t {
+            size,
+            magic: CONFIG_MAGIC,
+            version,
+            numAttentionRanks: 1,
+            numExperts: 4,
+            topk: 2,
+            hidden: 8,
+            maxTokensPerRank: 16,
+            recvCapacity: recv_capacity,
+            ..xcclConfig_t::unset()
+        }
+    }
+
+    fn parsed(c: &xcclConfig_t) -> Result<MoeConfig, String> {
+        // SAFETY: `c` is a whole, aligned config that lives across the call.
+        unsafe { parse(c, 3) }.map(|p| p.cfg).map_err(|f| f.msg)
+    }
+
+    #[test]
+    fn every_config_version_is_read_and_never_past_its_size() {
+        let full = std::mem::size_of::<xcclConfig_t>();
+        // Versions 1 and 2 end before recvCapacity: whatever lies there is not read.
+        assert_eq!(
+            parsed(&config(1, CONFIG_V1_SIZE, -5))
+                .unwrap()
+                .recv_capacity,
+            0
+        );
+        assert_eq!(
+            parsed(&config(2, CONFIG_V2_SIZE, -5))
+                .unwrap()
+                .recv_capacity,
+            0
+        );
+        assert_eq!(parsed(&config(3, full, UNDEF)).unwrap().recv_capacity, 0);
+        assert_eq!(parsed(&config(3, full, 4)).unwrap().recv_capacity, 4);
+        let err = parsed(&config(3, full, 17)).unwrap_err();
+        assert!(err.contains("recvCapacity"), "{err}");
+        let err = parsed(&config(3, CONFIG_V1_SIZE, 4)).unwrap_err();
+        assert!(err.contains("config.size"), "{err}");
+    }
 }

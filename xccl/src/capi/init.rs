@@ -107,6 +107,7 @@ fn build(exchange: Arc<dyn Exchange>, parsed: config::Parsed) -> Result<Comm, Fa
         local_experts: topo.local_experts(rank).to_vec(),
         num_attention: topo.attention_ranks().len(),
         max_tokens: cfg.max_tokens_per_rank,
+        recv_rows: cfg.recv_rows_per_source(),
         topk: cfg.topk,
         row_bytes: cfg.hidden * cfg.dtype.size(),
         dtype: cfg.dtype,
@@ -343,7 +344,7 @@ pub unsafe extern "C" fn xcclCommBufferSizes(
         let (tokens, rows) = match c.role {
             Role::Attention => (c.max_tokens, c.max_tokens),
             Role::Expert => {
-                let t = c.num_attention * c.max_tokens;
+                let t = c.num_attention * c.recv_rows;
                 (t, t * c.topk.min(c.local_experts.len()))
             }
         };

@@ -281,6 +281,8 @@ struct Comm {
     local_experts: Vec<usize>,
     num_attention: usize,
     max_tokens: usize,
+    /// Rows an expert rank receives from one attention rank per call at most.
+    recv_rows: usize,
     topk: usize,
     row_bytes: usize,
     dtype: DType,

@@ -36,6 +36,7 @@ fn pair() -> Vec<*mut xcclComm> {
                         local_experts: topo.local_experts(rank).to_vec(),
                         num_attention: 1,
                         max_tokens: 2,
+                        recv_rows: 2,
                         topk: 1,
                         row_bytes: 16,
                         dtype: DType::F32,

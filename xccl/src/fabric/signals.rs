@@ -296,13 +296,20 @@ impl ControlArea {
         self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
     }
 
-    /// The end of a wait whose liveness check failed with `e`: a peer may have signalled and
-    /// then left (or died) between the last poll and the check, so poll once more; only a wait
-    /// still unfinished reports `e`.
-    fn settle(poll: &mut dyn FnMut() -> Option<Waiting>, e: Error) -> Result<()> {
+    /// After the liveness check of `peer` failed with `e`: a peer may have signalled and then
+    /// left (or died) between the last poll and the check, so poll once more. The wait is over
+    /// (`Some(Ok)`), or fails with `e` if it still waits for `peer` (`Some(Err)`), or goes on
+    /// (`None`) when `peer` has delivered and the wait is now for another rank (whose own
+    /// liveness is checked in turn).
+    pub(crate) fn settle(
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+        peer: usize,
+        e: Error,
+    ) -> Option<Result<()>> {
         match poll() {
-            None => Ok(()),
-            Some(_) => Err(e),
+            None => Some(Ok(())),
+            Some(w) if w.peer == peer => Some(Err(e)),
+            Some(_) => None,
         }
     }
 
@@ -339,7 +346,10 @@ impl ControlArea {
             if now >= deadline {
                 // A dead peer or an abort explains the silence better than a timeout does.
                 if let Err(e) = liveness(waiting.peer) {
-                    return Self::settle(poll, e);
+                    if let Some(end) = Self::settle(poll, waiting.peer, e) {
+                        return end;
+                    }
+                    continue;
                 }
                 return Err(Error::Timeout {
                     peer: waiting.peer,
@@ -352,10 +362,13 @@ impl ControlArea {
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
-                if let Err(e) = liveness(waiting.peer) {
-                    return Self::settle(poll, e);
-                }
                 last_check = now;
+                if let Err(e) = liveness(waiting.peer) {
+                    if let Some(end) = Self::settle(poll, waiting.peer, e) {
+                        return end;
+                    }
+                    continue;
+                }
             }
             // SYNC POINT: Acquire pairs with the SeqCst doorbell bumps in `store` and `wake`. A
             // signal whose bump this load saw is visible to the polls below; a later bump changes
@@ -634,5 +647,49 @@ mod liveness_tests {
             area.wait_with(policy, deadline, &mut never, &gone),
             Err(Error::PeerFailed { peer: 1, .. })
         ));
+    }
+
+    /// The bug behind the flaky 160 x 288 run: the awaited peer delivered and left, the re-poll
+    /// then waited for another (live) peer, and the departed one was reported as failed.
+    #[test]
+    fn a_peer_that_delivered_and_left_is_not_blamed_while_the_wait_goes_on_for_another() {
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, alive for the whole test.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        let policy = WaitPolicy {
+            spin_iters: 1,
+            yield_for: Duration::ZERO,
+        };
+        // Rank 1 delivers and leaves just after a poll that still waited for it; rank 2 (alive)
+        // delivers a little later.
+        let left = std::cell::Cell::new(false);
+        let polls_after = std::cell::Cell::new(0u32);
+        let mut poll = || {
+            if !left.get() {
+                return Some(Waiting {
+                    peer: 1,
+                    what: "rank 1's rows",
+                });
+            }
+            polls_after.set(polls_after.get() + 1);
+            (polls_after.get() < 50).then_some(Waiting {
+                peer: 2,
+                what: "rank 2's rows",
+            })
+        };
+        let liveness = |peer: usize| match peer {
+            1 => {
+                left.set(true);
+                Err(Error::PeerFailed {
+                    peer,
+                    detail: "its endpoint was dropped".into(),
+                })
+            }
+            _ => Ok(()),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        area.wait_with(policy, deadline, &mut poll, &liveness)
+            .expect("rank 1 delivered before it left and rank 2 delivered: not a failure");
+        assert!(polls_after.get() >= 50);
     }
 }

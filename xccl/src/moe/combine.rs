@@ -271,7 +271,8 @@ impl CombineSender {
     /// [`CombineSender::send`] through relays: after credit `e - max_in_flight` from every
     /// relay, for each relay (rotated by this rank's index) the replies for each of its
     /// members' tokens go into the member's reply area on the relay at the offset the relay's
-    /// header named, then one record and one signal per relay. Push, in the dtype.
+    /// header named, then one record and one signal per relay. Push, in the dtype or INT8
+    /// (`MoeConfig::e2a_quant`).
     pub(crate) fn send_relayed(
         &mut self,
         ctx: &Context,
@@ -296,6 +297,8 @@ impl CombineSender {
         let buf = l.buffer(epoch);
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
         let p = l.e2a_stride;
+        let int8 = ctx.cfg.e2a_quant == Quant::Int8;
+        let stride = l.e2a_stride_for(int8);
         self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(p, 0);
         let r_count = plan.count();
@@ -305,11 +308,11 @@ impl CombineSender {
             let mut total = 0;
             for (m, &ai) in plan.members(k).iter().enumerate() {
                 let info = sources[ai];
-                let at = l.relay_e2a(m, buf) + info.reply_offset * p;
+                let at = l.relay_e2a(m, buf) + info.reply_offset * stride;
                 self.fill_rows(
                     ctx,
                     &mut replies,
-                    false,
+                    int8,
                     info.first_token,
                     info.count,
                     relay,
@@ -317,7 +320,7 @@ impl CombineSender {
                 )?;
                 total += info.count;
             }
-            let rec = Record::new(epoch, total as u32, 0, WireMode::Push);
+            let rec = Record::with_payload(epoch, total as u32, 0, WireMode::Push, int8);
             ctx.put_record(relay, l.relay_e2a_record(my_index, buf), &rec)?;
             ctx.signal(relay, ctx.slots.e2a_ready(ctx.rank), progress(epoch, total))?;
         }
@@ -361,7 +364,8 @@ pub(crate) struct CombineReceiver {
 
 impl CombineReceiver {
     /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
-    /// token from this rank's relay, copied as it is; then the relay is credited.
+    /// token from this rank's relay, copied as it is (or, INT8, dequantized and rounded once);
+    /// then the relay is credited.
     fn recv_relayed(
         &mut self,
         ctx: &Context,
@@ -393,14 +397,13 @@ impl CombineReceiver {
             if rec.is_none() {
                 let checked = ctx.read_record(l.record(j, buf)).and_then(|r| {
                     let mode = r.validate(relay, epoch, t)?;
-                    if r.count as usize != t || r.offset != 0 || mode != WireMode::Push || r.int8() {
+                    if r.count as usize != t || r.offset != 0 || mode != WireMode::Push {
                         return Err(Error::Protocol {
                             peer: relay,
                             detail: format!(
-                                "relayed E2A of epoch {epoch} brings {} rows at offset {}                                  ({mode:?}, int8 {}); {t} tokens were sent, push in the dtype",
-                                r.count,
-                                r.offset,
-                                r.int8()
+                                "relayed E2A of epoch {epoch} brings {} rows at offset {} \
+                                 ({mode:?}); {t} tokens were sent, push",
+                                r.count, r.offset
                             ),
                         });
                     }
@@ -428,7 +431,20 @@ impl CombineReceiver {
         if let Some(e) = failure {
             return Err(e);
         }
-        ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
+        // The relay's record says whether its rows are INT8 (as the expert ranks' replies were).
+        if rec.is_some_and(|r| r.int8()) {
+            // One INT8 row per token: dequantized and rounded once, straight into `out`.
+            let (s, payload) = (l.e2a_stride_for(true), int8_payload(ctx.cfg.hidden));
+            let p = l.e2a_stride;
+            self.row.resize(t * s, 0);
+            ctx.get(ctx.rank, l.e2a_recv(buf), &mut self.row)?;
+            for (i, out_row) in out.chunks_exact_mut(p).enumerate().take(t) {
+                let row = &self.row[i * s..i * s + payload];
+                dequantize_to(row, ctx.cfg.dtype, &mut self.acc, out_row);
+            }
+        } else {
+            ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
+        }
         ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)
     }
 

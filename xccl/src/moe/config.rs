@@ -51,8 +51,8 @@ pub const MAX_IN_FLIGHT: usize = 8;
 
 /// Fixed parameters of a communicator's MoE exchange.
 ///
-/// `hidden`, `dtype`, `topk`, `max_tokens_per_rank`, `max_in_flight` and `epoch_base` must be
-/// equal on every rank (init checks them and names the field that differs); `mode`, `timeout`,
+/// `hidden`, `dtype`, `topk`, `max_tokens_per_rank`, `recv_capacity`, `max_in_flight` and
+/// `epoch_base` must be equal on every rank (init checks them and names the field that differs); `mode`, `timeout`,
 /// `chunk_bytes`, the quantization fields and `keep_int8` are local choices (a receiver follows
 /// what each record says).
 #[derive(Clone, Debug, PartialEq)]
@@ -65,6 +65,13 @@ pub struct MoeConfig {
     pub topk: usize,
     /// Most tokens one attention rank passes to one A2E call.
     pub max_tokens_per_rank: usize,
+    /// Rows an expert rank can receive from one attention rank in one call; 0 (the default)
+    /// means `max_tokens_per_rank`, the worst case (every token routed to this rank). A lower
+    /// value shrinks every expert window (receive areas and E2A staging scale with it) at the
+    /// price of a bound: an A2E call that would send more rows than this to one expert rank
+    /// fails before it writes anything, naming the rank, the rows and the capacity (the call
+    /// may be retried with fewer tokens). It never overflows into another region.
+    pub recv_capacity: usize,
     /// Microbatches in flight: on an attention rank, A2E calls whose E2A has not been received;
     /// on an expert rank, received A2E calls not yet replied to. One set of buffers each, so the
     /// windows grow with it. A call past it fails at once (it never waits for a credit that
@@ -102,6 +109,7 @@ impl MoeConfig {
             dtype,
             topk,
             max_tokens_per_rank,
+            recv_capacity: 0,
             max_in_flight: 2,
             mode: TransferMode::Push,
             timeout: Duration::from_secs(30),
@@ -125,6 +133,13 @@ impl MoeConfig {
             return Err(Error::invalid(format!(
                 "max_tokens_per_rank {} must be in 1..={MAX_PROGRESS_ROWS}",
                 self.max_tokens_per_rank
+            )));
+        }
+        if self.recv_capacity > self.max_tokens_per_rank {
+            return Err(Error::invalid(format!(
+                "recv_capacity {} is more than max_tokens_per_rank {} (the worst case); use 0 \
+                 for the worst case",
+                self.recv_capacity, self.max_tokens_per_rank
             )));
         }
         if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
@@ -191,13 +206,23 @@ impl MoeConfig {
         w(self.max_in_flight) * regions * (rows * row + 4096)
     }
 
+    /// Rows an expert rank receives from one attention rank per call at most
+    /// ([`MoeConfig::recv_capacity`], or `max_tokens_per_rank` when that is 0).
+    pub fn recv_rows_per_source(&self) -> usize {
+        match self.recv_capacity {
+            0 => self.max_tokens_per_rank,
+            c => c.min(self.max_tokens_per_rank),
+        }
+    }
+
     /// The fields every rank must agree on, named, as they go into the init handshake.
-    pub(crate) fn agreed_fields(&self) -> [(&'static str, u64); 6] {
+    pub(crate) fn agreed_fields(&self) -> [(&'static str, u64); 7] {
         [
             ("hidden", self.hidden as u64),
             ("dtype", self.dtype as u64),
             ("topk", self.topk as u64),
             ("max_tokens_per_rank", self.max_tokens_per_rank as u64),
+            ("recv_rows_per_source", self.recv_rows_per_source() as u64),
             ("max_in_flight", self.max_in_flight as u64),
             ("epoch_base", self.epoch_base),
         ]
@@ -253,6 +278,10 @@ mod tests {
             },
             MoeConfig {
                 chunk_bytes: 0,
+                ..ok.clone()
+            },
+            MoeConfig {
+                recv_capacity: ok.max_tokens_per_rank + 1,
                 ..ok.clone()
             },
         ] {

@@ -160,6 +160,20 @@ impl DispatchSender {
             self.spare.push(sent);
             return Err(e);
         }
+        let capacity = ctx.cfg.recv_rows_per_source();
+        if let Some(&d) = ctx
+            .experts()
+            .iter()
+            .find(|&&d| sent.layout.count(d) > capacity)
+        {
+            let rows = sent.layout.count(d);
+            self.spare.push(sent);
+            return Err(Error::invalid(format!(
+                "this call would send {rows} rows to expert rank {d}, more than its receive \
+                 capacity of {capacity} rows per attention rank (MoeConfig::recv_capacity); \
+                 nothing was sent"
+            )));
+        }
         sent.num_tokens = num_tokens;
         sent.amax = amax;
         sent.offsets.clear();
@@ -991,7 +1005,8 @@ impl DispatchReceiver {
         let sources = ctx.attention();
         // With DP domains only the call's domain takes part; the others stay `done`.
         let part = ctx.call_sources(epoch);
-        let (max_tokens, attention_rows) = (ctx.cfg.max_tokens_per_rank, ctx.layout.attention_rows);
+        // A record's rows must fit this rank's receive area for that source.
+        let (max_rows, attention_rows) = (ctx.layout.recv_rows, ctx.layout.attention_rows);
         self.messages.clear();
         self.messages.resize(sources.len(), None);
         let mut handled = vec![0usize; sources.len()];
@@ -1019,7 +1034,7 @@ impl DispatchReceiver {
                 }
                 if messages[i].is_none() {
                     let rec = ctx.read_record(ctx.layout.record(i, buf))?;
-                    let mode = rec.validate(src, epoch, max_tokens)?;
+                    let mode = rec.validate(src, epoch, max_rows)?;
                     rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
                     ctx.note_rows_received(src, rec.count as usize);
                     messages[i] = Some(Message {

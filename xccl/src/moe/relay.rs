@@ -32,9 +32,14 @@
 //! count, tokens strictly ascending within one destination), and errors name the peer that
 //! wrote them.
 //!
+//! INT8: A2E rows are forwarded as they are. INT8 E2A replies are summed as above after
+//! dequantization (`f32(q) * scale`), and a token with several contributions has its f32 sum
+//! quantized once more ([`Relay::reduce_member_int8`]); the attention rank dequantizes it. That
+//! second quantization is the only difference from the direct INT8 path (within `scale' / 2`
+//! per element, `scale'` of the sum), and the reference replays it.
+//!
 //! Not through relays (rejected with an error by the communicator): pull transfers, registered
-//! input and output, views, INT8 E2A replies (the relay would requantize: not bit-identical).
-//! INT8 A2E rows are forwarded as they are.
+//! input and output, views.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -42,10 +47,11 @@ use std::time::Instant;
 use super::context::{Context, AWAITED_CHECK_EVERY};
 use super::hash::Fnv;
 use super::progress::{progress, Progress};
+use super::quant::{dequantize, dequantize_add, int8_payload, Quantizer};
 use super::record::{Record, WireMode};
 use super::window_layout::RELAY_ENTRY;
 use crate::fabric::Waiting;
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 /// What a relay keeps of one member's A2E call until its E2A.
 #[derive(Debug, Default)]
@@ -79,6 +85,7 @@ pub(crate) struct Relay {
     out: Vec<u8>,
     count: Vec<u32>,
     first: Vec<u32>,
+    quant: Quantizer,
 }
 
 /// The hash of a header's entries, carried in its record's offset field.
@@ -105,7 +112,7 @@ pub(crate) struct HeaderEntry {
 }
 
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
-/// expert rank's window: every entry's rows must fit the receive area (`max_tokens`) and its
+/// expert rank's window: every entry's rows must fit the receive area (`recv_rows`) and its
 /// reply offset the member's reply area (`attention_rows`), the counts must add up to the
 /// record's and the entries hash to the value the record carries.
 pub(crate) fn read_header(
@@ -121,7 +128,7 @@ pub(crate) fn read_header(
     let buf = l.buffer(epoch);
     let at = l.relay_header(k, buf);
     let rec = ctx.read_record(at)?;
-    let (max_tokens, rows) = (ctx.cfg.max_tokens_per_rank, l.attention_rows);
+    let (max_tokens, rows) = (l.recv_rows, l.attention_rows);
     let mode = rec.validate(relay, epoch, g * max_tokens)?;
     let bad = |detail: String| {
         Err(Error::Protocol {
@@ -357,6 +364,9 @@ impl Relay {
         let expected: Vec<usize> = (0..n)
             .map(|j| call.members.iter().map(|mc| mc.counts[j] as usize).sum())
             .collect();
+        // INT8 or not follows the replies (a local choice of each expert rank), but one call's
+        // replies through a relay must agree: the first record read sets it.
+        let mut int8: Option<bool> = None;
         let mut seen = vec![false; n];
         let mut complete = vec![false; n];
         let mut missing = n;
@@ -379,12 +389,18 @@ impl Relay {
                 if !seen[j] {
                     let rec = ctx.read_record(l.relay_e2a_record(j, buf))?;
                     let mode = rec.validate(d, epoch, expected[j])?;
-                    if rec.count as usize != expected[j] || mode != WireMode::Push || rec.int8() {
+                    let agreed = *int8.get_or_insert(rec.int8());
+                    if rec.count as usize != expected[j]
+                        || mode != WireMode::Push
+                        || rec.int8() != agreed
+                    {
                         return Err(Error::Protocol {
                             peer: d,
                             detail: format!(
                                 "relayed E2A of epoch {epoch} brings {} rows ({mode:?}, int8 {}), \
-                                 {} were dispatched to it through this relay (push, dtype)",
+                                 {} were dispatched to it through this relay (push; the other \
+                                 replies through it are int8 {agreed}: every expert rank must \
+                                 use the same e2a_quant through relays)",
                                 rec.count,
                                 rec.int8(),
                                 expected[j]
@@ -438,6 +454,7 @@ impl Relay {
             "E2A credit (attention rank has not consumed an earlier relayed combine)",
             deadline,
         )?;
+        let int8 = int8.unwrap_or(false);
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
         let call = self.calls.pop_front().expect("checked above");
         let call_no = ctx.call_of(epoch);
@@ -446,10 +463,14 @@ impl Relay {
             if !ctx.topo.in_call(a, call_no) {
                 continue;
             }
-            self.reduce_member(ctx, buf, m, mc)?;
+            if int8 {
+                self.reduce_member_int8(ctx, buf, (m, a), mc)?;
+            } else {
+                self.reduce_member(ctx, buf, m, mc)?;
+            }
             let t = mc.num_tokens;
-            ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride])?;
-            let rec = Record::new(epoch, t as u32, 0, WireMode::Push);
+            ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride_for(int8)])?;
+            let rec = Record::with_payload(epoch, t as u32, 0, WireMode::Push, int8);
             ctx.put_record(a, l.record(my_index, buf), &rec)?;
             ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, t))?;
             ctx.stats.borrow_mut().relay_rows_forwarded += t as u64;
@@ -521,6 +542,63 @@ impl Relay {
         }
         Ok(())
     }
+
+    /// [`Relay::reduce_member`] for INT8 replies, into `self.out` as INT8 rows: no
+    /// contribution gives a zero row (scale 0), one is forwarded as it is, several are
+    /// dequantized and summed in f32 in ascending expert-rank order (`acc = f32(q) * scale` for
+    /// the first, `acc = acc + f32(q) * scale` for the others), and the sum is quantized once
+    /// more (the quantizer of `moe::quant` on the f32 sum). The attention rank dequantizes it.
+    fn reduce_member_int8(
+        &mut self,
+        ctx: &Context,
+        buf: usize,
+        (m, member): (usize, usize),
+        mc: &MemberCall,
+    ) -> Result<()> {
+        let l = &ctx.layout;
+        let s = l.e2a_stride_for(true);
+        let hidden = ctx.cfg.hidden;
+        let payload = int8_payload(hidden);
+        let t_count = mc.num_tokens;
+        let rows = mc.tokens.len();
+        self.scratch.resize(rows * s, 0);
+        ctx.get(ctx.rank, l.relay_e2a(m, buf), &mut self.scratch)?;
+        self.count.clear();
+        self.count.resize(t_count, 0);
+        self.acc.clear();
+        self.acc.resize(t_count * hidden, 0.0);
+        self.out.clear();
+        self.out.resize(t_count * s, 0);
+        // Rows are in expert-rank order: each token's contributions in the direct path's order.
+        for (i, &t) in mc.tokens.iter().enumerate() {
+            let t = t as usize;
+            let row = &self.scratch[i * s..i * s + payload];
+            let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
+            match self.count[t] {
+                0 => {
+                    self.out[t * s..t * s + payload].copy_from_slice(row);
+                    dequantize(row, hidden, acc);
+                }
+                _ => dequantize_add(row, hidden, acc),
+            }
+            self.count[t] += 1;
+        }
+        for t in 0..t_count {
+            if self.count[t] < 2 {
+                continue;
+            }
+            let acc: &[u8] = bytemuck::cast_slice(&self.acc[t * hidden..(t + 1) * hidden]);
+            let amax = self.quant.amax(DType::F32, acc).map_err(|i| {
+                Error::invalid(format!(
+                    "the relayed INT8 E2A sum for attention rank {member} token {t} is not \
+                     finite at element {i}: INT8 needs finite rows"
+                ))
+            })?;
+            let out = &mut self.out[t * s..t * s + payload];
+            self.quant.quantize_amax(DType::F32, acc, amax, out);
+        }
+        Ok(())
+    }
 }
 
 /// Reads and checks member `m`'s (attention index `ai`) route table for call `epoch` against
@@ -557,9 +635,11 @@ fn begin_member(
     let mut sum = 0usize;
     for (j, &d) in experts.iter().enumerate() {
         let c = word(j + 1);
-        if c as usize > t_count {
+        if c as usize > t_count || c as usize > l.recv_rows {
             return bad(format!(
-                "route table of epoch {epoch} sends {c} rows to rank {d}, it has {t_count} tokens"
+                "route table of epoch {epoch} sends {c} rows to rank {d}, it has {t_count} \
+                 tokens and rank {d} receives at most {} rows per source",
+                l.recv_rows
             ));
         }
         mc.offsets.push(sum as u32);

@@ -12,8 +12,8 @@
 //! record to `d` named) | registered A2E input (per buffer, `[max_tokens, hidden]`).
 //!
 //! Expert rank: handshake | A2E record area (per attention rank, per buffer) | A2E receive area
-//! (per attention rank, per buffer, `max_tokens` rows) | E2A staging (per buffer,
-//! `M * max_tokens` rows).
+//! (per attention rank, per buffer, `recv_rows` rows: `max_tokens` unless
+//! `MoeConfig::recv_capacity` is lower) | E2A staging (per buffer, `M * recv_rows` rows).
 //!
 //! With relays ([`crate::topology::RelayPlan`]) every expert rank also has, after its E2A
 //! staging: relay headers (per relay, per buffer: one record plus a `(count, offset, flags)`
@@ -50,6 +50,9 @@ pub struct WindowLayout {
     pub attention_rows: usize,
     /// Max tokens per attention rank.
     pub max_tokens: usize,
+    /// Rows an expert rank's receive area holds per source and buffer
+    /// ([`MoeConfig::recv_rows_per_source`]).
+    pub recv_rows: usize,
     /// Buffers per region (`max_in_flight`).
     pub depth: usize,
     num_attention: usize,
@@ -78,6 +81,7 @@ impl WindowLayout {
             e2a_int8_stride: super::quant::int8_payload(cfg.hidden).next_multiple_of(16),
             attention_rows: cfg.max_tokens_per_rank * cfg.topk.min(n),
             max_tokens: cfg.max_tokens_per_rank,
+            recv_rows: cfg.recv_rows_per_source(),
             depth: cfg.max_in_flight,
             num_attention: topo.attention_ranks().len(),
             num_expert: n,
@@ -148,7 +152,7 @@ impl WindowLayout {
     }
 
     pub(crate) fn a2e_recv_bytes(&self) -> usize {
-        page(self.max_tokens * self.a2e.stride.max(self.a2e.int8_stride))
+        page(self.recv_rows * self.a2e.stride.max(self.a2e.int8_stride))
     }
 
     /// Expert rank: start of the A2E receive area of attention index `src_index`, `buffer`
@@ -164,7 +168,7 @@ impl WindowLayout {
 
     /// Rows an expert rank's E2A staging holds per buffer (one domain's tokens).
     pub fn expert_rows(&self) -> usize {
-        self.recv_sources * self.max_tokens
+        self.recv_sources * self.recv_rows
     }
 
     /// Expert rank: start of the E2A staging area of `buffer`.

@@ -29,6 +29,10 @@ pub struct Workload {
     pub vary: bool,
     /// Hot-expert skew (Zipf exponent), or uniform routing.
     pub skew: Option<f64>,
+    /// Shared experts: the last `shared_experts` expert ids take every token (weight 1.0, in
+    /// the last slots of its routing); the other `K - shared_experts` slots are routed over the
+    /// remaining ids. 0 for none.
+    pub shared_experts: usize,
 }
 
 impl Workload {
@@ -56,14 +60,41 @@ impl Workload {
         } else {
             0
         };
-        RankInput::random(
+        let shared = self.shared_experts;
+        assert!(
+            shared < k && shared < topo.num_experts(),
+            "{shared} shared experts need K and E above it (K = {k}, E = {})",
+            topo.num_experts()
+        );
+        let routed = topo.num_experts() - shared;
+        let mut input = RankInput::random(
             rank,
             self.mix(rank, round),
             tokens,
-            k,
-            topo.num_experts(),
+            k - shared,
+            routed,
             self.skew,
-        )
+        );
+        if shared > 0 {
+            let kr = k - shared;
+            let (idx, w) = (input.topk_idx, input.topk_weights);
+            input.topk_idx = Vec::with_capacity(tokens * k);
+            input.topk_weights = Vec::with_capacity(tokens * k);
+            for t in 0..tokens {
+                input.topk_idx.extend_from_slice(&idx[t * kr..(t + 1) * kr]);
+                input
+                    .topk_idx
+                    .extend((routed..routed + shared).map(|e| e as i32));
+                input
+                    .topk_weights
+                    .extend_from_slice(&w[t * kr..(t + 1) * kr]);
+                input
+                    .topk_weights
+                    .extend(std::iter::repeat_n(1.0f32, shared));
+            }
+            input.k = k;
+        }
+        input
     }
 
     /// Hidden states of `rank` in `round`, in the wire dtype (drawn in f32, rounded once).
@@ -509,6 +540,7 @@ mod tests {
             tokens: 2,
             vary: false,
             skew: None,
+            shared_experts: 0,
         };
         let ctx = Expecting {
             topo,

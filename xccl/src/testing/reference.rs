@@ -312,6 +312,8 @@ pub fn expected_combine_exact<T: Element>(
 /// [`expected_combine_exact`] with A2E rows quantized as `a2e` says and E2A replies as `e2a`
 /// says: the expert computes on [`a2e_seen`] rows, and an INT8 reply enters the attention
 /// rank's sum as `f32(q) * scale` (a single INT8 reply is dequantized and rounded once).
+/// Through relays (`topo` has a relay plan), a token with several INT8 replies gets that f32
+/// sum quantized once more by the relay, then dequantized and rounded once.
 #[allow(clippy::too_many_arguments)]
 pub fn expected_combine_quant<T: Element>(
     topo: &Topology,
@@ -328,6 +330,7 @@ pub fn expected_combine_quant<T: Element>(
         input.num_tokens * hidden,
         "x must be [num_tokens, hidden]"
     );
+    let relayed_int8 = topo.relay_plan().is_some() && e2a == Quant::Int8;
     let mut out = Vec::with_capacity(x.len());
     for t in 0..input.num_tokens {
         let seen = a2e_seen(&x[t * hidden..(t + 1) * hidden], a2e);
@@ -377,6 +380,12 @@ pub fn expected_combine_quant<T: Element>(
                     for (a, &d) in acc.iter_mut().zip(v) {
                         *a += d;
                     }
+                }
+                if relayed_int8 && replies.len() > 1 {
+                    // The relay sums and quantizes its sum once more; the attention rank
+                    // dequantizes that.
+                    let (q, scale) = quantize_int8(&acc);
+                    acc = dequantize_int8(&q, scale);
                 }
                 out.extend(acc.into_iter().map(T::from_f32));
             }

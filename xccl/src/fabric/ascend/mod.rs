@@ -95,6 +95,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::shm::{host_id, Liveness};
+use super::signals::ControlArea;
 use super::{Capabilities, Fabric, Waiting, Window};
 use crate::bootstrap::Exchange;
 use crate::{Error, Result};
@@ -1031,9 +1032,16 @@ impl Fabric for AscendFabric {
                 }
                 // The awaited peer first (the likeliest culprit), then every other one and the
                 // bootstrap's abort channel: a dead rank anywhere stalls the job.
-                self.check_peer(waiting.peer)?;
-                self.check_peers()?;
                 last_check = Some(now);
+                let live = self
+                    .check_peer(waiting.peer)
+                    .and_then(|()| self.check_peers());
+                if let Err(e) = live {
+                    match ControlArea::settle(poll, waiting.peer, e) {
+                        Some(end) => return end,
+                        None => continue,
+                    }
+                }
             }
             if now >= deadline {
                 return Err(Error::Timeout {
