@@ -598,6 +598,18 @@ mod tests {
         )));
     }
 
+    /// The `config` target's second crash, in the first fix of the first: the u128 bound of
+    /// the window sizes overflowed for a topk near 2^64 (now saturating). (Eight zero bytes of
+    /// `recv_capacity` inserted after the timeout, as above.)
+    #[test]
+    fn fuzz_crash_config_window_bound_overflowing_u128() {
+        config(&hex(concat!(
+            "004a0000270000000000000000000010fffffffb0000000000000100000000000000002e00000000",
+            "002a000000000000000000000100000000000000000000ff7fff29ff000003b0ffffad9eff080100",
+            "0002",
+        )));
+    }
+
     #[test]
     fn a_valid_frame_stream_reaches_the_decoders() {
         let mut data = vec![3u8, 1];

@@ -200,10 +200,14 @@ impl MoeConfig {
         let w = |v: usize| v as u128;
         let row = 4 * w(self.hidden) + 64 + 8 * w(topo.mask_words()) + 4 * w(self.topk);
         let rows = w(self.max_tokens_per_rank)
-            * (w(topo.attention_ranks().len()) + 1)
-            * (w(self.topk) + 1);
+            .saturating_mul(w(topo.attention_ranks().len()) + 1)
+            .saturating_mul(w(self.topk) + 1);
         let regions = 8 * (w(topo.world_size()) + 4);
-        w(self.max_in_flight) * regions * (rows * row + 4096)
+        // Saturating: three factors near 2^64 overflow even u128 (the `config` fuzz target's
+        // second crash).
+        w(self.max_in_flight)
+            .saturating_mul(regions)
+            .saturating_mul(rows.saturating_mul(row).saturating_add(4096))
     }
 
     /// Rows an expert rank receives from one attention rank per call at most
@@ -302,6 +306,9 @@ mod tests {
             MoeConfig::new(1 << 40, DType::F32, 2, 4),
             MoeConfig::new(8, DType::F32, usize::MAX / 4, 4),
             MoeConfig::new(1 << 24, DType::F32, 1 << 20, MAX_PROGRESS_ROWS),
+            // Found by the fuzzer in the first version of the bound: hidden and topk near
+            // 2^64 overflowed its u128 product.
+            MoeConfig::new(usize::MAX, DType::F32, usize::MAX, MAX_PROGRESS_ROWS),
         ] {
             match bad.validate(&topo) {
                 Err(Error::InvalidArgument(m)) => assert!(m.contains("byte"), "{m}"),
