@@ -120,6 +120,7 @@ fn rounds_after_go(ctx: &ChildCtx, go: &Path, rounds: u64) -> Result<(), String>
         tokens: 16,
         vary: true,
         skew: None,
+        shared_experts: 0,
     };
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
