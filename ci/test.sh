@@ -35,6 +35,9 @@ echo "== clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+echo "== loom models (bound 2; ci/loom.sh runs bound 3 and the mutants)"
+# Keeps the `--cfg loom` build compiling and its models passing on every run.
+LOOM_MAX_PREEMPTIONS=2 bash ci/loom.sh
 echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
 echo "== C ABI symbols"

@@ -272,6 +272,48 @@ impl Job {
         let _ = self.ranks[rank].child.kill();
     }
 
+    /// The process id of rank `rank`.
+    pub fn pid(&self, rank: usize) -> u32 {
+        self.ranks[rank].child.id()
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGCONT`) to rank `rank` if it has not been reaped yet.
+    pub fn signal(&mut self, rank: usize, signal: i32) {
+        self.poll();
+        if self.ranks[rank].status.is_none() {
+            let pid = self.pid(rank) as i32;
+            // SAFETY: kill(2) on our own unreaped child (its pid cannot have been reused);
+            // takes no pointers.
+            unsafe { libc::kill(pid, signal) };
+        }
+    }
+
+    /// Waits until rank `rank` is stopped (state `T` in `/proc/<pid>/stat`, e.g. after it
+    /// raised `SIGSTOP`); panics (killing the job) if it is not within `timeout`.
+    pub fn wait_stopped(&mut self, rank: usize, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let stat = format!("/proc/{}/stat", self.pid(rank));
+        loop {
+            let state = std::fs::read_to_string(&stat).ok().and_then(|s| {
+                // The state follows the parenthesised command name.
+                s.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.trim_start().chars().next())
+            });
+            if state == Some('T') {
+                return;
+            }
+            if Instant::now() >= deadline {
+                self.kill_all();
+                panic!(
+                    "{}: rank {rank} did not stop within {timeout:?} (state {state:?})\n{}",
+                    self.scenario,
+                    self.all_output()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     fn poll(&mut self) {
         for r in &mut self.ranks {
             if r.status.is_none() {

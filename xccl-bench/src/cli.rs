@@ -40,8 +40,19 @@ LAUNCHING
 /// `xccl-bench`: A2E, E2A and round-trip latency and bandwidth between M attention and N expert
 /// ranks, nccl-tests style.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "xccl-bench", version, about, after_long_help = TIMING_HELP)]
+#[command(
+    name = "xccl-bench",
+    version,
+    about,
+    after_long_help = TIMING_HELP,
+    args_conflicts_with_subcommands = true
+)]
 pub struct Args {
+    /// A subcommand that runs no ranks: `memory` (window bytes per rank at a shape) or `model`
+    /// (the cost model: calibration against measured runs and the CloudMatrix384 projection).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
     /// Attention ranks M.
     #[arg(long, short = 'a', default_value_t = 2)]
     pub attention: usize,
@@ -91,9 +102,15 @@ pub struct Args {
     #[arg(long, value_name = "R")]
     pub relays: Option<usize>,
 
+    /// Partition the attention ranks into D DP domains taking turns (call i belongs to domain
+    /// i mod D; expert receive areas hold one domain). Needs D <= M; runs one call in flight.
+    #[arg(long, value_name = "D", default_value_t = 1)]
+    pub domains: usize,
+
     /// Print what every rank's communicator counted (records written and polled, relay
     /// forwards, window bytes, fan-out, the slowest peer and a straggler) and rank 0's per-peer
-    /// table, beside the records formula.
+    /// table, beside the records formula; the sizes of each sweep point (records per A2E and
+    /// E2A, fan-out, routing metadata bytes per token); all of it in the JSON too.
     #[arg(long)]
     pub stats: bool,
 
@@ -310,6 +327,19 @@ impl Args {
                 );
             }
         }
+        if self.domains == 0 || self.domains > self.attention {
+            return Err(format!(
+                "--domains must be in 1..={} (the attention ranks)",
+                self.attention
+            ));
+        }
+        if self.domains > 1 && self.routing_out.is_some() {
+            return Err(
+                "--routing-out replays every attention rank in every call; it does not \
+                        take --domains"
+                    .into(),
+            );
+        }
         if let Some(s) = self.skew {
             if !(s.is_finite() && s >= 0.0) {
                 return Err(format!("--skew must be finite and >= 0, got {s}"));
@@ -370,5 +400,163 @@ impl Args {
     /// Iterations run per token count (warmup plus measured).
     pub fn rounds(&self) -> usize {
         self.warmup + self.iters
+    }
+}
+
+/// The subcommands: computations that start no ranks.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Window bytes an attention rank, an expert rank and a relay need at a shape, direct and
+    /// with relays and DP domains, from the library's own layout (`Communicator::window_lens`);
+    /// nothing is allocated.
+    Memory(MemoryArgs),
+    /// The cost model (`src/model.rs`): fit its fabric parameters to measured `--stats --json`
+    /// runs and print prediction beside measurement, then project A2E and E2A at a shape (the
+    /// CloudMatrix384 decode shape by default) with the given fabric parameters, direct and
+    /// through relays, for a sweep of M.
+    Model(ModelArgs),
+}
+
+/// Flags of `xccl-bench memory`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MemoryArgs {
+    /// Attention ranks M.
+    #[arg(long, short = 'a', default_value_t = 160)]
+    pub attention: usize,
+    /// Expert ranks N.
+    #[arg(long, short = 'e', default_value_t = 288)]
+    pub experts: usize,
+    /// Routed experts E (contiguous blocks over the expert ranks; sets the bitmask width).
+    #[arg(long, default_value_t = 288)]
+    pub num_experts: usize,
+    /// Experts per token K.
+    #[arg(long, short = 'k', default_value_t = 9)]
+    pub topk: usize,
+    /// Hidden size H.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Tokens per attention rank (the receive areas' capacity).
+    #[arg(long, short = 't', default_value_t = 96)]
+    pub tokens: usize,
+    /// Element type of the hidden states.
+    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Relay counts to show (0: direct), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,16")]
+    pub relays: Vec<usize>,
+    /// DP domain counts to show, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,3")]
+    pub domains: Vec<usize>,
+    /// Receive capacities to show: rows an expert rank can take from one attention rank per
+    /// call (`MoeConfig::recv_capacity`; 0: the worst case, every token), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub recv_capacity: Vec<usize>,
+    /// Calls in flight without domains (domains need 1).
+    #[arg(long, default_value_t = 2)]
+    pub in_flight: usize,
+    /// Wire format of the rows (the window keeps room for either; shown for the record).
+    #[arg(long, value_enum, default_value_t = QuantChoice::None)]
+    pub quant: QuantChoice,
+}
+
+/// Flags of `xccl-bench model`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// `xccl-bench --stats --json` outputs of measured runs: the model's fabric parameters are
+    /// fitted to them and each prediction printed beside its measurement.
+    #[arg(long, value_name = "JSON", num_args = 1..)]
+    pub calibrate: Vec<PathBuf>,
+    /// Attention ranks M of the projection; a list is a sweep (the plot's x axis).
+    #[arg(
+        long,
+        short = 'a',
+        value_delimiter = ',',
+        default_value = "10,20,40,80,120,160"
+    )]
+    pub attention: Vec<usize>,
+    /// Expert ranks N: `routed` dies with one routed expert each, the rest host replicas of
+    /// one shared expert that every token also goes to.
+    #[arg(long, short = 'e', default_value_t = 288)]
+    pub experts: usize,
+    /// Routed experts (one per die; the dies after them host the shared expert).
+    #[arg(long, default_value_t = 256)]
+    pub routed: usize,
+    /// Routed experts per token (the shared expert comes on top).
+    #[arg(long, short = 'k', default_value_t = 8)]
+    pub topk: usize,
+    /// Hidden size H of the projection.
+    #[arg(long, default_value_t = 7168)]
+    pub hidden: usize,
+    /// Tokens per attention rank.
+    #[arg(long, short = 't', default_value_t = 96)]
+    pub tokens: usize,
+    /// Relay counts of the relayed projections: `auto` (the library's default, one relay per
+    /// 10 attention ranks), `m` (one relay per attention rank, as xDeepServe's trampoline) or
+    /// a number; comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "auto,m")]
+    pub relays: Vec<RelayChoice>,
+    /// Link bandwidth per rank, one direction, GB/s (UB: about 196 per die).
+    #[arg(long, default_value_t = 196.0)]
+    pub link_gbps: f64,
+    /// Latency of one hop (a put and its signal becoming visible), microseconds.
+    #[arg(long, default_value_t = 1.5)]
+    pub latency_us: f64,
+    /// Bandwidth of a rank's own copies (out of its window, the relay's scratch, reductions), GB/s.
+    #[arg(long, default_value_t = 400.0)]
+    pub copy_gbps: f64,
+    /// Cost of one metadata record written or polled, microseconds.
+    #[arg(long, default_value_t = 0.1)]
+    pub record_us: f64,
+    /// Write an SVG plot of projected A2E and E2A time against M, direct and relayed.
+    #[arg(long, value_name = "PATH")]
+    pub plot: Option<PathBuf>,
+    /// Write the calibration and projection as JSON.
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+}
+
+/// How many relays a projected shape uses (see `xccl-bench model --relays`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RelayChoice {
+    /// `RelayPlan::default_count(M, N)`.
+    Auto,
+    /// One per attention rank (at most N).
+    PerAttention,
+    /// This many.
+    Count(usize),
+}
+
+impl RelayChoice {
+    /// The relay count at `m` attention and `n` expert ranks.
+    pub fn count(self, m: usize, n: usize) -> usize {
+        match self {
+            RelayChoice::Auto => xccl::RelayPlan::default_count(m, n),
+            RelayChoice::PerAttention => m.min(n),
+            RelayChoice::Count(r) => r,
+        }
+    }
+
+    /// How the choice reads in tables and legends.
+    pub fn label(self) -> String {
+        match self {
+            RelayChoice::Auto => "R=M/10".into(),
+            RelayChoice::PerAttention => "R=M".into(),
+            RelayChoice::Count(r) => format!("R={r}"),
+        }
+    }
+}
+
+impl std::str::FromStr for RelayChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(RelayChoice::Auto),
+            "m" | "M" => Ok(RelayChoice::PerAttention),
+            n => match n.parse() {
+                Ok(r) if r > 0 => Ok(RelayChoice::Count(r)),
+                _ => Err(format!("relays: `{s}` is not auto, m or a count >= 1")),
+            },
+        }
     }
 }

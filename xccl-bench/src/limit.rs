@@ -65,7 +65,9 @@ pub struct Plan {
 
 impl Plan {
     /// The plan of a run: per token count, the mean one-way bytes per attention rank of the
-    /// measured iterations (the routing is deterministic), then one row for the floor.
+    /// measured iterations (the routing is deterministic; with DP domains, domains taking turns
+    /// from the first iteration, which is the calls' share on average), then one row for the
+    /// floor.
     pub fn of(args: &Args) -> xccl::Result<Plan> {
         let topo = topology(args)?;
         let (m, n) = (args.attention, args.experts);
@@ -77,7 +79,8 @@ impl Plan {
             let mut rows = 0u64;
             for it in args.warmup..args.rounds() {
                 for &a in topo.attention_ranks() {
-                    let input = wl.input(&topo, args.topk, a, round(s, it));
+                    let input =
+                        wl.input(&topo, args.topk, a, round(s, it, it as u64, args.domains));
                     rows += destination_rows(args, &input.topk_idx) as u64;
                 }
             }

@@ -7,11 +7,18 @@
 //! top-8 of 64 experts, 128 tokens per attention rank, 2A:2E) on shared memory, starting its own
 //! rank processes. Under mpirun, srun or torchrun each launched process is one rank. See
 //! `xccl-bench --help` and `xccl-bench/README.md` for the timing definition.
+//!
+//! Two subcommands start no ranks: `xccl-bench memory` prints the window bytes per rank at a
+//! shape ([`memory`]), `xccl-bench model` fits the cost model ([`model`]) to measured runs and
+//! projects the decode shape ([`projection`]).
 
 mod cli;
 mod launch;
 mod limit;
+mod memory;
+mod model;
 mod plot;
+mod projection;
 mod report;
 mod routing;
 mod run;
@@ -64,6 +71,22 @@ fn wait_policy(args: &Args) -> WaitPolicy {
 fn main() -> ExitCode {
     init_logging();
     let args = Args::parse();
+    if let Some(cmd) = &args.command {
+        let out = match cmd {
+            cli::Command::Memory(m) => memory::report(m).map_err(|e| e.to_string()),
+            cli::Command::Model(m) => projection::run(m),
+        };
+        return match out {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("xccl-bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Err(e) = args.validate() {
         eprintln!("xccl-bench: {e}");
         return ExitCode::from(2);
@@ -197,17 +220,14 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .exchange
         .allgather(&report.encode(), args.timeout())
         .map_err(e)?;
+    let mut stats_json = None;
     if args.stats {
         let all = env
             .exchange
-            .allgather(&stats::encode(&comm), args.timeout())
+            .allgather(&stats::encode(&comm, &report.phases), args.timeout())
             .map_err(e)?;
         if env.rank == 0 {
-            let ranks = all
-                .iter()
-                .map(|b| stats::decode(b))
-                .collect::<Result<Vec<_>, _>>()?;
-            print!("{}", stats::table(&ranks, rounds_run(args), records));
+            stats_json = Some(report_stats(args, comm.topology(), &all, records)?);
         }
     }
     let limit_blobs = env
@@ -223,7 +243,37 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
     let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
-    finish(args, &reports, records, &plan, &limit_words, policy)
+    finish(
+        args,
+        &reports,
+        records,
+        &plan,
+        &limit_words,
+        policy,
+        stats_json,
+    )
+}
+
+/// `--stats` on rank 0: prints every rank's counters and the sizes of each sweep point, and
+/// returns them as the JSON report's `stats` object.
+fn report_stats(
+    args: &Args,
+    topo: &xccl::Topology,
+    blobs: &[Vec<u8>],
+    records: usize,
+) -> Result<serde_json::Value, String> {
+    let ranks = blobs
+        .iter()
+        .map(|b| stats::decode(b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sizes = stats::sizes(args, topo, &ranks, records);
+    let windows = stats::Windows::of(topo, &ranks);
+    print!("{}", stats::table(&ranks, rounds_run(args), records));
+    print!("{}", stats::sizes_table(&sizes, &windows));
+    if let Some((by, peer)) = stats::job_straggler(&ranks) {
+        println!("# straggler: rank {peer} (rank {by} waited on it longest)");
+    }
+    Ok(stats::to_json(topo, &ranks, &sizes, &windows))
 }
 
 /// A2E+E2A round trips each rank ran: every sweep point's rounds, twice with `--check`.
@@ -257,7 +307,10 @@ fn run_local(args: &Args) -> Result<i32, String> {
             .map(|mut comm| {
                 let pb = (comm.rank() == 0).then(|| pb.clone());
                 s.spawn(move || match run::run_rank(&mut comm, args, pb.as_ref()) {
-                    Ok(r) => Ok((r, stats::encode(&comm))),
+                    Ok(r) => {
+                        let blob = stats::encode(&comm, &r.phases);
+                        Ok((r, blob))
+                    }
                     Err(err) => {
                         comm.abort(&err.to_string());
                         Err(format!("rank {}: {err}", comm.rank()))
@@ -276,13 +329,11 @@ fn run_local(args: &Args) -> Result<i32, String> {
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .unzip();
-    if args.stats {
-        let ranks = blobs
-            .iter()
-            .map(|b| stats::decode(b))
-            .collect::<Result<Vec<_>, _>>()?;
-        print!("{}", stats::table(&ranks, rounds_run(args), records));
-    }
+    let stats_json = if args.stats {
+        Some(report_stats(args, &topo, &blobs, records)?)
+    } else {
+        None
+    };
     let plan = limit::Plan::of(args).map_err(e)?;
     let limit_words = limit::run_local(args, &plan)?;
     finish(
@@ -292,6 +343,7 @@ fn run_local(args: &Args) -> Result<i32, String> {
         &plan,
         &limit_words,
         wait_policy(args),
+        stats_json,
     )
 }
 
@@ -311,6 +363,7 @@ fn finish(
     plan: &limit::Plan,
     limit_words: &[Vec<u64>],
     policy: WaitPolicy,
+    stats_json: Option<serde_json::Value>,
 ) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
@@ -347,7 +400,10 @@ fn finish(
         eprintln!("xccl-bench: check failed: {m}");
     }
     if let Some(path) = &args.json {
-        let doc = report::to_json(args, &machine, &rows, check, &extras);
+        let mut doc = report::to_json(args, &machine, &rows, check, &extras);
+        if let Some(st) = stats_json {
+            doc["stats"] = st;
+        }
         let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
         std::fs::write(path, text + "\n")
             .map_err(|e| format!("writing {}: {e}", path.display()))?;

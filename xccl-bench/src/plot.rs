@@ -161,16 +161,25 @@ fn draw_panel(
     // One legend, in the latency panel's upper left (latency grows with tokens, so that corner
     // stays empty); the bandwidth panel uses the same colours and dashes.
     if let Panel::Latency = panel {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()
-            .map_err(e)?;
+        legend_upper_left(&mut chart)?;
     }
     Ok(())
+}
+
+/// Draws the chart's legend in its upper left corner, on a translucent white box.
+pub fn legend_upper_left<'a, DB, CT>(chart: &mut ChartContext<'a, DB, CT>) -> Result<(), String>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 13))
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// Renders the sweep as SVG text.

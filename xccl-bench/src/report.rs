@@ -173,7 +173,9 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[idx]
 }
 
-/// Builds the rows (memcpy bandwidth still 0) from every rank's report, in rank order.
+/// Builds the rows (memcpy bandwidth still 0) from every rank's report, in rank order. An
+/// attention rank a DP domain left out of an iteration ([`crate::run::SKIPPED`]) does not count
+/// in it.
 pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<ResultRow> {
     let m = args.attention;
     let rounds = args.rounds();
@@ -192,8 +194,12 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             |rank: usize, it: usize, w: usize| reports[rank].words[(p * rounds + it) * WORDS + w];
         let mut lat: [Vec<f64>; 3] = Default::default();
         let mut sent_rows = 0u64;
+        // Attention ranks that took part, summed over iterations (DP domains leave some out).
+        let mut senders = 0u64;
         for it in args.warmup..rounds {
-            let att = 0..m;
+            let att: Vec<usize> = (0..m).filter(|&r| at(r, it, 0) != u64::MAX).collect();
+            senders += att.len() as u64;
+            let att = att.into_iter();
             let exp = m..args.world_size();
             let a2e_start = att.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
             let e2a_end = att.clone().map(|r| at(r, it, 2)).max().unwrap_or(0);
@@ -205,7 +211,7 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
             lat[1].push(us(e2a_start, e2a_end));
             lat[2].push(us(a2e_start, e2a_end));
         }
-        let one_way = sent_rows * wire / (m as u64 * args.iters as u64);
+        let one_way = sent_rows * wire / senders.max(1);
         for (op, mut l) in OPS.into_iter().zip(lat) {
             l.sort_by(f64::total_cmp);
             let bytes = if op == "roundtrip" {
@@ -365,6 +371,13 @@ pub fn table(
         args.skew
             .map_or(String::new(), |s| format!(", zipf skew {s}")),
     );
+    if args.relays.is_some() || args.domains > 1 {
+        s += &format!(
+            "# relays {}, DP domains {}\n",
+            args.relays.map_or("none".into(), |r| r.to_string()),
+            args.domains
+        );
+    }
     s += &format!(
         "# iters {} warmup {} seed {} chunk {} B, bind {}, check {}\n",
         args.iters,
@@ -516,6 +529,8 @@ pub fn to_json(
             "warmup": args.warmup,
             "seed": args.seed,
             "skew": args.skew,
+            "relays": args.relays,
+            "domains": args.domains,
             "bind": args.bind.name(),
             "wait_policy": extras.wait_policy,
         },

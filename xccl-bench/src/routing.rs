@@ -49,7 +49,7 @@ pub fn write(args: &Args, path: &Path) -> std::io::Result<()> {
         let wl = workload(args, tokens);
         for it in 0..args.rounds() {
             for &a in topo.attention_ranks() {
-                let input = wl.input(&topo, args.topk, a, round(s, it));
+                let input = wl.input(&topo, args.topk, a, round(s, it, 0, 1));
                 for id in &input.topk_idx {
                     w.write_all(&id.to_le_bytes())?;
                 }

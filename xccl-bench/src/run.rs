@@ -10,21 +10,29 @@ use xccl::testing::harness::{
     Workload,
 };
 use xccl::testing::reference::RankInput;
-use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, TokenBatch, Topology};
+use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, Stats, TokenBatch, Topology};
+
+use crate::stats::accumulate;
 
 use crate::cli::{Args, BufferKind, ExpertLayout};
 
 /// Words recorded per rank per iteration: three timestamps (ns) and the rows this rank sent.
 pub const WORDS: usize = 4;
 
+/// The words of an attention rank that a DP domain left out of the call: a start later and an
+/// end earlier than any real one, and no rows, so the aggregation ignores it.
+pub const SKIPPED: [u64; WORDS] = [u64::MAX, u64::MAX, 0, 0];
+
 /// The topology of the run: ranks `0..M` attention, `M..M+N` expert, experts in contiguous
-/// blocks (`e` on expert index `e * N / E`), through `--relays` relays when given.
+/// blocks (`e` on expert index `e * N / E`), through `--relays` relays when given, in
+/// `--domains` DP domains.
 pub fn topology(args: &Args) -> xccl::Result<Topology> {
     let topo = Topology::contiguous(args.attention, args.experts, args.num_experts)?;
-    match args.relays {
-        Some(r) => topo.with_relays(Some(r)),
-        None => Ok(topo),
-    }
+    let topo = match args.relays {
+        Some(r) => topo.with_relays(Some(r))?,
+        None => topo,
+    };
+    topo.with_domains(args.domains)
 }
 
 /// The MoE config of the run (sized for the largest token count).
@@ -33,6 +41,10 @@ pub fn moe_config(args: &Args) -> MoeConfig {
     cfg.mode = args.mode;
     cfg.timeout = args.timeout();
     cfg.chunk_bytes = args.chunk_bytes;
+    if args.domains > 1 {
+        // Domains take turns with one call in flight (the library rejects more).
+        cfg.max_in_flight = 1;
+    }
     cfg
 }
 
@@ -47,9 +59,13 @@ pub fn workload(args: &Args, tokens: usize) -> Workload {
     }
 }
 
-/// Round number of iteration `it` of sweep point `sweep`: routing and hidden states derive from it.
-pub fn round(sweep: usize, it: usize) -> u64 {
-    ((sweep as u64) << 32) | it as u64
+/// Round number of iteration `it` of sweep point `sweep`, the `call`-th call of the run (from
+/// 0): routing and hidden states derive from it. With `domains` DP domains it is congruent to
+/// `call` modulo `domains`, so the workload gives tokens to the attention ranks of the call's
+/// domain only (`Topology::in_call`); with one domain it is `sweep << 32 | it`.
+pub fn round(sweep: usize, it: usize, call: u64, domains: usize) -> u64 {
+    let d = domains.max(1) as u64;
+    (((sweep as u64) << 32) | it as u64) * d + call % d
 }
 
 /// What one rank measured.
@@ -61,6 +77,11 @@ pub struct RankReport {
     pub words: Vec<u64>,
     /// Reference mismatches found by `--check` (empty when none or when not checking).
     pub mismatches: Vec<String>,
+    /// Per sweep point, what this rank's communicator counted over its timed iterations
+    /// (warmup included): `[A2E calls, E2A calls]` (`a2e_send`/`a2e_recv*` and
+    /// `e2a_recv`/`e2a_send*`; a view's receive and reply count as E2A). Not in
+    /// [`RankReport::encode`]: `--stats` gathers them ([`crate::stats`]).
+    pub phases: Vec<[Stats; 2]>,
 }
 
 impl RankReport {
@@ -90,7 +111,11 @@ impl RankReport {
         } else {
             text.lines().map(str::to_owned).collect()
         };
-        Ok(RankReport { words, mismatches })
+        Ok(RankReport {
+            words,
+            mismatches,
+            phases: Vec::new(),
+        })
     }
 }
 
@@ -143,21 +168,29 @@ fn run_typed<T: Element>(
                 .map(move |(s, t)| (s, q, t))
         })
         .collect();
+    // Calls of the run so far: with DP domains the call decides which attention ranks take part.
+    let mut call = 0u64;
+    let domains = args.domains;
     for (s, quant, tokens) in points {
         // Senders choose the wire format per call; every rank switches together.
         comm.set_a2e_quant(quant);
         comm.set_e2a_quant(quant);
         let wl = workload(args, tokens);
+        let first = call;
         let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
             (0..args.rounds())
-                .map(|it| wl.input(&topo, k, rank, round(s, it)))
+                .map(|it| wl.input(&topo, k, rank, round(s, it, first + it as u64, domains)))
                 .collect()
         } else {
             Vec::new()
         };
+        let mut phases: [Stats; 2] = Default::default();
         for it in 0..args.rounds() {
             comm.barrier()?;
+            let this_call = call;
+            call += 1;
             let w = match comm.role() {
+                Role::Attention if !topo.in_call(rank, this_call) => SKIPPED,
                 Role::Attention => {
                     let inp = inputs.get(it).expect("one input per round");
                     let n = inp.num_tokens * hidden;
@@ -174,18 +207,22 @@ fn run_typed<T: Element>(
                         comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?
                     };
                     let t1 = now_ns();
+                    accumulate(&mut phases[0], comm.last_call_stats());
                     let rows = handle.total_rows() as u64;
                     comm.e2a_recv(&handle, &mut out[..n])?;
                     let t2 = now_ns();
+                    accumulate(&mut phases[1], comm.last_call_stats());
                     [t0, t1, t2, rows]
                 }
                 // The expert computation is the identity: the received rows go back.
                 Role::Expert if args.layout == ExpertLayout::Expert => {
                     comm.a2e_recv(&mut batch)?;
                     let t0 = now_ns();
+                    accumulate(&mut phases[0], comm.last_call_stats());
                     let t1 = now_ns();
                     comm.e2a_send(&batch, batch.rows::<T>()?)?;
                     let t2 = now_ns();
+                    accumulate(&mut phases[1], comm.last_call_stats());
                     [t0, t1, t2, batch.num_tokens() as u64]
                 }
                 Role::Expert if args.layout == ExpertLayout::View => {
@@ -195,12 +232,16 @@ fn run_typed<T: Element>(
                     let n = view.num_tokens() as u64;
                     // The identity, computed straight into the reply rows.
                     view.e2a_send::<T>(mode, |_, input, output| output.copy_from_slice(input))?;
+                    drop(view);
                     let t2 = now_ns();
+                    // A view's receive and reply are counted together, as its E2A.
+                    accumulate(&mut phases[1], comm.last_call_stats());
                     [t0, t0, t2, n]
                 }
                 Role::Expert if args.buffers == BufferKind::Registered => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                     let t0 = now_ns();
+                    accumulate(&mut phases[0], comm.last_call_stats());
                     // The identity "computes" into the registered output: that copy (and the
                     // credit wait inside `e2a_output`) is part of the E2A, as the copy out of
                     // the caller's rows is with `--buffers copy`.
@@ -208,14 +249,17 @@ fn run_typed<T: Element>(
                         .copy_from_slice(tokens_batch.rows::<T>()?);
                     comm.e2a_send_output(&tokens_batch)?;
                     let t2 = now_ns();
+                    accumulate(&mut phases[1], comm.last_call_stats());
                     [t0, t0, t2, tokens_batch.num_tokens() as u64]
                 }
                 Role::Expert => {
                     comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                     let t0 = now_ns();
+                    accumulate(&mut phases[0], comm.last_call_stats());
                     let t1 = now_ns();
                     comm.e2a_send_tokens(&tokens_batch, tokens_batch.rows::<T>()?)?;
                     let t2 = now_ns();
+                    accumulate(&mut phases[1], comm.last_call_stats());
                     [t0, t1, t2, tokens_batch.num_tokens() as u64]
                 }
             };
@@ -224,24 +268,29 @@ fn run_typed<T: Element>(
                 pb.inc(1);
             }
         }
+        report.phases.push(phases);
         if args.check {
             let buffers = match args.buffers {
                 BufferKind::Copy => Buffers::Copy,
                 BufferKind::Registered => Buffers::Registered,
             };
             for it in 0..args.rounds() {
+                let this_call = call;
+                call += 1;
+                let r = round(s, it, this_call, domains);
                 let verdict = match comm.role() {
-                    Role::Attention => attention_round_with::<T>(comm, &wl, round(s, it), buffers)?,
+                    Role::Attention if !topo.in_call(rank, this_call) => Ok(()),
+                    Role::Attention => attention_round_with::<T>(comm, &wl, r, buffers)?,
                     Role::Expert if args.layout == ExpertLayout::Expert => {
-                        expert_round::<T>(comm, &wl, round(s, it), &mut batch, true)?
+                        expert_round::<T>(comm, &wl, r, &mut batch, true)?
                     }
                     Role::Expert if args.layout == ExpertLayout::View => {
-                        expert_round_view::<T>(comm, &wl, round(s, it), true)?
+                        expert_round_view::<T>(comm, &wl, r, true)?
                     }
                     Role::Expert => expert_round_tokens_with::<T>(
                         comm,
                         &wl,
-                        round(s, it),
+                        r,
                         &mut tokens_batch,
                         true,
                         buffers,

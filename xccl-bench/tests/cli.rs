@@ -1,5 +1,6 @@
 //! Runs the `xccl-bench` binary as a user would: small shapes with `--check` over both fabrics,
-//! the JSON report's fields, the routing file, and bad flags.
+//! the JSON report's fields (the `--stats` counters and sizes too), the routing file, the
+//! `memory` and `model` subcommands, and bad flags.
 
 use std::process::Command;
 
@@ -7,25 +8,35 @@ fn bench() -> Command {
     Command::new(env!("CARGO_BIN_EXE_xccl-bench"))
 }
 
+/// Runs `cmd`, asserts it succeeded (showing its stderr when not), returns its stdout.
+fn stdout_of(cmd: &mut Command) -> String {
+    let out = cmd.output().expect("xccl-bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn tmp(name: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("xccl-bench-test-{}-{name}", std::process::id()))
 }
 
 fn run_checked(extra: &[&str]) -> serde_json::Value {
-    let json = tmp(&format!("{}.json", extra.join("_").replace(['-', '/'], "")));
+    run_checked_ranks(2, extra)
+}
+
+/// A checked run of `m` attention and 2 expert ranks (8 experts, top-3, H=64, T=1 and 16) with
+/// `extra` flags; returns its JSON report.
+fn run_checked_ranks(m: usize, extra: &[&str]) -> serde_json::Value {
+    let json = tmp(&format!(
+        "{m}{}.json",
+        extra.join("_").replace(['-', '/'], "")
+    ));
     let out = bench()
-        .args([
-            "-a",
-            "2",
-            "-e",
-            "2",
-            "--num-experts",
-            "8",
-            "-k",
-            "3",
-            "--hidden",
-            "64",
-        ])
+        .args(["-a", &m.to_string()])
+        .args(["-e", "2", "--num-experts", "8", "-k", "3", "--hidden", "64"])
         .args([
             "-t",
             "1,16",
@@ -257,6 +268,10 @@ fn bad_flags_are_rejected_with_a_message() {
         &["--buffers", "registered", "--layout", "expert"],
         &["--plot", "sweep.png"],
         &["--bind", "socket"],
+        &["--domains", "0"],
+        &["-a", "2", "--domains", "3"],
+        &["model", "--relays", "none"],
+        &["memory", "--domains", "1000"],
     ] {
         let out = bench().args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} accepted");
@@ -282,5 +297,143 @@ fn quant_both_measures_and_checks_int8_beside_the_dtype_in_one_run() {
     assert_eq!(wire("int8"), 68);
     for r in results.iter().filter(|r| r["quant"] == "int8") {
         assert!(r["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}
+
+#[test]
+fn stats_json_counts_the_relayed_records_and_metadata_of_every_domain_and_checks_pass() {
+    let v = run_checked_ranks(
+        3,
+        &[
+            "--fabric",
+            "local",
+            "--relays",
+            "2",
+            "--domains",
+            "3",
+            "--stats",
+        ],
+    );
+    assert_eq!(v["check"], "passed");
+    assert_eq!(v["config"]["domains"], 3);
+    let stats = &v["stats"];
+    assert_eq!(stats["ranks"].as_array().unwrap().len(), 5);
+    let sizes = stats["sizes"].as_array().unwrap();
+    assert_eq!(sizes.len(), 2, "one per token count");
+    for s in sizes {
+        // Each call has one domain (one attention rank): 1 record to its relay, 2 x 2 headers.
+        assert_eq!(s["records_per_call_formula"], 5, "{s}");
+        assert_eq!(s["a2e_records_per_call"], 5.0, "{s}");
+        assert_eq!(s["e2a_records_per_call"], 5.0, "{s}");
+        assert_eq!(s["attention_fan_out"], 1, "{s}");
+        let (got, formula) = (
+            s["metadata_bytes_per_token"].as_f64().unwrap(),
+            s["metadata_bytes_per_token_formula"].as_f64().unwrap(),
+        );
+        assert!(got > 0.0 && (got - formula).abs() < 1e-9, "{s}");
+    }
+    let relay = stats["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["relay"] == true)
+        .unwrap();
+    let a2e = &relay["points"][1]["a2e"];
+    assert!(a2e["relay_rows_forwarded"].as_u64().unwrap() > 0, "{a2e}");
+    assert!(!a2e["peers"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn memory_subcommand_prints_the_windows_of_each_relay_and_domain_count() {
+    let text = stdout_of(
+        bench()
+            .args([
+                "memory",
+                "-a",
+                "16",
+                "-e",
+                "8",
+                "--num-experts",
+                "16",
+                "-k",
+                "2",
+            ])
+            .args([
+                "--hidden",
+                "128",
+                "-t",
+                "8",
+                "--relays",
+                "0,2",
+                "--domains",
+                "1,4",
+            ]),
+    );
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    // relays, domains, recv_cap, in_flight, attention, expert, relay, job
+    let expert = |i: usize| rows[i][5].parse::<f64>().unwrap();
+    assert!(
+        expert(1) < expert(0),
+        "4 domains shrink the expert window: {text}"
+    );
+    assert_eq!(rows[0][6], "-", "no relay window direct: {text}");
+    assert!(rows[2][6].parse::<f64>().unwrap() > expert(2), "{text}");
+}
+
+#[test]
+fn model_subcommand_calibrates_against_a_stats_run_and_projects_with_a_plot() {
+    let json = tmp("model-input.json");
+    stdout_of(
+        bench()
+            .args([
+                "--fabric",
+                "local",
+                "-a",
+                "1",
+                "-e",
+                "2",
+                "--num-experts",
+                "4",
+            ])
+            .args(["-k", "2", "--hidden", "64", "-t", "1,8", "--iters", "5"])
+            .args(["--warmup", "1", "--stats", "--json"])
+            .arg(&json),
+    );
+    let (svg, proj) = (tmp("model.svg"), tmp("model.json"));
+    let text = stdout_of(
+        bench()
+            .args(["model", "--calibrate"])
+            .arg(&json)
+            .args([
+                "-a", "4,8", "-e", "12", "--routed", "8", "-k", "2", "-t", "4",
+            ])
+            .args(["--hidden", "256", "--relays", "2", "--plot"])
+            .arg(&svg)
+            .arg("--json")
+            .arg(&proj),
+    );
+    assert!(
+        text.contains("# calibration:") && text.contains("median |error|"),
+        "{text}"
+    );
+    let fitted = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.contains(" fit "));
+    assert_eq!(fitted.count(), 4, "2 token counts x a2e, e2a: {text}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&proj).unwrap()).unwrap();
+    let points = doc["projection"]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 4, "2 values of M x (direct, R=2)");
+    assert_eq!(points[2]["a2e_records"], 96.0, "8 x 12 direct");
+    assert_eq!(points[3]["a2e_records"], 32.0, "8 + 2 x 12 relayed");
+    assert!(std::fs::read_to_string(&svg)
+        .unwrap()
+        .contains("A2E relayed R=2"));
+    for f in [json, svg, proj] {
+        std::fs::remove_file(f).ok();
     }
 }

@@ -25,6 +25,11 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//!
+//! # Shrink
+//! After a peer failure the survivors can go on without restarting: every survivor calls
+//! [`Communicator::shrink`], which agrees on the dead ranks through the bootstrap and builds a
+//! new communicator over the survivors (module [`shrink`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,6 +52,10 @@ use crate::moe::view::{TokenView, ViewParts};
 use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
+
+pub mod shrink;
+use shrink::{Origin, ShrinkInfo};
+pub use shrink::{ShrinkOptions, ShrinkStep};
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
@@ -78,6 +87,10 @@ pub struct Communicator {
     total_stats: Stats,
     /// A barrier is running: its waits are not MoE traffic and are not counted.
     in_barrier: bool,
+    /// How the fabric was built (what a shrink builds the next one with).
+    origin: Origin,
+    /// Set on a communicator made by [`Communicator::shrink`].
+    shrunk: Option<ShrinkInfo>,
 }
 
 /// The error for a call that relays do not support (nothing is written: the call may be
@@ -220,6 +233,8 @@ impl Communicator {
             last_stats: Stats::default(),
             total_stats: Stats::default(),
             in_barrier: false,
+            origin: Origin::Fabric,
+            shrunk: None,
         };
         comm.init_slots()?;
         comm.handshake()?;
@@ -264,8 +279,10 @@ impl Communicator {
         cfg: MoeConfig,
     ) -> Result<Self> {
         let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = ShmFabric::new(exchange, len, Self::signal_slots(&topo))?;
-        Self::new(Box::new(fabric), topo, cfg)
+        let fabric = ShmFabric::new(exchange.clone(), len, Self::signal_slots(&topo))?;
+        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
+        comm.origin = Origin::Shm(exchange);
+        Ok(comm)
     }
 
     /// Joins a job over the libfabric fabric (`ofi`, ranks on any hosts): like
@@ -293,12 +310,14 @@ impl Communicator {
     ) -> Result<Self> {
         let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
         let fabric = crate::fabric::ofi::OfiFabric::with_options(
-            exchange,
+            exchange.clone(),
             len,
             Self::signal_slots(&topo),
             opts,
         )?;
-        Self::new(Box::new(fabric), topo, cfg)
+        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
+        comm.origin = Origin::Ofi(exchange, opts.clone());
+        Ok(comm)
     }
 
     /// Builds this rank's communicator over the Ascend fabric: its window in the device memory
@@ -314,8 +333,10 @@ impl Communicator {
         device: i32,
     ) -> Result<Self> {
         let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = AscendFabric::new(exchange, len, Self::signal_slots(&topo), device)?;
-        Self::new(Box::new(fabric), topo, cfg)
+        let fabric = AscendFabric::new(exchange.clone(), len, Self::signal_slots(&topo), device)?;
+        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
+        comm.origin = Origin::Ascend(exchange, device);
+        Ok(comm)
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
@@ -396,6 +417,7 @@ impl Communicator {
         let mine = self.handshake_words();
         const { assert!(8 * HANDSHAKE_WORDS <= HANDSHAKE_BYTES) };
         ctx.fabric.put(ctx.rank, 0, bytemuck::cast_slice(&mine))?;
+        fault_point!("init.handshake");
         ctx.fabric.barrier(ctx.cfg.timeout)?;
         let mut theirs = [0u64; HANDSHAKE_WORDS];
         for peer in 0..ctx.topo.world_size() {
@@ -579,7 +601,7 @@ impl Communicator {
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
     /// retried; returns `e` either way.
     fn fail(&mut self, e: Error) -> Error {
-        let e = e.naming_the_dead();
+        let e = self.first_failure(e);
         let fatal = matches!(
             e,
             Error::PeerFailed { .. }
@@ -596,6 +618,28 @@ impl Communicator {
             tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
         }
         e
+    }
+
+    /// The failure to report for a call that failed with `e`: a dead peer named by another
+    /// rank's abort (see [`Error::naming_the_dead`]), and a peer failure or timeout seen after
+    /// another rank aborted the job reported as that abort. The aborting rank may have left the
+    /// job since, and a wait that finds it gone must not blame it: every rank names the first
+    /// failure.
+    pub(crate) fn first_failure(&self, e: Error) -> Error {
+        let e = e.naming_the_dead();
+        let Some((by, reason)) = self.ctx.fabric.aborted() else {
+            return e;
+        };
+        if by == self.ctx.rank || !matches!(e, Error::PeerFailed { .. } | Error::Timeout { .. }) {
+            return e;
+        }
+        match (Error::Aborted { by, reason }).naming_the_dead() {
+            // This rank saw the same death itself: keep its own account of it.
+            Error::PeerFailed { peer, .. } if matches!(e, Error::PeerFailed { peer: p, .. } if p == peer) => {
+                e
+            }
+            abort => abort,
+        }
     }
 
     /// Waits for every rank (collective), through the fabric's signals: on shared memory a

@@ -800,6 +800,58 @@ fn a_dead_peer_is_reported_while_waiting_for_another() {
 }
 
 #[test]
+fn a_peer_gone_after_another_ranks_abort_is_reported_as_that_abort() {
+    // Rank 1 noticed that rank 2 died, aborted saying so, and left: a wait of rank 0 that then
+    // finds rank 1 gone (or times out on it) reports rank 2, as every other survivor does.
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let dead = Error::PeerFailed {
+        peer: 2,
+        detail: "process 42 exited".into(),
+    };
+    let reason = dead.abort_reason(1);
+    comms[1].abort(&reason);
+    let attn = &comms[0];
+    let left = Error::PeerFailed {
+        peer: 1,
+        detail: "process 43 exited after leaving the job".into(),
+    };
+    let timeout = Error::Timeout {
+        peer: 1,
+        what: "E2A rows".into(),
+        waited: Duration::from_secs(1),
+    };
+    for e in [left, timeout] {
+        match attn.first_failure(e) {
+            Error::PeerFailed { peer: 2, detail } => assert!(detail.contains("rank 1's abort")),
+            other => panic!("expected rank 2 named through rank 1's abort, got {other:?}"),
+        }
+    }
+    // Its own account of the same death is kept; errors of another kind are not replaced.
+    let own = attn.first_failure(Error::PeerFailed {
+        peer: 2,
+        detail: "seen here".into(),
+    });
+    assert!(matches!(&own, Error::PeerFailed { peer: 2, detail } if detail == "seen here"));
+    let bad = Error::Protocol {
+        peer: 1,
+        detail: "bad record".into(),
+    };
+    assert!(matches!(
+        attn.first_failure(bad),
+        Error::Protocol { peer: 1, .. }
+    ));
+    // Without an abort from another rank nothing changes.
+    let alone = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let t = alone[0].first_failure(Error::Timeout {
+        peer: 1,
+        what: "E2A rows".into(),
+        waited: Duration::from_secs(1),
+    });
+    assert!(matches!(t, Error::Timeout { peer: 1, .. }));
+}
+
+#[test]
 fn a_timeout_before_anything_was_published_can_be_retried() {
     let mut c = cfg(8, DType::F32, 2, 4);
     c.timeout = Duration::from_millis(200);
@@ -1644,4 +1696,43 @@ fn a_receive_capacity_below_the_worst_case_is_a_clear_error_never_an_overflow() 
             assert_eq!(first_difference(&out, &want, 8), None);
         });
     }
+}
+
+/// Through a relay, one call's INT8 and dtype replies cannot be mixed: the relay fails naming
+/// an expert rank and the setting, and every rank learns of it.
+#[test]
+fn relays_reject_expert_ranks_that_disagree_on_int8_replies() {
+    let topo = relayed(1, 2, 4, 1);
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut attn = comms.remove(0);
+    comms[1].set_e2a_quant(Quant::Int8);
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let experts: Vec<_> = comms
+            .into_iter()
+            .map(|mut e| {
+                s.spawn(move || {
+                    let mut b = ExpertBatch::new();
+                    e.a2e_recv(&mut b).unwrap();
+                    let out = vec![0.5f32; b.num_rows() * 8];
+                    e.e2a_send(&b, &out).err()
+                })
+            })
+            .collect();
+        let x = vec![1.0f32; 32];
+        let h = attn
+            .a2e_send(&x, &[0, 2, 1, 3, 0, 3, 1, 2], &[0.5; 8])
+            .unwrap();
+        let mut out = vec![0f32; 32];
+        let mut errors = vec![attn.e2a_recv(&h, &mut out).unwrap_err()];
+        errors.extend(experts.into_iter().filter_map(|h| h.join().unwrap()));
+        errors
+    });
+    assert!(
+        errors
+            .iter()
+            .any(|e| matches!(e, Error::Protocol { detail, .. }
+            if detail.contains("same e2a_quant"))),
+        "{errors:?}"
+    );
 }

@@ -97,6 +97,18 @@ pub enum Error {
         context: String,
     },
 
+    /// Shrinking past dead ranks left an expert with no replica on a surviving rank (and
+    /// `ShrinkOptions::drop_orphaned_experts` was not set).
+    #[error("expert {expert} has no replica left: its ranks {ranks:?} are dead{others}")]
+    ExpertLost {
+        /// The first expert without a surviving replica.
+        expert: usize,
+        /// The (dead) ranks that hosted it, before the shrink.
+        ranks: Vec<usize>,
+        /// A note naming the other lost experts, if any.
+        others: String,
+    },
+
     /// The operating system refused something.
     #[error("{what}: {source}")]
     Os {
@@ -146,6 +158,15 @@ impl Error {
                 detail: detail.clone(),
             },
             Error::Bootstrap(m) => Error::Bootstrap(m.clone()),
+            Error::ExpertLost {
+                expert,
+                ranks,
+                others,
+            } => Error::ExpertLost {
+                expert: *expert,
+                ranks: ranks.clone(),
+                others: others.clone(),
+            },
             Error::OutOfWindow {
                 peer,
                 offset,

@@ -18,6 +18,15 @@
 //! The library logs through the [`tracing`] facade (init summary, peer failures, timeouts,
 //! aborts; nothing per call above `debug`); install a subscriber to see it.
 
+/// Marks a fault-injection point named `$name` (see `testing::fault`): with the `testing`
+/// feature a test can have the process killed or stopped here; without it this is nothing.
+macro_rules! fault_point {
+    ($name:literal) => {
+        #[cfg(any(test, feature = "testing"))]
+        $crate::testing::fault::point($name);
+    };
+}
+
 pub mod bootstrap;
 pub mod capi;
 pub mod comm;
@@ -27,6 +36,7 @@ pub mod fabric;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod moe;
+mod sync;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod topology;
@@ -34,7 +44,7 @@ pub mod topology;
 #[cfg(test)]
 mod comm_tests;
 
-pub use comm::Communicator;
+pub use comm::{Communicator, ShrinkOptions, ShrinkStep};
 pub use error::{Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
@@ -42,7 +52,7 @@ pub use moe::dtype::{DType, Element};
 pub use moe::quant::Quant;
 pub use moe::stats::{PeerStats, Stats};
 pub use moe::view::TokenView;
-pub use topology::{RelayPlan, Role, Topology, TopologyBuilder};
+pub use topology::{RelayPlan, Role, ShrunkTopology, Topology, TopologyBuilder};
 
 /// The README's Rust example, compiled and run as a doc-test.
 #[doc = include_str!("../../README.md")]

@@ -83,6 +83,17 @@ pub struct Topology {
     domain_of: Vec<(usize, usize)>,
 }
 
+/// A topology after ranks left it ([`Topology::shrink`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShrunkTopology {
+    /// The survivors' topology.
+    pub topology: Topology,
+    /// Old rank -> new rank; `None` for a rank that left.
+    pub new_rank: Vec<Option<usize>>,
+    /// Experts left without a replica (their tokens are dropped), ascending.
+    pub orphaned: Vec<usize>,
+}
+
 /// Which expert ranks relay ("trampoline") the traffic of which attention ranks.
 ///
 /// With a plan, each attention rank sends its whole A2E to one relay (fan-out 1), which forwards
@@ -239,6 +250,8 @@ pub struct TopologyBuilder {
     num_experts: usize,
     placement: Option<Vec<Vec<usize>>>,
     extra: Vec<(usize, usize)>,
+    /// Experts without a replica are allowed (only [`Topology::shrink`] builds such topologies).
+    allow_orphans: bool,
 }
 
 impl TopologyBuilder {
@@ -249,6 +262,7 @@ impl TopologyBuilder {
             num_experts,
             placement: None,
             extra: Vec::new(),
+            allow_orphans: false,
         }
     }
 
@@ -293,6 +307,7 @@ impl TopologyBuilder {
             num_experts,
             placement,
             extra,
+            allow_orphans,
         } = self;
         let world = roles.len();
         if num_experts == 0 {
@@ -336,7 +351,7 @@ impl TopologyBuilder {
             }
             None => contiguous_placement(&expert, num_experts),
         };
-        validate_placement(&roles, &map)?;
+        validate_placement(&roles, &map, allow_orphans)?;
 
         // Load = number of experts hosted, per expert-rank index.
         let mut load = vec![0usize; expert.len()];
@@ -375,7 +390,7 @@ impl TopologyBuilder {
                 cursor = (i + 1) % n;
             }
         }
-        validate_placement(&roles, &map)?;
+        validate_placement(&roles, &map, allow_orphans)?;
 
         let mut local: Vec<Vec<usize>> = vec![Vec::new(); world];
         let mut replica_start = Vec::with_capacity(num_experts + 1);
@@ -424,10 +439,10 @@ fn contiguous_placement(expert_ranks: &[usize], num_experts: usize) -> Vec<Vec<u
         .collect()
 }
 
-fn validate_placement(roles: &[Role], map: &[Vec<usize>]) -> Result<()> {
+fn validate_placement(roles: &[Role], map: &[Vec<usize>], allow_orphans: bool) -> Result<()> {
     let world = roles.len();
     for (e, replicas) in map.iter().enumerate() {
-        if replicas.is_empty() {
+        if replicas.is_empty() && !allow_orphans {
             return Err(Error::invalid(format!(
                 "topology: expert {e} has no replica"
             )));
@@ -569,6 +584,86 @@ impl Topology {
         &self.replica_rank[self.replica_start[expert]..self.replica_start[expert + 1]]
     }
 
+    /// Whether `expert` has no replica: only after a shrink with
+    /// `ShrinkOptions::drop_orphaned_experts`, when every rank hosting it died. Tokens for it are
+    /// dropped (and counted, [`crate::Stats::dropped_slots`]); [`Topology::route`] panics for it.
+    ///
+    /// # Panics
+    ///
+    /// If `expert >= num_experts()`.
+    pub fn is_orphaned(&self, expert: usize) -> bool {
+        self.replica_start[expert] == self.replica_start[expert + 1]
+    }
+
+    /// The topology of this job once ranks `dead` have left it, for [`crate::Communicator::shrink`].
+    ///
+    /// The survivors are renumbered densely in ascending order of their old rank and keep their
+    /// roles; each expert keeps its surviving replicas in their order (the first surviving one
+    /// becomes the primary), so an expert rank hosts the same experts, in the same local order,
+    /// as before. A relay plan is rebuilt with the same number of relays (at most the surviving
+    /// expert ranks), DP domains with the same count (at most the surviving attention ranks).
+    ///
+    /// # Errors
+    /// [`Error::ExpertLost`] naming the first expert whose replicas are all dead, unless
+    /// `drop_orphaned` (then it stays without a replica, see [`Topology::is_orphaned`]);
+    /// [`Error::InvalidArgument`] when a dead rank is out of range or no attention or no expert
+    /// rank survives.
+    pub fn shrink(&self, dead: &[usize], drop_orphaned: bool) -> Result<ShrunkTopology> {
+        let world = self.world_size();
+        if let Some(&r) = dead.iter().find(|&&r| r >= world) {
+            return Err(Error::invalid(format!(
+                "shrink: dead rank {r} is outside the world of {world} ranks"
+            )));
+        }
+        let mut new_rank = vec![None; world];
+        let mut roles = Vec::new();
+        for r in (0..world).filter(|r| !dead.contains(r)) {
+            new_rank[r] = Some(roles.len());
+            roles.push(self.roles[r]);
+        }
+        let map: Vec<Vec<usize>> = (0..self.num_experts)
+            .map(|e| {
+                self.replicas(e)
+                    .iter()
+                    .filter_map(|&r| new_rank[r])
+                    .collect()
+            })
+            .collect();
+        let orphaned: Vec<usize> = (0..self.num_experts)
+            .filter(|&e| map[e].is_empty())
+            .collect();
+        if let (Some(&expert), false) = (orphaned.first(), drop_orphaned) {
+            let others = if orphaned.len() > 1 {
+                format!(" (so have experts {:?})", &orphaned[1..])
+            } else {
+                String::new()
+            };
+            return Err(Error::ExpertLost {
+                expert,
+                ranks: self.replicas(expert).to_vec(),
+                others,
+            });
+        }
+        let mut builder = TopologyBuilder::new(roles, self.num_experts).placement(map);
+        builder.allow_orphans = drop_orphaned;
+        let mut topology = builder
+            .build()
+            .map_err(|e| Error::invalid(format!("shrink: {e}")))?;
+        if let Some(plan) = &self.relays {
+            let count = plan.count().min(topology.expert.len());
+            topology = topology.with_relays(Some(count))?;
+        }
+        if self.num_domains() > 1 {
+            let count = self.num_domains().min(topology.attention.len());
+            topology = topology.with_domains(count)?;
+        }
+        Ok(ShrunkTopology {
+            topology,
+            new_rank,
+            orphaned,
+        })
+    }
+
     /// Where a token from attention rank `src_rank` for `expert` goes: `(destination rank,
     /// local-expert index there)`.
     ///
@@ -600,6 +695,10 @@ impl Topology {
         );
         let start = self.replica_start[expert];
         let count = self.replica_start[expert + 1] - start;
+        assert!(
+            count > 0,
+            "Topology::route: expert {expert} has no replica left (dropped by a shrink)"
+        );
         let r = start + attention_index % count;
         (self.replica_rank[r], self.replica_local[r])
     }
@@ -1118,5 +1217,98 @@ pub(crate) mod tests {
             let hosted: usize = t.expert_ranks().iter().map(|&r| t.local_experts(r).len()).sum();
             prop_assert_eq!(total, hosted);
         }
+    }
+
+    /// 2 attention ranks, expert ranks 2..5, 6 experts two per rank; experts 0..4 also have a
+    /// second replica.
+    fn shrinkable() -> Topology {
+        TopologyBuilder::contiguous(2, 3, 6)
+            .replicas(&[(0, 1), (1, 1), (2, 1), (3, 1)])
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn shrink_renumbers_survivors_densely_and_moves_experts_to_their_surviving_replicas() {
+        let t = shrinkable();
+        let s = t.shrink(&[0, 3], false).unwrap();
+        assert_eq!(s.new_rank, vec![None, Some(0), Some(1), None, Some(2)]);
+        assert!(s.orphaned.is_empty());
+        let n = &s.topology;
+        assert_eq!(n.world_size(), 3);
+        assert_eq!(n.attention_ranks(), &[0]);
+        assert_eq!(n.expert_ranks(), &[1, 2]);
+        for e in 0..6 {
+            let want: Vec<usize> = t
+                .replicas(e)
+                .iter()
+                .filter_map(|&r| s.new_rank[r])
+                .collect();
+            assert_eq!(n.replicas(e), want.as_slice(), "expert {e}");
+            assert!(!want.is_empty());
+            // A surviving rank hosts the same experts as before, in the same local order.
+            for &r in t.replicas(e) {
+                if let Some(nr) = s.new_rank[r] {
+                    assert_eq!(n.local_experts(nr), t.local_experts(r));
+                }
+            }
+        }
+        assert_ne!(n.fingerprint(), t.fingerprint());
+    }
+
+    #[test]
+    fn shrink_names_an_expert_with_no_replica_left_or_drops_it_when_asked() {
+        let t = shrinkable();
+        match t.shrink(&[4], false) {
+            Err(Error::ExpertLost {
+                expert: 4,
+                ranks,
+                others,
+            }) => {
+                assert_eq!(ranks, vec![4]);
+                assert!(others.contains("[5]"), "{others}");
+            }
+            other => panic!("expected ExpertLost naming expert 4, got {other:?}"),
+        }
+        let s = t.shrink(&[4], true).unwrap();
+        assert_eq!(s.orphaned, vec![4, 5]);
+        assert!(s.topology.is_orphaned(4) && s.topology.is_orphaned(5));
+        assert!(!s.topology.is_orphaned(0));
+        // Ordinary topologies never have orphans.
+        assert!((0..6).all(|e| !t.is_orphaned(e)));
+        let err = err_msg(
+            TopologyBuilder::contiguous(1, 1, 2)
+                .placement(vec![vec![1], vec![]])
+                .build(),
+        );
+        assert!(err.contains("expert 1 has no replica"), "{err}");
+    }
+
+    #[test]
+    fn shrink_rejects_out_of_range_ranks_and_a_job_without_a_role_left() {
+        let t = shrinkable();
+        assert!(matches!(
+            t.shrink(&[5], false),
+            Err(Error::InvalidArgument(_))
+        ));
+        let err = t.shrink(&[0, 1], true).unwrap_err();
+        assert!(err.to_string().contains("no attention rank"), "{err}");
+        let err = t.shrink(&[2, 3, 4], true).unwrap_err();
+        assert!(err.to_string().contains("no expert rank"), "{err}");
+    }
+
+    #[test]
+    fn shrink_keeps_relays_and_domains_within_the_survivors() {
+        let t = TopologyBuilder::contiguous(3, 3, 6)
+            .replicas(&[(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)])
+            .build()
+            .unwrap()
+            .with_relays(Some(3))
+            .unwrap()
+            .with_domains(3)
+            .unwrap();
+        let s = t.shrink(&[1, 4], false).unwrap().topology;
+        assert_eq!(s.relay_plan().map(RelayPlan::count), Some(2));
+        assert_eq!(s.num_domains(), 2);
     }
 }

@@ -21,6 +21,7 @@ use std::time::Duration;
 use crate::Result;
 
 pub mod env;
+mod generation;
 pub mod root;
 mod tcp;
 mod thread;
@@ -28,6 +29,7 @@ mod unique_id;
 pub(crate) mod wire;
 
 pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
+pub use generation::{generation_job_id, Generation};
 pub use root::{RootConfig, RootHandle, RootReport};
 pub use tcp::{TcpBootstrap, QUERY_GRACE};
 pub use thread::ThreadExchange;
@@ -52,4 +54,45 @@ pub trait Exchange: Send + Sync {
     fn broadcast_abort(&self, reason: &str) -> Result<()>;
     /// An abort raised by some rank (`(rank, reason)`), if one has arrived.
     fn poll_abort(&self) -> Option<(usize, String)>;
+
+    /// A **survivors' round**: like [`Exchange::allgather`], but it completes once every rank
+    /// has either contributed or left the job (its process died or it said goodbye), and the
+    /// aborts this rank received before the first `ignore_aborts` ones do not fail it (pass
+    /// `usize::MAX` to ignore every abort). Every rank that gets the result gets the same one.
+    /// Used to agree on the dead ranks when shrinking a job ([`crate::Communicator::shrink`]).
+    ///
+    /// The default fails: the bootstrap cannot tell a rank that left from one that is late.
+    fn gather_survivors(
+        &self,
+        blob: &[u8],
+        timeout: Duration,
+        ignore_aborts: usize,
+    ) -> Result<Survivors> {
+        let _ = (blob, timeout, ignore_aborts);
+        Err(crate::Error::Bootstrap(
+            "this bootstrap cannot hold a survivors' round (shrinking needs the TCP bootstrap)"
+                .into(),
+        ))
+    }
+
+    /// The `first`-th abort (in arrival order, from 0) raised by another rank, if that many
+    /// have arrived: a communicator built after a shrink ignores the aborts of the job it
+    /// replaced. The default knows only the first abort.
+    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
+        if first == 0 {
+            self.poll_abort()
+        } else {
+            None
+        }
+    }
+}
+
+/// The outcome of a survivors' round ([`Exchange::gather_survivors`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Survivors {
+    /// Per rank: its blob, or `None` when it had left the job instead of contributing.
+    pub blobs: Vec<Option<Vec<u8>>>,
+    /// Aborts this rank had received when the result arrived; the root forwards every abort a
+    /// contributor raised before contributing ahead of the result, so later ones are newer.
+    pub aborts_before: usize,
 }

@@ -8,6 +8,12 @@
 //! - the **coordinator** (the thread behind [`RootHandle`]) owns all job state and does every
 //!   write to a joined rank, so the state needs no lock.
 //!
+//! A round is an ordinary one (DATA: it needs every rank, and a rank that leaves before
+//! contributing fails it) or a **survivors' round** (SURVIVORS: it completes once every rank has
+//! contributed or left, and the result has an empty blob for each rank that left; shrinking a
+//! job past dead ranks agrees on them this way). The first contribution sets the round's kind;
+//! a rank contributing the other kind to it is dropped.
+//!
 //! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
 //! ERROR frame and a closed connection; the job goes on. Every rejection is logged at `warn` and
 //! listed in [`RootReport::rejected`]. A connection has [`RootConfig::hello_timeout`] to say
@@ -422,7 +428,12 @@ fn conn_reader(
     if sent.is_err() {
         return;
     }
-    let allowed = |k: Kind| matches!(k, Kind::Data | Kind::Query | Kind::Abort | Kind::Bye);
+    let allowed = |k: Kind| {
+        matches!(
+            k,
+            Kind::Data | Kind::Survivors | Kind::Query | Kind::Abort | Kind::Bye
+        )
+    };
     loop {
         match wire::read_frame(&mut stream, None, stop, 0, &allowed) {
             Ok(frame) => {
@@ -469,6 +480,8 @@ struct Coordinator {
     /// Blobs of the current round, by rank.
     blobs: Vec<Option<Vec<u8>>>,
     contributed: usize,
+    /// The current round is a survivors' round (set by its first contribution).
+    survivors: bool,
     /// Contributors of the current round already told that it failed.
     told_failed: Vec<bool>,
     aborts: Vec<(usize, String)>,
@@ -489,6 +502,7 @@ impl Coordinator {
             round: 0,
             blobs: Vec::new(),
             contributed: 0,
+            survivors: false,
             told_failed: Vec::new(),
             aborts: Vec::new(),
             connected: 0,
@@ -673,7 +687,8 @@ impl Coordinator {
 
     fn on_frame(&mut self, rank: usize, frame: Frame) {
         match frame.kind {
-            Kind::Data => self.on_data(rank, frame.round, frame.payload),
+            Kind::Data => self.on_data(rank, frame.round, frame.payload, false),
+            Kind::Survivors => self.on_data(rank, frame.round, frame.payload, true),
             Kind::Query => {
                 let missing = if frame.round == self.round {
                     self.missing()
@@ -702,12 +717,19 @@ impl Coordinator {
         }
     }
 
-    fn on_data(&mut self, rank: usize, round: u64, blob: Vec<u8>) {
-        if round != self.round || self.blobs[rank].is_some() {
+    fn on_data(&mut self, rank: usize, round: u64, blob: Vec<u8>, survivors: bool) {
+        let mixed = self.contributed > 0 && self.survivors != survivors;
+        if round != self.round || self.blobs[rank].is_some() || mixed {
             let detail = format!(
                 "sent data for round {round} while the root is gathering round {}{}",
                 self.round,
-                if round == self.round { " (twice)" } else { "" }
+                if mixed {
+                    " (a survivors' round and an ordinary one mixed)"
+                } else if round == self.round {
+                    " (twice)"
+                } else {
+                    ""
+                }
             );
             self.note_rejected(format!("rank {rank} dropped: {detail}"));
             self.drop_rank(
@@ -718,25 +740,40 @@ impl Coordinator {
             return;
         }
         self.blobs[rank] = Some(blob);
+        self.survivors = survivors;
         self.contributed += 1;
-        if self.contributed == self.blobs.len() {
-            let blobs: Vec<Vec<u8>> = self
-                .blobs
-                .iter_mut()
-                .map(|b| b.take().unwrap_or_default())
-                .collect();
-            let payload = wire::encode_blobs(&blobs);
-            let round = self.round;
-            self.round += 1;
-            self.contributed = 0;
-            self.told_failed.iter_mut().for_each(|t| *t = false);
-            self.report.rounds += 1;
-            for r in 0..self.ranks.len() {
-                self.send(r, Kind::Result, round, &payload);
-            }
-        } else {
-            self.check_round();
+        self.check_round();
+    }
+
+    /// Completes the current round if it can: every rank contributed, or (survivors' round)
+    /// every rank that did not has left. Sends the result to every connected rank.
+    fn complete_round(&mut self) -> bool {
+        let all_in = self.contributed == self.blobs.len();
+        let rest_gone = || {
+            self.blobs
+                .iter()
+                .zip(&self.ranks)
+                .all(|(b, s)| b.is_some() || matches!(s, Slot::Gone { .. }))
+        };
+        if self.contributed == 0 || !(all_in || (self.survivors && rest_gone())) {
+            return false;
         }
+        // A rank that left has an empty blob (survivors' rounds carry a presence mark).
+        let blobs: Vec<Vec<u8>> = self
+            .blobs
+            .iter_mut()
+            .map(|b| b.take().unwrap_or_default())
+            .collect();
+        let payload = wire::encode_blobs(&blobs);
+        let round = self.round;
+        self.round += 1;
+        self.contributed = 0;
+        self.told_failed.iter_mut().for_each(|t| *t = false);
+        self.report.rounds += 1;
+        for r in 0..self.ranks.len() {
+            self.send(r, Kind::Result, round, &payload);
+        }
+        true
     }
 
     /// Ranks that have not contributed to the current round, and why.
@@ -756,10 +793,11 @@ impl Coordinator {
             .collect()
     }
 
-    /// If a rank that has not contributed to the current round is gone, the round cannot
-    /// complete: tells every contributor (once) which rank it is.
+    /// Completes the current round if it can; otherwise, if a rank that has not contributed to
+    /// an ordinary round is gone, the round cannot complete: tells every contributor (once)
+    /// which rank it is.
     fn check_round(&mut self) {
-        if self.contributed == 0 {
+        if self.complete_round() || self.contributed == 0 || self.survivors {
             return;
         }
         let gone = self

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use super::root::RootHandle;
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
-use super::Exchange;
+use super::{Exchange, Survivors};
 use crate::{Error, Result};
 
 /// How long a rank whose round timed out waits for the root to say who is missing.
@@ -68,8 +68,8 @@ struct Shared {
 /// What the reader thread has received.
 #[derive(Default)]
 struct Inbox {
-    /// The RESULT of a round, undecoded: `(round, payload)`.
-    result: Option<(u64, Vec<u8>)>,
+    /// The RESULT of a round, undecoded: `(round, payload, aborts received before it)`.
+    result: Option<(u64, Vec<u8>, usize)>,
     /// The latest STATUS: `(round, missing ranks)`.
     status: Option<(u64, Vec<(usize, Absence)>)>,
     /// A round that cannot complete: `(round, gone rank, detail)`.
@@ -79,6 +79,16 @@ struct Inbox {
     /// Why the connection to the root ended, once it has.
     closed: Option<String>,
     bye_acked: bool,
+}
+
+/// How a round treats ranks that left and aborts.
+#[derive(Clone, Copy, Debug)]
+enum RoundKind {
+    /// Every rank must contribute; any abort fails the round.
+    All,
+    /// A survivors' round: ranks that left are skipped, and the aborts received before the
+    /// `horizon`-th (in arrival order) do not fail it.
+    Survivors { horizon: usize },
 }
 
 /// State of the calling side, one collective at a time.
@@ -170,6 +180,7 @@ impl TcpBootstrap {
                 )))
             }
         }
+        fault_point!("init.connected");
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
             cv: Condvar::new(),
@@ -207,8 +218,15 @@ impl TcpBootstrap {
         self.root
     }
 
-    /// One collective round: contributes `blob`, returns every rank's blob.
-    fn round(&self, blob: &[u8], timeout: Duration, what: &str) -> Result<Vec<Vec<u8>>> {
+    /// One collective round: contributes `blob`, returns every rank's blob and the number of
+    /// aborts received before the result.
+    fn round(
+        &self,
+        blob: &[u8],
+        timeout: Duration,
+        what: &str,
+        kind: RoundKind,
+    ) -> Result<(Vec<Vec<u8>>, usize)> {
         if blob.len() > MAX_BLOB {
             return Err(Error::invalid(format!(
                 "bootstrap {what} blob of {} bytes exceeds the limit of {MAX_BLOB}",
@@ -225,14 +243,20 @@ impl TcpBootstrap {
         let round = calls.next_round;
         let start = Instant::now();
         let deadline = start + timeout;
-        if let Some(err) = self.settled_error(&lock(&self.shared.inbox), round, what) {
+        if let Some(err) = self.settled_error(&lock(&self.shared.inbox), round, what, kind) {
             return Err(err);
         }
         let sent = {
             let mut w = lock(&self.writer);
             let budget = timeout.max(Duration::from_millis(1));
-            w.set_write_timeout(Some(budget))
-                .and_then(|()| wire::write_frame(&mut w, Kind::Data, round, blob))
+            w.set_write_timeout(Some(budget)).and_then(|()| match kind {
+                RoundKind::All => wire::write_frame(&mut w, Kind::Data, round, blob),
+                // The presence mark: a rank that left has an empty blob in the result.
+                RoundKind::Survivors { .. } => {
+                    let marked = [&[1u8][..], blob].concat();
+                    wire::write_frame(&mut w, Kind::Survivors, round, &marked)
+                }
+            })
         };
         if let Err(e) = sent {
             calls.poisoned = Some(format!("sending round {round} failed: {e}"));
@@ -244,7 +268,7 @@ impl TcpBootstrap {
                 e,
             ));
         }
-        let outcome = self.wait_round(round, deadline, what);
+        let outcome = self.wait_round(round, deadline, what, kind);
         match outcome {
             Ok(blobs) => {
                 calls.next_round += 1;
@@ -254,7 +278,7 @@ impl TcpBootstrap {
                 calls.poisoned = Some(format!("{what} round {round} failed: {err}"));
                 Err(err)
             }
-            Err(Wait::TimedOut) => match self.timeout_error(round, start, what) {
+            Err(Wait::TimedOut) => match self.timeout_error(round, start, what, kind) {
                 // The round completed while we asked who was missing.
                 Ok(blobs) => {
                     calls.next_round += 1;
@@ -274,13 +298,14 @@ impl TcpBootstrap {
         round: u64,
         deadline: Instant,
         what: &str,
-    ) -> std::result::Result<Vec<Vec<u8>>, Wait> {
+        kind: RoundKind,
+    ) -> std::result::Result<(Vec<Vec<u8>>, usize), Wait> {
         let mut inbox = lock(&self.shared.inbox);
         loop {
             if let Some(done) = self.take_result(&mut inbox, round) {
                 return done.map_err(Wait::Failed);
             }
-            if let Some(err) = self.settled_error(&inbox, round, what) {
+            if let Some(err) = self.settled_error(&inbox, round, what, kind) {
                 return Err(Wait::Failed(err));
             }
             let now = Instant::now();
@@ -297,23 +322,34 @@ impl TcpBootstrap {
     }
 
     /// Takes and decodes the result of `round` if it is in the inbox.
-    fn take_result(&self, inbox: &mut Inbox, round: u64) -> Option<Result<Vec<Vec<u8>>>> {
-        if !matches!(&inbox.result, Some((r, _)) if *r == round) {
+    fn take_result(&self, inbox: &mut Inbox, round: u64) -> Option<Result<(Vec<Vec<u8>>, usize)>> {
+        if !matches!(&inbox.result, Some((r, _, _)) if *r == round) {
             return None;
         }
-        let (_, payload) = inbox.result.take()?;
-        Some(wire::decode_blobs(&payload, self.size).ok_or_else(|| {
+        let (_, payload, aborts) = inbox.result.take()?;
+        let blobs = wire::decode_blobs(&payload, self.size).ok_or_else(|| {
             Error::Bootstrap(format!(
                 "malformed result of round {round} from the root at {}",
                 self.root
             ))
-        }))
+        });
+        Some(blobs.map(|b| (b, aborts)))
     }
 
     /// An error that ends `round` without waiting further: an abort from another rank, a rank
     /// gone for good, or the connection to the root lost.
-    fn settled_error(&self, inbox: &Inbox, round: u64, what: &str) -> Option<Error> {
-        if let Some((by, reason)) = inbox.aborts.first() {
+    fn settled_error(
+        &self,
+        inbox: &Inbox,
+        round: u64,
+        what: &str,
+        kind: RoundKind,
+    ) -> Option<Error> {
+        let ignored = match kind {
+            RoundKind::All => 0,
+            RoundKind::Survivors { horizon } => horizon,
+        };
+        if let Some((by, reason)) = inbox.aborts.get(ignored) {
             return Some(Error::Aborted {
                 by: *by,
                 reason: reason.clone(),
@@ -337,7 +373,13 @@ impl TcpBootstrap {
 
     /// After the deadline of `round`: asks the root who is missing and builds the timeout error,
     /// or returns the result if it arrives meanwhile.
-    fn timeout_error(&self, round: u64, start: Instant, what: &str) -> Result<Vec<Vec<u8>>> {
+    fn timeout_error(
+        &self,
+        round: u64,
+        start: Instant,
+        what: &str,
+        kind: RoundKind,
+    ) -> Result<(Vec<Vec<u8>>, usize)> {
         let waited = start.elapsed();
         {
             let mut w = lock(&self.writer);
@@ -351,7 +393,7 @@ impl TcpBootstrap {
             if let Some(done) = self.take_result(&mut inbox, round) {
                 return done;
             }
-            if let Some(err) = self.settled_error(&inbox, round, what) {
+            if let Some(err) = self.settled_error(&inbox, round, what, kind) {
                 return Err(err);
             }
             match &inbox.status {
@@ -439,12 +481,43 @@ impl Exchange for TcpBootstrap {
     /// [`Error::Aborted`] when another rank has raised an abort, [`Error::PeerFailed`] when a
     /// rank that has not contributed has left the job.
     fn allgather(&self, blob: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        self.round(blob, timeout, "allgather")
+        self.round(blob, timeout, "allgather", RoundKind::All)
+            .map(|(blobs, _)| blobs)
     }
 
     /// An allgather of empty blobs.
     fn barrier(&self, timeout: Duration) -> Result<()> {
-        self.round(&[], timeout, "barrier").map(|_| ())
+        self.round(&[], timeout, "barrier", RoundKind::All)
+            .map(|_| ())
+    }
+
+    /// A survivors' round through the root (see [`Exchange::gather_survivors`]): it completes
+    /// once every rank has contributed or closed its connection to the root (a killed process's
+    /// connection closes at once). Fails when the root is gone, on an abort received after the
+    /// first `ignore_aborts` ones, or on timeout naming the ranks still connected that have not
+    /// contributed.
+    fn gather_survivors(
+        &self,
+        blob: &[u8],
+        timeout: Duration,
+        ignore_aborts: usize,
+    ) -> Result<Survivors> {
+        let kind = RoundKind::Survivors {
+            horizon: ignore_aborts,
+        };
+        let (blobs, aborts_before) = self.round(blob, timeout, "survivors", kind)?;
+        let blobs = blobs
+            .into_iter()
+            .map(|b| b.split_first().map(|(_, rest)| rest.to_vec()))
+            .collect();
+        Ok(Survivors {
+            blobs,
+            aborts_before,
+        })
+    }
+
+    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
+        lock(&self.shared.inbox).aborts.get(first).cloned()
     }
 
     /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
@@ -541,7 +614,10 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
         let done = match frame {
             Ok(f) => {
                 match f.kind {
-                    Kind::Result => inbox.result = Some((f.round, f.payload)),
+                    Kind::Result => {
+                        let aborts = inbox.aborts.len();
+                        inbox.result = Some((f.round, f.payload, aborts));
+                    }
                     Kind::Status => {
                         if let Some(m) = wire::decode_missing(&f.payload) {
                             inbox.status = Some((f.round, m));

@@ -69,6 +69,10 @@ pub(crate) enum Kind {
     Bye = 10,
     /// root -> rank: the bye was processed; everything sent before it was delivered.
     ByeAck = 11,
+    /// rank -> root: this rank's blob for round `round` of a survivors' round, which completes
+    /// once every rank has either contributed or left the job (result: RESULT, with an empty
+    /// blob for each rank that left).
+    Survivors = 12,
 }
 
 impl Kind {
@@ -85,6 +89,7 @@ impl Kind {
             9 => Kind::Failed,
             10 => Kind::Bye,
             11 => Kind::ByeAck,
+            12 => Kind::Survivors,
             _ => return None,
         })
     }
@@ -97,6 +102,8 @@ pub(crate) fn max_payload(kind: Kind, result_max: u64) -> u64 {
         Kind::Hello => HELLO_LEN as u64,
         Kind::Welcome | Kind::Query | Kind::Bye | Kind::ByeAck => 0,
         Kind::Data => MAX_BLOB as u64,
+        // One byte more: the rank's presence mark (see `TcpBootstrap::gather_survivors`).
+        Kind::Survivors => MAX_BLOB as u64 + 1,
         Kind::Result => result_max,
         Kind::Error | Kind::Status | Kind::Abort | Kind::Failed => MAX_CONTROL as u64,
     }
@@ -104,7 +111,8 @@ pub(crate) fn max_payload(kind: Kind, result_max: u64) -> u64 {
 
 /// Upper bound of a RESULT payload for a job of `size` ranks.
 pub(crate) fn result_max(size: usize) -> u64 {
-    (size as u64).saturating_mul(MAX_BLOB as u64 + 8)
+    // A survivors' round carries one presence byte more per blob.
+    (size as u64).saturating_mul(MAX_BLOB as u64 + 9)
 }
 
 /// One received frame.

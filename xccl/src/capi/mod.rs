@@ -112,7 +112,9 @@ fn code_of(e: &Error) -> xcclResult_t {
         Error::InvalidArgument(_) => XCCL_INVALID_ARGUMENT,
         Error::WrongRole(_) => XCCL_INVALID_USAGE,
         Error::Timeout { .. } => XCCL_TIMEOUT,
-        Error::PeerFailed { .. } | Error::Protocol { .. } => XCCL_REMOTE_ERROR,
+        Error::PeerFailed { .. } | Error::Protocol { .. } | Error::ExpertLost { .. } => {
+            XCCL_REMOTE_ERROR
+        }
         Error::Aborted { .. } => XCCL_ABORTED,
         Error::Bootstrap(_) | Error::Os { .. } | Error::Native { .. } => XCCL_SYSTEM_ERROR,
         Error::FabricUnavailable { .. } => XCCL_UNAVAILABLE,

@@ -517,6 +517,7 @@ impl ShmFabric {
 
         let (mut unlinker, own_map, own_control) = create_own(&name, segment_len, num_slots, rank)?;
         before_publish(&own_map);
+        fault_point!("init.shm.created");
         let mine = Advert {
             pid: std::process::id(),
             num_slots,
@@ -571,6 +572,7 @@ impl ShmFabric {
                 s
             }
         };
+        fault_point!("init.shm.attached");
         let outcomes = exchange.allgather(&status, timeout)?;
         drop(unlinker);
         let segments = attached?;

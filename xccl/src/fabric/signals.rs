@@ -19,11 +19,14 @@
 //! Waiting spins briefly, then yields for a bounded time, then sleeps on the doorbell with a futex
 //! that is *shared* between processes (no `FUTEX_PRIVATE_FLAG`) ([`WaitPolicy`]). Sleeps are cut into short chunks so that a dead
 //! peer or an abort is noticed long before the caller's deadline.
+//!
+//! Every atomic, fence and futex call goes through [`crate::sync`], so the protocol here is
+//! model-checked with loom (`ci/loom.sh`, tests in `signals_loom.rs`).
 
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::sync::{self, fence, AtomicU32, AtomicU64, Mutant, Ordering};
 use crate::{Error, Result};
 
 /// Magic at the start of every control area ("XCCLCTRL").
@@ -35,25 +38,21 @@ pub const ABORT_REASON_BYTES: usize = 256;
 
 /// Spacing of independently written words: a pair of 64-byte lines (see the module docs).
 const LINE: usize = 128;
-const HEADER_OFF: usize = 0;
+/// Header words: magic (u64), then version, slot count, owner pid and rank (u32 each).
+const MAGIC_OFF: usize = 0;
+const VERSION_OFF: usize = 8;
+const NUM_SLOTS_OFF: usize = 12;
+const PID_OFF: usize = 16;
+const RANK_OFF: usize = 20;
 /// Set by the owner when it leaves the job cleanly (its endpoint dropped after its last call).
 const DEPARTED_OFF: usize = 64;
 const DOORBELL_OFF: usize = LINE;
+const SLEEPERS_OFF: usize = DOORBELL_OFF + 4;
 const ABORT_OFF: usize = 2 * LINE;
 const ABORT_CLAIM_OFF: usize = ABORT_OFF + 8;
 const ABORT_LEN_OFF: usize = ABORT_OFF + 16;
 const REASON_OFF: usize = 3 * LINE;
 const SLOTS_OFF: usize = REASON_OFF + ABORT_REASON_BYTES;
-
-/// The header at offset 0 of a control area.
-#[repr(C)]
-struct Header {
-    magic: AtomicU64,
-    version: AtomicU32,
-    num_slots: AtomicU32,
-    pid: AtomicU32,
-    rank: AtomicU32,
-}
 
 /// What a wait is still waiting for: the peer that owes the next step and a description.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,13 +88,16 @@ impl ControlArea {
     /// mapped while any returned view is used.
     pub unsafe fn init(base: NonNull<u8>, num_slots: usize, rank: usize, pid: u32) -> Self {
         let area = ControlArea { base, num_slots };
-        let h = area.header();
-        h.version.store(CONTROL_VERSION, Ordering::Relaxed);
-        h.num_slots.store(num_slots as u32, Ordering::Relaxed);
-        h.pid.store(pid, Ordering::Relaxed);
-        h.rank.store(rank as u32, Ordering::Relaxed);
+        area.atomic_u32(VERSION_OFF)
+            .store(CONTROL_VERSION, Ordering::Relaxed);
+        area.atomic_u32(NUM_SLOTS_OFF)
+            .store(num_slots as u32, Ordering::Relaxed);
+        area.atomic_u32(PID_OFF).store(pid, Ordering::Relaxed);
+        area.atomic_u32(RANK_OFF)
+            .store(rank as u32, Ordering::Relaxed);
         // SYNC POINT: publishes the fields above to `attach` (Acquire load of magic).
-        h.magic.store(CONTROL_MAGIC, Ordering::Release);
+        area.atomic_u64(MAGIC_OFF)
+            .store(CONTROL_MAGIC, Ordering::Release);
         area
     }
 
@@ -111,16 +113,15 @@ impl ControlArea {
             });
         }
         let probe = ControlArea { base, num_slots: 0 };
-        let h = probe.header();
         // SYNC POINT: pairs with the Release store of magic in `init`.
-        let magic = h.magic.load(Ordering::Acquire);
+        let magic = probe.atomic_u64(MAGIC_OFF).load(Ordering::Acquire);
         if magic != CONTROL_MAGIC {
             return Err(Error::Protocol {
                 peer,
                 detail: format!("control area magic {magic:#x}, expected {CONTROL_MAGIC:#x}"),
             });
         }
-        let version = h.version.load(Ordering::Relaxed);
+        let version = probe.atomic_u32(VERSION_OFF).load(Ordering::Relaxed);
         if version != CONTROL_VERSION {
             return Err(Error::Protocol {
                 peer,
@@ -129,7 +130,7 @@ impl ControlArea {
                 ),
             });
         }
-        let num_slots = h.num_slots.load(Ordering::Relaxed) as usize;
+        let num_slots = probe.atomic_u32(NUM_SLOTS_OFF).load(Ordering::Relaxed) as usize;
         if Self::bytes_for(num_slots) > len {
             return Err(Error::Protocol {
                 peer,
@@ -140,20 +141,15 @@ impl ControlArea {
     }
 
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
-        // SAFETY: every offset passed here is 8-aligned inside the area (constructor contracts),
-        // and the memory is only ever accessed atomically.
-        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU64>() }
+        // SAFETY: every offset passed here is 8-aligned inside the area, which stays mapped
+        // while `self` is used (constructor contracts), and the memory is only ever accessed
+        // atomically.
+        unsafe { sync::word_u64(self.base, off) }
     }
 
     fn atomic_u32(&self, off: usize) -> &AtomicU32 {
         // SAFETY: as in `atomic_u64`, with 4-byte alignment.
-        unsafe { &*self.base.as_ptr().add(off).cast::<AtomicU32>() }
-    }
-
-    fn header(&self) -> &Header {
-        // SAFETY: the header is at offset 0 of a 64-aligned area at least SLOTS_OFF long and
-        // consists of atomics only.
-        unsafe { &*self.base.as_ptr().add(HEADER_OFF).cast::<Header>() }
+        unsafe { sync::word_u32(self.base, off) }
     }
 
     /// Number of signal slots.
@@ -163,7 +159,7 @@ impl ControlArea {
 
     /// The pid recorded by the owner.
     pub fn owner_pid(&self) -> u32 {
-        self.header().pid.load(Ordering::Relaxed)
+        self.atomic_u32(PID_OFF).load(Ordering::Relaxed)
     }
 
     fn doorbell(&self) -> &AtomicU32 {
@@ -171,7 +167,7 @@ impl ControlArea {
     }
 
     fn sleepers(&self) -> &AtomicU32 {
-        self.atomic_u32(DOORBELL_OFF + 4)
+        self.atomic_u32(SLEEPERS_OFF)
     }
 
     fn slot(&self, slot: usize, peer: usize) -> Result<&AtomicU64> {
@@ -186,16 +182,26 @@ impl ControlArea {
 
     /// Stores `value` in slot `slot` and wakes sleepers. `owner` names this area's rank in errors.
     pub fn store(&self, slot: usize, value: u64, owner: usize) -> Result<()> {
-        // SYNC POINT: the store orders every earlier put of the signalling rank before the value
-        // (pairs with the Acquire load in `load`). It is SeqCst for the Dekker pair with a waiter
-        // going to sleep (`wait_with`): the waiter bumps the sleeper count then re-polls the
-        // slot, we store the slot then read the count; so either its re-poll sees the value or
-        // we see the sleeper and bump the doorbell it sleeps on. A waiter that only spins costs
-        // no read-modify-write on its doorbell line.
-        self.slot(slot, owner)?.store(value, Ordering::SeqCst);
-        if self.sleepers().load(Ordering::SeqCst) > 0 {
+        let slot = self.slot(slot, owner)?;
+        // SYNC POINT: Release orders every earlier put of the signalling rank before the value
+        // (pairs with the Acquire load in `load`).
+        slot.store(
+            value,
+            sync::weakened(Ordering::Release, Mutant::SignalStore),
+        );
+        // SYNC POINT: the Dekker pair with a waiter going to sleep (`wait_with`): this SeqCst
+        // fence sits between our slot store and our look at the sleeper count, the waiter's
+        // SeqCst fence between its count increment and its last poll of the slot. Whichever
+        // fence comes second sees the other side's write: the waiter's poll sees the value, or
+        // we see the sleeper and bump the doorbell it sleeps on. (A fence rather than SeqCst
+        // accesses, which loom treats as AcqRel: loom checks this form, and on x86 it costs
+        // what a SeqCst store does: `mov; lock or` against `xchg`, one full barrier, about
+        // 2.2 ns a signal either way, measured.)
+        // A waiter that only spins costs no read-modify-write on its doorbell line.
+        fence(sync::weakened(Ordering::SeqCst, Mutant::SignallerFence));
+        if self.sleepers().load(Ordering::Relaxed) > 0 {
             self.doorbell().fetch_add(1, Ordering::SeqCst);
-            futex_wake(self.doorbell());
+            sync::futex_wake(self.doorbell());
         }
         Ok(())
     }
@@ -204,7 +210,7 @@ impl ControlArea {
     pub fn load(&self, slot: usize) -> u64 {
         match self.slot(slot, 0) {
             // SYNC POINT: pairs with the Release store in `store`.
-            Ok(s) => s.load(Ordering::Acquire),
+            Ok(s) => s.load(sync::weakened(Ordering::Acquire, Mutant::SignalLoad)),
             Err(_) => 0,
         }
     }
@@ -245,8 +251,10 @@ impl ControlArea {
             self.atomic_u64(ABORT_LEN_OFF)
                 .store(cut as u64, Ordering::Relaxed);
             // SYNC POINT: Release publishes the reason words above to `aborted_by` (Acquire).
-            self.atomic_u64(ABORT_OFF)
-                .store(by as u64 + 1, Ordering::Release);
+            self.atomic_u64(ABORT_OFF).store(
+                by as u64 + 1,
+                sync::weakened(Ordering::Release, Mutant::AbortStore),
+            );
         }
         self.wake();
     }
@@ -271,12 +279,15 @@ impl ControlArea {
 
     /// Wakes every sleeper on this area's doorbell (they re-poll).
     pub fn wake(&self) {
-        // SYNC POINT (Dekker pair with the sleeper in `wait_with`): the SeqCst bump and the
-        // SeqCst load of the sleeper count, against the sleeper's SeqCst increment and the
-        // kernel's re-read of the doorbell: the sleeper sees the new value or we see it.
+        // SYNC POINT (Dekker pair with the sleeper in `wait_with`, as in `store`): the caller's
+        // earlier stores (the abort word, the departed word) and this bump come before the
+        // SeqCst fence, our look at the sleeper count after it; the sleeper counts itself, then
+        // fences, then re-reads the abort word and polls. So it sees what we wrote, or we see it
+        // and wake it; and a bump after its doorbell read makes its futex wait return at once.
         self.doorbell().fetch_add(1, Ordering::SeqCst);
-        if self.sleepers().load(Ordering::SeqCst) > 0 {
-            futex_wake(self.doorbell());
+        fence(sync::weakened(Ordering::SeqCst, Mutant::WakerFence));
+        if self.sleepers().load(Ordering::Relaxed) > 0 {
+            sync::futex_wake(self.doorbell());
         }
     }
 
@@ -339,7 +350,7 @@ impl ControlArea {
             }
             iter = iter.wrapping_add(1);
             if iter < policy.spin_iters {
-                std::hint::spin_loop();
+                sync::spin_loop();
                 continue;
             }
             let now = Instant::now();
@@ -358,7 +369,7 @@ impl ControlArea {
                 });
             }
             if now - start < policy.yield_for {
-                std::thread::yield_now();
+                sync::yield_now();
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
@@ -377,20 +388,54 @@ impl ControlArea {
             if poll().is_none() {
                 return Ok(());
             }
-            // SYNC POINT: SeqCst increment then fence, pairs with the SeqCst slot store and
-            // sleeper-count load in `store` and `wake` (see `store`).
+            // SYNC POINT: count ourselves, then the SeqCst fence that pairs with the fences in
+            // `store` and `wake` (see `store`), then look again at the slots and the abort word:
+            // a signal or an abort that came after the looks above is seen here, or its sender
+            // sees us and rings the doorbell.
             self.sleepers().fetch_add(1, Ordering::SeqCst);
-            std::sync::atomic::fence(Ordering::SeqCst);
+            fence(sync::weakened(Ordering::SeqCst, Mutant::SleeperFence));
             if poll().is_none() {
                 self.sleepers().fetch_sub(1, Ordering::SeqCst);
                 return Ok(());
             }
-            let nap = (deadline - now).min(SLEEP_CHUNK);
-            futex_wait(self.doorbell(), seq, nap);
+            if self.atomic_u64(ABORT_OFF).load(Ordering::Relaxed) == 0 {
+                let nap = (deadline - now).min(SLEEP_CHUNK);
+                sync::futex_wait(self.doorbell(), seq, nap);
+            }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
+
+/// Loom tests only: control memory for one area.
+#[cfg(all(test, loom))]
+impl ControlArea {
+    /// Model memory holding every word a control area of `num_slots` slots uses.
+    pub(crate) fn model_memory(num_slots: usize) -> sync::ModelMemory {
+        let mut u64s = vec![
+            MAGIC_OFF,
+            DEPARTED_OFF,
+            ABORT_OFF,
+            ABORT_CLAIM_OFF,
+            ABORT_LEN_OFF,
+        ];
+        u64s.extend((0..ABORT_REASON_BYTES / 8).map(|i| REASON_OFF + 8 * i));
+        u64s.extend((0..num_slots).map(|i| SLOTS_OFF + LINE * i));
+        let u32s = [
+            VERSION_OFF,
+            NUM_SLOTS_OFF,
+            PID_OFF,
+            RANK_OFF,
+            DOORBELL_OFF,
+            SLEEPERS_OFF,
+        ];
+        sync::ModelMemory::new(&u64s, &u32s)
+    }
+}
+
+#[cfg(all(test, loom))]
+#[path = "signals_loom.rs"]
+mod loom_tests;
 
 /// How long a wait busy-polls and yields before it sleeps on the futex.
 ///
@@ -472,42 +517,6 @@ const SLEEP_CHUNK: Duration = Duration::from_millis(20);
 /// How often a sleeping wait checks that every peer is alive and nobody aborted out of band.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
-        tv_nsec: timeout.subsec_nanos() as libc::c_long,
-    };
-    // SAFETY: `word` is a valid, aligned 32-bit atomic for the duration of the call; FUTEX_WAIT
-    // without FUTEX_PRIVATE_FLAG so that wakers in other processes mapping the same page reach us.
-    // Spurious returns (EAGAIN, EINTR, ETIMEDOUT) are fine: the caller re-polls.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            &ts as *const libc::timespec,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: `word` is a valid aligned 32-bit atomic; FUTEX_WAKE only reads its address.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
-}
-
 /// Heap memory for control areas and windows of in-process ranks: zeroed, 4096-byte aligned.
 pub(crate) struct AlignedBuf {
     ptr: NonNull<u8>,
@@ -548,7 +557,7 @@ impl Drop for AlignedBuf {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod policy_tests {
     use super::*;
 
@@ -604,7 +613,7 @@ mod policy_tests {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, not(loom)))]
 mod liveness_tests {
     use super::*;
 

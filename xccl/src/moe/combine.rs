@@ -184,8 +184,10 @@ impl CombineSender {
             // The record goes first: the receiver may start on the first chunk.
             let rec = Record::with_payload(epoch, count as u32, offset as u32, mode, int8);
             ctx.put_record(s, ctx.layout.record(my_index, buf), &rec)?;
+            fault_point!("e2a.record");
             if matches!(replies, Replies::Staged) {
                 ctx.signal(s, slot, progress(epoch, count))?;
+                fault_point!("e2a.signal");
                 continue;
             }
             let mut done = 0;
@@ -195,7 +197,9 @@ impl CombineSender {
                 let at = base + rows.start * stride;
                 self.fill_rows(ctx, &mut replies, int8, first, rows.len(), dst, at)?;
                 done = rows.end;
+                fault_point!("e2a.chunk");
                 ctx.signal(s, slot, progress(epoch, done))?;
+                fault_point!("e2a.signal");
                 if done == count {
                     break;
                 }
@@ -320,9 +324,12 @@ impl CombineSender {
                 )?;
                 total += info.count;
             }
+            fault_point!("e2a.chunk");
             let rec = Record::with_payload(epoch, total as u32, 0, WireMode::Push, int8);
             ctx.put_record(relay, l.relay_e2a_record(my_index, buf), &rec)?;
+            fault_point!("e2a.record");
             ctx.signal(relay, ctx.slots.e2a_ready(ctx.rank), progress(epoch, total))?;
+            fault_point!("e2a.signal");
         }
         Ok(())
     }
@@ -445,7 +452,9 @@ impl CombineReceiver {
         } else {
             ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
         }
-        ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)
+        ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        fault_point!("e2a.credit");
+        Ok(())
     }
 
     /// Receives the E2A of `sent` and writes each token's combined row into `out`
@@ -633,6 +642,7 @@ impl CombineReceiver {
         }
         for &d in experts {
             ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+            fault_point!("e2a.credit");
         }
         Ok(())
     }

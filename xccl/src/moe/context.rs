@@ -282,11 +282,11 @@ impl Context {
         what: &'static str,
         deadline: Instant,
     ) -> Result<()> {
-        let depth = self.cfg.max_in_flight as u64;
-        if epoch <= self.cfg.epoch_base + depth {
+        let Some(need) =
+            super::progress::reuse_credit(epoch, self.cfg.epoch_base, self.cfg.max_in_flight)
+        else {
             return Ok(());
-        }
-        let need = epoch - depth;
+        };
         let mut next = Instant::now() + AWAITED_CHECK_EVERY;
         let mut failure = None;
         self.wait(deadline, &mut || {

@@ -174,6 +174,7 @@ impl DispatchSender {
                  nothing was sent"
             )));
         }
+        ctx.stats.borrow_mut().dropped_slots += sent.layout.dropped() as u64;
         sent.num_tokens = num_tokens;
         sent.amax = amax;
         sent.offsets.clear();
@@ -348,6 +349,7 @@ impl DispatchSender {
             // The record goes first: receivers may start on the first chunk.
             let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8);
             ctx.put_record(d, layout.record(src_index, buf), &rec)?;
+            fault_point!("a2e.record");
             if mode == WireMode::Gather {
                 // Metadata only: the receiver gathers payloads from our registered input.
                 self.stage.resize(count * row.meta_stride, 0);
@@ -356,7 +358,9 @@ impl DispatchSender {
                 }
                 let at = layout.a2e_stage(buf) + sent.offsets[j] * row.meta_stride;
                 ctx.put(ctx.rank, at, &self.stage)?;
+                fault_point!("a2e.chunk");
                 ctx.signal(d, slot, progress(epoch, count))?;
+                fault_point!("a2e.signal");
                 continue;
             }
             let (dst, base) = match mode {
@@ -379,7 +383,9 @@ impl DispatchSender {
                     ctx.put(dst, at, &self.stage)?;
                 }
                 done = rows.end;
+                fault_point!("a2e.chunk");
                 ctx.signal(d, slot, progress(epoch, done))?;
+                fault_point!("a2e.signal");
                 if done == count {
                     break;
                 }
@@ -414,6 +420,7 @@ impl DispatchSender {
         let count = plan_rows.total_entries();
         let rec = Record::with_payload(epoch, count as u32, 0, WireMode::Push, int8);
         ctx.put_record(relay, layout.record(src_index, buf), &rec)?;
+        fault_point!("a2e.record");
         let slot = ctx.slots.a2e_ready(ctx.rank);
         let stride = layout.a2e.stride_for(int8);
         let base = layout.relay_a2e(m, buf);
@@ -432,7 +439,9 @@ impl DispatchSender {
                 ctx.put(relay, at, &self.stage)?;
             }
             done = rows.end;
+            fault_point!("a2e.chunk");
             ctx.signal(relay, slot, progress(epoch, done))?;
+            fault_point!("a2e.signal");
             if done == count {
                 return Ok(());
             }
@@ -977,11 +986,13 @@ impl DispatchReceiver {
         if let Some(plan) = ctx.topo.relay_plan() {
             for &r in plan.relays() {
                 ctx.signal(r, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+                fault_point!("a2e.credit");
             }
             return Ok(());
         }
         for &src in ctx.attention() {
             ctx.signal(src, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+            fault_point!("a2e.credit");
         }
         Ok(())
     }

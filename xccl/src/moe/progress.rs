@@ -61,6 +61,15 @@ impl Progress {
     }
 }
 
+/// The credit a sender needs from every receiver before the call of `epoch` reuses its buffer
+/// (`epoch % max_in_flight`): `epoch - max_in_flight`, the call that used the buffer last. `None`
+/// for the first `max_in_flight` calls after `epoch_base`, whose buffers are fresh. Credits hold
+/// full 64-bit epochs and are compared as plain integers.
+pub fn reuse_credit(epoch: u64, epoch_base: u64, max_in_flight: usize) -> Option<u64> {
+    let depth = max_in_flight as u64;
+    (epoch > epoch_base + depth).then(|| epoch - depth)
+}
+
 /// Rows per progress signal for rows of `stride` bytes and chunks of about `chunk_bytes`.
 pub fn chunk_rows(stride: usize, chunk_bytes: usize) -> usize {
     (chunk_bytes / stride.max(1)).max(1)
@@ -85,6 +94,14 @@ mod tests {
         assert_eq!(Progress::of(progress(4, 0), 3).rows(9), 9);
         assert_eq!(Progress::Rows(12).rows(9), 9);
         assert!(progress(2, MAX_PROGRESS_ROWS) < progress(3, 0));
+    }
+
+    #[test]
+    fn only_calls_past_the_first_max_in_flight_wait_for_the_credit_of_their_buffers_last_call() {
+        assert_eq!(reuse_credit(11, 10, 2), None);
+        assert_eq!(reuse_credit(12, 10, 2), None);
+        assert_eq!(reuse_credit(13, 10, 2), Some(11));
+        assert_eq!(reuse_credit(14, 10, 1), Some(13));
     }
 
     #[test]

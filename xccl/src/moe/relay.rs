@@ -324,6 +324,7 @@ impl Relay {
                 ctx.slots.a2e_ready(ctx.rank),
                 progress(epoch, total as usize),
             )?;
+            fault_point!("relay.header");
         }
         // The members' rows are out of this rank's areas: their buffers may be reused.
         for &ai in members {
@@ -473,6 +474,7 @@ impl Relay {
             let rec = Record::with_payload(epoch, t as u32, 0, WireMode::Push, int8);
             ctx.put_record(a, l.record(my_index, buf), &rec)?;
             ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, t))?;
+            fault_point!("relay.reply");
             ctx.stats.borrow_mut().relay_rows_forwarded += t as u64;
         }
         for &d in experts {
@@ -701,6 +703,7 @@ fn forward_rows(
         }
         let part = &scratch[(lo - rows.start) * stride..(hi - rows.start) * stride];
         ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
+        fault_point!("relay.forward");
         ctx.stats.borrow_mut().relay_rows_forwarded += (hi - lo) as u64;
     }
     Ok(())

@@ -66,6 +66,8 @@ pub struct DispatchLayout {
     slot_start: Vec<usize>,
     /// Scratch: next free entry per destination while filling.
     cursor: Vec<usize>,
+    /// Slots that selected an expert without a replica ([`Topology::is_orphaned`]), dropped.
+    dropped: usize,
 }
 
 impl DispatchLayout {
@@ -178,6 +180,7 @@ impl DispatchLayout {
         self.mask_words = mask_words;
         self.k = k;
         self.num_tokens = num_tokens;
+        self.dropped = 0;
 
         // Pass 1: route, sort and merge each token's slots; count entries per destination
         // (counts land in dest_start[d + 1] for the prefix sum).
@@ -191,6 +194,10 @@ impl DispatchLayout {
             for s in 0..k {
                 let id = topk_idx[t * k + s];
                 if id == -1 {
+                    continue;
+                }
+                if topo.is_orphaned(id as usize) {
+                    self.dropped += 1;
                     continue;
                 }
                 let (dst, local) = topo.route_from_index(attention_index, id as usize);
@@ -253,6 +260,12 @@ impl DispatchLayout {
     /// Number of destination ranks the layout covers (the topology's world size).
     pub fn world_size(&self) -> usize {
         self.dest_start.len().saturating_sub(1)
+    }
+
+    /// Expert selections the layout dropped because their expert has no replica left after a
+    /// shrink ([`Topology::is_orphaned`]).
+    pub fn dropped(&self) -> usize {
+        self.dropped
     }
 
     /// Number of source tokens of the call.
@@ -703,5 +716,23 @@ mod tests {
             got.sort_unstable();
             prop_assert_eq!(got, want);
         }
+    }
+
+    #[test]
+    fn selections_of_an_orphaned_expert_are_dropped_and_counted() {
+        let t = TopologyBuilder::contiguous(1, 2, 4)
+            .build()
+            .unwrap()
+            .shrink(&[2], true)
+            .unwrap()
+            .topology;
+        // Experts 2 and 3 lived on the dead rank 2.
+        let idx = [0, 2, 3, 1, -1, 3];
+        let w = [0.5f32; 6];
+        let l = DispatchLayout::build(&t, 0, 3, &idx, &w, 2).unwrap();
+        assert_eq!(l.dropped(), 3);
+        assert_eq!(l.count(1), 2, "tokens 0 and 1 still reach expert rank 1");
+        let tokens: Vec<usize> = l.entries(1).map(|e| l.token(e)).collect();
+        assert_eq!(tokens, vec![0, 1]);
     }
 }

@@ -45,6 +45,9 @@ pub struct Stats {
     /// Rows this rank forwarded as a relay (A2E rows to final expert ranks and reduced E2A rows
     /// to attention ranks).
     pub relay_rows_forwarded: u64,
+    /// Expert selections (`topk_idx` entries) this attention rank dropped because their expert
+    /// has no replica left after a shrink with `ShrinkOptions::drop_orphaned_experts`.
+    pub dropped_slots: u64,
     /// Per global rank (this rank's own entry counts writes into its own window).
     pub peers: Vec<PeerStats>,
 }
@@ -74,6 +77,7 @@ impl Stats {
         self.records_written += o.records_written;
         self.records_polled += o.records_polled;
         self.relay_rows_forwarded += o.relay_rows_forwarded;
+        self.dropped_slots += o.dropped_slots;
         if self.peers.len() < o.peers.len() {
             self.peers.resize(o.peers.len(), PeerStats::default());
         }

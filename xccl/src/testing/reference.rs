@@ -164,6 +164,9 @@ pub fn expected_dispatch(topo: &Topology, inputs: &[RankInput]) -> Vec<ExpertRan
         );
         for t in 0..input.num_tokens {
             for (expert, weight) in input.merged_row(t, topo.num_experts()) {
+                if topo.is_orphaned(expert) {
+                    continue; // dropped by the sender, counted there
+                }
                 let (dst, local) = topo.route(input.rank, expert);
                 let index = topo.expert_index(dst).expect("route gives an expert rank");
                 out[index].per_local_expert[local].push((input.rank as u32, t as u32, weight));
@@ -180,7 +183,8 @@ pub type ExpertFn<'a> = dyn Fn(usize, &[f32], &mut [f32]) + 'a;
 /// What attention rank `input.rank` gets back from combine: for each token `t`,
 /// `out[t] = sum over distinct experts e of w(t, e) * expert_fn(e, x[t])`, with `w(t, e)` the sum of
 /// the weights of the slots selecting `e`. Computed in f64, returned as f32 (`[T, hidden]`
-/// row-major). The result does not depend on the placement; `topo` only bounds the expert ids.
+/// row-major). The result does not depend on the placement; `topo` only bounds the expert ids
+/// and names the experts without a replica after a shrink, whose selections contribute nothing.
 ///
 /// # Panics
 ///
@@ -214,6 +218,9 @@ pub fn expected_combine(
                 input.rank,
                 topo.num_experts()
             );
+            if topo.is_orphaned(id as usize) {
+                continue;
+            }
             let w = f64::from(input.topk_weights[t * input.k + s]);
             match row.iter_mut().find(|(e, _)| *e == id as usize) {
                 Some(entry) => entry.1 += w,
@@ -339,6 +346,9 @@ pub fn expected_combine_quant<T: Element>(
         type Locals = Vec<(usize, usize, f32)>;
         let mut per_rank: Vec<(usize, Locals)> = Vec::new();
         for (expert, w) in input.merged_row(t, topo.num_experts()) {
+            if topo.is_orphaned(expert) {
+                continue; // dropped by the sender: no contribution
+            }
             let (dst, local) = topo.route(input.rank, expert);
             match per_rank.iter_mut().find(|(d, _)| *d == dst) {
                 Some((_, list)) => list.push((local, expert, w)),
