@@ -32,6 +32,9 @@ pub mod capi;
 pub mod comm;
 pub mod error;
 pub mod fabric;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod moe;
 mod sync;
 #[cfg(any(test, feature = "testing"))]

@@ -26,7 +26,7 @@ pub mod root;
 mod tcp;
 mod thread;
 mod unique_id;
-mod wire;
+pub(crate) mod wire;
 
 pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
 pub use generation::{generation_job_id, Generation};

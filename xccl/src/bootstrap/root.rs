@@ -15,7 +15,11 @@
 //! a rank contributing the other kind to it is dropped.
 //!
 //! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
-//! ERROR frame and a closed connection; the job goes on. A rank that sends a malformed frame is
+//! ERROR frame and a closed connection; the job goes on. Every rejection is logged at `warn` and
+//! listed in [`RootReport::rejected`]. A connection has [`RootConfig::hello_timeout`] to say
+//! hello, and at most 256 connections may be waiting to (a new one closes the oldest), so idle
+//! or half-open connections cost one thread each for a bounded time and never lock the ranks
+//! out. A rank that sends a malformed frame is
 //! dropped from the job, and the ranks waiting on a round it can no longer join are told so.
 //! The coordinator exits when every rank has joined and left, when no rank has been connected for
 //! [`RootConfig::idle_timeout`], or when [`RootHandle::shutdown`] asks it to.
@@ -107,11 +111,15 @@ impl RootHandle {
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = mpsc::channel();
         let acceptor = {
-            let stop = stop.clone();
-            let hello_timeout = config.hello_timeout;
+            let intake = Intake {
+                tx,
+                stop: stop.clone(),
+                hello_timeout: config.hello_timeout,
+                job_id: config.job_id,
+            };
             std::thread::Builder::new()
                 .name("xccl-root-accept".into())
-                .spawn(move || accept_loop(listener, tx, stop, hello_timeout))
+                .spawn(move || accept_loop(listener, intake))
                 .map_err(|e| Error::os("spawning the bootstrap acceptor thread", e))?
         };
         let thread = {
@@ -192,14 +200,61 @@ enum Event {
     Rejected { peer: SocketAddr, reason: String },
 }
 
-fn accept_loop(
-    listener: TcpListener,
+/// Most connections that may be waiting to say hello at once. When one more arrives, the oldest
+/// waiting connection is closed, so a flood of idle connections neither exhausts the root's
+/// threads nor locks the real ranks out (they say hello at once).
+pub(crate) const MAX_PENDING_HELLOS: usize = 256;
+
+/// Connections that have not said hello yet, oldest first: `(conn, a clone of its socket)`.
+type PendingList = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>>;
+
+/// Removes a connection from the pending list when it says hello or ends.
+struct Pending {
+    conn: u64,
+    list: PendingList,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|(c, _)| *c != self.conn);
+    }
+}
+
+/// What the acceptor and the readers of connections that have not said hello share: the
+/// channel to the coordinator and the root's settings.
+#[derive(Clone)]
+struct Intake {
     tx: Sender<Event>,
     stop: Arc<AtomicBool>,
     hello_timeout: Duration,
-) {
+    job_id: u64,
+}
+
+impl Intake {
+    /// Logs a connection rejected before its hello (`warn`) and reports it to the coordinator.
+    /// Logged here, not by the coordinator, so a stranger is logged even after the job is over.
+    fn reject(&self, peer: SocketAddr, reason: String) {
+        tracing::warn!(
+            job = %format_args!("{:016x}", self.job_id),
+            "bootstrap root: {peer}: {reason}"
+        );
+        let _ = self.tx.send(Event::Rejected { peer, reason });
+    }
+
+    /// [`Intake::reject`], then tells the peer why and closes the connection.
+    fn reject_and_drain(&self, stream: &mut TcpStream, peer: SocketAddr, reason: String) {
+        let text = reason.clone();
+        self.reject(peer, reason);
+        reject_and_drain(stream, &text, &self.stop);
+    }
+}
+
+fn accept_loop(listener: TcpListener, intake: Intake) {
+    let stop = &intake.stop;
     use nix::poll::{poll, PollFd, PollFlags};
     let mut next_conn = 0u64;
+    let pending: PendingList = Arc::default();
     // SYNC POINT: pairs with the Release store in `RootHandle::shutdown` / the coordinator exit.
     while !stop.load(Ordering::Acquire) {
         let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
@@ -217,11 +272,28 @@ fn accept_loop(
                 Ok((stream, peer)) => {
                     let conn = next_conn;
                     next_conn += 1;
-                    let tx = tx.clone();
-                    let stop = stop.clone();
+                    let waiting = match wait_for_hello(&pending, conn, &stream) {
+                        Ok((waiting, evicted)) => {
+                            if let Some(old) = evicted {
+                                intake.reject(
+                                    old,
+                                    format!(
+                                        "closed without a hello: {MAX_PENDING_HELLOS} newer \
+                                         connections were waiting to say hello"
+                                    ),
+                                );
+                            }
+                            waiting
+                        }
+                        Err(e) => {
+                            intake.reject(peer, format!("cannot clone the socket: {e}"));
+                            continue;
+                        }
+                    };
+                    let intake = intake.clone();
                     let spawned = std::thread::Builder::new()
                         .name("xccl-root-conn".into())
-                        .spawn(move || conn_reader(conn, stream, peer, tx, stop, hello_timeout));
+                        .spawn(move || conn_reader(conn, stream, peer, intake, waiting));
                     if spawned.is_err() {
                         // Out of threads: the connection is dropped (closed) and the peer retries
                         // or times out; the root itself goes on.
@@ -234,6 +306,31 @@ fn accept_loop(
             }
         }
     }
+}
+
+/// Adds connection `conn` to the pending list; when the list is full, first closes its oldest
+/// connection (whose reader then ends) and returns that one's peer address.
+fn wait_for_hello(
+    pending: &PendingList,
+    conn: u64,
+    stream: &TcpStream,
+) -> std::io::Result<(Pending, Option<SocketAddr>)> {
+    let clone = stream.try_clone()?;
+    let mut list = pending.lock().unwrap_or_else(|e| e.into_inner());
+    let mut evicted = None;
+    if list.len() >= MAX_PENDING_HELLOS {
+        if let Some((_, old)) = list.pop_front() {
+            evicted = old.peer_addr().ok();
+            let _ = old.shutdown(Shutdown::Both);
+        }
+    }
+    list.push_back((conn, clone));
+    drop(list);
+    let waiting = Pending {
+        conn,
+        list: pending.clone(),
+    };
+    Ok((waiting, evicted))
 }
 
 /// Sends an error frame to a peer that is being rejected, half-closes the connection, and drains
@@ -270,68 +367,53 @@ fn conn_reader(
     conn: u64,
     mut stream: TcpStream,
     peer: SocketAddr,
-    tx: Sender<Event>,
-    stop: Arc<AtomicBool>,
-    hello_timeout: Duration,
+    intake: Intake,
+    waiting: Pending,
 ) {
     let setup = stream
         .set_nonblocking(false)
         .and_then(|()| stream.set_read_timeout(Some(READ_TICK)));
     if let Err(e) = setup {
-        let _ = tx.send(Event::Rejected {
-            peer,
-            reason: format!("socket setup failed: {e}"),
-        });
+        intake.reject(peer, format!("socket setup failed: {e}"));
         return;
     }
     wire::tune(&stream);
+    let Intake {
+        ref tx,
+        ref stop,
+        hello_timeout,
+        ..
+    } = intake;
     let deadline = Instant::now() + hello_timeout;
-    let hello = match wire::read_frame(&mut stream, Some(deadline), &stop, 0, &|k| k == Kind::Hello)
+    let hello = match wire::read_frame(&mut stream, Some(deadline), stop, 0, &|k| k == Kind::Hello)
     {
         Ok(frame) => wire::decode_hello(&frame.payload),
         Err(ReadError::Stopped) => return,
         Err(ReadError::Eof) => {
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: "closed the connection before saying hello".into(),
-            });
+            intake.reject(peer, "closed the connection before saying hello".into());
             return;
         }
         Err(ReadError::Timeout) => {
             let reason = format!("no hello within {hello_timeout:?}");
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: reason.clone(),
-            });
-            reject_and_drain(&mut stream, &reason, &stop);
+            intake.reject_and_drain(&mut stream, peer, reason);
             return;
         }
         Err(e) => {
             let reason = format!("rejected before hello: {e}");
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: reason.clone(),
-            });
-            reject_and_drain(&mut stream, &reason, &stop);
+            intake.reject_and_drain(&mut stream, peer, reason);
             return;
         }
     };
     let Some((job_id, rank, size)) = hello else {
-        let reason = "malformed hello".to_string();
-        let _ = tx.send(Event::Rejected {
-            peer,
-            reason: reason.clone(),
-        });
-        reject_and_drain(&mut stream, &reason, &stop);
+        intake.reject_and_drain(&mut stream, peer, "malformed hello".into());
         return;
     };
+    // Said hello (or rejected below): no longer counts against the pending cap.
+    drop(waiting);
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
-            let _ = tx.send(Event::Rejected {
-                peer,
-                reason: format!("cannot clone the socket: {e}"),
-            });
+            intake.reject(peer, format!("cannot clone the socket: {e}"));
             return;
         }
     };
@@ -353,7 +435,7 @@ fn conn_reader(
         )
     };
     loop {
-        match wire::read_frame(&mut stream, None, &stop, 0, &allowed) {
+        match wire::read_frame(&mut stream, None, stop, 0, &allowed) {
             Ok(frame) => {
                 if tx.send(Event::Frame { conn, frame }).is_err() {
                     return;
@@ -368,7 +450,7 @@ fn conn_reader(
                     protocol,
                 });
                 if protocol {
-                    drain(&mut stream, &stop);
+                    drain(&mut stream, stop);
                 }
                 return;
             }
@@ -497,9 +579,7 @@ impl Coordinator {
             } => {
                 if let Some(&rank) = self.conns.get(&conn) {
                     if protocol {
-                        self.report
-                            .rejected
-                            .push(format!("rank {rank} dropped: {reason}"));
+                        self.note_rejected(format!("rank {rank} dropped: {reason}"));
                         self.drop_rank(
                             rank,
                             format!("dropped by the root: {reason}"),
@@ -510,6 +590,7 @@ impl Coordinator {
                     }
                 }
             }
+            // Logged where it was rejected.
             Event::Rejected { peer, reason } => {
                 self.report.rejected.push(format!("{peer}: {reason}"));
             }
@@ -530,7 +611,7 @@ impl Coordinator {
             let _ = wire::write_frame(&mut stream, Kind::Error, 0, reason.as_bytes());
             // The reader keeps draining the connection until the peer closes it.
             let _ = stream.shutdown(Shutdown::Write);
-            self.report.rejected.push(format!("{peer}: {reason}"));
+            self.note_rejected(format!("{peer}: {reason}"));
             return;
         }
         // `admit` checked that both fit in `usize` and that `rank < size`.
@@ -564,8 +645,14 @@ impl Coordinator {
                 self.cfg.job_id
             ));
         }
-        let Ok(size) = usize::try_from(size) else {
-            return Err(format!("world size {size} is too large"));
+        let size = match usize::try_from(size) {
+            Ok(s) if s <= wire::MAX_WORLD => s,
+            _ => {
+                return Err(format!(
+                    "world size {size} is too large (a root serves at most {} ranks)",
+                    wire::MAX_WORLD
+                ))
+            }
         };
         if size == 0 {
             return Err("world size 0".into());
@@ -644,9 +731,7 @@ impl Coordinator {
                     ""
                 }
             );
-            self.report
-                .rejected
-                .push(format!("rank {rank} dropped: {detail}"));
+            self.note_rejected(format!("rank {rank} dropped: {detail}"));
             self.drop_rank(
                 rank,
                 format!("dropped by the root: {detail}"),
@@ -733,6 +818,12 @@ impl Coordinator {
                 self.send(r, Kind::Failed, self.round, &payload);
             }
         }
+    }
+
+    /// Records a rejected connection or dropped rank in the report and logs it (`warn`).
+    fn note_rejected(&mut self, line: String) {
+        tracing::warn!(job = %format_args!("{:016x}", self.cfg.job_id), "bootstrap root: {line}");
+        self.report.rejected.push(line);
     }
 
     /// Writes a frame to `rank` if it is connected; a failed write drops the rank.

@@ -109,9 +109,10 @@ impl TcpBootstrap {
     /// the hello and waits for the root to accept it. Returns once this rank is accepted; the
     /// other ranks may still be on their way (the first collective waits for them).
     ///
-    /// Errors: [`Error::InvalidArgument`] for `rank >= size`; [`Error::Bootstrap`] when the root
-    /// rejects the hello (wrong job id or world size, duplicate rank); [`Error::Timeout`] (with
-    /// `peer` 0, the conventional root host) when the root cannot be reached in time.
+    /// Errors: [`Error::InvalidArgument`] for `rank >= size` or a world size above 65,536;
+    /// [`Error::Bootstrap`] when the root rejects the hello (wrong job id or world size,
+    /// duplicate rank); [`Error::Timeout`] (with `peer` 0, the conventional root host) when the
+    /// root cannot be reached in time.
     pub fn connect(id: &UniqueId, rank: usize, size: usize, timeout: Duration) -> Result<Self> {
         Self::connect_to(id.root_addr(), id.job_id(), rank, size, timeout, None)
     }
@@ -129,6 +130,12 @@ impl TcpBootstrap {
         if size == 0 || rank >= size {
             return Err(Error::invalid(format!(
                 "rank {rank} is out of range for world size {size}"
+            )));
+        }
+        if size > wire::MAX_WORLD {
+            return Err(Error::invalid(format!(
+                "world size {size} is too large for the TCP bootstrap (at most {})",
+                wire::MAX_WORLD
             )));
         }
         let start = Instant::now();
@@ -841,6 +848,31 @@ mod tests {
         run_ranks(&id, 2, 0..2, |b| b.barrier(LONG).unwrap());
         let report = root.join();
         assert_eq!(report.rejected.len(), 1, "{report:?}");
+    }
+
+    #[test]
+    fn a_flood_of_idle_connections_does_not_lock_the_ranks_out() {
+        use crate::bootstrap::root::MAX_PENDING_HELLOS;
+        let mut cfg = RootConfig::new(random_job_id());
+        cfg.idle_timeout = Duration::from_secs(5);
+        let (id, root) = UniqueId::start_root(localhost(), cfg).unwrap();
+        let extra = 10;
+        let idle: Vec<TcpStream> = (0..MAX_PENDING_HELLOS + extra)
+            .map(|_| TcpStream::connect(id.root_addr()).unwrap())
+            .collect();
+        // Each newcomer closes the oldest idle connection; the ranks say hello at once.
+        let all = run_ranks(&id, 2, 0..2, |b| {
+            b.allgather(&[b.rank() as u8], LONG).unwrap()
+        });
+        assert!(all.iter().all(|a| *a == vec![vec![0], vec![1]]));
+        drop(idle);
+        let report = root.join();
+        let evicted = report
+            .rejected
+            .iter()
+            .filter(|r| r.contains("newer connections were waiting"))
+            .count();
+        assert_eq!(evicted, extra + 2, "{:?}", report.rejected);
     }
 
     #[test]

@@ -13,7 +13,9 @@
 //!
 //! The reader checks the magic as soon as its 4 bytes arrive, so a stranger speaking another
 //! protocol is rejected without waiting for a full header. Payload lengths are bounded per kind
-//! ([`max_payload`]), so a malformed length can never make a peer allocate gigabytes.
+//! ([`max_payload`]), so a malformed length can never make a peer allocate gigabytes; within the
+//! bound, the payload buffer grows only as bytes arrive ([`PAYLOAD_STEP`]), so a length field alone
+//! never makes the reader allocate more than twice what the peer actually sent (plus one step).
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -34,6 +36,10 @@ pub(crate) const MAX_CONTROL: usize = 1 << 20;
 pub(crate) const MAX_TEXT: usize = 4096;
 /// Payload length of a HELLO frame: job id, rank, size, each a u64.
 pub(crate) const HELLO_LEN: usize = 24;
+/// Largest world size a root accepts in a hello: its per-rank state is allocated from the size.
+pub(crate) const MAX_WORLD: usize = 1 << 16;
+/// Bytes a payload buffer starts with; it grows (doubling) only as the bytes arrive.
+pub(crate) const PAYLOAD_STEP: usize = 64 << 10;
 /// How often blocking reads wake up to look at their stop flag.
 pub(crate) const READ_TICK: Duration = Duration::from_millis(100);
 
@@ -151,10 +157,11 @@ enum Fill {
     Eof(usize),
 }
 
-/// Fills `buf` from `stream`, whose read timeout must be set (to [`READ_TICK`]); between ticks
-/// it checks `stop` and `deadline`, so it never blocks for longer than one tick past either.
+/// Fills `buf` from `stream`, whose read timeout must be set (to [`READ_TICK`]) if it is a
+/// socket; between ticks it checks `stop` and `deadline`, so it never blocks for longer than one
+/// tick past either. (Any reader works: the fuzz targets read frames from byte slices.)
 fn fill(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     buf: &mut [u8],
     deadline: Option<Instant>,
     stop: &AtomicBool,
@@ -187,7 +194,7 @@ fn fill(
 /// Reads one frame. `result_max` bounds RESULT payloads; `allowed` rejects kinds the reader does
 /// not expect (e.g. a rank sending RESULT to the root).
 pub(crate) fn read_frame(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     deadline: Option<Instant>,
     stop: &AtomicBool,
     result_max: u64,
@@ -226,18 +233,50 @@ pub(crate) fn read_frame(
             "{kind:?} frame of {len} bytes exceeds the limit of {max}"
         )));
     }
-    // `len <= max`, and every max fits in memory on the platforms we build for.
     let len = usize::try_from(len)
         .map_err(|_| ReadError::Malformed(format!("frame length {len} too large")))?;
-    let mut payload = vec![0u8; len];
-    if let Fill::Eof(_) = fill(stream, &mut payload, deadline, stop)? {
-        return Err(ReadError::Malformed(format!("truncated {kind:?} payload")));
-    }
+    let payload = read_payload(stream, len, deadline, stop).map_err(|e| match e {
+        PayloadError::Truncated(got) => ReadError::Malformed(format!(
+            "truncated {kind:?} payload: {got} of {len} bytes before the connection closed"
+        )),
+        PayloadError::Read(e) => e,
+    })?;
     Ok(Frame {
         kind,
         round,
         payload,
     })
+}
+
+/// Why a payload could not be read.
+enum PayloadError {
+    /// The peer closed the connection after this many payload bytes.
+    Truncated(usize),
+    /// Timeout, stop flag or an OS error.
+    Read(ReadError),
+}
+
+/// Reads `len` payload bytes. The buffer starts at [`PAYLOAD_STEP`] bytes and at most doubles
+/// per step as the bytes arrive, so its capacity stays below twice the bytes received plus one
+/// step, whatever `len` the peer claimed.
+fn read_payload(
+    stream: &mut impl Read,
+    len: usize,
+    deadline: Option<Instant>,
+    stop: &AtomicBool,
+) -> Result<Vec<u8>, PayloadError> {
+    let mut payload = Vec::with_capacity(len.min(PAYLOAD_STEP));
+    while payload.len() < len {
+        let have = payload.len();
+        let step = (len - have).min(have.max(PAYLOAD_STEP));
+        payload.resize(have + step, 0);
+        match fill(stream, &mut payload[have..], deadline, stop) {
+            Ok(Fill::Done) => {}
+            Ok(Fill::Eof(got)) => return Err(PayloadError::Truncated(have + got)),
+            Err(e) => return Err(PayloadError::Read(e)),
+        }
+    }
+    Ok(payload)
 }
 
 /// Writes one frame. A write that fails or times out half-way leaves the stream unusable; the
@@ -406,6 +445,91 @@ pub(crate) fn tune(stream: &TcpStream) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::TcpListener;
+
+    /// A connected pair of localhost TCP streams; the second reads with [`READ_TICK`] ticks.
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        b.set_read_timeout(Some(READ_TICK)).unwrap();
+        (a, b)
+    }
+
+    /// A frame header of `kind` claiming `len` payload bytes.
+    fn header(kind: Kind, len: u64) -> Vec<u8> {
+        let mut h = Vec::from(MAGIC);
+        h.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h.extend_from_slice(&(kind as u16).to_le_bytes());
+        h.extend_from_slice(&0u64.to_le_bytes());
+        h.extend_from_slice(&len.to_le_bytes());
+        h
+    }
+
+    fn read(b: &mut TcpStream) -> Result<Frame, ReadError> {
+        let deadline = Some(Instant::now() + Duration::from_secs(5));
+        read_frame(b, deadline, &AtomicBool::new(false), 0, &|_| true)
+    }
+
+    fn malformed(r: Result<Frame, ReadError>) -> String {
+        match r {
+            Err(ReadError::Malformed(m)) => m,
+            other => panic!("expected a protocol error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_4_gib_length_claim_is_rejected_from_the_header_alone() {
+        for kind in [Kind::Hello, Kind::Data, Kind::Abort] {
+            let (mut a, mut b) = pair();
+            // The header only: the rejection must not wait for (or allocate) a payload.
+            a.write_all(&header(kind, 4 << 30)).unwrap();
+            let m = malformed(read(&mut b));
+            assert!(m.contains("4294967296 bytes exceeds the limit"), "{m}");
+        }
+    }
+
+    #[test]
+    fn a_payload_cut_short_is_reported_with_the_bytes_received() {
+        let (mut a, mut b) = pair();
+        a.write_all(&header(Kind::Data, MAX_BLOB as u64)).unwrap();
+        a.write_all(&[7u8; 100_000]).unwrap();
+        a.shutdown(std::net::Shutdown::Write).unwrap();
+        let m = malformed(read(&mut b));
+        assert!(
+            m.contains("truncated Data payload: 100000 of 16777216 bytes"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_truncated_header_is_malformed_and_a_clean_close_is_eof() {
+        let (mut a, mut b) = pair();
+        a.write_all(&header(Kind::Data, 1)[..10]).unwrap();
+        a.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(malformed(read(&mut b)).contains("truncated frame header"));
+        let (a, mut b) = pair();
+        drop(a);
+        assert!(matches!(read(&mut b), Err(ReadError::Eof)));
+    }
+
+    #[test]
+    fn a_large_payload_grows_its_buffer_only_as_it_arrives() {
+        let (mut a, mut b) = pair();
+        let len = 5 * PAYLOAD_STEP + 123;
+        let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let writer = std::thread::spawn(move || {
+            a.write_all(&header(Kind::Data, len as u64)).unwrap();
+            for piece in body.chunks(10_000) {
+                a.write_all(piece).unwrap();
+            }
+            body
+        });
+        let frame = read(&mut b).unwrap();
+        let body = writer.join().unwrap();
+        assert_eq!(frame.payload, body);
+        assert!(frame.payload.capacity() <= 2 * len + PAYLOAD_STEP);
+    }
 
     #[test]
     fn blobs_round_trip_and_reject_truncation() {

@@ -25,7 +25,7 @@
 
 #![allow(non_camel_case_types, non_snake_case)]
 
-mod config;
+pub(crate) mod config;
 mod init;
 mod moe;
 

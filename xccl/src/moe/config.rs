@@ -42,6 +42,10 @@ impl TransferMode {
     }
 }
 
+/// Largest [`MoeConfig::window_bound`] a config may have: far above any window the 16 GiB
+/// limit of `validate` lets through, far below where the layout's arithmetic could overflow.
+const WINDOW_BOUND_LIMIT: u128 = 1 << 56;
+
 /// Most microbatches a communicator lets be in flight ([`MoeConfig::max_in_flight`]).
 pub const MAX_IN_FLIGHT: usize = 8;
 
@@ -166,6 +170,16 @@ impl MoeConfig {
                 self.max_in_flight
             )));
         }
+        // An upper bound of every window, in u128, before the layout is computed in usize: a
+        // huge hidden size or token count would overflow that computation (found by the
+        // `config` fuzz target: `hidden * dtype size` wrapped around).
+        let bound = self.window_bound(topo);
+        if bound > WINDOW_BOUND_LIMIT {
+            return Err(Error::invalid(format!(
+                "the windows could need up to {bound} bytes (limit {WINDOW_BOUND_LIMIT}); lower \
+                 max_tokens_per_rank, hidden, topk or max_in_flight"
+            )));
+        }
         let layout = WindowLayout::new(topo, self);
         for r in 0..topo.world_size() {
             if layout.window_len(r) > (u32::MAX as usize) * 16 {
@@ -176,6 +190,24 @@ impl MoeConfig {
             }
         }
         Ok(())
+    }
+
+    /// An upper bound of any rank's window bytes, computed without overflow: every region
+    /// (records, staging, receive, reply, relay areas) of every buffer holds at most
+    /// `max_tokens * (M + 1) * (topk + 1)` rows of at most `4 * hidden + 64 + 8 * mask_words +
+    /// 4 * topk` bytes (padding included), plus a page of rounding each.
+    fn window_bound(&self, topo: &Topology) -> u128 {
+        let w = |v: usize| v as u128;
+        let row = 4 * w(self.hidden) + 64 + 8 * w(topo.mask_words()) + 4 * w(self.topk);
+        let rows = w(self.max_tokens_per_rank)
+            .saturating_mul(w(topo.attention_ranks().len()) + 1)
+            .saturating_mul(w(self.topk) + 1);
+        let regions = 8 * (w(topo.world_size()) + 4);
+        // Saturating: three factors near 2^64 overflow even u128 (the `config` fuzz target's
+        // second crash).
+        w(self.max_in_flight)
+            .saturating_mul(regions)
+            .saturating_mul(rows.saturating_mul(row).saturating_add(4096))
     }
 
     /// Rows an expert rank receives from one attention rank per call at most
@@ -262,6 +294,31 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    /// Found by the `config` fuzz target: `hidden * dtype size` overflowed inside the layout
+    /// (a panic with overflow checks, a wrapped, too small layout without).
+    #[test]
+    fn sizes_whose_window_arithmetic_would_overflow_are_rejected() {
+        let topo = Topology::contiguous(2, 3, 16).unwrap();
+        for bad in [
+            MoeConfig::new(usize::MAX / 2 + 3, DType::BF16, 2, 4),
+            MoeConfig::new(1 << 40, DType::F32, 2, 4),
+            MoeConfig::new(8, DType::F32, usize::MAX / 4, 4),
+            MoeConfig::new(1 << 24, DType::F32, 1 << 20, MAX_PROGRESS_ROWS),
+            // Found by the fuzzer in the first version of the bound: hidden and topk near
+            // 2^64 overflowed its u128 product.
+            MoeConfig::new(usize::MAX, DType::F32, usize::MAX, MAX_PROGRESS_ROWS),
+        ] {
+            match bad.validate(&topo) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("byte"), "{m}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        // A large token count with a modest row still passes.
+        MoeConfig::new(8, DType::F32, 2, 1 << 20)
+            .validate(&topo)
+            .unwrap();
     }
 
     #[test]

@@ -92,7 +92,7 @@ impl Record {
         r
     }
 
-    fn expected_check(&self) -> u32 {
+    pub(crate) fn expected_check(&self) -> u32 {
         let mut h = Fnv::new();
         h.u64(self.epoch);
         h.u64(u64::from(self.count) | u64::from(self.offset) << 32);

@@ -17,7 +17,8 @@
 //! - The same expert appearing twice in a row is merged into one bit; its weights are summed in f32
 //!   in slot order.
 //! - Gating weights must be finite: a NaN or infinite weight of a selected expert is rejected
-//!   (naming the token and slot), since it would silently poison the combined row. Negative and
+//!   (naming the token and slot), since it would silently poison the combined row; so is an
+//!   expert selected twice whose weights sum to infinity. Negative and
 //!   zero weights are accepted and used as given (some routers produce them); the weight of a
 //!   `-1` slot is ignored.
 //! - Within a destination, entries are in ascending source-token order. Within an entry, the
@@ -96,7 +97,8 @@ impl DispatchLayout {
     /// [`Error::InvalidArgument`] if `src_rank` is not an attention rank, `topk_idx` or
     /// `topk_weights` does not have `num_tokens * k` elements, `num_tokens` does not fit in a `u32`,
     /// or an expert id other than `-1` is outside `0..num_experts` (the message names the token, the
-    /// slot and the id). On error `self` is left unchanged.
+    /// slot and the id), or a selected expert's weight (or the sum of the weights of an expert
+    /// selected twice) is not finite. On error `self` is left unchanged.
     pub fn build_into(
         &mut self,
         topo: &Topology,
@@ -148,6 +150,27 @@ impl DispatchLayout {
                     i / k,
                     i % k
                 )));
+            }
+        }
+        // Duplicates are merged by summing their weights in slot order (pass 1 below); the sum
+        // must be finite too: two finite weights near f32::MAX add up to infinity.
+        if k > 0 {
+            let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
+            for (t, (ids, ws)) in rows.enumerate() {
+                for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
+                    if id == -1 || ids[..s].contains(&id) {
+                        continue;
+                    }
+                    let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
+                    let sum = later
+                        .filter(|(&i, _)| i == id)
+                        .fold(w, |acc, (_, &x)| acc + x);
+                    if !sum.is_finite() {
+                        return Err(Error::invalid(format!(
+                            "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
+                        )));
+                    }
+                }
             }
         }
 
@@ -444,6 +467,26 @@ mod tests {
         // A -1 slot's weight is ignored; negative weights are used as given.
         let l = DispatchLayout::build(&t, 0, 1, &[0, -1], &[-0.5, f32::NAN], 2).unwrap();
         assert_eq!(dump(&l), vec![(0, 1, vec![0], vec![-0.5, 0.0])]);
+    }
+
+    /// Found by the `routing` fuzz target: each weight was finite, their merged sum was not.
+    #[test]
+    fn duplicate_weights_summing_to_infinity_are_rejected_and_nothing_is_built() {
+        let t = small();
+        let mut l = DispatchLayout::build(&t, 0, 1, &[0, 3], &[0.5, 0.5], 2).unwrap();
+        let before = dump(&l);
+        let err = l
+            .build_into(&t, 0, 2, &[1, -1, 2, 2], &[0.5, 0.0, f32::MAX, f32::MAX], 2)
+            .unwrap_err();
+        let m = invalid_msg(Err(err));
+        assert!(
+            m.contains("token 1") && m.contains("expert 2") && m.contains("sum to inf"),
+            "{m}"
+        );
+        assert_eq!(dump(&l), before);
+        // Large weights whose sum stays finite are merged as before.
+        let l = DispatchLayout::build(&t, 0, 1, &[2, 2], &[f32::MAX, -f32::MAX], 2).unwrap();
+        assert_eq!(dump(&l), vec![(0, 2, vec![0], vec![0.0, 0.0])]);
     }
 
     #[test]

@@ -151,7 +151,7 @@ impl WindowLayout {
         self.e2a_recv(self.depth) + buffer * page(self.max_tokens * self.a2e.payload)
     }
 
-    fn a2e_recv_bytes(&self) -> usize {
+    pub(crate) fn a2e_recv_bytes(&self) -> usize {
         page(self.recv_rows * self.a2e.stride.max(self.a2e.int8_stride))
     }
 
