@@ -617,15 +617,25 @@ mod policy_tests {
 mod liveness_tests {
     use super::*;
 
+    /// Waits that reach their liveness checks at once.
+    const SLEEP_AT_ONCE: WaitPolicy = WaitPolicy {
+        spin_iters: 1,
+        yield_for: Duration::ZERO,
+    };
+
+    /// A control area with one slot over its own buffer (keep the buffer while the area is used).
+    fn one_slot_area() -> (AlignedBuf, ControlArea) {
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`; the caller keeps `buf` alive
+        // with the area (the buffer's heap block does not move when the tuple does).
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        (buf, area)
+    }
+
     #[test]
     fn a_peer_that_signalled_then_left_between_poll_and_check_is_not_reported() {
-        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
-        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, alive for the whole test.
-        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
-        let policy = WaitPolicy {
-            spin_iters: 1,
-            yield_for: Duration::ZERO,
-        };
+        let (_buf, area) = one_slot_area();
+        let policy = SLEEP_AT_ONCE;
         // The peer's last signal lands just after the poll that still waited for it, and the
         // peer leaves at once: the liveness check that follows finds it gone.
         let left = std::cell::Cell::new(false);
@@ -662,13 +672,8 @@ mod liveness_tests {
     /// then waited for another (live) peer, and the departed one was reported as failed.
     #[test]
     fn a_peer_that_delivered_and_left_is_not_blamed_while_the_wait_goes_on_for_another() {
-        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
-        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, alive for the whole test.
-        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
-        let policy = WaitPolicy {
-            spin_iters: 1,
-            yield_for: Duration::ZERO,
-        };
+        let (_buf, area) = one_slot_area();
+        let policy = SLEEP_AT_ONCE;
         // Rank 1 delivers and leaves just after a poll that still waited for it; rank 2 (alive)
         // delivers a little later.
         let left = std::cell::Cell::new(false);
