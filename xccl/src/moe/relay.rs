@@ -34,7 +34,7 @@
 //!
 //! INT8: A2E rows are forwarded as they are. INT8 E2A replies are summed as above after
 //! dequantization (`f32(q) * scale`), and a token with several contributions has its f32 sum
-//! quantized once more ([`Relay::reduce_member_int8`]); the attention rank dequantizes it. That
+//! quantized once more ([`Relay::reduce_member`]); the attention rank dequantizes it. That
 //! second quantization is the only difference from the direct INT8 path (within `scale' / 2`
 //! per element, `scale'` of the sum), and the reference replays it.
 //!
@@ -464,11 +464,7 @@ impl Relay {
             if !ctx.topo.in_call(a, call_no) {
                 continue;
             }
-            if int8 {
-                self.reduce_member_int8(ctx, buf, (m, a), mc)?;
-            } else {
-                self.reduce_member(ctx, buf, m, mc)?;
-            }
+            self.reduce_member(ctx, buf, (m, a), mc, int8)?;
             let t = mc.num_tokens;
             ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride_for(int8)])?;
             let rec = Record::with_payload(epoch, t as u32, 0, WireMode::Push, int8);
@@ -484,21 +480,26 @@ impl Relay {
         Ok(())
     }
 
-    /// Reduces member `m`'s replies into `self.out` (`[num_tokens, hidden]` in the dtype), in
-    /// the direct path's order: contributions by ascending expert rank, the first copied (one)
-    /// or converted (several), the others added in f32, one rounding.
+    /// Reduces member `m`'s (attention rank `member`) replies into `self.out`, one row per
+    /// token, in the direct path's order: no contribution gives a zero row, one is forwarded
+    /// as it is, several are summed in f32 in ascending expert-rank order starting from the
+    /// first (`f32(r)`, or `f32(q) * scale` for INT8 rows), then rounded once to the dtype, or,
+    /// for INT8 replies, quantized once more (the quantizer of `moe::quant` on the f32 sum;
+    /// the attention rank dequantizes it).
     fn reduce_member(
         &mut self,
         ctx: &Context,
         buf: usize,
-        m: usize,
+        (m, member): (usize, usize),
         mc: &MemberCall,
+        int8: bool,
     ) -> Result<()> {
         let l = &ctx.layout;
-        let (p, hidden, dtype) = (l.e2a_stride, ctx.cfg.hidden, ctx.cfg.dtype);
+        let (s, hidden, dtype) = (l.e2a_stride_for(int8), ctx.cfg.hidden, ctx.cfg.dtype);
+        let payload = if int8 { int8_payload(hidden) } else { s };
         let t_count = mc.num_tokens;
         let rows = mc.tokens.len();
-        self.scratch.resize(rows * p, 0);
+        self.scratch.resize(rows * s, 0);
         ctx.get(ctx.rank, l.relay_e2a(m, buf), &mut self.scratch)?;
         self.count.clear();
         self.count.resize(t_count, 0);
@@ -513,7 +514,6 @@ impl Relay {
         }
         self.acc.clear();
         self.acc.resize(t_count * hidden, 0.0);
-        let mut added = vec![0u32; t_count];
         // Rows are in expert-rank order, so this visits each token's contributions in the
         // direct path's order.
         for (i, &t) in mc.tokens.iter().enumerate() {
@@ -521,83 +521,39 @@ impl Relay {
             if self.count[t] < 2 {
                 continue;
             }
-            let row = &self.scratch[i * p..(i + 1) * p];
-            let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
-            if added[t] == 0 {
-                dtype.to_f32(row, acc);
-            } else {
-                dtype.accumulate(row, 1.0, acc);
-            }
-            added[t] += 1;
-        }
-        self.out.resize(t_count * p, 0);
-        for t in 0..t_count {
-            let out = &mut self.out[t * p..(t + 1) * p];
-            match self.count[t] {
-                0 => out.fill(0),
-                1 => {
-                    let i = self.first[t] as usize;
-                    out.copy_from_slice(&self.scratch[i * p..(i + 1) * p]);
-                }
-                _ => dtype.from_f32(&self.acc[t * hidden..(t + 1) * hidden], out),
-            }
-        }
-        Ok(())
-    }
-
-    /// [`Relay::reduce_member`] for INT8 replies, into `self.out` as INT8 rows: no
-    /// contribution gives a zero row (scale 0), one is forwarded as it is, several are
-    /// dequantized and summed in f32 in ascending expert-rank order (`acc = f32(q) * scale` for
-    /// the first, `acc = acc + f32(q) * scale` for the others), and the sum is quantized once
-    /// more (the quantizer of `moe::quant` on the f32 sum). The attention rank dequantizes it.
-    fn reduce_member_int8(
-        &mut self,
-        ctx: &Context,
-        buf: usize,
-        (m, member): (usize, usize),
-        mc: &MemberCall,
-    ) -> Result<()> {
-        let l = &ctx.layout;
-        let s = l.e2a_stride_for(true);
-        let hidden = ctx.cfg.hidden;
-        let payload = int8_payload(hidden);
-        let t_count = mc.num_tokens;
-        let rows = mc.tokens.len();
-        self.scratch.resize(rows * s, 0);
-        ctx.get(ctx.rank, l.relay_e2a(m, buf), &mut self.scratch)?;
-        self.count.clear();
-        self.count.resize(t_count, 0);
-        self.acc.clear();
-        self.acc.resize(t_count * hidden, 0.0);
-        self.out.clear();
-        self.out.resize(t_count * s, 0);
-        // Rows are in expert-rank order: each token's contributions in the direct path's order.
-        for (i, &t) in mc.tokens.iter().enumerate() {
-            let t = t as usize;
             let row = &self.scratch[i * s..i * s + payload];
             let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
-            match self.count[t] {
-                0 => {
-                    self.out[t * s..t * s + payload].copy_from_slice(row);
-                    dequantize(row, hidden, acc);
-                }
-                _ => dequantize_add(row, hidden, acc),
+            match (self.first[t] as usize == i, int8) {
+                (true, false) => dtype.to_f32(row, acc),
+                (true, true) => dequantize(row, hidden, acc),
+                (false, false) => dtype.accumulate(row, 1.0, acc),
+                (false, true) => dequantize_add(row, hidden, acc),
             }
-            self.count[t] += 1;
         }
+        self.out.clear();
+        self.out.resize(t_count * s, 0);
         for t in 0..t_count {
-            if self.count[t] < 2 {
-                continue;
+            let out = &mut self.out[t * s..(t + 1) * s];
+            match self.count[t] {
+                // All zero bytes: zeros in the dtype, or an INT8 row of zeros with scale 0.
+                0 => {}
+                1 => {
+                    let i = self.first[t] as usize;
+                    out.copy_from_slice(&self.scratch[i * s..(i + 1) * s]);
+                }
+                _ if !int8 => dtype.from_f32(&self.acc[t * hidden..(t + 1) * hidden], out),
+                _ => {
+                    let acc: &[u8] = bytemuck::cast_slice(&self.acc[t * hidden..(t + 1) * hidden]);
+                    let amax = self.quant.amax(DType::F32, acc).map_err(|i| {
+                        Error::invalid(format!(
+                            "the relayed INT8 E2A sum for attention rank {member} token {t} is \
+                             not finite at element {i}: INT8 needs finite rows"
+                        ))
+                    })?;
+                    self.quant
+                        .quantize_amax(DType::F32, acc, amax, &mut out[..payload]);
+                }
             }
-            let acc: &[u8] = bytemuck::cast_slice(&self.acc[t * hidden..(t + 1) * hidden]);
-            let amax = self.quant.amax(DType::F32, acc).map_err(|i| {
-                Error::invalid(format!(
-                    "the relayed INT8 E2A sum for attention rank {member} token {t} is not \
-                     finite at element {i}: INT8 needs finite rows"
-                ))
-            })?;
-            let out = &mut self.out[t * s..t * s + payload];
-            self.quant.quantize_amax(DType::F32, acc, amax, out);
         }
         Ok(())
     }
