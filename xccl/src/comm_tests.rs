@@ -1264,42 +1264,34 @@ fn relays_at_32_by_48_with_one_some_and_every_expert_rank_relaying() {
     }
 }
 
-/// The CloudMatrix384 decode shape: 160 attention ranks, 288 expert ranks (one expert each),
-/// K = 8, every result checked, the records counted on the way. With R = 16 relays an A2E writes
-/// 160 + 16 x 288 = 4,768 records against the direct path's 46,080: 10.35% (the "-90%" of the
+/// 160 attention ranks, 288 expert ranks (one expert each), K = 8, every result checked, the
+/// records counted on the way. With R = 16 relays an A2E writes 160 + 16 x 288 = 4,768 records
+/// against the direct path's 46,080: 10.35% (checked with the decode shape in
+/// `decode_shape_160_by_288_direct_and_relayed_with_one_and_three_domains`; the "-90%" of the
 /// design notes is rounded); R = 15 (4,480 records, 9.7%) meets a strict 10% bound.
 #[test]
 fn relays_at_160_by_288_write_about_a_tenth_of_the_direct_records() {
-    let (m, n) = (160, 288);
+    let (m, n, r) = (160, 288, 15);
     let direct = (m * n) as u64;
-    for r in [16, 15] {
-        let topo = relayed(m, n, 288, r);
-        let mut c = cfg(16, DType::BF16, 8, 2);
-        c.max_in_flight = 1;
-        c.timeout = Duration::from_secs(120);
-        let start = std::time::Instant::now();
-        let rec = run_relayed::<bf16>(&topo, &c, &wl(79, 2, false), 2, true).unwrap();
-        for x in &rec {
-            assert_eq!(x.a2e, (m + r * n) as u64);
-            assert_eq!(x.e2a, (m + r * n) as u64);
-            assert!(
-                x.a2e * 1000 <= direct * 104,
-                "{} records, direct {direct}",
-                x.a2e
-            );
-            if r <= 15 {
-                assert!(x.a2e * 10 <= direct, "{} records, direct {direct}", x.a2e);
-            }
-        }
-        eprintln!(
-            "160x288 R={r}: {} A2E records per call (direct {direct}, {:.2}%), {} E2A; {:?} for \
-             2 rounds",
-            rec[0].a2e,
-            100.0 * rec[0].a2e as f64 / direct as f64,
-            rec[0].e2a,
-            start.elapsed()
-        );
+    let topo = relayed(m, n, 288, r);
+    let mut c = cfg(16, DType::BF16, 8, 2);
+    c.max_in_flight = 1;
+    c.timeout = Duration::from_secs(120);
+    let start = std::time::Instant::now();
+    let rec = run_relayed::<bf16>(&topo, &c, &wl(79, 2, false), 2, true).unwrap();
+    for x in &rec {
+        assert_eq!(x.a2e, (m + r * n) as u64);
+        assert_eq!(x.e2a, (m + r * n) as u64);
+        assert!(x.a2e * 10 <= direct, "{} records, direct {direct}", x.a2e);
     }
+    eprintln!(
+        "160x288 R={r}: {} A2E records per call (direct {direct}, {:.2}%), {} E2A; {:?} for \
+         2 rounds",
+        rec[0].a2e,
+        100.0 * rec[0].a2e as f64 / direct as f64,
+        rec[0].e2a,
+        start.elapsed()
+    );
 }
 
 #[test]
@@ -1595,6 +1587,10 @@ fn decode_shape_160_by_288_direct_and_relayed_with_one_and_three_domains() {
                 (want, want),
                 "R={relays} D={domains}: {x:?}"
             );
+            if relays > 0 && domains == 1 {
+                // 4,768 of 46,080: within 10.4% of the direct path's records.
+                assert!(x.a2e * 1000 <= 160 * 288 * 104, "{x:?}");
+            }
         }
         let relay_ranks = topo.relay_plan().map_or(vec![], |p| p.relays().to_vec());
         let expert_max = (160..448)
