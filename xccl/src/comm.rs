@@ -808,7 +808,7 @@ impl Communicator {
     /// E2A on an attention rank: receives the expert outputs of the tokens sent with `handle`
     /// and writes `out[t] = sum_k topk_weights[t,k] * expert_k(x[t])` (`[T, hidden]`), combined
     /// exactly as the protocol documents (f32 sums in a fixed order, bitwise reproducible; see
-    /// the README's "Exact results"). `handle` must be the oldest unanswered A2E of this
+    /// `docs/guide.md`, "Exact results"). `handle` must be the oldest unanswered A2E of this
     /// communicator; a rejected handle stays valid.
     pub fn e2a_recv<T: Element>(&mut self, handle: &A2eHandle, out: &mut [T]) -> Result<()> {
         if T::DTYPE != self.ctx.cfg.dtype {
