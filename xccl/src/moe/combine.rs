@@ -370,6 +370,24 @@ pub(crate) struct CombineReceiver {
 }
 
 impl CombineReceiver {
+    /// Whether every contribution to the E2A of `sent` has landed, without waiting: then
+    /// [`CombineReceiver::recv`] of it waits for no peer.
+    pub(crate) fn ready(ctx: &Context, sent: &Sent) -> Result<bool> {
+        let epoch = sent.epoch;
+        let landed = |peer: usize, count: usize| {
+            let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(peer)), epoch);
+            Ok(p != Progress::NotYet && p.rows(count) >= count)
+        };
+        if let Some(plan) = ctx.topo.relay_plan() {
+            let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+            let relay = plan.relay_rank_of(index);
+            return ctx.all_done([relay], &|r| landed(r, sent.num_tokens));
+        }
+        ctx.all_done(ctx.experts().iter().copied(), &|d| {
+            landed(d, sent.layout.count(d))
+        })
+    }
+
     /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
     /// token from this rank's relay, copied as it is (or, INT8, dequantized and rounded once);
     /// then the relay is credited.
