@@ -13,8 +13,18 @@
 //! too. E2A completes in A2E order: a handle or batch of another call is an error naming both
 //! epochs. At most [`MoeConfig::max_in_flight`] calls may be between their A2E and their E2A on
 //! a rank; one more fails at once. A call with 0 tokens is an ordinary call (every pair still
-//! exchanges a record). An expert loop ends when the job's protocol says so (for example a
-//! shutdown flag in the caller's own control plane): xccl has no end-of-stream message.
+//! exchanges a record). An expert loop ends when the job's protocol says so: attention ranks
+//! put a user tag on each A2E ([`Communicator::set_next_a2e_tag`], for example the step number
+//! or a stop flag), and every expert rank reads it with the call's rows
+//! ([`crate::SourceInfo::tag`], [`ExpertBatch::tag`]).
+//!
+//! # Polling instead of blocking
+//! [`Communicator::e2a_ready`] and [`Communicator::a2e_ready`] say, without blocking, whether
+//! the next E2A receive of a handle or the next A2E receive would wait for a peer: a
+//! single-threaded engine overlaps communication with compute by polling them between kernels.
+//! Through relays a relay rank's A2E is ready only once its members' rows are in, and an
+//! expert rank's once every relay has forwarded (a relay forwards inside its own receive, so
+//! with several relays do not wait for `a2e_ready` on a relay before calling its receive).
 //!
 //! # What a failed call leaves
 //! - An error before the call published anything to a peer (bad arguments, wrong role or
@@ -528,6 +538,16 @@ impl Communicator {
         self.ctx.cfg.e2a_quant = quant;
     }
 
+    /// Installs (or, with `None`, removes) a check that every wait of later calls polls at least
+    /// every 20 ms while it waits for a peer: when it returns `true` the wait stops and the call
+    /// fails with [`Error::Interrupted`], with the usual failed-call state (retryable if the call
+    /// had published nothing, else this communicator is poisoned and the job aborted). Bindings
+    /// use it to deliver Ctrl-C to a blocked call; the check must be cheap and must not call
+    /// into this communicator.
+    pub fn set_interrupt_check(&mut self, check: Option<Arc<dyn Fn() -> bool + Send + Sync>>) {
+        self.ctx.interrupt = check;
+    }
+
     /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         if timeout.is_zero() {
@@ -596,6 +616,20 @@ impl Communicator {
             Ok(r) => Ok(r),
             Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
+    /// publishes nothing and counts nothing in the stats.
+    fn probe<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.duplicate());
+        }
+        if let Some((by, reason)) = self.ctx.fabric.aborted() {
+            return Err(self.fail(Error::Aborted { by, reason }));
+        }
+        // Nothing of this look is a call: the last call's counters were copied already.
+        self.ctx.begin_call();
+        f(&self.ctx, &mut self.side).map_err(|e| self.fail(e))
     }
 
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
@@ -830,6 +864,45 @@ impl Communicator {
             dispatch.retire();
             Ok(())
         })
+    }
+
+    /// Whether the E2A of `handle` has fully arrived, without blocking (attention ranks):
+    /// `Ok(true)` means every contribution has landed, so the next [`Communicator::e2a_recv`]
+    /// of `handle` (any variant) returns without waiting for a peer. Errors follow
+    /// [`Communicator::e2a_recv`]'s rules: a wrong handle changes nothing; a dead peer or an
+    /// abort poisons the communicator. Polling counts nothing in the stats.
+    pub fn e2a_ready(&mut self, handle: &A2eHandle) -> Result<bool> {
+        self.probe(|ctx, side| match side {
+            Side::Attention { dispatch, .. } => {
+                CombineReceiver::ready(ctx, dispatch.oldest(ctx, handle)?)
+            }
+            Side::Expert { .. } => Err(wrong_role(ctx.rank, Role::Expert, "E2A test")),
+        })
+    }
+
+    /// Whether the next A2E receive has all its rows, without blocking (expert ranks):
+    /// `Ok(true)` means the next [`Communicator::a2e_recv`] (any variant) returns without
+    /// waiting for a peer (on a relay: its members' rows and the credits to forward them are
+    /// in). Errors follow the receive's rules: a dead peer, an abort or a bad record poisons
+    /// the communicator. Polling counts nothing in the stats.
+    pub fn a2e_ready(&mut self) -> Result<bool> {
+        self.probe(|ctx, side| match side {
+            Side::Expert { dispatch, .. } => dispatch.ready(ctx),
+            Side::Attention { .. } => Err(wrong_role(ctx.rank, Role::Attention, "A2E test")),
+        })
+    }
+
+    /// Sets the user tag this rank's next A2E call (any variant: [`Communicator::a2e_send`],
+    /// [`Communicator::a2e_send_input`], ...) carries to every expert rank it reaches, also
+    /// those it sends 0 rows to, and through relays. Expert ranks read it with
+    /// [`crate::SourceInfo::tag`] (and the call's first source's with
+    /// [`ExpertBatch::tag`], [`TokenBatch::tag`], [`TokenView::tag`]). The tag is consumed by
+    /// the call that publishes; a call that fails before publishing keeps it. Default 0 (each
+    /// call that set none carries 0). No effect on expert ranks.
+    pub fn set_next_a2e_tag(&mut self, tag: u64) {
+        if let Side::Attention { dispatch, .. } = &mut self.side {
+            dispatch.set_tag(tag);
+        }
     }
 
     /// A2E calls of this attention rank waiting for their E2A.

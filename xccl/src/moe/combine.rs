@@ -306,30 +306,40 @@ impl CombineSender {
         self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(p, 0);
         let r_count = plan.count();
+        let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
+        let slot = ctx.slots.e2a_ready(ctx.rank);
         for step in 0..r_count {
             let k = (my_index + step) % r_count;
             let relay = plan.relays()[k];
-            let mut total = 0;
-            for (m, &ai) in plan.members(k).iter().enumerate() {
-                let info = sources[ai];
-                let at = l.relay_e2a(m, buf) + info.reply_offset * stride;
-                self.fill_rows(
-                    ctx,
-                    &mut replies,
-                    int8,
-                    info.first_token,
-                    info.count,
-                    relay,
-                    at,
-                )?;
-                total += info.count;
-            }
-            fault_point!("e2a.chunk");
+            let members = plan.members(k);
+            let total: usize = members.iter().map(|&ai| sources[ai].count).sum();
+            // The record goes first: the relay reduces each chunk as it lands.
             let rec = Record::with_payload(epoch, total as u32, 0, WireMode::Push, int8);
             ctx.put_record(relay, l.relay_e2a_record(my_index, buf), &rec)?;
             fault_point!("e2a.record");
-            ctx.signal(relay, ctx.slots.e2a_ready(ctx.rank), progress(epoch, total))?;
-            fault_point!("e2a.signal");
+            if total == 0 {
+                ctx.signal(relay, slot, progress(epoch, 0))?;
+                fault_point!("e2a.signal");
+                continue;
+            }
+            // Rows for the members in member order, in chunks; the progress counts them all.
+            let mut done = 0;
+            for (m, &ai) in members.iter().enumerate() {
+                let info = sources[ai];
+                let base = l.relay_e2a(m, buf) + info.reply_offset * stride;
+                let mut at = 0;
+                while at < info.count {
+                    let n = chunk.min(info.count - at);
+                    let first = info.first_token + at;
+                    let dst = base + at * stride;
+                    self.fill_rows(ctx, &mut replies, int8, first, n, relay, dst)?;
+                    at += n;
+                    done += n;
+                    fault_point!("e2a.chunk");
+                    ctx.signal(relay, slot, progress(epoch, done))?;
+                    fault_point!("e2a.signal");
+                }
+            }
         }
         Ok(())
     }
@@ -370,6 +380,24 @@ pub(crate) struct CombineReceiver {
 }
 
 impl CombineReceiver {
+    /// Whether every contribution to the E2A of `sent` has landed, without waiting: then
+    /// [`CombineReceiver::recv`] of it waits for no peer.
+    pub(crate) fn ready(ctx: &Context, sent: &Sent) -> Result<bool> {
+        let epoch = sent.epoch;
+        let landed = |peer: usize, count: usize| {
+            let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(peer)), epoch);
+            Ok(p != Progress::NotYet && p.rows(count) >= count)
+        };
+        if let Some(plan) = ctx.topo.relay_plan() {
+            let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+            let relay = plan.relay_rank_of(index);
+            return ctx.all_done([relay], &|r| landed(r, sent.num_tokens));
+        }
+        ctx.all_done(ctx.experts().iter().copied(), &|d| {
+            landed(d, sent.layout.count(d))
+        })
+    }
+
     /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
     /// token from this rank's relay, copied as it is (or, INT8, dequantized and rounded once);
     /// then the relay is credited.
@@ -393,6 +421,25 @@ impl CombineReceiver {
         let t = sent.num_tokens;
         let mut rec: Option<Record> = None;
         let mut failure: Option<Error> = None;
+        let mut copied = 0;
+        let (row, acc) = (&mut self.row, &mut self.acc);
+        // Rows are copied out chunk by chunk as the relay's progress covers them.
+        let mut take = |rows: std::ops::Range<usize>, int8: bool| -> Result<()> {
+            let p = l.e2a_stride;
+            if !int8 {
+                let at = l.e2a_recv(buf) + rows.start * p;
+                return ctx.get(ctx.rank, at, &mut out[rows.start * p..rows.end * p]);
+            }
+            // One INT8 row per token: dequantized and rounded once, straight into `out`.
+            let (s, payload) = (l.e2a_stride_for(true), int8_payload(ctx.cfg.hidden));
+            row.resize(rows.len() * s, 0);
+            ctx.get(ctx.rank, l.e2a_recv(buf) + rows.start * s, row)?;
+            for (i, t) in rows.enumerate() {
+                let q = &row[i * s..i * s + payload];
+                dequantize_to(q, ctx.cfg.dtype, acc, &mut out[t * p..(t + 1) * p]);
+            }
+            Ok(())
+        };
         ctx.wait(deadline, &mut || {
             let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(relay)), epoch);
             if p == Progress::NotYet {
@@ -427,7 +474,17 @@ impl CombineReceiver {
                     }
                 }
             }
-            if p.rows(t) < t {
+            // The relay's record says whether its rows are INT8 (as the expert ranks' replies
+            // were).
+            let ready = p.rows(t);
+            if ready > copied {
+                if let Err(e) = take(copied..ready, rec.is_some_and(|r| r.int8())) {
+                    failure = Some(e);
+                    return None;
+                }
+                copied = ready;
+            }
+            if copied < t {
                 return Some(Waiting {
                     peer: relay,
                     what: "relayed E2A rows",
@@ -437,20 +494,6 @@ impl CombineReceiver {
         })?;
         if let Some(e) = failure {
             return Err(e);
-        }
-        // The relay's record says whether its rows are INT8 (as the expert ranks' replies were).
-        if rec.is_some_and(|r| r.int8()) {
-            // One INT8 row per token: dequantized and rounded once, straight into `out`.
-            let (s, payload) = (l.e2a_stride_for(true), int8_payload(ctx.cfg.hidden));
-            let p = l.e2a_stride;
-            self.row.resize(t * s, 0);
-            ctx.get(ctx.rank, l.e2a_recv(buf), &mut self.row)?;
-            for (i, out_row) in out.chunks_exact_mut(p).enumerate().take(t) {
-                let row = &self.row[i * s..i * s + payload];
-                dequantize_to(row, ctx.cfg.dtype, &mut self.acc, out_row);
-            }
-        } else {
-            ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
         }
         ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)?;
         fault_point!("e2a.credit");

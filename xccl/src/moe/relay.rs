@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use super::context::{Context, AWAITED_CHECK_EVERY};
 use super::hash::Fnv;
-use super::progress::{progress, Progress};
+use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize, dequantize_add, int8_payload, Quantizer};
 use super::record::{Record, WireMode};
 use super::window_layout::RELAY_ENTRY;
@@ -66,6 +66,8 @@ pub(crate) struct MemberCall {
     pub(crate) tokens: Vec<u32>,
     /// The rows are INT8.
     pub(crate) int8: bool,
+    /// The member's user tag, forwarded in the headers.
+    pub(crate) tag: u64,
 }
 
 /// What a relay keeps of one A2E call until its E2A.
@@ -81,11 +83,8 @@ pub(crate) struct Relay {
     calls: VecDeque<RelayCall>,
     spare: Vec<RelayCall>,
     scratch: Vec<u8>,
-    acc: Vec<f32>,
-    out: Vec<u8>,
-    count: Vec<u32>,
-    first: Vec<u32>,
-    quant: Quantizer,
+    reductions: Vec<Reduction>,
+    work: Work,
 }
 
 /// The hash of a header's entries, carried in its record's offset field.
@@ -109,6 +108,8 @@ pub(crate) struct HeaderEntry {
     pub(crate) offset: usize,
     /// The rows are INT8.
     pub(crate) int8: bool,
+    /// The member's user tag.
+    pub(crate) tag: u64,
 }
 
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
@@ -157,6 +158,7 @@ pub(crate) fn read_header(
             count: word(0),
             offset: word(1),
             int8: word(2) & 1 != 0,
+            tag: u64::from_le_bytes(e[16..24].try_into().expect("8")),
         };
         if entry.count > max_tokens || entry.offset + entry.count > rows {
             return bad(format!(
@@ -217,6 +219,7 @@ impl Relay {
         for (mc, _) in call.members.iter_mut().zip(&done).filter(|(_, d)| **d) {
             mc.num_tokens = 0;
             mc.int8 = false;
+            mc.tag = 0;
             mc.counts.clear();
             mc.counts.resize(n, 0);
             mc.offsets.clear();
@@ -314,6 +317,7 @@ impl Relay {
                 for (w, v) in e.chunks_exact_mut(4).zip(words) {
                     w.copy_from_slice(&v.to_le_bytes());
                 }
+                e[16..24].copy_from_slice(&mc.tag.to_le_bytes());
             }
             let at = l.relay_header(k, buf);
             let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
@@ -334,15 +338,17 @@ impl Relay {
         Ok(())
     }
 
-    /// Relay side of E2A call `epoch`: waits for every expert rank's replies for this relay's
-    /// members, reduces each token exactly as the direct path's attention rank would, sends one
-    /// row per token to each member and credits the expert ranks.
+    /// Relay side of E2A call `epoch`: reduces each member's tokens as the expert ranks' replies
+    /// land, exactly as the direct path's attention rank would (see [`Reduction`]), and streams
+    /// the reduced rows to each member in chunks (its record first, a progress signal per
+    /// chunk); then credits the expert ranks.
     pub(crate) fn combine_e2a(
         &mut self,
         ctx: &Context,
         epoch: u64,
         deadline: Instant,
     ) -> Result<()> {
+        let start = Instant::now();
         let Some(call) = self.calls.front() else {
             return Err(Error::invalid(format!(
                 "relay has no forwarded A2E for the E2A of epoch {epoch}"
@@ -362,21 +368,54 @@ impl Relay {
         let experts = ctx.experts();
         let attention = ctx.attention();
         let n = experts.len();
+        let g = members.len();
         let expected: Vec<usize> = (0..n)
             .map(|j| call.members.iter().map(|mc| mc.counts[j] as usize).sum())
             .collect();
+        let member_ranks: Vec<usize> = members.iter().map(|&ai| attention[ai]).collect();
+        let call_no = ctx.call_of(epoch);
+        let in_call: Vec<bool> = (member_ranks.iter())
+            .map(|&a| ctx.topo.in_call(a, call_no))
+            .collect();
+        // The members' reply areas must be free before the first reduced row goes out.
+        let previous = ctx.previous_sources(epoch);
+        let credit_from: Vec<usize> = (member_ranks.iter().copied())
+            .filter(|a| previous.contains(a))
+            .collect();
+        ctx.wait_credits(
+            epoch,
+            &credit_from,
+            ctx.slots.e2a_credit(0),
+            "E2A credit (attention rank has not consumed an earlier relayed combine)",
+            deadline,
+        )?;
+        self.reductions.resize_with(g, Reduction::default);
+        let hidden = ctx.cfg.hidden;
+        // Expert rank `j` writes the replies for the members in member order: its rows for
+        // member `m` follow those for the members before it.
+        let mut before = vec![0usize; n];
+        for (red, mc) in self.reductions.iter_mut().zip(&call.members) {
+            red.begin(mc, &before, hidden);
+            for (b, &c) in before.iter_mut().zip(&mc.counts) {
+                *b += c as usize;
+            }
+        }
         // INT8 or not follows the replies (a local choice of each expert rank), but one call's
         // replies through a relay must agree: the first record read sets it.
         let mut int8: Option<bool> = None;
         let mut seen = vec![false; n];
-        let mut complete = vec![false; n];
-        let mut missing = n;
+        let mut unseen = n;
+        let mut landed = vec![0usize; n];
+        let mut finished: Vec<bool> = in_call.iter().map(|&c| !c).collect();
+        let mut unfinished = finished.iter().filter(|f| !**f).count();
         let mut failure = None;
         let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
+        let mut busy = std::time::Duration::ZERO;
+        let (reductions, work) = (&mut self.reductions, &mut self.work);
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
             for (j, &d) in experts.iter().enumerate() {
-                if complete[j] {
+                if landed[j] == expected[j] && seen[j] {
                     continue;
                 }
                 let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
@@ -410,148 +449,334 @@ impl Relay {
                     }
                     ctx.note_rows_received(d, expected[j]);
                     seen[j] = true;
+                    unseen -= 1;
                 }
-                if p.rows(expected[j]) < expected[j] {
+                landed[j] = p.rows(expected[j]);
+                if landed[j] < expected[j] {
                     waiting.get_or_insert(Waiting {
                         peer: d,
                         what: "relayed E2A rows",
                     });
-                    continue;
                 }
-                complete[j] = true;
-                missing -= 1;
             }
-            if missing == 0 {
+            // Every record first: they say whether the replies are INT8 (the row stride).
+            if unseen == 0 {
+                let began = Instant::now();
+                let int8 = int8.unwrap_or(false);
+                for m in 0..g {
+                    if finished[m] {
+                        continue;
+                    }
+                    let (red, mc) = (&mut reductions[m], &call.members[m]);
+                    let at = (member_ranks[m], l.relay_e2a(m, buf));
+                    for j in 0..n {
+                        let mine = landed[j].saturating_sub(red.before[j]);
+                        red.absorb(ctx, mc, j, mine.min(mc.counts[j] as usize), at, int8)?;
+                    }
+                    if red.emit(ctx, epoch, buf, mc, at, int8, work)? {
+                        finished[m] = true;
+                        unfinished -= 1;
+                    }
+                }
+                busy += began.elapsed();
+            }
+            // Done when every member has its rows and every expert rank's record is checked
+            // (a relay without members of this call still checks that nothing came).
+            if unfinished == 0 && unseen == 0 {
                 return Ok(None);
             }
-            let awaited = (0..n).filter(|&j| !complete[j]).map(|j| experts[j]);
+            let awaited = (0..n)
+                .filter(|&j| !seen[j] || landed[j] < expected[j])
+                .map(|j| experts[j]);
             let still = |d: usize| {
                 let j = ctx.topo.expert_index(d).expect("expert");
                 let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
                 p.rows(expected[j]) < expected[j] || (p == Progress::NotYet)
             };
             ctx.check_awaited_again(awaited, &mut next_check, &still)?;
-            Ok(waiting)
+            match waiting {
+                Some(w) => Ok(Some(w)),
+                // Every reply is in, so every token is complete and out: unreachable.
+                None => Err(Error::invalid(format!(
+                    "relayed E2A of epoch {epoch}: every reply is in, {unfinished} members are \
+                     not complete"
+                ))),
+            }
         };
-        ctx.wait(deadline, &mut || match pass() {
+        let waited = ctx.wait(deadline, &mut || match pass() {
             Ok(w) => w,
             Err(e) => {
                 failure = Some(e);
                 None
             }
-        })?;
+        });
+        let finish = |stats: &mut crate::moe::stats::Stats| {
+            stats.relay_combine += start.elapsed();
+            stats.relay_reduce += busy;
+        };
+        finish(&mut ctx.stats.borrow_mut());
+        waited?;
         if let Some(e) = failure {
             return Err(e);
-        }
-        let member_ranks: Vec<usize> = members.iter().map(|&ai| attention[ai]).collect();
-        let previous = ctx.previous_sources(epoch);
-        let credit_from: Vec<usize> = (member_ranks.iter().copied())
-            .filter(|a| previous.contains(a))
-            .collect();
-        ctx.wait_credits(
-            epoch,
-            &credit_from,
-            ctx.slots.e2a_credit(0),
-            "E2A credit (attention rank has not consumed an earlier relayed combine)",
-            deadline,
-        )?;
-        let int8 = int8.unwrap_or(false);
-        let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
-        let call = self.calls.pop_front().expect("checked above");
-        let call_no = ctx.call_of(epoch);
-        for (m, mc) in call.members.iter().enumerate() {
-            let a = member_ranks[m];
-            if !ctx.topo.in_call(a, call_no) {
-                continue;
-            }
-            self.reduce_member(ctx, buf, (m, a), mc, int8)?;
-            let t = mc.num_tokens;
-            ctx.put(a, l.e2a_recv(buf), &self.out[..t * l.e2a_stride_for(int8)])?;
-            let rec = Record::with_payload(epoch, t as u32, 0, WireMode::Push, int8);
-            ctx.put_record(a, l.record(my_index, buf), &rec)?;
-            ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, t))?;
-            fault_point!("relay.reply");
-            ctx.stats.borrow_mut().relay_rows_forwarded += t as u64;
         }
         for &d in experts {
             ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
         }
+        let call = self.calls.pop_front().expect("checked above");
         self.spare.push(call);
         Ok(())
     }
+}
 
-    /// Reduces member `m`'s (attention rank `member`) replies into `self.out`, one row per
-    /// token, in the direct path's order: no contribution gives a zero row, one is forwarded
-    /// as it is, several are summed in f32 in ascending expert-rank order starting from the
-    /// first (`f32(r)`, or `f32(q) * scale` for INT8 rows), then rounded once to the dtype, or,
-    /// for INT8 replies, quantized once more (the quantizer of `moe::quant` on the f32 sum;
-    /// the attention rank dequantizes it).
-    fn reduce_member(
+/// Where one member's reduction stands within one relayed E2A call.
+///
+/// Each token's contributions are summed in the direct path's order (ascending expert rank,
+/// from the first: see `moe::combine`), each as soon as its row has landed and the contributions
+/// before it are in: a row whose token still waits for an earlier expert rank's row stops that
+/// expert rank's cursor until it comes. A token is complete when all its contributions are in;
+/// complete tokens go out in token order, one chunk at a time.
+#[derive(Debug, Default)]
+pub(crate) struct Reduction {
+    /// Contributions per token.
+    count: Vec<u32>,
+    /// Contributions summed so far per token.
+    have: Vec<u32>,
+    /// Row of each token's first contribution.
+    first: Vec<u32>,
+    /// Each row's place among its token's contributions (rows in wire order).
+    ord: Vec<u32>,
+    /// Rows of each expert index taken so far.
+    taken: Vec<usize>,
+    /// Rows each expert index wrote for the members before this one.
+    before: Vec<usize>,
+    /// f32 sums of the tokens with several contributions, `[num_tokens, hidden]`.
+    acc: Vec<f32>,
+    /// Tokens complete (a prefix of the member's tokens).
+    ready: usize,
+    /// Tokens written to the member and signalled.
+    sent: usize,
+    /// The member's record is written.
+    announced: bool,
+    hidden: usize,
+}
+
+/// Scratch space of a relay's E2A: one chunk of reduced rows (when the member's window is not
+/// mapped here), one reply row (when this rank's own window is not), the quantizer.
+#[derive(Debug, Default)]
+pub(crate) struct Work {
+    out: Vec<u8>,
+    row: Vec<u8>,
+    quant: Quantizer,
+}
+
+/// Runs `f` on `len` bytes at `at` of this rank's window: in place when it is mapped here, else
+/// on a copy in `tmp`.
+///
+/// # Safety
+/// No rank may write the range while `f` runs (rows a sender has signalled and writes again only
+/// after this rank's credit).
+unsafe fn with_landed<R>(
+    ctx: &Context,
+    at: usize,
+    len: usize,
+    tmp: &mut Vec<u8>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Result<R> {
+    // SAFETY: forwarded from the caller's contract.
+    if let Some(bytes) = unsafe { super::regions::landed(ctx, ctx.rank, at, len)? } {
+        return Ok(f(bytes));
+    }
+    tmp.resize(len, 0);
+    ctx.get(ctx.rank, at, tmp)?;
+    Ok(f(tmp))
+}
+
+impl Reduction {
+    /// Starts the reduction of one member's call `mc`; expert index `j` wrote `before[j]` rows
+    /// for the members before it.
+    fn begin(&mut self, mc: &MemberCall, before: &[usize], hidden: usize) {
+        let t = mc.num_tokens;
+        self.count.clear();
+        self.count.resize(t, 0);
+        self.first.clear();
+        self.first.resize(t, 0);
+        self.ord.clear();
+        for (i, &tok) in mc.tokens.iter().enumerate() {
+            let tok = tok as usize;
+            if self.count[tok] == 0 {
+                self.first[tok] = i as u32;
+            }
+            self.ord.push(self.count[tok]);
+            self.count[tok] += 1;
+        }
+        self.have.clear();
+        self.have.resize(t, 0);
+        self.taken.clear();
+        self.taken.resize(before.len(), 0);
+        self.before.clear();
+        self.before.extend_from_slice(before);
+        // Never read before written: a token's first contribution overwrites its sum.
+        if self.acc.len() < t * hidden {
+            self.acc.resize(t * hidden, 0.0);
+        }
+        self.ready = 0;
+        self.sent = 0;
+        self.announced = false;
+        self.hidden = hidden;
+    }
+
+    /// Sums expert index `j`'s replies for this member up to its `landed` rows (of the member's
+    /// reply area at `area`, `(member rank, offset)`), each as soon as the token's earlier
+    /// contributions are in.
+    fn absorb(
         &mut self,
         ctx: &Context,
-        buf: usize,
-        (m, member): (usize, usize),
         mc: &MemberCall,
+        j: usize,
+        landed: usize,
+        (_, area): (usize, usize),
         int8: bool,
     ) -> Result<()> {
-        let l = &ctx.layout;
-        let (s, hidden, dtype) = (l.e2a_stride_for(int8), ctx.cfg.hidden, ctx.cfg.dtype);
+        let s = ctx.layout.e2a_stride_for(int8);
+        let hidden = self.hidden;
         let payload = if int8 { int8_payload(hidden) } else { s };
+        let dtype = ctx.cfg.dtype;
+        let mut tmp = Vec::new();
+        while self.taken[j] < landed {
+            let i = mc.offsets[j] as usize + self.taken[j];
+            let t = mc.tokens[i] as usize;
+            if self.have[t] != self.ord[i] {
+                // An earlier expert rank's row for this token has not been summed yet.
+                break;
+            }
+            if self.count[t] >= 2 {
+                let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
+                let first = self.ord[i] == 0;
+                // SAFETY: row `i` is below expert index `j`'s progress signal, and that rank
+                // writes it again only after this relay's E2A credit for the call, which goes
+                // out once the call is reduced.
+                unsafe {
+                    with_landed(ctx, area + i * s, payload, &mut tmp, |row| {
+                        match (first, int8) {
+                            (true, false) => dtype.to_f32(row, acc),
+                            (true, true) => dequantize(row, hidden, acc),
+                            (false, false) => dtype.accumulate(row, 1.0, acc),
+                            (false, true) => dequantize_add(row, hidden, acc),
+                        }
+                    })?;
+                }
+            }
+            self.have[t] += 1;
+            self.taken[j] += 1;
+        }
+        while self.ready < mc.num_tokens && self.have[self.ready] == self.count[self.ready] {
+            self.ready += 1;
+        }
+        Ok(())
+    }
+
+    /// Writes and signals the complete tokens to the member, a chunk at a time (the last one
+    /// partial; the member's record before the first); `true` once every token is out.
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        buf: usize,
+        mc: &MemberCall,
+        (a, area): (usize, usize),
+        int8: bool,
+        work: &mut Work,
+    ) -> Result<bool> {
+        let l = &ctx.layout;
         let t_count = mc.num_tokens;
-        let rows = mc.tokens.len();
-        self.scratch.resize(rows * s, 0);
-        ctx.get(ctx.rank, l.relay_e2a(m, buf), &mut self.scratch)?;
-        self.count.clear();
-        self.count.resize(t_count, 0);
-        self.first.clear();
-        self.first.resize(t_count, 0);
-        for (i, &t) in mc.tokens.iter().enumerate() {
-            let t = t as usize;
-            if self.count[t] == 0 {
-                self.first[t] = i as u32;
-            }
-            self.count[t] += 1;
-        }
-        self.acc.clear();
-        self.acc.resize(t_count * hidden, 0.0);
-        // Rows are in expert-rank order, so this visits each token's contributions in the
-        // direct path's order.
-        for (i, &t) in mc.tokens.iter().enumerate() {
-            let t = t as usize;
-            if self.count[t] < 2 {
-                continue;
-            }
-            let row = &self.scratch[i * s..i * s + payload];
-            let acc = &mut self.acc[t * hidden..(t + 1) * hidden];
-            match (self.first[t] as usize == i, int8) {
-                (true, false) => dtype.to_f32(row, acc),
-                (true, true) => dequantize(row, hidden, acc),
-                (false, false) => dtype.accumulate(row, 1.0, acc),
-                (false, true) => dequantize_add(row, hidden, acc),
+        let s = l.e2a_stride_for(int8);
+        let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
+        if !self.announced {
+            let rec = Record::with_payload(epoch, t_count as u32, 0, WireMode::Push, int8);
+            ctx.put_record(a, l.record(my_index, buf), &rec)?;
+            self.announced = true;
+            if t_count == 0 {
+                ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, 0))?;
+                fault_point!("relay.reply");
+                return Ok(true);
             }
         }
-        self.out.clear();
-        self.out.resize(t_count * s, 0);
-        for t in 0..t_count {
-            let out = &mut self.out[t * s..(t + 1) * s];
+        let chunk = chunk_rows(s, ctx.cfg.chunk_bytes);
+        while self.sent < t_count && (self.ready - self.sent >= chunk || self.ready == t_count) {
+            let rows = self.sent..(self.sent + chunk).min(self.ready);
+            let at = l.e2a_recv(buf) + rows.start * s;
+            let len = rows.len() * s;
+            // SAFETY: this relay waited for the member's E2A credit of the call that last used
+            // this buffer; the member reads these rows only once a signal of this relay covers
+            // them (the one below, after the slice is gone), and with relays no other rank
+            // writes the member's reply area.
+            match unsafe { super::regions::exclusive(ctx, a, at, len)? } {
+                Some(dst) => self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?,
+                None => {
+                    let mut out = std::mem::take(&mut work.out);
+                    out.resize(len, 0);
+                    let written = self.write_rows(ctx, a, rows.clone(), area, int8, &mut out, work);
+                    let put = written.and_then(|()| ctx.put(a, at, &out));
+                    work.out = out;
+                    put?;
+                }
+            }
+            self.sent = rows.end;
+            ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, self.sent))?;
+            fault_point!("relay.reply");
+            ctx.stats.borrow_mut().relay_rows_forwarded += rows.len() as u64;
+        }
+        Ok(self.sent == t_count)
+    }
+
+    /// Writes the reduced rows of tokens `rows` (complete) into `dst`, one after the other: no
+    /// contribution gives a zero row, one is copied as it is, several are the f32 sum rounded
+    /// once to the dtype or, for INT8 replies, quantized once more (the quantizer of
+    /// `moe::quant` on the f32 sum; the attention rank dequantizes it).
+    #[allow(clippy::too_many_arguments)]
+    fn write_rows(
+        &self,
+        ctx: &Context,
+        member: usize,
+        rows: std::ops::Range<usize>,
+        area: usize,
+        int8: bool,
+        dst: &mut [u8],
+        work: &mut Work,
+    ) -> Result<()> {
+        let s = ctx.layout.e2a_stride_for(int8);
+        let hidden = self.hidden;
+        let payload = if int8 { int8_payload(hidden) } else { s };
+        for (t, out) in rows.zip(dst.chunks_exact_mut(s)) {
             match self.count[t] {
                 // All zero bytes: zeros in the dtype, or an INT8 row of zeros with scale 0.
-                0 => {}
+                0 => out.fill(0),
                 1 => {
                     let i = self.first[t] as usize;
-                    out.copy_from_slice(&self.scratch[i * s..(i + 1) * s]);
+                    // SAFETY: as in `absorb`: a landed reply row its writer leaves alone until
+                    // this relay's credit.
+                    unsafe {
+                        with_landed(ctx, area + i * s, s, &mut work.row, |row| {
+                            out.copy_from_slice(row)
+                        })?;
+                    }
                 }
-                _ if !int8 => dtype.from_f32(&self.acc[t * hidden..(t + 1) * hidden], out),
+                _ if !int8 => ctx
+                    .cfg
+                    .dtype
+                    .from_f32(&self.acc[t * hidden..(t + 1) * hidden], out),
                 _ => {
                     let acc: &[u8] = bytemuck::cast_slice(&self.acc[t * hidden..(t + 1) * hidden]);
-                    let amax = self.quant.amax(DType::F32, acc).map_err(|i| {
+                    let amax = work.quant.amax(DType::F32, acc).map_err(|i| {
                         Error::invalid(format!(
                             "the relayed INT8 E2A sum for attention rank {member} token {t} is \
                              not finite at element {i}: INT8 needs finite rows"
                         ))
                     })?;
-                    self.quant
+                    work.quant
                         .quantize_amax(DType::F32, acc, amax, &mut out[..payload]);
+                    out[payload..].fill(0);
                 }
             }
         }
@@ -587,6 +812,7 @@ fn begin_member(
     }
     mc.num_tokens = t_count;
     mc.int8 = rec.int8();
+    mc.tag = rec.tag;
     mc.counts.clear();
     mc.offsets.clear();
     mc.tokens.clear();
@@ -632,8 +858,20 @@ fn forward_rows(
     let a = ctx.attention()[ai];
     let stride = l.a2e.stride_for(mc.int8);
     let meta = l.a2e.meta_offset_for(mc.int8);
-    scratch.resize(rows.len() * stride, 0);
-    ctx.get(ctx.rank, l.relay_a2e(m, buf) + rows.start * stride, scratch)?;
+    let (src, len) = (
+        l.relay_a2e(m, buf) + rows.start * stride,
+        rows.len() * stride,
+    );
+    // SAFETY: the rows are below the member's progress signal, and the member writes this
+    // buffer again only after this relay's A2E credit for the call, sent once it is forwarded.
+    let chunk = match unsafe { super::regions::landed(ctx, ctx.rank, src, len)? } {
+        Some(bytes) => bytes,
+        None => {
+            scratch.resize(len, 0);
+            ctx.get(ctx.rank, src, scratch)?;
+            &scratch[..]
+        }
+    };
     let t_count = mc.num_tokens as u32;
     for (j, &d) in experts.iter().enumerate() {
         let (start, c) = (mc.offsets[j] as usize, mc.counts[j] as usize);
@@ -644,7 +882,7 @@ fn forward_rows(
         }
         for i in lo..hi {
             let at = (i - rows.start) * stride + meta;
-            let t = u32::from_le_bytes(scratch[at..at + 4].try_into().expect("4"));
+            let t = u32::from_le_bytes(chunk[at..at + 4].try_into().expect("4"));
             let prev = (i > start).then(|| mc.tokens[i - 1]);
             if t >= t_count || prev.is_some_and(|p| t <= p) {
                 return Err(Error::Protocol {
@@ -657,7 +895,7 @@ fn forward_rows(
             }
             mc.tokens.push(t);
         }
-        let part = &scratch[(lo - rows.start) * stride..(hi - rows.start) * stride];
+        let part = &chunk[(lo - rows.start) * stride..(hi - rows.start) * stride];
         ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
         fault_point!("relay.forward");
         ctx.stats.borrow_mut().relay_rows_forwarded += (hi - lo) as u64;

@@ -45,6 +45,14 @@ pub struct Stats {
     /// Rows this rank forwarded as a relay (A2E rows to final expert ranks and reduced E2A rows
     /// to attention ranks).
     pub relay_rows_forwarded: u64,
+    /// Time this rank spent as a relay forwarding A2E rows (from the start of its forwarding to
+    /// its last header), waits included.
+    pub relay_forward: Duration,
+    /// Time this rank spent as a relay in the E2A (from the start of its reduction to its last
+    /// reduced row signalled), waits included.
+    pub relay_combine: Duration,
+    /// The part of `relay_combine` spent reducing and writing rows (not waiting for replies).
+    pub relay_reduce: Duration,
     /// Expert selections (`topk_idx` entries) this attention rank dropped because their expert
     /// has no replica left after a shrink with `ShrinkOptions::drop_orphaned_experts`.
     pub dropped_slots: u64,
@@ -77,6 +85,9 @@ impl Stats {
         self.records_written += o.records_written;
         self.records_polled += o.records_polled;
         self.relay_rows_forwarded += o.relay_rows_forwarded;
+        self.relay_forward += o.relay_forward;
+        self.relay_combine += o.relay_combine;
+        self.relay_reduce += o.relay_reduce;
         self.dropped_slots += o.dropped_slots;
         if self.peers.len() < o.peers.len() {
             self.peers.resize(o.peers.len(), PeerStats::default());
