@@ -108,6 +108,7 @@ int main(int argc, char** argv) {
       float reduced[MAX_TOKENS * HIDDEN];
       size_t i;
       CHECK(xcclA2ERecvTokens(comm, &batch));
+      info.size = sizeof info;
       CHECK(xcclTokenBatchGetInfo(batch, &info));
       if (info.rows != NULL || (info.numTokens > 0 && (info.int8Rows == NULL || info.scales == NULL)))
         FAIL("round %d: keepInt8 must give int8Rows and scales, rows NULL", round);

@@ -132,6 +132,7 @@ static void expert_round(xcclComm_t comm, int round, const int* experts) {
     xcclExpertBatchInfo_t info;
     float* y;
     CHECK(xcclA2ERecv(comm, &b));
+    info.size = sizeof info;
     CHECK(xcclExpertBatchGetInfo(b, &info));
     if (info.expertOffsets[info.numLocalExperts] != info.numRows) FAIL("offsets do not end at numRows");
     y = (float*)malloc((info.numRows + 1) * HIDDEN * sizeof(float));
@@ -150,6 +151,7 @@ static void expert_round(xcclComm_t comm, int round, const int* experts) {
     xcclTokenBatchInfo_t info;
     float* red;
     CHECK(xcclA2ERecvTokens(comm, &b));
+    info.size = sizeof info;
     CHECK(xcclTokenBatchGetInfo(b, &info));
     red = (float*)malloc((info.numTokens + 1) * HIDDEN * sizeof(float));
     for (i = 0; i < info.numTokens; i++)

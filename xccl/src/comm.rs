@@ -63,8 +63,10 @@ use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
 
+pub(crate) mod agree;
 pub mod shrink;
-use shrink::{Origin, ShrinkInfo};
+pub(crate) use shrink::Origin;
+use shrink::ShrinkInfo;
 pub use shrink::{ShrinkOptions, ShrinkStep};
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
@@ -288,11 +290,45 @@ impl Communicator {
         topo: Arc<Topology>,
         cfg: MoeConfig,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = ShmFabric::new(exchange.clone(), len, Self::signal_slots(&topo))?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Shm(exchange);
-        Ok(comm)
+        let origin = Origin::Shm(exchange.clone());
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            Ok(Box::new(ShmFabric::new(exchange.clone(), len, slots)?))
+        })
+    }
+
+    /// Init over a bootstrap: the agreement round first ([`agree`]: every field that must be
+    /// equal compared by name on every rank, a rank's invalid config reported to all), then the
+    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure after the
+    /// agreement is broadcast as an abort naming this rank and its reason, so no peer waits for
+    /// it until its timeout.
+    pub(crate) fn init_agreed(
+        exchange: &Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+        origin: Origin,
+        fabric: &dyn Fn(usize, usize) -> Result<Box<dyn Fabric>>,
+    ) -> Result<Self> {
+        let rank = exchange.rank();
+        let timeout = cfg.timeout.max(Duration::from_secs(10));
+        let len = match Self::own_window_len(rank, &topo, &cfg) {
+            Ok(len) => len,
+            Err(e) => {
+                agree::report_failure(&**exchange, &e.to_string(), timeout);
+                return Err(e);
+            }
+        };
+        agree::agree(&**exchange, &topo, &cfg, timeout)?;
+        let built = fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::new(f, topo, cfg));
+        match built {
+            Ok(mut comm) => {
+                comm.origin = origin;
+                Ok(comm)
+            }
+            Err(e) => {
+                let _ = exchange.broadcast_abort(&format!("rank {rank}'s init failed: {e}"));
+                Err(e)
+            }
+        }
     }
 
     /// Joins a job over the libfabric fabric (`ofi`, ranks on any hosts): like
@@ -318,16 +354,12 @@ impl Communicator {
         cfg: MoeConfig,
         opts: &crate::fabric::ofi::OfiOptions,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = crate::fabric::ofi::OfiFabric::with_options(
-            exchange.clone(),
-            len,
-            Self::signal_slots(&topo),
-            opts,
-        )?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Ofi(exchange, opts.clone());
-        Ok(comm)
+        let origin = Origin::Ofi(exchange.clone(), opts.clone());
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            let f =
+                crate::fabric::ofi::OfiFabric::with_options(exchange.clone(), len, slots, opts)?;
+            Ok(Box::new(f))
+        })
     }
 
     /// Builds this rank's communicator over the Ascend fabric: its window in the device memory
@@ -342,11 +374,15 @@ impl Communicator {
         cfg: MoeConfig,
         device: i32,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = AscendFabric::new(exchange.clone(), len, Self::signal_slots(&topo), device)?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Ascend(exchange, device);
-        Ok(comm)
+        let origin = Origin::Ascend(exchange.clone(), device);
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            Ok(Box::new(AscendFabric::new(
+                exchange.clone(),
+                len,
+                slots,
+                device,
+            )?))
+        })
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns

@@ -28,26 +28,12 @@ fn pair() -> Vec<*mut xcclComm> {
                         cfg.clone(),
                     )
                     .unwrap();
-                    let rank = comm.rank();
-                    Comm {
-                        rank,
-                        nranks: 2,
-                        role: topo.role(rank),
-                        local_experts: topo.local_experts(rank).to_vec(),
-                        num_attention: 1,
-                        max_tokens: 2,
-                        recv_rows: 2,
-                        topk: 1,
-                        row_bytes: 16,
-                        dtype: DType::F32,
-                        comm: Mutex::new(comm),
+                    Comm::new(
+                        comm,
                         fabric,
-                        aborted: AtomicBool::new(false),
-                        first_error: Mutex::new(None),
-                        last_error: Mutex::new(String::new()),
-                        spare_expert: Mutex::new(Vec::new()),
-                        spare_token: Mutex::new(Vec::new()),
-                    }
+                        super::config::CONFIG_VERSION,
+                        Default::default(),
+                    )
                 })
             })
             .collect();
