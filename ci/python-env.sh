@@ -5,8 +5,9 @@
 # file (and of the interpreter's version) it returns at once; a changed pin reinstalls.
 # Prints the venv's python on stdout (everything else goes to stderr), so callers do
 #   PY=$(ci/python-env.sh)
-# The interpreter is ${XCCL_PYTHON:-python3} (3.9 or newer); a fresh install downloads about
-# 5 GB (torch with its CUDA libraries from PyPI) and took 2 min 33 s on this machine.
+# The interpreter is ${XCCL_PYTHON:-python3} (3.9 or newer). A fresh install is 5.7 GB (torch
+# comes with its CUDA libraries from PyPI): 2 min 33 s to 8 min 22 s on this 2-core machine
+# (2026-12-01; the longer one with no pip cache, at load 8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
