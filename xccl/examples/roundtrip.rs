@@ -70,25 +70,24 @@ fn main() -> ExitCode {
 fn launch(args: &[usize]) -> Result<(), String> {
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut children = Vec::new();
-    for rank in 0..2 {
-        let child = Command::new(&exe)
+    let spawn = |rank: usize| {
+        Command::new(&exe)
             .args(args.iter().map(|v| v.to_string()))
             .env("XCCL_ID", id.to_string())
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", "2")
             .spawn()
-            .map_err(|e| format!("starting rank {rank}: {e}"))?;
-        children.push(child);
-    }
-    let mut failed = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        match child.wait() {
-            Ok(s) if s.success() => {}
-            Ok(s) => failed.push(format!("rank {rank}: {s}")),
-            Err(e) => failed.push(format!("rank {rank}: {e}")),
-        }
-    }
+            .map_err(|e| format!("starting rank {rank}: {e}"))
+    };
+    let (mut attention, mut expert) = (spawn(0)?, spawn(1)?);
+    let failed: Vec<String> = [(0, attention.wait()), (1, expert.wait())]
+        .into_iter()
+        .filter_map(|(rank, status)| match status {
+            Ok(s) if s.success() => None,
+            Ok(s) => Some(format!("rank {rank}: {s}")),
+            Err(e) => Some(format!("rank {rank}: {e}")),
+        })
+        .collect();
     if failed.is_empty() {
         Ok(())
     } else {
