@@ -42,6 +42,46 @@ echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
 echo "== C ABI symbols"
 XCCL_LIB_DIR=target/release/deps ci/check-capi.sh
+echo "== python"
+# The package from ./python, installed into target/python-site (never into the cached venv),
+# checked with ruff, tested with pytest and run on the transformers example. The venv (torch,
+# transformers, ...) lives outside the clone; ci/python-env.sh creates it once per machine.
+py=$(ci/python-env.sh)
+export PYTHONDONTWRITEBYTECODE=1
+site=target/python-site
+rm -rf "$site"
+"$py" -m pip install --disable-pip-version-check -q --no-deps --no-build-isolation \
+  --target "$site" ./python
+"$py" -m ruff format --check python/
+"$py" -m ruff check python/
+set +e
+PYTHONPATH="$site" timeout 900 "$py" -m pytest python/tests -q -p no:cacheprovider \
+  --junitxml=target/pytest.xml 2>&1 | tee target/pytest-output.txt
+pytest_rc=${PIPESTATUS[0]}
+set -e
+# Exit 5 is pytest's "collected no tests": a suite that ran nothing fails here.
+[ "$pytest_rc" -ne 5 ] || echo "ci/test.sh: pytest collected no tests in python/tests" >&2
+py_counts=$("$py" - target/pytest.xml <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print(0, 1)
+    raise SystemExit
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+t = sum(int(s.get("tests", 0)) for s in suites)
+bad = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+skipped = sum(int(s.get("skipped", 0)) for s in suites)
+print(t - bad - skipped, bad)
+PY
+)
+echo "== python example (DeepseekV3MoE disaggregated)"
+set +e
+PYTHONPATH="$site" timeout 120 "$py" python/examples/deepseek_moe_disagg.py
+example_rc=$?
+set -e
 echo "== leftovers"
 left=$(ls /dev/shm | grep -i '^xccl' || true)
 if [ -n "$left" ]; then
@@ -54,5 +94,10 @@ if [ -n "$left" ]; then
   exit 1
 fi
 passed=$(grep -E '^test result:' target/test-output.txt | awk '{p+=$4; f+=$6} END {print p+0, f+0}')
-set -- $passed
-echo "summary: $1 passed, $2 failed"
+set -- $passed $py_counts
+# The example counts as one test.
+ex_pass=$((example_rc == 0)) ex_fail=$((example_rc != 0))
+[ "$pytest_rc" -eq 0 ] || [ "$4" -gt 0 ] || set -- "$1" "$2" "$3" 1
+echo "cargo: $1 passed, $2 failed; pytest: $3 passed, $4 failed; example: exit $example_rc"
+echo "summary: $(($1 + $3 + ex_pass)) passed, $(($2 + $4 + ex_fail)) failed"
+[ "$pytest_rc" -eq 0 ] && [ "$example_rc" -eq 0 ]

@@ -1,4 +1,4 @@
-//! The C ABI (`include/xccl.h`, `libxccl.so`) from C, C++ and Python, in real processes.
+//! The C ABI (`include/xccl.h`, `libxccl.so`) from C and C++, in real processes.
 //!
 //! Each test compiles its program with `gcc -std=c11` or `g++ -std=c++17` and `-Wall -Wextra
 //! -Werror -pedantic` against the header and the `libxccl.so` next to this test binary
@@ -209,7 +209,7 @@ fn free_port() -> u16 {
     l.local_addr().expect("local_addr").port()
 }
 
-/// Launcher variables of rank `r` of `n`: `style` is `"xccl"`, `"torchrun"` or `"mpirun"`.
+/// Launcher variables of rank `r` of `n`: `style` is `"xccl"` or `"torchrun"`.
 fn launcher_env(style: &str, r: usize, n: usize, port: u16, job: u64) -> BTreeMap<String, String> {
     let root = format!("127.0.0.1:{port}");
     let mut env = BTreeMap::new();
@@ -229,17 +229,9 @@ fn launcher_env(style: &str, r: usize, n: usize, port: u16, job: u64) -> BTreeMa
             set("MASTER_ADDR", "127.0.0.1".into());
             set("MASTER_PORT", port.to_string());
         }
-        "mpirun" => {
-            set("OMPI_COMM_WORLD_RANK", r.to_string());
-            set("OMPI_COMM_WORLD_SIZE", n.to_string());
-            set("XCCL_ROOT", root);
-        }
         other => panic!("unknown launcher style {other}"),
     }
     set("XCCL_JOB_ID", format!("{job}"));
-    // Where the Python wrapper finds the library.
-    let lib = lib_dir().join("libxccl.so");
-    set("XCCL_LIBRARY", lib.to_string_lossy().into_owned());
     env
 }
 
@@ -362,24 +354,6 @@ fn c_example_from_the_readme_runs_four_ranks() {
         .filter(|e| !before.contains(e))
         .collect();
     assert!(new.is_empty(), "the example left {new:?} in /dev/shm");
-}
-
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
-#[test]
-fn python_ctypes_example_two_ranks_mpirun_and_four_ranks_torchrun() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let py = python();
-    let script = repo().join("examples/python/moe_demo.py");
-    let script = script.to_string_lossy().into_owned();
-    for (style, n) in [("mpirun", 2), ("torchrun", 4)] {
-        let logs = run_with_launcher_env(&[&py, &script], style, n);
-        for (r, l) in logs.iter().enumerate() {
-            assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
-        }
-    }
 }
 
 #[test]
