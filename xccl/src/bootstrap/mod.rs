@@ -33,6 +33,8 @@ pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
 pub use generation::{generation_job_id, Generation};
 pub use key::{JobKey, INSECURE_ENV, KEY_ENV, KEY_FILE_ENV};
 pub use root::{RootConfig, RootHandle, RootReport};
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use tcp::raw_handshake;
 pub use tcp::{TcpBootstrap, QUERY_GRACE};
 pub use thread::ThreadExchange;
 pub use unique_id::{bind_addr_from, random_job_id, UniqueId, SOCKET_ADDR_ENV, UNIQUE_ID_ENV};

@@ -569,6 +569,33 @@ impl Drop for TcpBootstrap {
     }
 }
 
+/// [`handshake`] for `rank` of `size` of job `id` on `stream`, as an [`Error`] (for tests
+/// that play a rank with raw frames).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn raw_handshake(
+    stream: &mut TcpStream,
+    id: &UniqueId,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    handshake(
+        stream,
+        id.root_addr(),
+        id.job_id(),
+        &id.key(),
+        rank,
+        size,
+        deadline,
+    )
+    .map_err(|e| match e {
+        Handshake::Failed(e) => e,
+        Handshake::Dropped(why) => Error::Bootstrap(why),
+        Handshake::TimedOut => Error::Bootstrap("handshake timed out".into()),
+    })
+}
+
 /// Why a handshake with the root did not admit this rank.
 enum Handshake {
     /// The root closed the connection without an answer (it may be shedding load): retry.
