@@ -232,6 +232,9 @@ fn launcher_env(style: &str, r: usize, n: usize, port: u16, job: u64) -> BTreeMa
         other => panic!("unknown launcher style {other}"),
     }
     set("XCCL_JOB_ID", format!("{job}"));
+    // Every rank of the job holds the same key (here derived from the job number; a real
+    // launcher passes a random one, e.g. from `openssl rand -hex 32`).
+    set("XCCL_JOB_KEY", format!("{job:064x}"));
     env
 }
 

@@ -196,9 +196,9 @@ pub fn bootstrap(data: &[u8]) {
 
 /// Every payload decoder on `p`: what one accepts must encode back to `p`.
 fn payload_decoders(p: &[u8], size: usize) {
-    if let Some((job, rank, size)) = wire::decode_hello(p) {
+    if let Some((job, rank, size, nonce)) = wire::decode_hello(p) {
         let (rank, size) = (rank as usize, size as usize);
-        assert_eq!(wire::encode_hello(job, rank, size), p);
+        assert_eq!(wire::encode_hello(job, rank, size, &nonce), p);
     }
     if let Some(blobs) = wire::decode_blobs(p, size) {
         assert_eq!(blobs.len(), size);
@@ -614,7 +614,7 @@ mod tests {
     fn a_valid_frame_stream_reaches_the_decoders() {
         let mut data = vec![3u8, 1];
         for (kind, payload) in [
-            (Kind::Hello, wire::encode_hello(7, 1, 2)),
+            (Kind::Hello, wire::encode_hello(7, 1, 2, &[3; 32])),
             (
                 Kind::Status,
                 wire::encode_missing(&[(1, wire::Absence::Late)]),

@@ -12,19 +12,27 @@
 //!
 //! The root address is `XCCL_ROOT=host:port` if set, otherwise `MASTER_ADDR` + `MASTER_PORT`
 //! (torchrun sets them; any launcher may). MPI, PMI and Slurm set neither, so there `XCCL_ROOT`
-//! is required. Rank 0 starts the root service on that port (bound to the wildcard address of
-//! the root's family, `SO_REUSEADDR` set); every rank then connects.
+//! is required. Rank 0 starts the root service on that port, bound to that address (not to
+//! every interface; `SO_REUSEADDR` set); every rank then connects.
+//!
+//! **The job key.** Every rank must hold the same secret ([`JobKey`]): `XCCL_JOB_KEY` (64 hex
+//! digits, e.g. from `openssl rand -hex 32`, exported to the launcher so every rank inherits
+//! it) or `XCCL_JOB_KEY_FILE` (a file holding them; `/proc/self/fd/N` for an inherited
+//! descriptor). Without one, [`LaunchEnv::detect`] refuses to start, unless
+//! `XCCL_INSECURE_NO_KEY=1` says the job accepts anyone who can reach the root's port (a
+//! warning is logged then). The key never appears in an error or a log line.
 //!
 //! Note that torchrun's own store may already listen on `MASTER_PORT` when the job also uses
 //! `torch.distributed`; set `XCCL_ROOT` to another port then.
 //!
 //! The job id is a hash of the root address as written in the environment (the same text on
-//! every rank, even where a host name resolves differently) plus the optional `XCCL_JOB_ID`, so
-//! two jobs on different ports, or with different `XCCL_JOB_ID`s, never accept each other's ranks.
+//! every rank, even where a host name resolves differently) plus the optional `XCCL_JOB_ID`. It
+//! is not a secret: jobs are told apart, and strangers kept out, by the key.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::time::Duration;
 
+use super::key::{self, JobKey, INSECURE_ENV};
 use super::root::{RootConfig, RootHandle};
 use super::tcp::TcpBootstrap;
 use crate::{Error, Result};
@@ -86,6 +94,10 @@ pub struct LaunchEnv {
     pub launcher: Launcher,
     /// Where the root address came from: `"XCCL_ROOT"` or `"MASTER_ADDR/MASTER_PORT"`.
     pub root_source: &'static str,
+    /// The job's secret key (from `XCCL_JOB_KEY` / `XCCL_JOB_KEY_FILE`; `Debug` hides it).
+    pub key: JobKey,
+    /// False when the job runs without a key (`XCCL_INSECURE_NO_KEY=1`).
+    pub authenticated: bool,
 }
 
 impl LaunchEnv {
@@ -98,7 +110,8 @@ impl LaunchEnv {
     ///
     /// Errors ([`Error::Bootstrap`], naming the variable): a value that does not parse, only one
     /// of a launcher's two variables set, `rank >= size`, size 0, no root address for a launcher
-    /// that does not provide one, or a root host name that does not resolve.
+    /// that does not provide one, a root host name that does not resolve, or no job key (and no
+    /// `XCCL_INSECURE_NO_KEY=1`).
     pub fn detect_with(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let mut found = None;
@@ -163,8 +176,20 @@ impl LaunchEnv {
                  listens on that port)"
             )));
         };
-        let job_id = derive_job_id(&spec, get(JOB_ID_ENV).as_deref());
+        let job_text = get(JOB_ID_ENV);
+        let job_id = derive_job_id(&spec, job_text.as_deref());
+        let public = format!("{spec}\0{}", job_text.unwrap_or_default());
+        let (key, authenticated) = key::key_from_env(&get, &public)?;
+        if !authenticated {
+            tracing::warn!(
+                rank,
+                "xccl: {INSECURE_ENV}=1: this job has no key; anyone who can reach {spec} can \
+                 join it or pose as its root"
+            );
+        }
         Ok(Some(LaunchEnv {
+            key,
+            authenticated,
             rank,
             size,
             root,
@@ -177,45 +202,41 @@ impl LaunchEnv {
     /// Joins the job: rank 0 first starts the root service on the root's port, then every rank
     /// connects (retrying until `timeout`, as rank 0 may start after the others).
     pub fn connect(&self, timeout: Duration) -> Result<TcpBootstrap> {
-        self.connect_with(timeout, RootConfig::new(self.job_id))
+        self.connect_with(timeout, RootConfig::with_key(self.job_id, self.key.clone()))
     }
 
-    /// Like [`LaunchEnv::connect`] with the root settings given (job id and size are taken
+    /// Like [`LaunchEnv::connect`] with the root settings given (job id, key and size are taken
     /// from `self`); used by tests for short timeouts.
     pub fn connect_with(&self, timeout: Duration, mut config: RootConfig) -> Result<TcpBootstrap> {
-        let mut target = self.root;
         let hosted = if self.rank == 0 {
-            let wildcard: IpAddr = match self.root {
-                SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
-                SocketAddr::V6(_) => Ipv6Addr::UNSPECIFIED.into(),
-            };
-            let bind = SocketAddr::new(wildcard, self.root.port());
+            // Bound to the address the ranks were told, not to every interface.
+            let bind = self.root;
             let listener = TcpListener::bind(bind).map_err(|e| {
                 Error::os(
                     format!(
-                        "rank 0 binding the bootstrap root to {bind} (port from {}; set {ROOT_ENV} \
-                         to use another port)",
+                        "rank 0 binding the bootstrap root to {bind} (address from {}; it must be \
+                         an address of rank 0's host; set {ROOT_ENV} to use another address or port)",
                         self.root_source
                     ),
                     e,
                 )
             })?;
             config.job_id = self.job_id;
+            config.key = self.key.clone();
             config.size = Some(self.size);
-            let root = RootHandle::spawn(listener, config)?;
-            // Rank 0 reaches its own root over loopback, whatever the root's host name says.
-            target = SocketAddr::new(
-                match self.root {
-                    SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
-                    SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
-                },
-                self.root.port(),
-            );
-            Some(root)
+            Some(RootHandle::spawn(listener, config)?)
         } else {
             None
         };
-        TcpBootstrap::connect_to(target, self.job_id, self.rank, self.size, timeout, hosted)
+        TcpBootstrap::connect_to(
+            self.root,
+            self.job_id,
+            &self.key,
+            self.rank,
+            self.size,
+            timeout,
+            hosted,
+        )
     }
 }
 
@@ -313,8 +334,60 @@ pub(crate) mod tests {
         move |k| map.get(k).cloned()
     }
 
+    /// A job key for the tests (every rank of a test job gets the same one).
+    pub(crate) const TEST_KEY: &str =
+        "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    /// Detects from `pairs` plus [`TEST_KEY`] in `XCCL_JOB_KEY`.
     fn detect(pairs: &[(&str, &str)]) -> Result<Option<LaunchEnv>> {
-        LaunchEnv::detect_with(&env(pairs))
+        let mut all = pairs.to_vec();
+        all.push((crate::bootstrap::KEY_ENV, TEST_KEY));
+        LaunchEnv::detect_with(&env(&all))
+    }
+
+    #[test]
+    fn a_launcher_job_without_a_key_is_refused_naming_the_variables() {
+        let pairs = [
+            ("XCCL_RANK", "0"),
+            ("XCCL_SIZE", "2"),
+            ("XCCL_ROOT", "10.0.0.1:7000"),
+        ];
+        let err = LaunchEnv::detect_with(&env(&pairs))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no job key")
+                && err.contains("XCCL_JOB_KEY")
+                && err.contains("XCCL_INSECURE_NO_KEY"),
+            "{err}"
+        );
+        let mut opted_out = pairs.to_vec();
+        opted_out.push(("XCCL_INSECURE_NO_KEY", "1"));
+        let e = LaunchEnv::detect_with(&env(&opted_out)).unwrap().unwrap();
+        assert!(!e.authenticated);
+        let keyed = detect(&pairs).unwrap().unwrap();
+        assert!(keyed.authenticated);
+        assert_eq!(keyed.key.to_hex(), TEST_KEY);
+        assert!(!format!("{keyed:?}").contains(TEST_KEY));
+    }
+
+    #[test]
+    fn rank_0_binds_the_root_to_the_address_the_ranks_were_told() {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let root = format!("127.0.0.1:{port}");
+        let e = detect(&[("XCCL_RANK", "0"), ("XCCL_SIZE", "2"), ("XCCL_ROOT", &root)])
+            .unwrap()
+            .unwrap();
+        let mut cfg = RootConfig::new(0);
+        cfg.idle_timeout = Duration::from_secs(5);
+        let b = e.connect_with(Duration::from_secs(5), cfg).unwrap();
+        // Another loopback address of this host is not served: the root is not on 0.0.0.0.
+        let other: std::net::SocketAddr = format!("127.0.0.2:{port}").parse().unwrap();
+        assert!(std::net::TcpStream::connect(other).is_err());
+        drop(b);
     }
 
     fn bootstrap_err(pairs: &[(&str, &str)]) -> String {

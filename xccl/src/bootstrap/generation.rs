@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Exchange, Survivors};
+use super::{Exchange, JobKey, Survivors};
 use crate::{Error, Result};
 
 /// The survivors of a job after a shrink; implements [`Exchange`] on top of the job's own.
@@ -25,6 +25,8 @@ pub struct Generation {
     /// This rank's new number.
     rank: usize,
     job_id: u64,
+    /// Derived from the parent's key and the generation number.
+    key: JobKey,
     /// The parent's aborts before this index belong to the replaced job.
     horizon: usize,
 }
@@ -77,11 +79,13 @@ impl Generation {
             )));
         };
         let job_id = generation_job_id(parent.job_id(), generation);
+        let key = parent.key().for_generation(parent.job_id(), generation);
         Ok(Generation {
             parent,
             members,
             rank,
             job_id,
+            key,
             horizon,
         })
     }
@@ -160,6 +164,10 @@ impl Exchange for Generation {
 
     fn job_id(&self) -> u64 {
         self.job_id
+    }
+
+    fn key(&self) -> &JobKey {
+        &self.key
     }
 
     fn allgather(&self, blob: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {

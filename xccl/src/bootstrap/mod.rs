@@ -22,6 +22,7 @@ use crate::Result;
 
 pub mod env;
 mod generation;
+pub mod key;
 mod roles;
 pub mod root;
 mod tcp;
@@ -31,11 +32,14 @@ pub(crate) mod wire;
 
 pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
 pub use generation::{generation_job_id, Generation};
+pub use key::{JobKey, INSECURE_ENV, KEY_ENV, KEY_FILE_ENV};
 pub use roles::gather_roles;
 pub use root::{RootConfig, RootHandle, RootReport};
+#[cfg(any(test, feature = "testing"))]
+pub(crate) use tcp::raw_handshake;
 pub use tcp::{TcpBootstrap, QUERY_GRACE};
 pub use thread::ThreadExchange;
-pub use unique_id::{bind_addr_from, random_job_id, UniqueId, SOCKET_ADDR_ENV};
+pub use unique_id::{bind_addr_from, random_job_id, UniqueId, SOCKET_ADDR_ENV, UNIQUE_ID_ENV};
 pub use wire::MAX_BLOB;
 
 /// What the fabrics and the communicator need from a bootstrap.
@@ -44,8 +48,12 @@ pub trait Exchange: Send + Sync {
     fn rank(&self) -> usize;
     /// Number of ranks in the job.
     fn size(&self) -> usize;
-    /// A 64-bit id that is the same on every rank of this job and different between jobs.
+    /// A 64-bit id that is the same on every rank of this job and different between jobs. Not
+    /// a secret: other users of the host may learn it.
     fn job_id(&self) -> u64;
+    /// The job's secret key, the same on every rank and unknown outside the job: the fabrics
+    /// derive names that outsiders must not predict from it (shared-memory segments).
+    fn key(&self) -> &key::JobKey;
     /// Every rank contributes one blob; every rank gets all blobs, in rank order.
     ///
     /// Fails naming the ranks that did not arrive when `timeout` passes.

@@ -14,12 +14,20 @@
 //! job past dead ranks agrees on them this way). The first contribution sets the round's kind;
 //! a rank contributing the other kind to it is dropped.
 //!
-//! Rejections (a stranger, a wrong version, job id, rank or world size, a duplicate rank) get an
-//! ERROR frame and a closed connection; the job goes on. Every rejection is logged at `warn` and
-//! listed in [`RootReport::rejected`]. A connection has [`RootConfig::hello_timeout`] to say
-//! hello, and at most 256 connections may be waiting to (a new one closes the oldest), so idle
-//! or half-open connections cost one thread each for a bounded time and never lock the ranks
-//! out. A rank that sends a malformed frame is
+//! **Admission.** A connection says hello (job id, rank, world size, a nonce), gets a challenge
+//! (the root's nonce) and answers with the HMAC of all of them under the job key
+//! ([`JobKey`]); the root checks it and welcomes the rank with its own HMAC, which the rank
+//! checks in turn. Only then is the hello checked against the job (rank range, world size,
+//! duplicates), so a stranger without the key learns nothing but "authentication failed".
+//!
+//! Rejections (a stranger, a wrong version, job id or key, rank or world size, a duplicate rank)
+//! get an ERROR frame that names the cause but no secret and not the job's real id, and the
+//! connection is closed at once; the job goes on. Every rejection is logged at `warn` and listed
+//! in [`RootReport::rejected`] (the first [`MAX_KEPT_REJECTIONS`]; the rest are counted). A
+//! connection has [`RootConfig::hello_timeout`] to authenticate, and at most
+//! [`MAX_PENDING_HELLOS`] connections may be unauthenticated at once (a new one closes the
+//! oldest), so idle or half-open connections cost one thread and two descriptors each for a
+//! bounded time and never lock the ranks out. A rank that sends a malformed frame is
 //! dropped from the job, and the ranks waiting on a round it can no longer join are told so.
 //! The coordinator exits when every rank has joined and left, when no rank has been connected for
 //! [`RootConfig::idle_timeout`], or when [`RootHandle::shutdown`] asks it to.
@@ -34,6 +42,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
 use super::wire::{self, Absence, Frame, Kind, ReadError, READ_TICK};
 use crate::{Error, Result};
 
@@ -42,6 +51,8 @@ use crate::{Error, Result};
 pub struct RootConfig {
     /// The job this root serves; hellos for another job id are rejected.
     pub job_id: u64,
+    /// The job's secret: ranks must prove they hold it (see the module docs).
+    pub key: JobKey,
     /// The world size, if known in advance; otherwise the first accepted hello fixes it.
     pub size: Option<usize>,
     /// The root exits after no rank has been connected for this long (default 5 minutes).
@@ -53,11 +64,17 @@ pub struct RootConfig {
 }
 
 impl RootConfig {
-    /// Defaults for job `job_id`: size learned from the first hello, 5 min idle timeout,
-    /// 30 s hello and write timeouts.
+    /// Defaults for job `job_id` with a fresh random key ([`JobKey::random`]): size learned
+    /// from the first hello, 5 min idle timeout, 30 s hello and write timeouts.
     pub fn new(job_id: u64) -> Self {
+        Self::with_key(job_id, JobKey::random())
+    }
+
+    /// Like [`RootConfig::new`] with the job's key given (launchers: from the environment).
+    pub fn with_key(job_id: u64, key: JobKey) -> Self {
         RootConfig {
             job_id,
+            key,
             size: None,
             idle_timeout: Duration::from_secs(300),
             hello_timeout: Duration::from_secs(30),
@@ -73,8 +90,11 @@ pub struct RootReport {
     pub joined: usize,
     /// Number of collective rounds completed.
     pub rounds: u64,
-    /// One line per rejected connection or dropped rank: peer address and reason.
+    /// One line per rejected connection or dropped rank: peer address and reason (the first
+    /// [`MAX_KEPT_REJECTIONS`]).
     pub rejected: Vec<String>,
+    /// Rejections past the first [`MAX_KEPT_REJECTIONS`], counted but not kept.
+    pub rejected_not_kept: u64,
     /// Why the root exited.
     pub exit: String,
 }
@@ -116,6 +136,8 @@ impl RootHandle {
                 stop: stop.clone(),
                 hello_timeout: config.hello_timeout,
                 job_id: config.job_id,
+                key: config.key.clone(),
+                live: Arc::default(),
             };
             std::thread::Builder::new()
                 .name("xccl-root-accept".into())
@@ -179,14 +201,15 @@ impl RootHandle {
 
 /// What readers tell the coordinator.
 enum Event {
-    /// A connection sent a well-formed hello; `stream` is its write half.
+    /// A connection said hello for this job and proved it holds the key; `stream` is its
+    /// write half, `welcome` the root's proof to send back if the rank is admitted.
     Hello {
         conn: u64,
         stream: TcpStream,
         peer: SocketAddr,
-        job_id: u64,
         rank: u64,
         size: u64,
+        welcome: [u8; key::MAC_LEN],
     },
     /// A frame from a connection that has said hello.
     Frame { conn: u64, frame: Frame },
@@ -200,10 +223,20 @@ enum Event {
     Rejected { peer: SocketAddr, reason: String },
 }
 
-/// Most connections that may be waiting to say hello at once. When one more arrives, the oldest
+/// Most connections that may be unauthenticated at once. When one more arrives, the oldest
 /// waiting connection is closed, so a flood of idle connections neither exhausts the root's
-/// threads nor locks the real ranks out (they say hello at once).
-pub(crate) const MAX_PENDING_HELLOS: usize = 256;
+/// threads or descriptors nor locks the real ranks out (they authenticate at once).
+pub const MAX_PENDING_HELLOS: usize = 64;
+
+/// Most reader threads of unauthenticated connections alive at once (evicted ones take up to one
+/// read tick to end): past it, a new connection is closed at once without a thread.
+pub const MAX_UNAUTHENTICATED_THREADS: usize = 2 * MAX_PENDING_HELLOS;
+
+/// Rejections a report keeps (later ones are counted in [`RootReport::rejected_not_kept`]).
+pub const MAX_KEPT_REJECTIONS: usize = 256;
+
+/// Aborts the root keeps to replay to ranks that join later (later ones are still forwarded).
+pub const MAX_KEPT_ABORTS: usize = 1024;
 
 /// Connections that have not said hello yet, oldest first: `(conn, a clone of its socket)`.
 type PendingList = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, TcpStream)>>>;
@@ -229,6 +262,18 @@ struct Intake {
     stop: Arc<AtomicBool>,
     hello_timeout: Duration,
     job_id: u64,
+    key: JobKey,
+    /// Reader threads of connections that have not authenticated yet.
+    live: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts one unauthenticated reader thread in [`Intake::live`] until dropped.
+struct LiveGuard(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Intake {
@@ -246,7 +291,7 @@ impl Intake {
     fn reject_and_drain(&self, stream: &mut TcpStream, peer: SocketAddr, reason: String) {
         let text = reason.clone();
         self.reject(peer, reason);
-        reject_and_drain(stream, &text, &self.stop);
+        reject_and_close(stream, &text);
     }
 }
 
@@ -272,6 +317,18 @@ fn accept_loop(listener: TcpListener, intake: Intake) {
                 Ok((stream, peer)) => {
                     let conn = next_conn;
                     next_conn += 1;
+                    if intake.live.load(Ordering::Acquire) >= MAX_UNAUTHENTICATED_THREADS {
+                        // Evicted readers have not ended yet: close this one at once, no thread.
+                        drop(stream);
+                        intake.reject(
+                            peer,
+                            format!(
+                                "closed at once: {MAX_UNAUTHENTICATED_THREADS} unauthenticated \
+                                 connections are being served"
+                            ),
+                        );
+                        continue;
+                    }
                     let waiting = match wait_for_hello(&pending, conn, &stream) {
                         Ok((waiting, evicted)) => {
                             if let Some(old) = evicted {
@@ -291,9 +348,11 @@ fn accept_loop(listener: TcpListener, intake: Intake) {
                         }
                     };
                     let intake = intake.clone();
+                    intake.live.fetch_add(1, Ordering::AcqRel);
+                    let live = LiveGuard(intake.live.clone());
                     let spawned = std::thread::Builder::new()
                         .name("xccl-root-conn".into())
-                        .spawn(move || conn_reader(conn, stream, peer, intake, waiting));
+                        .spawn(move || conn_reader(conn, stream, peer, intake, waiting, live));
                     if spawned.is_err() {
                         // Out of threads: the connection is dropped (closed) and the peer retries
                         // or times out; the root itself goes on.
@@ -301,8 +360,11 @@ fn accept_loop(listener: TcpListener, intake: Intake) {
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                // ECONNABORTED, EMFILE and friends: skip this round, poll again.
-                Err(_) => break,
+                // EMFILE and friends: the backlog stays readable, so wait a little first.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
             }
         }
     }
@@ -333,14 +395,29 @@ fn wait_for_hello(
     Ok((waiting, evicted))
 }
 
-/// Sends an error frame to a peer that is being rejected, half-closes the connection, and drains
-/// what the peer still sends (for at most a second) so the close does not reset the connection
-/// before the peer has read the error.
-fn reject_and_drain(stream: &mut TcpStream, reason: &str, stop: &AtomicBool) {
+/// Sends an error frame to a peer that is being rejected and closes the connection at once,
+/// first discarding what the peer already sent (without waiting for more) so the close does not
+/// reset the connection before the peer has read the error.
+fn reject_and_close(stream: &mut TcpStream, reason: &str) {
     let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
     let _ = wire::write_frame(stream, Kind::Error, 0, wire::clip(reason).as_bytes());
     let _ = stream.shutdown(Shutdown::Write);
-    drain(stream, stop);
+    discard_buffered(stream);
+    let _ = stream.shutdown(Shutdown::Both);
+}
+
+/// Reads and drops what has already arrived on `stream`, without waiting for more.
+fn discard_buffered(stream: &mut TcpStream) {
+    if stream.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut sink = [0u8; 4096];
+    for _ in 0..64 {
+        match stream.read(&mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+    }
 }
 
 fn drain(stream: &mut TcpStream, stop: &AtomicBool) {
@@ -363,12 +440,100 @@ fn drain(stream: &mut TcpStream, stop: &AtomicBool) {
     }
 }
 
+/// Reads the hello, challenges the peer and checks its proof of the job key, all within the
+/// hello timeout. Returns the claimed `(rank, size)` and the root's own proof; on any failure
+/// the peer is told what was wrong (never a secret, nor this job's id) and the connection is
+/// closed at once.
+fn authenticate(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    intake: &Intake,
+) -> Option<(u64, u64, [u8; key::MAC_LEN])> {
+    let hello_timeout = intake.hello_timeout;
+    let deadline = Instant::now() + hello_timeout;
+    let stop = &intake.stop;
+    let hello = match wire::read_frame(stream, Some(deadline), stop, 0, &|k| k == Kind::Hello) {
+        Ok(frame) => wire::decode_hello(&frame.payload),
+        Err(ReadError::Stopped) => return None,
+        Err(ReadError::Eof) => {
+            intake.reject(peer, "closed the connection before saying hello".into());
+            return None;
+        }
+        Err(ReadError::Timeout) => {
+            let reason = format!("no hello within {hello_timeout:?}");
+            intake.reject_and_drain(stream, peer, reason);
+            return None;
+        }
+        Err(e) => {
+            let reason = format!("rejected before hello: {e}");
+            intake.reject_and_drain(stream, peer, reason);
+            return None;
+        }
+    };
+    let Some((job_id, rank, size, rank_nonce)) = hello else {
+        intake.reject_and_drain(stream, peer, "malformed hello".into());
+        return None;
+    };
+    if job_id != intake.job_id {
+        let reason = format!(
+            "job id mismatch: the hello is for job {job_id:016x}, which this root does not serve"
+        );
+        intake.reject_and_drain(stream, peer, reason);
+        return None;
+    }
+    let mut root_nonce = [0u8; NONCE_LEN];
+    if let Err(e) = key::random_bytes(&mut root_nonce) {
+        intake.reject_and_drain(stream, peer, format!("the root cannot make a nonce: {e}"));
+        return None;
+    }
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+    if wire::write_frame(stream, Kind::Challenge, 0, &root_nonce).is_err() {
+        intake.reject(peer, "the challenge could not be sent".into());
+        return None;
+    }
+    let fields = HelloFields {
+        job_id,
+        rank,
+        size,
+        rank_nonce,
+        root_nonce,
+    };
+    let proof = match wire::read_frame(stream, Some(deadline), stop, 0, &|k| k == Kind::Auth) {
+        Ok(frame) => frame.payload,
+        Err(ReadError::Stopped) => return None,
+        Err(ReadError::Eof) => {
+            intake.reject(peer, "closed the connection before authenticating".into());
+            return None;
+        }
+        Err(ReadError::Timeout) => {
+            let reason = format!("no hello within {hello_timeout:?} (not authenticated)");
+            intake.reject_and_drain(stream, peer, reason);
+            return None;
+        }
+        Err(e) => {
+            intake.reject_and_drain(stream, peer, format!("rejected before authenticating: {e}"));
+            return None;
+        }
+    };
+    if !intake.key.verify_hello(Side::Rank, &fields, &proof) {
+        let reason = format!(
+            "authentication failed: the hello for rank {rank} was not made with this job's key \
+             (a unique id or {} of another job?)",
+            key::KEY_ENV
+        );
+        intake.reject_and_drain(stream, peer, reason);
+        return None;
+    }
+    Some((rank, size, intake.key.hello_mac(Side::Root, &fields)))
+}
+
 fn conn_reader(
     conn: u64,
     mut stream: TcpStream,
     peer: SocketAddr,
     intake: Intake,
     waiting: Pending,
+    live: LiveGuard,
 ) {
     let setup = stream
         .set_nonblocking(false)
@@ -378,38 +543,15 @@ fn conn_reader(
         return;
     }
     wire::tune(&stream);
-    let Intake {
-        ref tx,
-        ref stop,
-        hello_timeout,
-        ..
-    } = intake;
-    let deadline = Instant::now() + hello_timeout;
-    let hello = match wire::read_frame(&mut stream, Some(deadline), stop, 0, &|k| k == Kind::Hello)
-    {
-        Ok(frame) => wire::decode_hello(&frame.payload),
-        Err(ReadError::Stopped) => return,
-        Err(ReadError::Eof) => {
-            intake.reject(peer, "closed the connection before saying hello".into());
-            return;
-        }
-        Err(ReadError::Timeout) => {
-            let reason = format!("no hello within {hello_timeout:?}");
-            intake.reject_and_drain(&mut stream, peer, reason);
-            return;
-        }
-        Err(e) => {
-            let reason = format!("rejected before hello: {e}");
-            intake.reject_and_drain(&mut stream, peer, reason);
-            return;
-        }
-    };
-    let Some((job_id, rank, size)) = hello else {
-        intake.reject_and_drain(&mut stream, peer, "malformed hello".into());
+    let Some((rank, size, welcome)) = authenticate(&mut stream, peer, &intake) else {
         return;
     };
-    // Said hello (or rejected below): no longer counts against the pending cap.
+    // Authenticated: no longer counts against the pending cap or the thread bound.
     drop(waiting);
+    drop(live);
+    let Intake {
+        ref tx, ref stop, ..
+    } = intake;
     let write_half = match stream.try_clone() {
         Ok(s) => s,
         Err(e) => {
@@ -421,9 +563,9 @@ fn conn_reader(
         conn,
         stream: write_half,
         peer,
-        job_id,
         rank,
         size,
+        welcome,
     });
     if sent.is_err() {
         return;
@@ -563,10 +705,10 @@ impl Coordinator {
                 conn,
                 stream,
                 peer,
-                job_id,
                 rank,
                 size,
-            } => self.on_hello(conn, stream, peer, job_id, rank, size),
+                welcome,
+            } => self.on_hello(conn, stream, peer, rank, size, &welcome),
             Event::Frame { conn, frame } => {
                 if let Some(&rank) = self.conns.get(&conn) {
                     self.on_frame(rank, frame);
@@ -591,9 +733,7 @@ impl Coordinator {
                 }
             }
             // Logged where it was rejected.
-            Event::Rejected { peer, reason } => {
-                self.report.rejected.push(format!("{peer}: {reason}"));
-            }
+            Event::Rejected { peer, reason } => self.keep_rejection(format!("{peer}: {reason}")),
         }
     }
 
@@ -602,22 +742,21 @@ impl Coordinator {
         conn: u64,
         mut stream: TcpStream,
         peer: SocketAddr,
-        job_id: u64,
         rank: u64,
         size: u64,
+        welcome: &[u8],
     ) {
-        if let Err(reason) = self.admit(job_id, rank, size) {
-            let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = wire::write_frame(&mut stream, Kind::Error, 0, reason.as_bytes());
-            // The reader keeps draining the connection until the peer closes it.
-            let _ = stream.shutdown(Shutdown::Write);
+        if let Err(reason) = self.admit(rank, size) {
+            // Closed at once (the peer sends nothing while it waits for the welcome); the reader
+            // then sees the end of the stream and exits.
+            reject_and_close(&mut stream, &reason);
             self.note_rejected(format!("{peer}: {reason}"));
             return;
         }
         // `admit` checked that both fit in `usize` and that `rank < size`.
         let rank = rank as usize;
         let _ = stream.set_write_timeout(Some(self.cfg.write_timeout));
-        if let Err(e) = wire::write_frame(&mut stream, Kind::Welcome, 0, &[]) {
+        if let Err(e) = wire::write_frame(&mut stream, Kind::Welcome, 0, welcome) {
             let _ = stream.shutdown(Shutdown::Both);
             self.ranks[rank] = Slot::Gone {
                 reason: format!("welcome could not be sent: {e}"),
@@ -638,13 +777,7 @@ impl Coordinator {
     }
 
     /// Checks a hello against the job; the error is the text sent back to the peer.
-    fn admit(&mut self, job_id: u64, rank: u64, size: u64) -> Result<(), String> {
-        if job_id != self.cfg.job_id {
-            return Err(format!(
-                "job id mismatch: this root serves job {:016x}, the hello is for job {job_id:016x}",
-                self.cfg.job_id
-            ));
-        }
+    fn admit(&mut self, rank: u64, size: u64) -> Result<(), String> {
         let size = match usize::try_from(size) {
             Ok(s) if s <= wire::MAX_WORLD => s,
             _ => {
@@ -700,7 +833,9 @@ impl Coordinator {
             }
             Kind::Abort => {
                 let reason = String::from_utf8_lossy(wire::clip_bytes(&frame.payload)).into_owned();
-                self.aborts.push((rank, reason.clone()));
+                if self.aborts.len() < MAX_KEPT_ABORTS {
+                    self.aborts.push((rank, reason.clone()));
+                }
                 let payload = wire::encode_rank_text(rank, &reason);
                 for other in 0..self.ranks.len() {
                     if other != rank {
@@ -823,7 +958,17 @@ impl Coordinator {
     /// Records a rejected connection or dropped rank in the report and logs it (`warn`).
     fn note_rejected(&mut self, line: String) {
         tracing::warn!(job = %format_args!("{:016x}", self.cfg.job_id), "bootstrap root: {line}");
-        self.report.rejected.push(line);
+        self.keep_rejection(line);
+    }
+
+    /// Keeps a rejection line in the report, or counts it once the report holds
+    /// [`MAX_KEPT_REJECTIONS`].
+    fn keep_rejection(&mut self, line: String) {
+        if self.report.rejected.len() < MAX_KEPT_REJECTIONS {
+            self.report.rejected.push(line);
+        } else {
+            self.report.rejected_not_kept += 1;
+        }
     }
 
     /// Writes a frame to `rank` if it is connected; a failed write drops the rank.

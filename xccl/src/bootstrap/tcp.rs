@@ -16,6 +16,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
 use super::root::RootHandle;
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
@@ -38,6 +39,7 @@ pub struct TcpBootstrap {
     rank: usize,
     size: usize,
     job_id: u64,
+    key: JobKey,
     root: SocketAddr,
     writer: Mutex<TcpStream>,
     shared: Arc<Shared>,
@@ -109,19 +111,25 @@ impl TcpBootstrap {
     /// the hello and waits for the root to accept it. Returns once this rank is accepted; the
     /// other ranks may still be on their way (the first collective waits for them).
     ///
+    /// The rank proves it holds the id's key and checks that the root does too (see
+    /// [`root`](super::root)), so it never joins another job's root on the same port.
+    ///
     /// Errors: [`Error::InvalidArgument`] for `rank >= size` or a world size above 65,536;
-    /// [`Error::Bootstrap`] when the root rejects the hello (wrong job id or world size,
-    /// duplicate rank); [`Error::Timeout`] (with `peer` 0, the conventional root host) when the
+    /// [`Error::Bootstrap`] when the root rejects the hello (wrong job id, key or world size,
+    /// duplicate rank) or cannot prove it holds the key; [`Error::Timeout`] (with `peer` 0, the conventional root host) when the
     /// root cannot be reached in time.
     pub fn connect(id: &UniqueId, rank: usize, size: usize, timeout: Duration) -> Result<Self> {
-        Self::connect_to(id.root_addr(), id.job_id(), rank, size, timeout, None)
+        let key = id.key();
+        Self::connect_to(id.root_addr(), id.job_id(), &key, rank, size, timeout, None)
     }
 
     /// Like [`TcpBootstrap::connect`] with the root address and job id given directly;
     /// `hosted_root` is a root service this rank started and keeps (detached) for its lifetime.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect_to(
         root: SocketAddr,
         job_id: u64,
+        key: &JobKey,
         rank: usize,
         size: usize,
         timeout: Duration,
@@ -140,46 +148,32 @@ impl TcpBootstrap {
         }
         let start = Instant::now();
         let deadline = start + timeout;
-        let mut stream = connect_retrying(root, rank, deadline, start)?;
-        let setup = stream
-            .set_read_timeout(Some(READ_TICK))
-            .and_then(|()| stream.set_write_timeout(Some(CONTROL_WRITE_TIMEOUT)));
-        setup.map_err(|e| Error::os("configuring the bootstrap socket", e))?;
-        wire::tune(&stream);
-        wire::write_frame(
-            &mut stream,
-            Kind::Hello,
-            0,
-            &wire::encode_hello(job_id, rank, size),
-        )
-        .map_err(|e| Error::os(format!("sending hello to the bootstrap root at {root}"), e))?;
-        let no_stop = AtomicBool::new(false);
-        let reply = wire::read_frame(&mut stream, Some(deadline), &no_stop, 0, &|k| {
-            matches!(k, Kind::Welcome | Kind::Error)
-        });
-        match reply {
-            Ok(f) if f.kind == Kind::Welcome => {}
-            Ok(f) => {
-                return Err(Error::Bootstrap(format!(
-                    "the root at {root} rejected rank {rank}: {}",
-                    String::from_utf8_lossy(&f.payload)
-                )))
+        let stream = loop {
+            let mut stream = connect_retrying(root, rank, deadline, start)?;
+            match handshake(&mut stream, root, job_id, key, rank, size, deadline) {
+                Ok(()) => break stream,
+                // The root closed before answering (too busy with unauthenticated connections
+                // to serve this one): try again while the deadline allows.
+                Err(Handshake::Dropped(why)) => {
+                    if Instant::now() + Duration::from_millis(50) >= deadline {
+                        return Err(Error::Bootstrap(format!(
+                            "hello of rank {rank} to the root at {root} failed: {why}"
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(Handshake::TimedOut) => {
+                    return Err(Error::Timeout {
+                        peer: 0,
+                        what: format!(
+                            "the bootstrap root at {root} to accept the hello of rank {rank}"
+                        ),
+                        waited: start.elapsed(),
+                    })
+                }
+                Err(Handshake::Failed(e)) => return Err(e),
             }
-            Err(ReadError::Timeout) => {
-                return Err(Error::Timeout {
-                    peer: 0,
-                    what: format!(
-                        "the bootstrap root at {root} to accept the hello of rank {rank}"
-                    ),
-                    waited: start.elapsed(),
-                })
-            }
-            Err(e) => {
-                return Err(Error::Bootstrap(format!(
-                    "hello of rank {rank} to the root at {root} failed: {e}"
-                )))
-            }
-        }
+        };
         fault_point!("init.connected");
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
@@ -201,6 +195,7 @@ impl TcpBootstrap {
             rank,
             size,
             job_id,
+            key: key.clone(),
             root,
             writer: Mutex::new(stream),
             shared,
@@ -475,6 +470,10 @@ impl Exchange for TcpBootstrap {
         self.job_id
     }
 
+    fn key(&self) -> &JobKey {
+        &self.key
+    }
+
     /// Sends `blob` (at most [`MAX_BLOB`] bytes) to the root and waits for every rank's blob.
     ///
     /// Fails with [`Error::Timeout`] naming the ranks the root is still waiting for,
@@ -567,6 +566,114 @@ impl Drop for TcpBootstrap {
         }
         // A hosted root keeps serving the other ranks, detached.
         drop(self.hosted_root.take());
+    }
+}
+
+/// [`handshake`] for `rank` of `size` of job `id` on `stream`, as an [`Error`] (for tests
+/// that play a rank with raw frames).
+#[cfg(any(test, feature = "testing"))]
+pub(crate) fn raw_handshake(
+    stream: &mut TcpStream,
+    id: &UniqueId,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    handshake(
+        stream,
+        id.root_addr(),
+        id.job_id(),
+        &id.key(),
+        rank,
+        size,
+        deadline,
+    )
+    .map_err(|e| match e {
+        Handshake::Failed(e) => e,
+        Handshake::Dropped(why) => Error::Bootstrap(why),
+        Handshake::TimedOut => Error::Bootstrap("handshake timed out".into()),
+    })
+}
+
+/// Why a handshake with the root did not admit this rank.
+enum Handshake {
+    /// The root closed the connection without an answer (it may be shedding load): retry.
+    Dropped(String),
+    /// The deadline passed.
+    TimedOut,
+    /// Refused for good (an ERROR frame, or a root that cannot prove it holds the key).
+    Failed(Error),
+}
+
+/// Hello, challenge, proof, welcome (see [`root`](super::root)) on a fresh connection.
+fn handshake(
+    stream: &mut TcpStream,
+    root: SocketAddr,
+    job_id: u64,
+    key: &JobKey,
+    rank: usize,
+    size: usize,
+    deadline: Instant,
+) -> std::result::Result<(), Handshake> {
+    let io = |e: std::io::Error| Handshake::Dropped(e.to_string());
+    stream
+        .set_read_timeout(Some(READ_TICK))
+        .and_then(|()| stream.set_write_timeout(Some(CONTROL_WRITE_TIMEOUT)))
+        .map_err(|e| Handshake::Failed(Error::os("configuring the bootstrap socket", e)))?;
+    wire::tune(stream);
+    let mut rank_nonce = [0u8; NONCE_LEN];
+    key::random_bytes(&mut rank_nonce).map_err(Handshake::Failed)?;
+    let hello = wire::encode_hello(job_id, rank, size, &rank_nonce);
+    wire::write_frame(stream, Kind::Hello, 0, &hello).map_err(io)?;
+    let reply = |stream: &mut TcpStream, expect: Kind| {
+        handshake_reply(stream, expect, root, rank, deadline)
+    };
+    let challenge = reply(stream, Kind::Challenge)?;
+    let mut root_nonce = [0u8; NONCE_LEN];
+    root_nonce.copy_from_slice(&challenge);
+    let fields = HelloFields {
+        job_id,
+        rank: rank as u64,
+        size: size as u64,
+        rank_nonce,
+        root_nonce,
+    };
+    let proof = key.hello_mac(Side::Rank, &fields);
+    wire::write_frame(stream, Kind::Auth, 0, &proof).map_err(io)?;
+    let welcome = reply(stream, Kind::Welcome)?;
+    if !key.verify_hello(Side::Root, &fields, &welcome) {
+        return Err(Handshake::Failed(Error::Bootstrap(format!(
+            "the root at {root} welcomed rank {rank} without proving it holds this job's key \
+             (another job's root on this port?)"
+        ))));
+    }
+    Ok(())
+}
+
+/// The root's next handshake frame: `expect`, or an ERROR naming why this rank was refused.
+fn handshake_reply(
+    stream: &mut TcpStream,
+    expect: Kind,
+    root: SocketAddr,
+    rank: usize,
+    deadline: Instant,
+) -> std::result::Result<Vec<u8>, Handshake> {
+    let no_stop = AtomicBool::new(false);
+    match wire::read_frame(stream, Some(deadline), &no_stop, 0, &|k| {
+        k == expect || k == Kind::Error
+    }) {
+        Ok(f) if f.kind == expect => Ok(f.payload),
+        Ok(f) => Err(Handshake::Failed(Error::Bootstrap(format!(
+            "the root at {root} rejected rank {rank}: {}",
+            String::from_utf8_lossy(&f.payload)
+        )))),
+        Err(ReadError::Timeout) => Err(Handshake::TimedOut),
+        Err(ReadError::Eof) => Err(Handshake::Dropped("the root closed the connection".into())),
+        Err(ReadError::Io(e)) => Err(Handshake::Dropped(e.to_string())),
+        Err(e) => Err(Handshake::Failed(Error::Bootstrap(format!(
+            "hello of rank {rank} to the root at {root} failed: {e}"
+        )))),
     }
 }
 
@@ -786,7 +893,7 @@ mod tests {
 
     #[test]
     fn rank_out_of_range_is_an_invalid_argument() {
-        let id = UniqueId::from_parts(1, "127.0.0.1:9".parse().unwrap());
+        let id = UniqueId::from_parts(1, &JobKey::random(), "127.0.0.1:9".parse().unwrap());
         let err = TcpBootstrap::connect(&id, 2, 2, LONG).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     }
@@ -876,14 +983,16 @@ mod tests {
     }
 
     #[test]
-    fn wrong_job_id_is_rejected() {
+    fn wrong_job_id_is_rejected_without_naming_the_real_one() {
         let (id, _root) = start_job();
-        let other = UniqueId::from_parts(id.job_id() ^ 1, id.root_addr());
+        let other = UniqueId::from_parts(id.job_id() ^ 1, &id.key(), id.root_addr());
         let err = TcpBootstrap::connect(&other, 0, 2, LONG).unwrap_err();
         assert!(
             matches!(&err, Error::Bootstrap(m) if m.contains("job id mismatch")),
             "{err}"
         );
+        let real = format!("{:016x}", id.job_id());
+        assert!(!err.to_string().contains(&real), "{err}");
         // The job itself is unaffected, rank 0 included.
         run_ranks(&id, 2, 0..2, |b| b.barrier(LONG).unwrap());
     }
@@ -1034,18 +1143,11 @@ mod tests {
         let (id, root) = start_job();
         let addr = id.root_addr();
         let mut raw = TcpStream::connect(addr).unwrap();
-        wire::write_frame(
-            &mut raw,
-            Kind::Hello,
-            0,
-            &wire::encode_hello(id.job_id(), 2, 3),
-        )
-        .unwrap();
-        raw.set_read_timeout(Some(READ_TICK)).unwrap();
+        let until = Instant::now() + Duration::from_secs(3);
+        let joined = handshake(&mut raw, addr, id.job_id(), &id.key(), 2, 3, until);
+        assert!(joined.is_ok());
+        let deadline = Some(until);
         let stop = AtomicBool::new(false);
-        let deadline = Some(Instant::now() + Duration::from_secs(3));
-        let welcome = wire::read_frame(&mut raw, deadline, &stop, 0, &|_| true).unwrap();
-        assert_eq!(welcome.kind, Kind::Welcome);
         raw.write_all(&[0xAB; 64]).unwrap();
         let errors = run_ranks(&id, 3, 0..2, |b| b.allgather(b"x", LONG).unwrap_err());
         for err in errors {
@@ -1068,10 +1170,11 @@ mod tests {
     fn connect_retries_until_the_root_appears() {
         let addr = free_port();
         let job = random_job_id();
-        let id = UniqueId::from_parts(job, addr);
+        let key = JobKey::random();
+        let id = UniqueId::from_parts(job, &key, addr);
         let starter = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
-            let mut cfg = RootConfig::new(job);
+            let mut cfg = RootConfig::with_key(job, key);
             cfg.idle_timeout = Duration::from_secs(5);
             RootHandle::bind(addr, cfg).unwrap()
         });
@@ -1084,7 +1187,7 @@ mod tests {
 
     #[test]
     fn connect_times_out_without_a_root() {
-        let id = UniqueId::from_parts(1, free_port());
+        let id = UniqueId::from_parts(1, &JobKey::random(), free_port());
         let start = Instant::now();
         let err = TcpBootstrap::connect(&id, 0, 2, Duration::from_millis(300)).unwrap_err();
         assert!(matches!(err, Error::Timeout { .. }), "{err}");
@@ -1119,5 +1222,68 @@ mod tests {
         assert!(report.exit.contains("idle"), "{}", report.exit);
         // The port is closed.
         assert!(TcpStream::connect(addr).is_err());
+    }
+
+    #[test]
+    fn a_stranger_with_the_job_id_but_not_the_key_is_refused_and_learns_nothing() {
+        let (id, root) = start_job();
+        let forged = UniqueId::from_parts(id.job_id(), &JobKey::random(), id.root_addr());
+        let err = TcpBootstrap::connect(&forged, 0, 2, LONG).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("authentication failed"), "{text}");
+        // Not the real rank's slot: rank 0 still joins, and nothing secret was echoed.
+        assert!(!text.contains(&id.key().to_hex()[..16]), "{text}");
+        assert!(!text.contains("duplicate"), "{text}");
+        run_ranks(&id, 2, 0..2, |b| b.barrier(LONG).unwrap());
+        let report = root.join();
+        assert_eq!(report.joined, 2);
+        assert!(
+            report
+                .rejected
+                .iter()
+                .any(|r| r.contains("authentication failed")),
+            "{report:?}"
+        );
+    }
+
+    #[test]
+    fn two_jobs_with_one_job_id_on_one_root_never_mix() {
+        // Job B's rank 1 knows A's root address and job id (same XCCL_ROOT), not A's key.
+        let (a, _root) = start_job();
+        let b = UniqueId::from_parts(a.job_id(), &JobKey::random(), a.root_addr());
+        let intruder = TcpBootstrap::connect(&b, 1, 2, LONG).unwrap_err();
+        assert!(
+            intruder.to_string().contains("authentication failed"),
+            "{intruder}"
+        );
+        let all = run_ranks(&a, 2, 0..2, |x| {
+            x.allgather(&[x.rank() as u8], LONG).unwrap()
+        });
+        assert!(all.iter().all(|g| *g == vec![vec![0], vec![1]]));
+    }
+
+    #[test]
+    fn the_rank_refuses_a_root_that_cannot_prove_it_holds_the_key() {
+        // A fake root that challenges and welcomes anyone with a made-up proof.
+        let l = std::net::TcpListener::bind(localhost()).unwrap();
+        let addr = l.local_addr().unwrap();
+        let fake = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.set_read_timeout(Some(READ_TICK)).unwrap();
+            let stop = AtomicBool::new(false);
+            let d = Some(Instant::now() + LONG);
+            wire::read_frame(&mut s, d, &stop, 0, &|_| true).unwrap();
+            wire::write_frame(&mut s, Kind::Challenge, 0, &[7u8; NONCE_LEN]).unwrap();
+            wire::read_frame(&mut s, d, &stop, 0, &|_| true).unwrap();
+            wire::write_frame(&mut s, Kind::Welcome, 0, &[0u8; key::MAC_LEN]).unwrap();
+            s
+        });
+        let id = UniqueId::from_parts(5, &JobKey::random(), addr);
+        let err = TcpBootstrap::connect(&id, 0, 1, LONG).unwrap_err();
+        assert!(
+            err.to_string().contains("without proving it holds"),
+            "{err}"
+        );
+        drop(fake.join().unwrap());
     }
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::unique_id::random_job_id;
-use super::Exchange;
+use super::{Exchange, JobKey};
 use crate::{Error, Result};
 
 /// One rank of an in-process group; implements [`Exchange`].
@@ -22,6 +22,7 @@ pub struct ThreadExchange {
     rank: usize,
     size: usize,
     job_id: u64,
+    key: JobKey,
     group: Arc<Group>,
     /// This rank's next round; the mutex also serializes collectives of this rank.
     next_round: Mutex<u64>,
@@ -72,11 +73,13 @@ impl ThreadExchange {
             }),
             cv: Condvar::new(),
         });
+        let key = JobKey::random();
         (0..size)
             .map(|rank| ThreadExchange {
                 rank,
                 size,
                 job_id,
+                key: key.clone(),
                 group: group.clone(),
                 next_round: Mutex::new(0),
             })
@@ -191,6 +194,10 @@ impl Exchange for ThreadExchange {
 
     fn job_id(&self) -> u64 {
         self.job_id
+    }
+
+    fn key(&self) -> &JobKey {
+        &self.key
     }
 
     /// Fails with [`Error::Timeout`] naming the ranks that have not arrived,

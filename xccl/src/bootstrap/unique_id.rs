@@ -5,34 +5,49 @@
 //! through an environment variable); every rank then calls
 //! [`TcpBootstrap::connect`](super::TcpBootstrap::connect) with it.
 //!
+//! **The id is a secret**: it carries the job's key ([`JobKey`]), and whoever holds the id can
+//! join the job. Hand it to the ranks through an environment variable ([`UNIQUE_ID_ENV`]), a
+//! file or a pipe, an MPI broadcast; never on a command line, which every user of the host can
+//! read in `/proc/<pid>/cmdline`.
+//!
 //! Layout of the 128 bytes (integers little endian, the rest zero):
 //!
 //! | bytes  | field                                   |
 //! |--------|-----------------------------------------|
 //! | 0..4   | magic `b"XCID"`                         |
-//! | 4..6   | format version (1)                      |
+//! | 4..6   | format version (2)                      |
 //! | 6      | address family: 4 or 6                  |
-//! | 8..16  | job id (64 random bits)                 |
+//! | 8..16  | job id (64 random bits; not secret)     |
 //! | 16..18 | root port                               |
 //! | 20..24 | IPv6 scope id                           |
 //! | 24..40 | root IP (IPv4 in the first 4 bytes)     |
+//! | 40..72 | job key (256 random bits; secret)       |
+//!
+//! Version 1 (before authentication) had no key; such ids are refused with an error saying so.
 
 use std::fmt;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::str::FromStr;
 
+use super::key::JobKey;
 use super::root::{RootConfig, RootHandle};
 use crate::{Error, Result};
 
 const MAGIC: [u8; 4] = *b"XCID";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
+
+/// Environment variable a rank may read its [`UniqueId`] (hex) from: the way to hand the id to
+/// a process without putting it on a command line (see [`UniqueId::from_env`]).
+pub const UNIQUE_ID_ENV: &str = "XCCL_UNIQUE_ID";
 
 /// Environment variable naming the address the root service binds to (an IP, or IP:port).
 pub const SOCKET_ADDR_ENV: &str = "XCCL_SOCKET_ADDR";
 
-/// An opaque 128-byte job identifier: magic, format version, random job id and the root
-/// service's socket address. Plain bytes, so it can cross a C ABI or an MPI broadcast unchanged.
+/// An opaque 128-byte job identifier: magic, format version, random job id, the root
+/// service's socket address and the job's secret key. Plain bytes, so it can cross a C ABI or an
+/// MPI broadcast unchanged. Treat it as a secret (see the [module docs](self)); its `Debug`
+/// output shows the job id and root only.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct UniqueId {
@@ -63,19 +78,22 @@ impl UniqueId {
     }
 
     /// Starts a root service bound to `bind` with `config` and returns the id (carrying
-    /// `config.job_id` and the bound address) and the handle of the service.
+    /// `config.job_id`, `config.key` and the bound address) and the handle of the service.
     pub fn start_root(bind: SocketAddr, config: RootConfig) -> Result<(UniqueId, RootHandle)> {
         let job_id = config.job_id;
+        let key = config.key.clone();
         let root = RootHandle::bind(bind, config)?;
-        Ok((UniqueId::from_parts(job_id, root.addr()), root))
+        Ok((UniqueId::from_parts(job_id, &key, root.addr()), root))
     }
 
-    /// An id for job `job_id` whose root is (or will be) at `root`; starts nothing.
-    pub fn from_parts(job_id: u64, root: SocketAddr) -> UniqueId {
+    /// An id for job `job_id` with key `key` whose root is (or will be) at `root`; starts
+    /// nothing.
+    pub fn from_parts(job_id: u64, key: &JobKey, root: SocketAddr) -> UniqueId {
         let mut b = [0u8; 128];
         b[0..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
         b[8..16].copy_from_slice(&job_id.to_le_bytes());
+        b[40..72].copy_from_slice(&key.to_bytes());
         b[16..18].copy_from_slice(&root.port().to_le_bytes());
         match root {
             SocketAddr::V4(a) => {
@@ -96,6 +114,24 @@ impl UniqueId {
         let mut b = [0u8; 8];
         b.copy_from_slice(&self.internal[8..16]);
         u64::from_le_bytes(b)
+    }
+
+    /// The job's secret key.
+    pub fn key(&self) -> JobKey {
+        let mut k = [0u8; 32];
+        k.copy_from_slice(&self.internal[40..72]);
+        JobKey::from_bytes(k)
+    }
+
+    /// Reads the id (hex) from [`UNIQUE_ID_ENV`]; `Ok(None)` when it is unset.
+    pub fn from_env() -> Result<Option<UniqueId>> {
+        match std::env::var(UNIQUE_ID_ENV) {
+            Ok(v) => v
+                .parse()
+                .map(Some)
+                .map_err(|e| Error::Bootstrap(format!("{UNIQUE_ID_ENV}: {e}"))),
+            Err(_) => Ok(None),
+        }
     }
 
     /// The root service's address. An id that did not come from a constructor or
@@ -135,6 +171,12 @@ impl UniqueId {
             )));
         }
         let version = u16::from_le_bytes([internal[4], internal[5]]);
+        if version == 1 {
+            return Err(Error::Bootstrap(format!(
+                "unique id format version 1 comes from an older xccl whose jobs had no key; \
+                 this build reads version {VERSION} (authenticated): make the id with this build"
+            )));
+        }
         if version != VERSION {
             return Err(Error::Bootstrap(format!(
                 "unique id format version {version} is not supported (this build reads {VERSION})"
@@ -252,7 +294,7 @@ mod tests {
     #[test]
     fn id_round_trips_through_bytes_and_hex() {
         let addr: SocketAddr = "10.1.2.3:29500".parse().unwrap();
-        let id = UniqueId::from_parts(0x0123_4567_89ab_cdef, addr);
+        let id = UniqueId::from_parts(0x0123_4567_89ab_cdef, &JobKey::random(), addr);
         assert_eq!(id.job_id(), 0x0123_4567_89ab_cdef);
         assert_eq!(id.root_addr(), addr);
         let back = UniqueId::from_bytes(&id.to_bytes()).unwrap();
@@ -264,9 +306,23 @@ mod tests {
     }
 
     #[test]
+    fn the_key_round_trips_through_hex_and_an_old_version_1_id_gets_a_clear_error() {
+        let key = JobKey::random();
+        let id = UniqueId::from_parts(9, &key, "127.0.0.1:1234".parse().unwrap());
+        let back: UniqueId = id.to_string().parse().unwrap();
+        assert!(back.key().same_as(&key));
+        assert!(!format!("{id:?}").contains(&key.to_hex()[..16]));
+        let mut old = id.to_bytes();
+        old[4..6].copy_from_slice(&1u16.to_le_bytes());
+        old[40..72].fill(0);
+        let err = UniqueId::from_bytes(&old).unwrap_err().to_string();
+        assert!(err.contains("version 1") && err.contains("no key"), "{err}");
+    }
+
+    #[test]
     fn ipv6_root_with_scope_round_trips() {
         let addr = SocketAddr::V6(SocketAddrV6::new("fe80::1".parse().unwrap(), 4242, 0, 3));
-        let id = UniqueId::from_parts(7, addr);
+        let id = UniqueId::from_parts(7, &JobKey::random(), addr);
         let back: UniqueId = id.to_string().parse().unwrap();
         assert_eq!(back.root_addr(), addr);
         assert_eq!(back.job_id(), 7);
@@ -274,7 +330,8 @@ mod tests {
 
     #[test]
     fn bad_magic_version_family_port_and_length_are_rejected() {
-        let good = UniqueId::from_parts(1, "127.0.0.1:1234".parse().unwrap()).to_bytes();
+        let good = UniqueId::from_parts(1, &JobKey::random(), "127.0.0.1:1234".parse().unwrap())
+            .to_bytes();
         let mut b = good;
         b[0] = b'Y';
         assert!(
@@ -290,7 +347,8 @@ mod tests {
         assert!(
             matches!(UniqueId::from_bytes(&b), Err(Error::Bootstrap(m)) if m.contains("family"))
         );
-        let zero_port = UniqueId::from_parts(1, "127.0.0.1:0".parse().unwrap()).to_bytes();
+        let zero_port =
+            UniqueId::from_parts(1, &JobKey::random(), "127.0.0.1:0".parse().unwrap()).to_bytes();
         assert!(UniqueId::from_bytes(&zero_port).is_err());
         assert!(UniqueId::from_bytes(&good[..127]).is_err());
         assert!(UniqueId::from_bytes(&[0u8; 128]).is_err());
@@ -298,7 +356,8 @@ mod tests {
 
     #[test]
     fn malformed_hex_is_rejected() {
-        let hex = UniqueId::from_parts(1, "127.0.0.1:1234".parse().unwrap()).to_string();
+        let hex = UniqueId::from_parts(1, &JobKey::random(), "127.0.0.1:1234".parse().unwrap())
+            .to_string();
         assert!(hex[..254].parse::<UniqueId>().is_err());
         let mut bad = hex.clone();
         bad.replace_range(10..11, "g");

@@ -22,10 +22,12 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::key::{MAC_LEN, NONCE_LEN};
+
 /// Frame magic: "XCBT" (xccl bootstrap transport).
 pub(crate) const MAGIC: [u8; 4] = *b"XCBT";
 /// Version of the frame protocol; a peer speaking another version is rejected.
-pub(crate) const PROTOCOL_VERSION: u16 = 1;
+pub(crate) const PROTOCOL_VERSION: u16 = 2;
 /// Size of a frame header in bytes.
 pub(crate) const HEADER_LEN: usize = 24;
 /// Largest blob one rank may contribute to one allgather round (16 MiB).
@@ -34,8 +36,8 @@ pub const MAX_BLOB: usize = 16 << 20;
 pub(crate) const MAX_CONTROL: usize = 1 << 20;
 /// Longest abort reason or error text sent on the wire; longer text is truncated.
 pub(crate) const MAX_TEXT: usize = 4096;
-/// Payload length of a HELLO frame: job id, rank, size, each a u64.
-pub(crate) const HELLO_LEN: usize = 24;
+/// Payload length of a HELLO frame: job id, rank, size (each a u64), the rank's nonce.
+pub(crate) const HELLO_LEN: usize = 24 + NONCE_LEN;
 /// Largest world size a root accepts in a hello: its per-rank state is allocated from the size.
 pub(crate) const MAX_WORLD: usize = 1 << 16;
 /// Bytes a payload buffer starts with; it grows (doubling) only as the bytes arrive.
@@ -47,9 +49,9 @@ pub(crate) const READ_TICK: Duration = Duration::from_millis(100);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]
 pub(crate) enum Kind {
-    /// rank -> root: `{job_id, rank, size}`.
+    /// rank -> root: `{job_id, rank, size, rank_nonce[32]}`.
     Hello = 1,
-    /// root -> rank: the hello was accepted.
+    /// root -> rank: the rank is admitted; `{root_mac[32]}` proves the root holds the job key.
     Welcome = 2,
     /// root -> peer: UTF-8 text; the root closes the connection after it.
     Error = 3,
@@ -73,6 +75,10 @@ pub(crate) enum Kind {
     /// once every rank has either contributed or left the job (result: RESULT, with an empty
     /// blob for each rank that left).
     Survivors = 12,
+    /// root -> rank, after a hello for this job: `{root_nonce[32]}`.
+    Challenge = 13,
+    /// rank -> root: `{rank_mac[32]}`, the HMAC of the hello fields and both nonces.
+    Auth = 14,
 }
 
 impl Kind {
@@ -90,6 +96,8 @@ impl Kind {
             10 => Kind::Bye,
             11 => Kind::ByeAck,
             12 => Kind::Survivors,
+            13 => Kind::Challenge,
+            14 => Kind::Auth,
             _ => return None,
         })
     }
@@ -100,7 +108,9 @@ impl Kind {
 pub(crate) fn max_payload(kind: Kind, result_max: u64) -> u64 {
     match kind {
         Kind::Hello => HELLO_LEN as u64,
-        Kind::Welcome | Kind::Query | Kind::Bye | Kind::ByeAck => 0,
+        Kind::Challenge => NONCE_LEN as u64,
+        Kind::Auth | Kind::Welcome => MAC_LEN as u64,
+        Kind::Query | Kind::Bye | Kind::ByeAck => 0,
         Kind::Data => MAX_BLOB as u64,
         // One byte more: the rank's presence mark (see `TcpBootstrap::gather_survivors`).
         Kind::Survivors => MAX_BLOB as u64 + 1,
@@ -328,18 +338,29 @@ pub(crate) fn clip_bytes(text: &[u8]) -> &[u8] {
     &text[..text.len().min(MAX_TEXT)]
 }
 
-/// HELLO payload: `{job_id, rank, size}`.
-pub(crate) fn encode_hello(job_id: u64, rank: usize, size: usize) -> Vec<u8> {
+/// HELLO payload: `{job_id, rank, size, rank_nonce}`.
+pub(crate) fn encode_hello(
+    job_id: u64,
+    rank: usize,
+    size: usize,
+    nonce: &[u8; NONCE_LEN],
+) -> Vec<u8> {
     let mut v = Vec::with_capacity(HELLO_LEN);
     v.extend_from_slice(&job_id.to_le_bytes());
     v.extend_from_slice(&(rank as u64).to_le_bytes());
     v.extend_from_slice(&(size as u64).to_le_bytes());
+    v.extend_from_slice(nonce);
     v
 }
 
-/// Parses a HELLO payload into `(job_id, rank, size)`.
-pub(crate) fn decode_hello(p: &[u8]) -> Option<(u64, u64, u64)> {
-    (p.len() == HELLO_LEN).then(|| (u64_at(p, 0), u64_at(p, 8), u64_at(p, 16)))
+/// Parses a HELLO payload into `(job_id, rank, size, rank_nonce)`.
+pub(crate) fn decode_hello(p: &[u8]) -> Option<(u64, u64, u64, [u8; NONCE_LEN])> {
+    if p.len() != HELLO_LEN {
+        return None;
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&p[24..]);
+    Some((u64_at(p, 0), u64_at(p, 8), u64_at(p, 16), nonce))
 }
 
 /// A `{rank: u64}` prefix followed by UTF-8 text (ABORT root -> rank, FAILED).

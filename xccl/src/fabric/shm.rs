@@ -2,7 +2,12 @@
 //!
 //! This module owns the POSIX shared-memory segments of a job, their mappings, and the liveness
 //! check of peer processes. Each rank creates **one** segment, named
-//! `/xccl-<job id, 16 hex digits>-<rank>` (`O_CREAT | O_EXCL`, mode `0600`):
+//! `/xccl-<job id, 16 hex digits>-<tag, 24 hex digits>` (`O_CREAT | O_EXCL`, mode `0600`), where
+//! the tag is derived from the job's secret key, the job id and the rank ([`segment_name`]):
+//! other users of the host, who may know the job id, cannot predict the names and so cannot
+//! create them first. A rank attaching to a peer's segment checks, before mapping it, that the
+//! segment belongs to this process's user and has mode `0600` (`fstat`), so a segment someone
+//! else made is never mapped nor given the job's data:
 //!
 //! | offset | what |
 //! |---|---|
@@ -42,7 +47,7 @@ use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
 use super::{Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
-use crate::bootstrap::Exchange;
+use crate::bootstrap::{Exchange, JobKey};
 use crate::{Error, Result};
 
 /// How long [`ShmFabric::new`] waits for the other ranks at each rendezvous step.
@@ -60,9 +65,45 @@ pub fn segment_prefix(job_id: u64) -> String {
     format!("xccl-{job_id:016x}-")
 }
 
-/// The `shm_open` name of rank `rank`'s segment in job `job_id`.
-pub fn segment_name(job_id: u64, rank: usize) -> String {
-    format!("/{}{rank}", segment_prefix(job_id))
+/// The `shm_open` name of rank `rank`'s segment in job `job_id` with key `key`: the job's
+/// [`segment_prefix`] and 96 bits of an HMAC of the job id and rank under the key.
+pub fn segment_name(key: &JobKey, job_id: u64, rank: usize) -> String {
+    let tag = key.derive(
+        "shm-segment",
+        &[&job_id.to_le_bytes(), &(rank as u64).to_le_bytes()],
+    );
+    let hex: String = tag[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("/{}{hex}", segment_prefix(job_id))
+}
+
+/// This process's effective user id: the owner of every segment of the job on this host.
+fn effective_uid() -> u32 {
+    // SAFETY: `geteuid` takes no arguments, touches no memory of ours and always succeeds.
+    unsafe { libc::geteuid() }
+}
+
+/// Checks, before mapping, that `file` (rank `peer`'s segment `name`) is owned by this process's
+/// effective user and is readable and writable by it alone (mode `0600`).
+fn check_owner_and_mode(file: &File, peer: usize, name: &str) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    // `fstat` of the open descriptor: what is checked is what gets mapped.
+    let st = file
+        .metadata()
+        .map_err(|e| Error::os(format!("inspecting rank {peer}'s segment {name}"), e))?;
+    let me = effective_uid();
+    let mode = st.mode() & 0o7777;
+    if st.uid() != me || mode != 0o600 {
+        return Err(Error::Protocol {
+            peer,
+            detail: format!(
+                "shared-memory segment {name} belongs to uid {} with mode {mode:04o}; a segment \
+                 of this job belongs to uid {me} with mode 0600 (someone else created it: not \
+                 mapped)",
+                st.uid()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// What each rank tells the others about its segment.
@@ -389,7 +430,7 @@ fn create_own(
 }
 
 /// Opens, maps and checks `peer`'s segment against what it advertised.
-fn attach_peer(job_id: u64, peer: usize, ad: &Advert, mine: &Advert) -> Result<Segment> {
+fn attach_peer(name: &str, peer: usize, ad: &Advert, mine: &Advert) -> Result<Segment> {
     let proto = |detail: String| Error::Protocol { peer, detail };
     if ad.num_slots != mine.num_slots {
         return Err(proto(format!(
@@ -412,8 +453,7 @@ fn attach_peer(job_id: u64, peer: usize, ad: &Advert, mine: &Advert) -> Result<S
             ad.window_offset, ad.window_len, ad.segment_len, ad.num_slots
         )));
     }
-    let name = segment_name(job_id, peer);
-    let fd = shm_open(name.as_str(), OFlag::O_RDWR, Mode::empty()).map_err(|e| {
+    let fd = shm_open(name, OFlag::O_RDWR, Mode::empty()).map_err(|e| {
         Error::os(
             format!(
                 "opening rank {peer}'s shared-memory segment {name} (is rank {peer} on this host, \
@@ -423,6 +463,7 @@ fn attach_peer(job_id: u64, peer: usize, ad: &Advert, mine: &Advert) -> Result<S
         )
     })?;
     let file = File::from(fd);
+    check_owner_and_mode(&file, peer, name)?;
     let actual = file
         .metadata()
         .map_err(|e| Error::os(format!("inspecting rank {peer}'s segment {name}"), e))?
@@ -513,7 +554,9 @@ impl ShmFabric {
             .and_then(|w| w.checked_add(window_offset))
             .ok_or_else(too_large)?;
         let job_id = exchange.job_id();
-        let name = CString::new(segment_name(job_id, rank)).expect("segment names have no NUL");
+        let key = exchange.key();
+        let name =
+            CString::new(segment_name(key, job_id, rank)).expect("segment names have no NUL");
 
         let (mut unlinker, own_map, own_control) = create_own(&name, segment_len, num_slots, rank)?;
         before_publish(&own_map);
@@ -532,7 +575,7 @@ impl ShmFabric {
         // clean up for it; on success, a rank killed just before unlinking its own name leaves
         // nothing behind. Every segment is opened before any rank gets past the second round.
         unlinker.0 = (0..size)
-            .map(|r| CString::new(segment_name(job_id, r)).expect("segment names have no NUL"))
+            .map(|r| CString::new(segment_name(key, job_id, r)).expect("segment names have no NUL"))
             .collect();
         let blobs = blobs?;
         if blobs.len() != size {
@@ -558,7 +601,8 @@ impl ShmFabric {
                 if peer == rank {
                     return Ok(own.take().expect("own segment is taken once"));
                 }
-                attach_peer(job_id, peer, &Advert::decode(blob, peer)?, &mine)
+                let name = segment_name(key, job_id, peer);
+                attach_peer(&name, peer, &Advert::decode(blob, peer)?, &mine)
             })
             .collect();
 
@@ -897,16 +941,67 @@ mod tests {
     }
 
     #[test]
+    fn segment_names_are_unpredictable_without_the_key() {
+        let (a, b) = (JobKey::random(), JobKey::random());
+        let name = segment_name(&a, 7, 1);
+        assert!(name.starts_with(&format!("/{}", segment_prefix(7))));
+        assert_ne!(name, segment_name(&b, 7, 1));
+        assert_ne!(name, segment_name(&a, 7, 2));
+        assert_eq!(name, segment_name(&a, 7, 1));
+    }
+
+    #[test]
+    fn a_segment_of_another_user_or_mode_0666_is_not_mapped() {
+        let mine = Advert {
+            pid: std::process::id(),
+            num_slots: 4,
+            window_offset: page_size(),
+            window_len: 4096,
+            segment_len: page_size() + 4096,
+            host: 0,
+        };
+        for (uid, mode) in [(65534u32, 0o600u32), (effective_uid(), 0o666)] {
+            let name = format!("/xccl-test-squat-{}-{uid}-{mode:o}", std::process::id());
+            let fd = shm_open(
+                name.as_str(),
+                OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+                Mode::S_IRUSR | Mode::S_IWUSR,
+            )
+            .unwrap();
+            let file = File::from(fd);
+            nix::unistd::ftruncate(&file, mine.segment_len as i64).unwrap();
+            use std::os::unix::fs::PermissionsExt;
+            file.set_permissions(std::fs::Permissions::from_mode(mode))
+                .unwrap();
+            if uid != effective_uid() && std::os::unix::fs::fchown(&file, Some(uid), None).is_err()
+            {
+                let _ = shm_unlink(name.as_str());
+                continue; // Not root: cannot give the segment away.
+            }
+            let got = attach_peer(&name, 1, &mine, &mine);
+            let _ = shm_unlink(name.as_str());
+            match got {
+                Err(Error::Protocol { peer: 1, detail }) => {
+                    assert!(detail.contains("someone else created it"), "{detail}")
+                }
+                Err(e) => panic!("uid {uid} mode {mode:o}: expected a refusal, got {e}"),
+                Ok(_) => panic!("uid {uid} mode {mode:o}: a foreign segment was mapped"),
+            }
+        }
+    }
+
+    #[test]
     fn survivors_unlink_the_segment_of_a_rank_that_died_during_init() {
         let exchanges = group(2);
         let job_id = exchanges[0].job_id();
         let results = on_threads(exchanges, |ex| {
             if ex.rank() == 1 {
                 // Creates its segment like `new`, then "dies": never unlinks it, never joins.
-                let name = CString::new(segment_name(job_id, 1)).unwrap();
+                let full = segment_name(ex.key(), job_id, 1);
+                let name = CString::new(full.clone()).unwrap();
                 let (unlinker, _map, _control) = create_own(&name, 1 << 16, 4, 1).unwrap();
                 std::mem::forget(unlinker);
-                let own = format!("{}1", segment_prefix(job_id));
+                let own = full[1..].to_string();
                 assert!(leftovers(job_id).contains(&own), "rank 1's segment exists");
                 drop(ex);
                 return Ok(());

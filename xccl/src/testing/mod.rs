@@ -7,3 +7,16 @@
 pub mod fault;
 pub mod harness;
 pub mod reference;
+
+/// Performs the bootstrap handshake (hello, challenge, proof, welcome) for `rank` of `size` of
+/// the job `id` on a raw connection to its root, leaving the connection joined: for tests that
+/// play a misbehaving rank of the job (one that holds the key) with raw frames afterwards.
+pub fn bootstrap_handshake(
+    stream: &mut std::net::TcpStream,
+    id: &crate::bootstrap::UniqueId,
+    rank: usize,
+    size: usize,
+    timeout: std::time::Duration,
+) -> crate::Result<()> {
+    crate::bootstrap::raw_handshake(stream, id, rank, size, timeout)
+}
