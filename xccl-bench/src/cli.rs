@@ -102,6 +102,21 @@ pub struct Args {
     #[arg(long, value_name = "R")]
     pub relays: Option<usize>,
 
+    /// Spread the rank processes over K network namespaces ("hosts", rank r in host r mod K)
+    /// joined by veth pairs through a bridge namespace; each rank opens its ofi endpoint on its
+    /// host's veth. `--fabric ofi` with this launcher only; needs root and iproute2. With
+    /// `--stats` every link's records, rows and bytes are checked against the routing's plan.
+    #[arg(long, value_name = "K")]
+    pub netns: Option<usize>,
+
+    /// The cost model's fabric parameters for the prediction printed under `--stats` (hop
+    /// latency us, link GB/s, copy GB/s, record us). The defaults are libfabric's `fi_pingpong`
+    /// over the tcp provider on the 2-core development machine (13 us for 64 bytes, 1.38 GB/s
+    /// at 1 MiB), a copy bandwidth of 5 GB/s and 1 us per record.
+    #[arg(long, value_delimiter = ',', num_args = 4, value_name = "LAT,LINK,COPY,REC",
+          default_values_t = [13.0, 1.38, 5.0, 1.0])]
+    pub model_params: Vec<f64>,
+
     /// Partition the attention ranks into D DP domains taking turns (call i belongs to domain
     /// i mod D; expert receive areas hold one domain). Needs D <= M; runs one call in flight.
     #[arg(long, value_name = "D", default_value_t = 1)]
@@ -326,6 +341,14 @@ impl Args {
                         .into(),
                 );
             }
+        }
+        if let Some(k) = self.netns {
+            if k == 0 || self.fabric != FabricKind::Ofi {
+                return Err("--netns takes K >= 1 hosts and --fabric ofi".into());
+            }
+        }
+        if self.model_params.len() != 4 || self.model_params.iter().any(|&v| !(v > 0.0)) {
+            return Err("--model-params takes four positive numbers: LAT,LINK,COPY,REC".into());
         }
         if self.domains == 0 || self.domains > self.attention {
             return Err(format!(

@@ -94,19 +94,37 @@ pub fn launcher_rank(env: &LaunchEnv, timeout: Duration) -> Result<RankEnv, Stri
 
 /// Starts `size` copies of this executable (same arguments) as ranks of one job and waits for
 /// them. Kills every child when one fails or when `limit` passes. Returns the exit code to use.
-pub fn spawn_ranks(size: usize, limit: Duration) -> Result<i32, String> {
-    let id = UniqueId::new().map_err(|e| format!("starting the bootstrap root: {e}"))?;
+/// With `hosts` (`--netns`), rank `r` runs in host `r mod K` and the bootstrap root in host 0.
+pub fn spawn_ranks(
+    size: usize,
+    limit: Duration,
+    hosts: Option<&crate::netns::Hosts>,
+) -> Result<i32, String> {
+    let (id, _root) = match hosts {
+        Some(h) => {
+            let job = u64::from(std::process::id()) << 32 ^ u64::from(rand_word());
+            let (id, root) = h.start_root(job)?;
+            (id, Some(root))
+        }
+        None => (
+            UniqueId::new().map_err(|e| format!("starting the bootstrap root: {e}"))?,
+            None,
+        ),
+    };
     let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     let args: Vec<_> = std::env::args_os().skip(1).collect();
     let mut children: Vec<Option<Child>> = Vec::with_capacity(size);
     for rank in 0..size {
-        let spawned = Command::new(&exe)
-            .args(&args)
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args)
             .env(ID_ENV, id.to_string())
             .env(RANK_ENV, rank.to_string())
             .env(SIZE_ENV, size.to_string())
-            .stdin(Stdio::null())
-            .spawn();
+            .stdin(Stdio::null());
+        let spawned = match hosts.map(|h| h.place(h.host_of(rank), &mut cmd)) {
+            Some(Err(e)) => Err(std::io::Error::other(e)),
+            _ => cmd.spawn(),
+        };
         match spawned {
             Ok(c) => children.push(Some(c)),
             Err(e) => {
@@ -159,6 +177,13 @@ pub fn spawn_ranks(size: usize, limit: Duration) -> Result<i32, String> {
         return Ok(st.code().unwrap_or(1).max(1));
     }
     Ok(0)
+}
+
+/// A word that differs between jobs (the clock's nanoseconds).
+fn rand_word() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos())
 }
 
 fn kill_all(children: &mut [Option<Child>]) {

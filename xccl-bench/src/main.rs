@@ -17,6 +17,7 @@ mod launch;
 mod limit;
 mod memory;
 mod model;
+mod netns;
 mod plot;
 mod projection;
 mod report;
@@ -134,7 +135,20 @@ fn real_main(args: &Args) -> Result<i32, String> {
         return process_rank(args, env, wait_policy(args));
     }
     let limit = timeout.mul_f64(2.0 + args.points() as f64);
-    launch::spawn_ranks(args.world_size(), limit)
+    let hosts = match args.netns {
+        Some(k) => {
+            let h = netns::Hosts::create(k)?;
+            println!(
+                "# netns: {k} hosts {} ({}) joined by veth pairs through a bridge; rank r in \
+                 host r mod {k}",
+                (0..k).map(|i| h.name(i)).collect::<Vec<_>>().join(", "),
+                (0..k).map(|i| h.addr(i)).collect::<Vec<_>>().join(", ")
+            );
+            Some(h)
+        }
+        None => None,
+    };
+    launch::spawn_ranks(args.world_size(), limit, hosts.as_ref())
 }
 
 fn progress(args: &Args) -> ProgressBar {
@@ -270,6 +284,7 @@ fn report_stats(
     let windows = stats::Windows::of(topo, &ranks);
     print!("{}", stats::table(&ranks, rounds_run(args), records));
     print!("{}", stats::sizes_table(&sizes, &windows));
+    print!("{}", stats::relay_phases(args, topo, &ranks));
     if let Some((by, peer)) = stats::job_straggler(&ranks) {
         println!("# straggler: rank {peer} (rank {by} waited on it longest)");
     }

@@ -31,6 +31,9 @@ pub fn accumulate(acc: &mut Stats, s: &Stats) {
     acc.records_written += s.records_written;
     acc.records_polled += s.records_polled;
     acc.relay_rows_forwarded += s.relay_rows_forwarded;
+    acc.relay_forward += s.relay_forward;
+    acc.relay_combine += s.relay_combine;
+    acc.relay_reduce += s.relay_reduce;
     if acc.peers.len() < s.peers.len() {
         acc.peers.resize(s.peers.len(), PeerStats::default());
     }
@@ -49,6 +52,9 @@ fn push_stats(w: &mut Vec<u64>, s: &Stats) {
         s.records_written,
         s.records_polled,
         s.relay_rows_forwarded,
+        s.relay_forward.as_nanos() as u64,
+        s.relay_combine.as_nanos() as u64,
+        s.relay_reduce.as_nanos() as u64,
         s.peers.len() as u64,
     ]);
     for p in &s.peers {
@@ -91,6 +97,9 @@ impl Words {
             records_written: self.next()?,
             records_polled: self.next()?,
             relay_rows_forwarded: self.next()?,
+            relay_forward: Duration::from_nanos(self.next()?),
+            relay_combine: Duration::from_nanos(self.next()?),
+            relay_reduce: Duration::from_nanos(self.next()?),
             peers: Vec::new(),
             ..Stats::default()
         };
@@ -193,6 +202,40 @@ pub fn table(ranks: &[RankStats], rounds: u64, formula: usize) -> String {
                 x.bytes_put,
                 x.bytes_got,
                 x.waited.as_secs_f64() * 1e6
+            );
+        }
+    }
+    out
+}
+
+/// Per relay and sweep point, the relay's own time per timed call: forwarding the A2E rows
+/// (waits for its members' rows included), the whole E2A reduction (waits for the expert ranks'
+/// replies included) and the part of it spent reducing and writing rows.
+pub fn relay_phases(args: &Args, topo: &Topology, ranks: &[RankStats]) -> String {
+    let mut out = String::new();
+    let Some(plan) = topo.relay_plan() else {
+        return out;
+    };
+    let points: Vec<(&str, usize)> = (args.quants().into_iter())
+        .flat_map(|q| args.tokens.iter().map(move |&t| (q.name(), t)))
+        .collect();
+    let _ = writeln!(
+        out,
+        "# relay phases per call: {:>5} {:>5} {:>7} {:>11} {:>11} {:>10}",
+        "relay", "quant", "tokens", "forward_us", "combine_us", "reduce_us"
+    );
+    for &r in plan.relays() {
+        let Some(rs) = ranks.get(r) else { continue };
+        for (ph, (quant, tokens)) in rs.phases.iter().zip(&points) {
+            let per = |d: std::time::Duration, calls: u64| {
+                d.as_secs_f64() * 1e6 / calls.max(1) as f64
+            };
+            let _ = writeln!(
+                out,
+                "#                       {r:>5} {quant:>5} {tokens:>7} {:>11.1} {:>11.1} {:>10.1}",
+                per(ph[0].relay_forward, ph[0].calls),
+                per(ph[1].relay_combine, ph[1].calls),
+                per(ph[1].relay_reduce, ph[1].calls),
             );
         }
     }
@@ -408,6 +451,9 @@ fn stats_json(s: &Stats) -> Value {
         "records_written": s.records_written,
         "records_polled": s.records_polled,
         "relay_rows_forwarded": s.relay_rows_forwarded,
+        "relay_forward_us": s.relay_forward.as_secs_f64() * 1e6,
+        "relay_combine_us": s.relay_combine.as_secs_f64() * 1e6,
+        "relay_reduce_us": s.relay_reduce.as_secs_f64() * 1e6,
         "peers": s.peers.iter().enumerate()
             .filter(|(_, x)| **x != PeerStats::default())
             .map(|(p, x)| peer_json(p, x))

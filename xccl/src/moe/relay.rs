@@ -190,6 +190,14 @@ impl Relay {
         epoch: u64,
         deadline: Instant,
     ) -> Result<()> {
+        let start = Instant::now();
+        let r = self.forward(ctx, epoch, deadline);
+        ctx.stats.borrow_mut().relay_forward += start.elapsed();
+        r
+    }
+
+    /// [`Relay::forward_a2e`] untimed.
+    fn forward(&mut self, ctx: &Context, epoch: u64, deadline: Instant) -> Result<()> {
         let plan = ctx.topo.relay_plan().expect("relayed");
         let k = plan.relay_index(ctx.rank).expect("a relay");
         let members = plan.members(k);
