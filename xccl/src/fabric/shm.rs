@@ -41,7 +41,9 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
-use super::{Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
+use super::{
+    Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting, Window,
+};
 use crate::bootstrap::Exchange;
 use crate::{Error, Result};
 
@@ -315,6 +317,8 @@ pub struct ShmFabric {
     segments: Vec<Segment>,
     /// How waits spin, yield and sleep (every rank of the job is on this host).
     wait_policy: WaitPolicy,
+    /// What this rank's waits observed (adapts the phases) and their counters.
+    wait_state: WaitState,
 }
 
 impl std::fmt::Debug for ShmFabric {
@@ -600,6 +604,7 @@ impl ShmFabric {
             num_slots,
             segments,
             wait_policy,
+            wait_state: WaitState::default(),
         })
     }
 
@@ -715,6 +720,10 @@ impl Fabric for ShmFabric {
         Ok(())
     }
 
+    fn wait_counters(&self) -> WaitCounters {
+        self.wait_state.counters()
+    }
+
     fn wait_until(
         &self,
         deadline: Instant,
@@ -724,9 +733,13 @@ impl Fabric for ShmFabric {
             self.check_peer(awaited)?;
             self.check_peers()
         };
-        self.segments[self.rank]
-            .control
-            .wait_with(self.wait_policy, deadline, poll, &liveness)
+        self.segments[self.rank].control.wait_with(
+            self.wait_policy,
+            &self.wait_state,
+            deadline,
+            poll,
+            &liveness,
+        )
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {
