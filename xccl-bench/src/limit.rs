@@ -10,8 +10,11 @@
 //!   the job moves as many bytes as the call. Timed like the calls: `a2e` = last expert done
 //!   reading - first attention start, `e2a` = last attention done - first expert start,
 //!   `roundtrip` = last attention done - first attention start.
-//! - **Latency floor**: the same with one row (H elements) each way and one pair: a
-//!   cross-process ping-pong of one row.
+//! - **Latency floor**: the same with one row (H elements) each way and `min(M, N)` pairs at
+//!   once: a cross-process ping-pong of one row per pair. It runs once under the run's wait
+//!   policy and once under each policy a user can pick ([`FLOOR_POLICIES`]); the floor is the
+//!   fastest of them, so a policy is measured against the best this machine gave, not against
+//!   itself.
 //!
 //! Every iteration starts with a barrier through the fabric's own signals (as the calls'
 //! `Communicator::barrier` does), and every wait uses the fabric's wait policy, so the limit
@@ -19,7 +22,7 @@
 
 use std::time::Duration;
 
-use xccl::fabric::{deadline_after, Fabric, Waiting};
+use xccl::fabric::{deadline_after, Fabric, WaitPolicy, Waiting};
 
 use crate::cli::Args;
 use crate::report::percentile;
@@ -46,6 +49,33 @@ pub struct Measurement {
     pub bytes: usize,
     /// Concurrent pairs `(a, M + a)`, `a < pairs`.
     pub pairs: usize,
+    /// The wait policy of the measurement (`None`: the run's own).
+    pub policy: Option<(&'static str, WaitPolicy)>,
+}
+
+/// The policies the floor is measured under besides the run's own (`XCCL_WAIT` names).
+pub const FLOOR_POLICIES: [(&str, WaitPolicy); 3] = [
+    ("spin", WaitPolicy::DEDICATED),
+    ("yield", WaitPolicy::OVERSUBSCRIBED),
+    ("sleep", WaitPolicy::SHARED),
+];
+
+/// A fabric whose wait policy the limit run may switch between measurements.
+pub trait LimitFabric: Fabric {
+    /// Sets this rank's wait policy.
+    fn set_policy(&mut self, policy: WaitPolicy);
+}
+
+impl LimitFabric for xccl::fabric::shm::ShmFabric {
+    fn set_policy(&mut self, policy: WaitPolicy) {
+        self.set_wait_policy(policy);
+    }
+}
+
+impl LimitFabric for xccl::fabric::local::LocalFabric {
+    fn set_policy(&mut self, policy: WaitPolicy) {
+        self.set_wait_policy(policy);
+    }
 }
 
 /// What the limit run measures: one streaming measurement per token count, then the floor.
@@ -53,7 +83,8 @@ pub struct Measurement {
 pub struct Plan {
     /// Bytes of one row (H x dtype size).
     pub row: usize,
-    /// Per token count, then the one-row ping-pong last.
+    /// Per token count, then the one-row ping-pong: under the run's policy, then under each
+    /// of [`FLOOR_POLICIES`].
     pub measurements: Vec<Measurement>,
     /// Iterations per measurement: warmup, then measured.
     pub warmup: usize,
@@ -89,12 +120,21 @@ impl Plan {
             measurements.push(Measurement {
                 bytes: per_pair.max(1) * row,
                 pairs,
+                policy: None,
             });
         }
         measurements.push(Measurement {
             bytes: row,
-            pairs: 1,
+            pairs,
+            policy: None,
         });
+        for p in FLOOR_POLICIES {
+            measurements.push(Measurement {
+                bytes: row,
+                pairs,
+                policy: Some(p),
+            });
+        }
         Ok(Plan {
             row,
             measurements,
@@ -216,7 +256,8 @@ fn stream_in(
 
 /// Runs the whole plan on this rank; returns its words (per measurement, per iteration,
 /// [`WORDS`] each). Every rank of the fabric must call it.
-pub fn run(f: &dyn Fabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
+pub fn run(f: &mut dyn LimitFabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
+    let own = run_policy(args);
     let (rank, m) = (f.rank(), args.attention);
     let timeout = args.timeout();
     let max = plan.window_len();
@@ -227,6 +268,8 @@ pub fn run(f: &dyn Fabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
     let (mut seq_in, mut seq_out) = (0u64, 0u64);
     let mut epoch = 0u64;
     for meas in &plan.measurements {
+        f.set_policy(meas.policy.map_or(own, |p| p.1));
+        let f: &dyn Fabric = f;
         // Which side of which pair this rank is, if any.
         let writer_first = rank < meas.pairs;
         let reader_first = rank >= m && rank - m < meas.pairs;
@@ -249,9 +292,29 @@ pub fn run(f: &dyn Fabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
             words.extend_from_slice(&w);
         }
     }
+    f.set_policy(own);
     epoch += 1;
     barrier(f, epoch, timeout)?;
     Ok(words)
+}
+
+/// The wait policy of the run's ranks ([`WaitPolicy::for_ranks_on_host`]).
+pub fn run_policy(args: &Args) -> WaitPolicy {
+    WaitPolicy::for_ranks_on_host(args.world_size())
+}
+
+/// The floor of a run: the fastest one-row round trip (p50) of the floor measurements, with the
+/// name of the policy it ran under (`None`: the run's own) and the run's own floor.
+pub fn floor(plan: &Plan, limits: &[Limit]) -> Option<(Limit, Option<&'static str>, Limit)> {
+    let first = plan
+        .measurements
+        .len()
+        .checked_sub(1 + FLOOR_POLICIES.len())?;
+    let own = *limits.get(first)?;
+    let (best, name) = (first..limits.len())
+        .map(|i| (limits[i], plan.measurements[i].policy.map(|p| p.0)))
+        .min_by(|a, b| a.0.p50_us[2].total_cmp(&b.0.p50_us[2]))?;
+    Some((best, name, own))
 }
 
 /// The limit of one measurement, in microseconds.
@@ -305,15 +368,15 @@ pub fn aggregate(args: &Args, plan: &Plan, words: &[Vec<u64>]) -> Vec<Limit> {
 /// words in rank order.
 pub fn run_local(args: &Args, plan: &Plan) -> Result<Vec<Vec<u64>>, String> {
     let size = args.world_size();
-    let fabrics =
+    let mut fabrics =
         xccl::fabric::local::LocalFabric::create(&vec![plan.window_len(); size], slots(size))
             .map_err(|e| e.to_string())?;
     std::thread::scope(|s| {
         let handles: Vec<_> = fabrics
-            .into_iter()
+            .iter_mut()
             .map(|f| {
                 s.spawn(move || {
-                    let r = run(&f, args, plan);
+                    let r = run(f, args, plan);
                     if let Err(e) = &r {
                         f.abort(&format!("xccl-bench limit: {e}"));
                     }
@@ -343,7 +406,7 @@ mod tests {
     }
 
     #[test]
-    fn plan_moves_the_calls_bytes_in_whole_rows_and_ends_with_one_row() {
+    fn plan_moves_the_calls_bytes_in_whole_rows_and_ends_with_one_row_under_every_policy() {
         let a = args(&[
             "-a",
             "2",
@@ -366,7 +429,7 @@ mod tests {
         ]);
         let p = Plan::of(&a).unwrap();
         assert_eq!(p.row, 64);
-        assert_eq!(p.measurements.len(), 3);
+        assert_eq!(p.measurements.len(), 2 + 1 + FLOOR_POLICIES.len());
         for m in &p.measurements {
             assert_eq!(m.bytes % p.row, 0);
         }
@@ -375,9 +438,13 @@ mod tests {
             p.measurements[2],
             Measurement {
                 bytes: 64,
-                pairs: 1
+                pairs: 2,
+                policy: None,
             }
         );
+        for (m, policy) in p.measurements[3..].iter().zip(FLOOR_POLICIES) {
+            assert_eq!((m.bytes, m.pairs, m.policy), (64, 2, Some(policy)));
+        }
         // 8 tokens, each to 1 or 2 expert ranks: between 8 and 16 rows per attention rank.
         assert!((8 * 64..=16 * 64).contains(&p.measurements[1].bytes));
     }
@@ -416,7 +483,8 @@ mod tests {
         let plan = Plan::of(&a).unwrap();
         let words = run_local(&a, &plan).unwrap();
         let limits = aggregate(&a, &plan, &words);
-        assert_eq!(limits.len(), 3);
+        assert_eq!(limits.len(), 2 + 1 + FLOOR_POLICIES.len());
+        assert!(floor(&plan, &limits).is_some());
         for l in limits {
             assert!(l.p50_us[2] > 0.0 && l.p99_us[2] >= l.p50_us[2], "{l:?}");
         }

@@ -217,7 +217,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
     )
     .and_then(|mut f| {
         f.set_wait_policy(policy);
-        let r = limit::run(&f, args, &plan);
+        let r = limit::run(&mut f, args, &plan);
         if let Err(e) = &r {
             xccl::fabric::Fabric::abort(&f, &format!("xccl-bench limit: {e}"));
         }
@@ -248,14 +248,21 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .exchange
         .allgather(&encode_words(&limit_words), args.timeout())
         .map_err(e)?;
+    let wait_blobs = env
+        .exchange
+        .allgather(&run::encode_waits(&report.waits), args.timeout())
+        .map_err(e)?;
     drop(comm);
     if env.rank != 0 {
         return Ok(0);
     }
-    let reports = blobs
+    let mut reports = blobs
         .iter()
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
+    for (r, w) in reports.iter_mut().zip(&wait_blobs) {
+        r.waits = run::decode_waits(w);
+    }
     let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
     finish(
         args,
@@ -362,6 +369,53 @@ fn run_local(args: &Args) -> Result<i32, String> {
     )
 }
 
+/// Per sweep point, each role's wait counters per call (means over its ranks).
+fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
+    let points = args.quants().into_iter().flat_map(|q| {
+        args.tokens.iter().map(move |&t| {
+            (
+                t,
+                if q == xccl::Quant::Int8 {
+                    "int8"
+                } else {
+                    "none"
+                },
+            )
+        })
+    });
+    points
+        .enumerate()
+        .map(|(i, (tokens, quant))| {
+            let mut roles = [[0.0; 7]; 2];
+            for (role, ranks) in [0..args.attention, args.attention..args.world_size()]
+                .into_iter()
+                .enumerate()
+            {
+                let n = ranks.len().max(1) as f64;
+                let per_call = args.iters.max(1) as f64 * n;
+                for r in ranks {
+                    let Some(w) = reports.get(r).and_then(|rep| rep.waits.get(i)) else {
+                        continue;
+                    };
+                    let v = &mut roles[role];
+                    v[0] += w.waits as f64 / per_call;
+                    v[1] += w.polls as f64 / per_call;
+                    v[2] += w.yields as f64 / per_call;
+                    v[3] += w.slow_yields as f64 / per_call;
+                    v[4] += w.sleeps as f64 / per_call;
+                    v[5] += w.wake_ns as f64 / 1e3 / n;
+                    v[6] += w.spin_ns as f64 / 1e3 / n;
+                }
+            }
+            report::WaitLine {
+                tokens,
+                quant,
+                roles,
+            }
+        })
+        .collect()
+}
+
 fn write_routing(args: &Args) -> Result<(), String> {
     if let Some(path) = &args.routing_out {
         routing::write(args, path).map_err(|e| format!("writing {}: {e}", path.display()))?;
@@ -395,10 +449,25 @@ fn finish(
         }
         None => None,
     };
+    let (floor, floors) = match limit::floor(plan, &limits) {
+        Some((best, _, _)) => {
+            let at = limits.len() - 1 - limit::FLOOR_POLICIES.len();
+            let names = std::iter::once("run").chain(limit::FLOOR_POLICIES.iter().map(|p| p.0));
+            let all = names
+                .zip(&limits[at..])
+                .map(|(n, l)| (n.to_string(), *l))
+                .collect();
+            (Some(best), all)
+        }
+        None => (None, Vec::new()),
+    };
     let extras = report::Extras {
-        floor: limits.last().copied(),
+        floor,
+        floors,
+        floor_pairs: args.attention.min(args.experts),
+        waits: wait_lines(args, reports),
         mpi,
-        wait_policy: format!("{policy:?}"),
+        wait_policy: policy.describe(),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {

@@ -332,12 +332,32 @@ impl Machine {
 /// What the table and the JSON show besides the rows.
 #[derive(Clone, Debug, Default)]
 pub struct Extras {
-    /// The one-row cross-process ping-pong ([`crate::limit`]), when measured.
+    /// The one-row cross-process ping-pong ([`crate::limit`]), when measured: the fastest of
+    /// `floors`.
     pub floor: Option<Limit>,
+    /// Every floor measurement: the policy it ran under (`run` is the run's own) and its figures.
+    pub floors: Vec<(String, Limit)>,
+    /// Pairs the floor ran at once.
+    pub floor_pairs: usize,
+    /// Per sweep point (tokens, quant): what an attention rank's and an expert rank's waits
+    /// counted per call (means over the ranks of each role and the timed calls).
+    pub waits: Vec<WaitLine>,
     /// The MPI baseline given with `--mpi-baseline`.
     pub mpi: Option<MpiBaseline>,
     /// The wait policy of the ranks (`WaitPolicy` debug form).
     pub wait_policy: String,
+}
+
+/// One sweep point's wait counters per call, by role.
+#[derive(Clone, Debug, Default)]
+pub struct WaitLine {
+    /// Tokens of the point.
+    pub tokens: usize,
+    /// Its quant name.
+    pub quant: &'static str,
+    /// Per role (attention, expert): waits, spin polls, yields, slow yields, sleeps per call,
+    /// and the mean wake-up latency estimate and spin budget (us) at the end of the point.
+    pub roles: [[f64; 7]; 2],
 }
 
 fn opt(v: Option<f64>, width: usize, prec: usize) -> String {
@@ -436,10 +456,31 @@ pub fn table(
         }
         s += &format!(" {:>10}\n", r.metadata_records);
     }
+    for w in &extras.waits {
+        s += &format!("# waits per call, T={} {}:", w.tokens, w.quant);
+        for (role, v) in ["attention", "expert"].iter().zip(&w.roles) {
+            s += &format!(
+                " {role} {:.1} waits, {:.0} spin polls, {:.1} yields ({:.2} slow), {:.2} sleeps, \
+                 wake-up {:.1} us, spin budget {:.1} us;",
+                v[0], v[1], v[2], v[3], v[4], v[5], v[6]
+            );
+        }
+        s.pop();
+        s += "\n";
+    }
     if let Some(f) = &extras.floor {
+        let all: Vec<String> = extras
+            .floors
+            .iter()
+            .map(|(name, l)| format!("{name} {:.2}", l.p50_us[2]))
+            .collect();
         s += &format!(
-            "# floor: cross-process ping-pong of one row ({} B) each way: p50 {:.2} us, p99 {:.2} us",
-            f.bytes, f.p50_us[2], f.p99_us[2]
+            "# floor: cross-process ping-pong of one row ({} B) each way, {} pair(s) at once: p50 {:.2} us, p99 {:.2} us (fastest of the policies, us: {})",
+            f.bytes,
+            extras.floor_pairs,
+            f.p50_us[2],
+            f.p99_us[2],
+            all.join(", ")
         );
         let smallest = rows
             .iter()
@@ -540,9 +581,17 @@ pub fn to_json(
         "check": check,
         "floor": extras.floor.map(|f| json!({
             "bytes": f.bytes,
+            "pairs": extras.floor_pairs,
             "p50_us": f.p50_us[2],
             "p99_us": f.p99_us[2],
+            "by_policy": extras.floors.iter().map(|(n, l)| json!({
+                "policy": n, "p50_us": l.p50_us[2], "p99_us": l.p99_us[2],
+            })).collect::<Vec<_>>(),
         })),
+        "waits": extras.waits.iter().map(|w| json!({
+            "tokens": w.tokens, "quant": w.quant,
+            "attention": wait_json(&w.roles[0]), "expert": wait_json(&w.roles[1]),
+        })).collect::<Vec<_>>(),
         "mpi_baseline": extras.mpi.as_ref().map(|m| json!({
             "library": m.lib,
             "checks_passed": m.points.iter().all(|p| p.check_passed),
@@ -565,6 +614,11 @@ pub fn to_json(
             "metadata_records": r.metadata_records,
         })).collect::<Vec<_>>(),
     })
+}
+
+fn wait_json(v: &[f64; 7]) -> serde_json::Value {
+    json!({"waits": v[0], "spin_polls": v[1], "yields": v[2], "slow_yields": v[3],
+           "sleeps": v[4], "wake_us": v[5], "spin_budget_us": v[6]})
 }
 
 #[cfg(test)]

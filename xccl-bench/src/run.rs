@@ -2,6 +2,7 @@
 //! rounds again through [`xccl::testing::harness`].
 
 use std::sync::Arc;
+use xccl::fabric::WaitCounters;
 
 use indicatif::ProgressBar;
 use xccl::moe::dtype::slice_from_f32;
@@ -82,6 +83,66 @@ pub struct RankReport {
     /// `e2a_recv`/`e2a_send*`; a view's receive and reply count as E2A). Not in
     /// [`RankReport::encode`]: `--stats` gathers them ([`crate::stats`]).
     pub phases: Vec<[Stats; 2]>,
+    /// Per sweep point, what this rank's waits counted over its timed iterations (barriers
+    /// left out; [`xccl::Communicator::wait_counters`]). Not in [`RankReport::encode`]: gathered
+    /// on their own ([`encode_waits`]).
+    pub waits: Vec<WaitCounters>,
+}
+
+/// Words of one point's [`WaitCounters`] in [`encode_waits`].
+const WAIT_WORDS: usize = 8;
+
+/// Serialises per-point wait counters for the bootstrap allgather.
+pub fn encode_waits(waits: &[WaitCounters]) -> Vec<u8> {
+    waits
+        .iter()
+        .flat_map(|w| {
+            [
+                w.waits,
+                w.polls,
+                w.yields,
+                w.slow_yields,
+                w.sleeps,
+                w.timed_wakes,
+                w.wake_ns,
+                w.spin_ns,
+            ]
+        })
+        .flat_map(u64::to_le_bytes)
+        .collect()
+}
+
+/// Inverse of [`encode_waits`].
+pub fn decode_waits(blob: &[u8]) -> Vec<WaitCounters> {
+    let words: Vec<u64> = blob
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    words
+        .chunks_exact(WAIT_WORDS)
+        .map(|w| WaitCounters {
+            waits: w[0],
+            polls: w[1],
+            yields: w[2],
+            slow_yields: w[3],
+            sleeps: w[4],
+            timed_wakes: w[5],
+            wake_ns: w[6],
+            spin_ns: w[7],
+        })
+        .collect()
+}
+
+/// Adds `b` to `a` (the estimates are `b`'s).
+fn add_waits(a: &mut WaitCounters, b: &WaitCounters) {
+    a.waits += b.waits;
+    a.polls += b.polls;
+    a.yields += b.yields;
+    a.slow_yields += b.slow_yields;
+    a.sleeps += b.sleeps;
+    a.timed_wakes += b.timed_wakes;
+    a.wake_ns = b.wake_ns;
+    a.spin_ns = b.spin_ns;
 }
 
 impl RankReport {
@@ -115,6 +176,7 @@ impl RankReport {
             words,
             mismatches,
             phases: Vec::new(),
+            waits: Vec::new(),
         })
     }
 }
@@ -185,8 +247,10 @@ fn run_typed<T: Element>(
             Vec::new()
         };
         let mut phases: [Stats; 2] = Default::default();
+        let mut waits = WaitCounters::default();
         for it in 0..args.rounds() {
             comm.barrier()?;
+            let waits_before = comm.wait_counters();
             let this_call = call;
             call += 1;
             let w = match comm.role() {
@@ -263,12 +327,16 @@ fn run_typed<T: Element>(
                     [t0, t1, t2, tokens_batch.num_tokens() as u64]
                 }
             };
+            if it >= args.warmup {
+                add_waits(&mut waits, &comm.wait_counters().since(&waits_before));
+            }
             report.words.extend_from_slice(&w);
             if let Some(pb) = progress {
                 pb.inc(1);
             }
         }
         report.phases.push(phases);
+        report.waits.push(waits);
         if args.check {
             let buffers = match args.buffers {
                 BufferKind::Copy => Buffers::Copy,

@@ -616,6 +616,14 @@ impl Communicator {
         &self.total_stats
     }
 
+    /// Counters of this rank's waits since its fabric endpoint was made (spin polls, yields,
+    /// sleeps) and the estimates the wait policy adapts to (`xccl::fabric::WaitState`); take
+    /// the difference of two readings ([`crate::fabric::WaitCounters::since`]) for the calls
+    /// between them.
+    pub fn wait_counters(&self) -> crate::fabric::WaitCounters {
+        self.ctx.fabric.wait_counters()
+    }
+
     /// Clears the totals of [`Communicator::total_stats`].
     pub fn reset_stats(&mut self) {
         self.total_stats = Stats::default();

@@ -9,7 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{AlignedBuf, Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
+use super::{
+    AlignedBuf, Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting,
+    Window,
+};
 use crate::{Error, Result};
 
 struct RankMemory {
@@ -41,6 +44,7 @@ pub struct LocalFabric {
     world: Arc<World>,
     rank: usize,
     wait_policy: WaitPolicy,
+    wait_state: WaitState,
 }
 
 impl LocalFabric {
@@ -100,6 +104,7 @@ impl LocalFabric {
                 world: world.clone(),
                 rank,
                 wait_policy,
+                wait_state: WaitState::default(),
             })
             .collect())
     }
@@ -195,6 +200,10 @@ impl Fabric for LocalFabric {
         Ok(())
     }
 
+    fn wait_counters(&self) -> WaitCounters {
+        self.wait_state.counters()
+    }
+
     fn wait_until(
         &self,
         deadline: Instant,
@@ -204,9 +213,13 @@ impl Fabric for LocalFabric {
             self.check_peer(awaited)?;
             self.check_peers()
         };
-        self.world.ranks[self.rank]
-            .control
-            .wait_with(self.wait_policy, deadline, poll, &liveness)
+        self.world.ranks[self.rank].control.wait_with(
+            self.wait_policy,
+            &self.wait_state,
+            deadline,
+            poll,
+            &liveness,
+        )
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {

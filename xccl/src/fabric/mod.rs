@@ -29,7 +29,7 @@ mod signals;
 mod window;
 
 pub(crate) use signals::AlignedBuf;
-pub use signals::{ControlArea, WaitPolicy, Waiting};
+pub use signals::{ControlArea, WaitCounters, WaitPolicy, WaitState, Waiting};
 pub use window::Window;
 
 /// What a fabric can do cheaply.
@@ -107,6 +107,12 @@ pub trait Fabric: Send + Sync {
     /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead or has
     /// left the job (a wait for it can never end).
     fn check_peer(&self, peer: usize) -> Result<()>;
+
+    /// Counters of this rank's waits (spin polls, yields, sleeps) and the estimates its wait
+    /// policy adapts to ([`WaitState`]); zeros on fabrics whose waits do not keep them.
+    fn wait_counters(&self) -> WaitCounters {
+        WaitCounters::default()
+    }
 
     /// The rank that aborted the job and its reason, if an abort has reached this rank (calls
     /// check it before they start, so a rank that never waits still learns of the abort).

@@ -46,7 +46,9 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{mmap, munmap, shm_open, shm_unlink, MapFlags, ProtFlags};
 use nix::sys::stat::Mode;
 
-use super::{Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
+use super::{
+    Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting, Window,
+};
 use crate::bootstrap::{Exchange, JobKey};
 use crate::{Error, Result};
 
@@ -356,6 +358,8 @@ pub struct ShmFabric {
     segments: Vec<Segment>,
     /// How waits spin, yield and sleep (every rank of the job is on this host).
     wait_policy: WaitPolicy,
+    /// What this rank's waits observed (adapts the phases) and their counters.
+    wait_state: WaitState,
 }
 
 impl std::fmt::Debug for ShmFabric {
@@ -644,6 +648,7 @@ impl ShmFabric {
             num_slots,
             segments,
             wait_policy,
+            wait_state: WaitState::default(),
         })
     }
 
@@ -759,6 +764,10 @@ impl Fabric for ShmFabric {
         Ok(())
     }
 
+    fn wait_counters(&self) -> WaitCounters {
+        self.wait_state.counters()
+    }
+
     fn wait_until(
         &self,
         deadline: Instant,
@@ -768,9 +777,13 @@ impl Fabric for ShmFabric {
             self.check_peer(awaited)?;
             self.check_peers()
         };
-        self.segments[self.rank]
-            .control
-            .wait_with(self.wait_policy, deadline, poll, &liveness)
+        self.segments[self.rank].control.wait_with(
+            self.wait_policy,
+            &self.wait_state,
+            deadline,
+            poll,
+            &liveness,
+        )
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {

@@ -7,7 +7,7 @@
 //! | offset | what |
 //! |---|---|
 //! | 0 | header: magic, layout version, slot count, owner pid; at 64 the departed word |
-//! | 128 | doorbell: a 32-bit futex word bumped by every signal, and a count of sleepers |
+//! | 128 | doorbell: a 32-bit futex word bumped by every signal, a count of sleepers, and at 136 the `CLOCK_MONOTONIC` time (ns) at which a signaller last woke a sleeper |
 //! | 256 | abort: the abort word (0, or 1 + the rank that aborted), the claim word, the reason length |
 //! | 384 | abort reason: up to [`ABORT_REASON_BYTES`] bytes of UTF-8 |
 //! | 640 + 128*i | signal slot `i`, a 64-bit value alone on a 128-byte line pair |
@@ -17,8 +17,9 @@
 //! a pair.
 //!
 //! Waiting spins briefly, then yields for a bounded time, then sleeps on the doorbell with a futex
-//! that is *shared* between processes (no `FUTEX_PRIVATE_FLAG`) ([`WaitPolicy`]). Sleeps are cut into short chunks so that a dead
-//! peer or an abort is noticed long before the caller's deadline.
+//! that is *shared* between processes (no `FUTEX_PRIVATE_FLAG`) ([`WaitPolicy`]); how long each
+//! phase lasts adapts to what this rank's waits observed ([`WaitState`]). Sleeps are cut into
+//! short chunks so that a dead peer or an abort is noticed long before the caller's deadline.
 //!
 //! Every atomic, fence and futex call goes through [`crate::sync`], so the protocol here is
 //! model-checked with loom (`ci/loom.sh`, tests in `signals_loom.rs`).
@@ -32,7 +33,7 @@ use crate::{Error, Result};
 /// Magic at the start of every control area ("XCCLCTRL").
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"XCCLCTRL");
 /// Layout version of the control area; bumped on any change of the table above.
-pub const CONTROL_VERSION: u32 = 2;
+pub const CONTROL_VERSION: u32 = 3;
 /// Longest abort reason a control area carries (longer ones are cut at a character boundary).
 pub const ABORT_REASON_BYTES: usize = 256;
 
@@ -48,6 +49,8 @@ const RANK_OFF: usize = 20;
 const DEPARTED_OFF: usize = 64;
 const DOORBELL_OFF: usize = LINE;
 const SLEEPERS_OFF: usize = DOORBELL_OFF + 4;
+/// When a signaller last woke a sleeper (`CLOCK_MONOTONIC` ns): the sleeper's wake latency.
+const WOKEN_AT_OFF: usize = DOORBELL_OFF + 8;
 const ABORT_OFF: usize = 2 * LINE;
 const ABORT_CLAIM_OFF: usize = ABORT_OFF + 8;
 const ABORT_LEN_OFF: usize = ABORT_OFF + 16;
@@ -200,6 +203,9 @@ impl ControlArea {
         // A waiter that only spins costs no read-modify-write on its doorbell line.
         fence(sync::weakened(Ordering::SeqCst, Mutant::SignallerFence));
         if self.sleepers().load(Ordering::Relaxed) > 0 {
+            // Not a sync point: the time only tells the sleeper how long its wake-up took.
+            self.atomic_u64(WOKEN_AT_OFF)
+                .store(now_ns(), Ordering::Relaxed);
             self.doorbell().fetch_add(1, Ordering::SeqCst);
             sync::futex_wake(self.doorbell());
         }
@@ -304,7 +310,13 @@ impl ControlArea {
         poll: &mut dyn FnMut() -> Option<Waiting>,
         liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
-        self.wait_with(WaitPolicy::DEDICATED, deadline, poll, liveness)
+        self.wait_with(
+            WaitPolicy::DEDICATED,
+            &WaitState::default(),
+            deadline,
+            poll,
+            liveness,
+        )
     }
 
     /// After the liveness check of `peer` failed with `e`: a peer may have signalled and then
@@ -324,59 +336,81 @@ impl ControlArea {
         }
     }
 
-    /// [`ControlArea::wait_until`] with an explicit spin/yield policy.
+    /// [`ControlArea::wait_until`] with an explicit policy and the adaptive state of the
+    /// waiting rank (see [`WaitPolicy`] for the phases and how `state` bounds each).
     pub fn wait_with(
         &self,
         policy: WaitPolicy,
+        state: &WaitState,
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
         liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
         let start = Instant::now();
-        let mut iter: u32 = 0;
+        let plan = state.plan(policy);
+        let mut tally = Tally::default();
+        let mut spinning = policy.spin_iters > 0;
+        let mut yielding = plan.yield_allowed;
+        // When the spin phase ended (the yield phase's clock starts there).
+        let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
-        loop {
+        let result = loop {
             // Spinning reads only the awaited slots (through `poll`), never the doorbell, so a
             // signaller's doorbell bump does not bounce a line the waiter keeps reading.
             let waiting = match poll() {
-                None => return Ok(()),
+                None => break Ok(()),
                 Some(w) => w,
             };
             if let Some((by, reason)) = self.aborted_by() {
-                return Err(Error::Aborted {
+                break Err(Error::Aborted {
                     by,
                     reason: format!("{reason} (seen while waiting for rank {})", waiting.peer),
                 });
             }
-            iter = iter.wrapping_add(1);
-            if iter < policy.spin_iters {
-                sync::spin_loop();
-                continue;
+            if spinning {
+                tally.polls += 1;
+                // The clock is read every 32 polls: a poll and a `pause` cost far less.
+                let over = tally.polls >= policy.spin_iters
+                    || (tally.polls % 32 == 0 && start.elapsed() >= plan.spin_for);
+                if !over {
+                    sync::spin_loop();
+                    continue;
+                }
+                spinning = false;
             }
             let now = Instant::now();
+            let spun = *spun_until.get_or_insert(now);
             if now >= deadline {
                 // A dead peer or an abort explains the silence better than a timeout does.
                 if let Err(e) = liveness(waiting.peer) {
                     if let Some(end) = Self::settle(poll, waiting.peer, e) {
-                        return end;
+                        break end;
                     }
                     continue;
                 }
-                return Err(Error::Timeout {
+                break Err(Error::Timeout {
                     peer: waiting.peer,
                     what: waiting.what.to_string(),
                     waited: now - start,
                 });
             }
-            if now - start < policy.yield_for {
+            if yielding && now - spun < policy.yield_for {
                 sync::yield_now();
+                tally.yields += 1;
+                // A yield that kept the core away longer than a sleep and its wake-up would
+                // have cost went to a task that is not the peer (or the peer's work is long):
+                // sleep from here on, and skip yielding in the next waits (`WaitState`).
+                if now.elapsed() > plan.slow_yield {
+                    tally.slow_yields += 1;
+                    yielding = false;
+                }
                 continue;
             }
             if now - last_check >= LIVENESS_EVERY {
                 last_check = now;
                 if let Err(e) = liveness(waiting.peer) {
                     if let Some(end) = Self::settle(poll, waiting.peer, e) {
-                        return end;
+                        break end;
                     }
                     continue;
                 }
@@ -386,7 +420,7 @@ impl ControlArea {
             // the value the futex compares against, so it cannot be slept through.
             let seq = self.doorbell().load(Ordering::Acquire);
             if poll().is_none() {
-                return Ok(());
+                break Ok(());
             }
             // SYNC POINT: count ourselves, then the SeqCst fence that pairs with the fences in
             // `store` and `wake` (see `store`), then look again at the slots and the abort word:
@@ -396,13 +430,225 @@ impl ControlArea {
             fence(sync::weakened(Ordering::SeqCst, Mutant::SleeperFence));
             if poll().is_none() {
                 self.sleepers().fetch_sub(1, Ordering::SeqCst);
-                return Ok(());
+                break Ok(());
             }
             if self.atomic_u64(ABORT_OFF).load(Ordering::Relaxed) == 0 {
                 let nap = (deadline - now).min(SLEEP_CHUNK);
+                let slept_at = now_ns();
                 sync::futex_wait(self.doorbell(), seq, nap);
+                tally.sleeps += 1;
+                // Woken by a signaller (not by the timeout): how long the wake-up took.
+                let woken_at = self.atomic_u64(WOKEN_AT_OFF).load(Ordering::Relaxed);
+                if woken_at > slept_at {
+                    tally.wake_ns = Some(now_ns().saturating_sub(woken_at));
+                }
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
+        };
+        state.finish(&plan, &tally, start.elapsed());
+        result
+    }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the host, so a signaller's
+/// time and its sleeper's can be compared.
+fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// What one wait did (folded into [`WaitState`] when it ends).
+#[derive(Default)]
+struct Tally {
+    polls: u32,
+    yields: u32,
+    slow_yields: u32,
+    sleeps: u32,
+    /// The wake-up latency of the last sleep that a signaller ended, if any.
+    wake_ns: Option<u64>,
+}
+
+/// How the next wait runs, from the policy and what earlier waits observed.
+struct Plan {
+    /// Spin for at most this long (and at most `spin_iters` polls).
+    spin_for: Duration,
+    /// A yield that took longer ends the yield phase.
+    slow_yield: Duration,
+    /// Whether this wait may yield at all (not while backing off after slow yields).
+    yield_allowed: bool,
+}
+
+/// Shortest and longest spin budget; shortest time a slow yield is measured against.
+const MIN_SPIN_NS: u64 = 500;
+const MAX_WAKE_NS: u64 = 1_000_000;
+const MIN_SLOW_YIELD_NS: u64 = 50_000;
+/// The wake-up latency assumed before any sleep was measured.
+const FIRST_WAKE_NS: u64 = 20_000;
+/// Most waits that skip their yield phase after slow yields.
+const MAX_YIELD_BACKOFF: u32 = 64;
+
+/// The adaptive part of one rank's waits, and their counters ([`WaitCounters`]).
+///
+/// It keeps what the rank's waits observed: the latency of a futex wake-up (the signaller
+/// stamps the time it woke the sleeper into the sleeper's doorbell line), how long waits took
+/// against the spin budget, and whether yields handed the core away for long. From that each
+/// wait's phases are bounded ([`WaitPolicy`]). Private to the rank (plain atomics, never in shared
+/// memory); one per fabric endpoint.
+#[derive(Debug)]
+pub struct WaitState {
+    /// Smoothed wake-up latency of a futex sleep, ns.
+    wake_ns: std::sync::atomic::AtomicU64,
+    /// Current spin budget, ns (0: not set yet, start at the wake-up latency).
+    spin_ns: std::sync::atomic::AtomicU64,
+    /// Waits left that skip the yield phase, and the next such run's length.
+    yield_skip: std::sync::atomic::AtomicU32,
+    yield_backoff: std::sync::atomic::AtomicU32,
+    counts: [std::sync::atomic::AtomicU64; 6],
+}
+
+impl Default for WaitState {
+    fn default() -> Self {
+        WaitState {
+            wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
+            spin_ns: std::sync::atomic::AtomicU64::new(0),
+            yield_skip: Default::default(),
+            yield_backoff: Default::default(),
+            counts: Default::default(),
+        }
+    }
+}
+
+/// Counters of one rank's waits since its fabric endpoint was made ([`WaitState::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WaitCounters {
+    /// Waits (calls of the wait loop).
+    pub waits: u64,
+    /// Busy polls of the spin phases.
+    pub polls: u64,
+    /// `sched_yield` calls of the yield phases.
+    pub yields: u64,
+    /// Yields that kept the core away longer than a sleep would have (each ended its phase).
+    pub slow_yields: u64,
+    /// Futex sleeps.
+    pub sleeps: u64,
+    /// Sleeps a signaller ended whose wake-up latency was measured.
+    pub timed_wakes: u64,
+    /// The current wake-up latency estimate, ns.
+    pub wake_ns: u64,
+    /// The current spin budget, ns.
+    pub spin_ns: u64,
+}
+
+impl WaitCounters {
+    /// `self - earlier`, counter by counter (the estimates are `self`'s).
+    pub fn since(&self, earlier: &WaitCounters) -> WaitCounters {
+        WaitCounters {
+            waits: self.waits.saturating_sub(earlier.waits),
+            polls: self.polls.saturating_sub(earlier.polls),
+            yields: self.yields.saturating_sub(earlier.yields),
+            slow_yields: self.slow_yields.saturating_sub(earlier.slow_yields),
+            sleeps: self.sleeps.saturating_sub(earlier.sleeps),
+            timed_wakes: self.timed_wakes.saturating_sub(earlier.timed_wakes),
+            wake_ns: self.wake_ns,
+            spin_ns: self.spin_ns,
+        }
+    }
+}
+
+impl WaitState {
+    /// What the waits counted so far, and the current estimates.
+    pub fn counters(&self) -> WaitCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = |i: usize| self.counts[i].load(Relaxed);
+        WaitCounters {
+            waits: c(0),
+            polls: c(1),
+            yields: c(2),
+            slow_yields: c(3),
+            sleeps: c(4),
+            timed_wakes: c(5),
+            wake_ns: self.wake_ns.load(Relaxed),
+            spin_ns: self.spin_budget(),
+        }
+    }
+
+    fn spin_budget(&self) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let wake = self.wake_ns.load(Relaxed);
+        match self.spin_ns.load(Relaxed) {
+            0 => wake,
+            s => s.min(wake),
+        }
+    }
+
+    /// The bounds of the next wait under `policy`.
+    fn plan(&self, policy: WaitPolicy) -> Plan {
+        use std::sync::atomic::Ordering::Relaxed;
+        let wake = self.wake_ns.load(Relaxed);
+        let skip = self.yield_skip.load(Relaxed);
+        if skip > 0 {
+            self.yield_skip.store(skip - 1, Relaxed);
+        }
+        Plan {
+            spin_for: Duration::from_nanos(self.spin_budget()),
+            slow_yield: Duration::from_nanos((4 * wake).max(MIN_SLOW_YIELD_NS)),
+            yield_allowed: !policy.yield_for.is_zero() && skip == 0,
+        }
+    }
+
+    /// Folds one finished wait (`tally`, `waited` long) into the estimates and counters.
+    fn finish(&self, plan: &Plan, tally: &Tally, waited: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let add = |i: usize, v: u32| {
+            if v > 0 {
+                self.counts[i].fetch_add(u64::from(v), Relaxed);
+            }
+        };
+        self.counts[0].fetch_add(1, Relaxed);
+        add(1, tally.polls);
+        add(2, tally.yields);
+        add(3, tally.slow_yields);
+        add(4, tally.sleeps);
+        if let Some(w) = tally.wake_ns {
+            self.counts[5].fetch_add(1, Relaxed);
+            // Smoothed over about 8 wake-ups, bounded so one stall cannot stop spinning.
+            let old = self.wake_ns.load(Relaxed);
+            let new = (old * 7 + w.clamp(MIN_SPIN_NS, MAX_WAKE_NS)) / 8;
+            self.wake_ns.store(new, Relaxed);
+        }
+        // The spin budget follows the waits (as an adaptive mutex does): a wait that ended
+        // after the budget but within a wake-up's cost would have been caught by spinning longer
+        // (double it); one that outlasted a wake-up is better slept through (halve it). It never
+        // exceeds the wake-up latency: a wait then costs at most twice what it must (spin, then
+        // the wake-up a sleep pays anyway).
+        if tally.polls > 0 {
+            let wake = self.wake_ns.load(Relaxed);
+            let budget = self.spin_budget();
+            let d = waited.as_nanos() as u64;
+            let next = if d <= budget {
+                budget
+            } else if d <= wake {
+                (2 * budget).min(wake)
+            } else {
+                (budget / 2).max(MIN_SPIN_NS)
+            };
+            self.spin_ns.store(next.max(MIN_SPIN_NS), Relaxed);
+        }
+        // Slow yields: skip the yield phase for the next 1, 2, 4 ... 64 waits; a wait whose
+        // yields were all quick ends the back-off.
+        if plan.yield_allowed {
+            if tally.slow_yields > 0 {
+                let b = (self.yield_backoff.load(Relaxed) * 2).clamp(1, MAX_YIELD_BACKOFF);
+                self.yield_backoff.store(b, Relaxed);
+                self.yield_skip.store(b, Relaxed);
+            } else if tally.yields > 0 {
+                self.yield_backoff.store(0, Relaxed);
+            }
         }
     }
 }
@@ -429,6 +675,7 @@ impl ControlArea {
             DOORBELL_OFF,
             SLEEPERS_OFF,
         ];
+        u64s.push(WOKEN_AT_OFF);
         sync::ModelMemory::new(&u64s, &u32s)
     }
 }
@@ -437,15 +684,28 @@ impl ControlArea {
 #[path = "signals_loom.rs"]
 mod loom_tests;
 
-/// How long a wait busy-polls and yields before it sleeps on the futex.
+/// How long a wait busy-polls and yields before it sleeps on the futex: the caps of each phase;
+/// within them every wait adapts to what the rank's earlier waits observed ([`WaitState`]).
 ///
-/// Every wait goes through up to three phases and always ends in the third: busy-poll
-/// `spin_iters` times (a `pause` each), then `sched_yield` between polls for up to `yield_for`,
-/// then sleep on the futex doorbell (in chunks, checking liveness and the deadline). With a core
-/// per rank, spinning gives the lowest latency. With more ranks than cores, a spinning waiter
-/// takes the core the rank it waits for needs; yielding hands the core over at once while
-/// staying runnable, so the signal is seen without a futex wake-up (a syscall for the signaller
-/// and a scheduler wake-up for the waiter).
+/// Every wait goes through up to three phases and always ends in the third:
+/// 1. **Spin**: busy-poll (a `pause` each) for at most `spin_iters` polls and at most the spin
+///    budget. The budget is never more than the measured latency of a futex wake-up (the
+///    signaller stamps the time it wakes a sleeper), so a wait that ends up sleeping costs at
+///    most twice what it had to (the rule of ski rental); it halves after a wait that outlasted
+///    a wake-up and doubles after one that ended just past it (as an adaptive mutex spins).
+///    Where ranks outnumber cores, waits never end while spinning and the budget falls to 0.5 us.
+/// 2. **Yield**: `sched_yield` between polls for up to `yield_for`, which hands the core to a
+///    runnable peer on it at once. A yield that kept the core away for longer than 4 wake-ups
+///    (at least 50 us: another task ran its time slice) ends the phase, and the next 1, 2, 4 ...
+///    64 waits skip it (a wait with only quick yields ends the back-off): with busy processes
+///    competing for the cores, yielding would hand them a slice of milliseconds per wait.
+/// 3. **Sleep** on the futex doorbell, in chunks of at most 20 ms (liveness and the deadline are
+///    checked between them); a signaller wakes the sleeper (it sees the sleeper count).
+///
+/// With a core per rank, spinning gives the lowest latency. With more ranks than cores, a
+/// spinning waiter takes the core the rank it waits for needs; yielding hands the core over at
+/// once while staying runnable, so the signal is seen without a futex wake-up (a syscall for the
+/// signaller and a scheduler wake-up for the waiter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -455,7 +715,8 @@ pub struct WaitPolicy {
 }
 
 impl WaitPolicy {
-    /// A core per rank: spin ~100 us, yield 200 us, then sleep.
+    /// A core per rank: spin up to 4096 polls (and the spin budget), yield up to 200 us, then
+    /// sleep.
     pub const DEDICATED: WaitPolicy = WaitPolicy {
         spin_iters: 4096,
         yield_for: Duration::from_micros(200),
@@ -472,6 +733,21 @@ impl WaitPolicy {
         spin_iters: 0,
         yield_for: Duration::from_micros(200),
     };
+
+    /// A one-line description: the `XCCL_WAIT` name (or `SPINS:YIELD_US`) and the caps.
+    pub fn describe(&self) -> String {
+        let name = match *self {
+            WaitPolicy::DEDICATED => "spin".to_string(),
+            WaitPolicy::SHARED => "sleep".to_string(),
+            WaitPolicy::OVERSUBSCRIBED => "yield".to_string(),
+            p => format!("{}:{}", p.spin_iters, p.yield_for.as_micros()),
+        };
+        format!(
+            "{name} (adaptive; spin <= {} polls, yield <= {} us, then sleep)",
+            self.spin_iters,
+            self.yield_for.as_micros()
+        )
+    }
 
     /// Parses an `XCCL_WAIT` value: `spin` ([`WaitPolicy::DEDICATED`]), `sleep`
     /// ([`WaitPolicy::SHARED`]), `yield` ([`WaitPolicy::OVERSUBSCRIBED`]), or `SPINS:YIELD_US`
@@ -595,6 +871,7 @@ mod policy_tests {
             let start = Instant::now();
             let r = area.wait_with(
                 policy,
+                &WaitState::default(),
                 start + Duration::from_millis(30),
                 &mut || {
                     Some(Waiting {
@@ -653,7 +930,7 @@ mod liveness_tests {
             })
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        area.wait_with(policy, deadline, &mut poll, &gone)
+        area.wait_with(policy, &WaitState::default(), deadline, &mut poll, &gone)
             .expect("its data arrived: not a failure");
         // Still missing after the check: reported.
         let mut never = || {
@@ -663,7 +940,7 @@ mod liveness_tests {
             })
         };
         assert!(matches!(
-            area.wait_with(policy, deadline, &mut never, &gone),
+            area.wait_with(policy, &WaitState::default(), deadline, &mut never, &gone),
             Err(Error::PeerFailed { peer: 1, .. })
         ));
     }
@@ -702,8 +979,14 @@ mod liveness_tests {
             _ => Ok(()),
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        area.wait_with(policy, deadline, &mut poll, &liveness)
-            .expect("rank 1 delivered before it left and rank 2 delivered: not a failure");
+        area.wait_with(
+            policy,
+            &WaitState::default(),
+            deadline,
+            &mut poll,
+            &liveness,
+        )
+        .expect("rank 1 delivered before it left and rank 2 delivered: not a failure");
         assert!(polls_after.get() >= 50);
     }
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use loom::cell::UnsafeCell;
 use loom::thread;
 
-use super::{ControlArea, WaitPolicy, Waiting};
+use super::{ControlArea, WaitPolicy, WaitState, Waiting};
 use crate::moe::progress::{progress, reuse_credit, Progress, EPOCH_MASK, PROGRESS_ROW_BITS};
 use crate::sync::ModelMemory;
 use crate::Error;
@@ -59,8 +59,13 @@ impl Rank {
     /// `poll` is done.
     fn wait(&self, mut poll: impl FnMut() -> Option<Waiting>) -> crate::Result<()> {
         let deadline = Instant::now() + Duration::from_secs(3600);
-        self.area
-            .wait_with(SLEEP_AT_ONCE, deadline, &mut poll, &|_| Ok(()))
+        self.area.wait_with(
+            SLEEP_AT_ONCE,
+            &WaitState::default(),
+            deadline,
+            &mut poll,
+            &|_| Ok(()),
+        )
     }
 }
 

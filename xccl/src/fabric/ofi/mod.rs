@@ -116,7 +116,10 @@ use xccl_sys::ofi as sys;
 
 use self::endpoint::{CqEntry, Endpoint};
 use super::signals::ABORT_REASON_BYTES;
-use super::{AlignedBuf, Capabilities, ControlArea, Fabric, WaitPolicy, Waiting, Window};
+use super::{
+    AlignedBuf, Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting,
+    Window,
+};
 use crate::bootstrap::Exchange;
 use crate::{Error, Result};
 
@@ -355,6 +358,7 @@ pub struct OfiFabric {
     shared: Arc<Shared>,
     progress: Option<JoinHandle<()>>,
     wait_policy: WaitPolicy,
+    wait_state: WaitState,
 }
 
 impl std::fmt::Debug for OfiFabric {
@@ -600,6 +604,7 @@ impl OfiFabric {
             shared,
             progress: Some(progress),
             wait_policy: WaitPolicy::for_ranks_on_host(size),
+            wait_state: WaitState::default(),
         };
         // Every rank has its endpoint and peers addressed (the status round) before anyone
         // writes; heartbeats count from here.
@@ -1247,6 +1252,10 @@ impl Fabric for OfiFabric {
         self.shared.flush(Instant::now() + self.shared.timeout)
     }
 
+    fn wait_counters(&self) -> WaitCounters {
+        self.wait_state.counters()
+    }
+
     fn wait_until(
         &self,
         deadline: Instant,
@@ -1262,9 +1271,13 @@ impl Fabric for OfiFabric {
             poll()
         };
         s.waiters.fetch_add(1, Ordering::AcqRel);
-        let r = s
-            .control
-            .wait_with(self.wait_policy, deadline, &mut polled, &liveness);
+        let r = s.control.wait_with(
+            self.wait_policy,
+            &self.wait_state,
+            deadline,
+            &mut polled,
+            &liveness,
+        );
         s.waiters.fetch_sub(1, Ordering::AcqRel);
         r
     }
