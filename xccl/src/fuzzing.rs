@@ -476,7 +476,7 @@ pub fn c_config(data: &[u8]) {
     } else {
         c::CONFIG_MAGIC
     };
-    let mut fields = [0 as c_int; 14];
+    let mut fields = [0 as c_int; 16];
     for f in &mut fields {
         *f = int(&mut inp);
     }
@@ -528,11 +528,23 @@ pub fn c_config(data: &[u8]) {
         e2aQuant: fields[11],
         keepInt8: fields[12],
         recvCapacity: fields[13],
+        role: fields[14],
+        device: fields[15],
+        ofiProvider: if flags & 8 != 0 {
+            fabric.as_ptr()
+        } else {
+            std::ptr::null()
+        },
+        ofiInterface: if flags & 16 != 0 {
+            fabric.as_ptr()
+        } else {
+            std::ptr::null()
+        },
     };
     // Counts above 64 replicas exceed `nranks` (at most 64), so the parse rejects them before
     // it reads the ranks; `ranks` covers every sum it can read.
-    // SAFETY: `config` is a whole version-3 struct (whatever its `size` field says); `fabric`
-    // is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
+    // SAFETY: `config` is a whole version-4 struct (whatever its `size` field says); `fabric`
+    // (also the OFI strings) is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
     // of every count the parse accepts; all outlive the call.
     let _ = unsafe { c::parse(&config, nranks) };
 }
