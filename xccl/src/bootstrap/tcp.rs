@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
-use super::root::RootHandle;
+use super::root::{RootHandle, MAX_KEPT_ABORTS};
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
 use super::{Exchange, Survivors};
@@ -76,11 +76,27 @@ struct Inbox {
     status: Option<(u64, Vec<(usize, Absence)>)>,
     /// A round that cannot complete: `(round, gone rank, detail)`.
     failed: Option<(u64, usize, String)>,
-    /// Aborts raised by other ranks, in arrival order.
+    /// Aborts raised by other ranks, in arrival order: the first [`MAX_KEPT_ABORTS`].
     aborts: Vec<(usize, String)>,
+    /// Aborts received in all (later ones are counted, not kept).
+    abort_count: usize,
     /// Why the connection to the root ended, once it has.
     closed: Option<String>,
     bye_acked: bool,
+}
+
+impl Inbox {
+    /// The `i`-th abort received; past the kept ones, the last kept one (so an abort is never
+    /// missed, only its text).
+    fn abort_at(&self, i: usize) -> Option<&(usize, String)> {
+        if i < self.aborts.len() {
+            self.aborts.get(i)
+        } else if i < self.abort_count {
+            self.aborts.last()
+        } else {
+            None
+        }
+    }
 }
 
 /// How a round treats ranks that left and aborts.
@@ -344,7 +360,7 @@ impl TcpBootstrap {
             RoundKind::All => 0,
             RoundKind::Survivors { horizon } => horizon,
         };
-        if let Some((by, reason)) = inbox.aborts.get(ignored) {
+        if let Some((by, reason)) = inbox.abort_at(ignored) {
             return Some(Error::Aborted {
                 by: *by,
                 reason: reason.clone(),
@@ -516,7 +532,7 @@ impl Exchange for TcpBootstrap {
     }
 
     fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
-        lock(&self.shared.inbox).aborts.get(first).cloned()
+        lock(&self.shared.inbox).abort_at(first).cloned()
     }
 
     /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
@@ -722,7 +738,7 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
             Ok(f) => {
                 match f.kind {
                     Kind::Result => {
-                        let aborts = inbox.aborts.len();
+                        let aborts = inbox.abort_count;
                         inbox.result = Some((f.round, f.payload, aborts));
                     }
                     Kind::Status => {
@@ -732,7 +748,10 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
                     }
                     Kind::Abort => {
                         if let Some(a) = wire::decode_rank_text(&f.payload) {
-                            inbox.aborts.push(a);
+                            inbox.abort_count += 1;
+                            if inbox.aborts.len() < MAX_KEPT_ABORTS {
+                                inbox.aborts.push(a);
+                            }
                         }
                     }
                     Kind::Failed => {
@@ -1285,5 +1304,43 @@ mod tests {
             "{err}"
         );
         drop(fake.join().unwrap());
+    }
+
+    #[test]
+    fn a_flood_of_aborts_is_counted_but_only_the_first_ones_are_kept() {
+        let (id, _root) = start_job();
+        let (noisy, quiet) = std::thread::scope(|s| {
+            let a = s.spawn(|| TcpBootstrap::connect(&id, 0, 2, LONG).unwrap());
+            let b = s.spawn(|| TcpBootstrap::connect(&id, 1, 2, LONG).unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let n = MAX_KEPT_ABORTS + 50;
+        for i in 0..n {
+            noisy.broadcast_abort(&format!("abort {i}")).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while lock(&quiet.shared.inbox).abort_count < n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let inbox = lock(&quiet.shared.inbox);
+        assert_eq!(inbox.abort_count, n);
+        assert_eq!(inbox.aborts.len(), MAX_KEPT_ABORTS);
+        assert!(inbox.abort_at(n - 1).is_some() && inbox.abort_at(n).is_none());
+    }
+
+    #[test]
+    fn a_flood_of_rejections_is_counted_but_only_the_first_ones_are_kept() {
+        use crate::bootstrap::root::MAX_KEPT_REJECTIONS;
+        let (id, root) = start_job();
+        let n = MAX_KEPT_REJECTIONS + 20;
+        for _ in 0..n {
+            let mut s = TcpStream::connect(id.root_addr()).unwrap();
+            s.write_all(b"garbage!").unwrap();
+            let _ = read_rejection(&mut s);
+        }
+        run_ranks(&id, 1, 0..1, |b| b.barrier(LONG).unwrap());
+        let report = root.join();
+        assert_eq!(report.rejected.len(), MAX_KEPT_REJECTIONS);
+        assert_eq!(report.rejected_not_kept, 20);
     }
 }
