@@ -281,7 +281,11 @@ xcclResult_t xcclCommDestroy(xcclComm_t comm);
  *  thread, also while another thread is blocked in a call on `comm`. Every blocked call, here
  *  and on every peer, returns xcclAborted within milliseconds; later calls on `comm` return
  *  xcclAborted; peers' later calls fail too. Unlike ncclCommAbort it does not free `comm`:
- *  call xcclCommDestroy afterwards. Calling it again is a no-op.
+ *  call xcclCommDestroy afterwards. Calling it again is a no-op. Bounded: the out-of-band
+ *  abort through the bootstrap waits at most 0.25 s for another thread's bootstrap write and
+ *  0.5 s for its own (ofi also flushes its abort writes for at most 2 s). Not
+ *  async-signal-safe (it takes locks and allocates): from a signal handler, set a flag and call
+ *  it from a thread.
  *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed). */
 xcclResult_t xcclCommAbort(xcclComm_t comm);
 

@@ -27,7 +27,11 @@ use crate::{Error, Result};
 pub const QUERY_GRACE: Duration = Duration::from_secs(1);
 /// How long dropping a [`TcpBootstrap`] waits for the root to acknowledge the goodbye.
 const BYE_WAIT: Duration = Duration::from_secs(2);
-/// Write timeout for control frames (hello, query, abort).
+/// Longest [`Exchange::broadcast_abort`] waits for another thread's write to finish.
+pub const ABORT_LOCK_WAIT: Duration = Duration::from_millis(250);
+/// Write timeout of an abort frame.
+pub const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Write timeout for control frames (hello, query).
 const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One rank's connection to a TCP rendezvous; implements [`Exchange`].
@@ -537,9 +541,28 @@ impl Exchange for TcpBootstrap {
 
     /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
     /// join later). The reason is truncated to 4 KiB.
+    ///
+    /// Bounded: waits at most [`ABORT_LOCK_WAIT`] for another thread's write on the connection
+    /// (a collective's blob) to finish and [`ABORT_WRITE_TIMEOUT`] for its own write; past
+    /// that it fails (the fabrics' own abort paths have already told the peers they reach).
     fn broadcast_abort(&self, reason: &str) -> Result<()> {
-        let mut w = lock(&self.writer);
-        w.set_write_timeout(Some(CONTROL_WRITE_TIMEOUT))
+        let until = Instant::now() + ABORT_LOCK_WAIT;
+        let mut w = loop {
+            match self.writer.try_lock() {
+                Ok(w) => break w,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(Error::Bootstrap(format!(
+                        "abort not sent to the root at {}: its connection stayed busy for {:?}",
+                        self.root, ABORT_LOCK_WAIT
+                    )))
+                }
+            }
+        };
+        w.set_write_timeout(Some(ABORT_WRITE_TIMEOUT))
             .and_then(|()| wire::write_frame(&mut w, Kind::Abort, 0, wire::clip(reason).as_bytes()))
             .map_err(|e| Error::os(format!("sending an abort to the root at {}", self.root), e))
     }
@@ -1342,5 +1365,32 @@ mod tests {
         let report = root.join();
         assert_eq!(report.rejected.len(), MAX_KEPT_REJECTIONS);
         assert_eq!(report.rejected_not_kept, 20);
+    }
+
+    #[test]
+    fn an_abort_is_bounded_while_another_thread_holds_the_connection() {
+        let (id, _root) = start_job();
+        let b = TcpBootstrap::connect(&id, 0, 2, LONG).unwrap();
+        std::thread::scope(|s| {
+            // Another thread's write holds the connection for 1.5 s.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let b = &b;
+            s.spawn(move || {
+                let held = lock(&b.writer);
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(1500));
+                drop(held);
+            });
+            rx.recv().unwrap();
+            let start = Instant::now();
+            let err = b.broadcast_abort("stop").unwrap_err();
+            assert!(
+                start.elapsed() < Duration::from_secs(1),
+                "{:?}",
+                start.elapsed()
+            );
+            assert!(err.to_string().contains("busy"), "{err}");
+        });
+        b.broadcast_abort("stop").unwrap();
     }
 }
