@@ -28,9 +28,9 @@ pub const QUERY_GRACE: Duration = Duration::from_secs(1);
 /// How long dropping a [`TcpBootstrap`] waits for the root to acknowledge the goodbye.
 const BYE_WAIT: Duration = Duration::from_secs(2);
 /// Longest [`Exchange::broadcast_abort`] waits for another thread's write to finish.
-pub const ABORT_LOCK_WAIT: Duration = Duration::from_millis(250);
+pub(crate) const ABORT_LOCK_WAIT: Duration = Duration::from_millis(250);
 /// Write timeout of an abort frame.
-pub const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+pub(crate) const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
 /// Write timeout for control frames (hello, query).
 const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -542,8 +542,8 @@ impl Exchange for TcpBootstrap {
     /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
     /// join later). The reason is truncated to 4 KiB.
     ///
-    /// Bounded: waits at most [`ABORT_LOCK_WAIT`] for another thread's write on the connection
-    /// (a collective's blob) to finish and [`ABORT_WRITE_TIMEOUT`] for its own write; past
+    /// Bounded: waits at most 0.25 s for another thread's write on the connection (a
+    /// collective's blob) to finish and 0.5 s for its own write; past
     /// that it fails (the fabrics' own abort paths have already told the peers they reach).
     fn broadcast_abort(&self, reason: &str) -> Result<()> {
         let until = Instant::now() + ABORT_LOCK_WAIT;
