@@ -265,7 +265,9 @@ xcclResult_t xcclCommInitRankConfig(xcclComm_t* comm, int nranks, xcclUniqueId c
  *  environment: torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Open MPI
  *  (OMPI_COMM_WORLD_RANK/SIZE), PMI (PMI_RANK/SIZE) or Slurm (SLURM_PROCID/NTASKS) plus
  *  XCCL_ROOT=host:port, or XCCL_RANK, XCCL_SIZE and XCCL_ROOT. Rank 0 hosts the root on that
- *  port. Errors: as xcclCommInitRankConfig; no launcher variables is xcclInvalidArgument, a
+ *  address and port. Every rank needs the job's key, XCCL_JOB_KEY (64 hex digits, the same on
+ *  every rank) or XCCL_JOB_KEY_FILE; without one (and without XCCL_INSECURE_NO_KEY=1) init
+ *  fails naming them (docs/SECURITY.md). Errors: as xcclCommInitRankConfig; no launcher variables is xcclInvalidArgument, a
  *  malformed one xcclSystemError naming it. */
 xcclResult_t xcclCommInitFromEnv(xcclComm_t* comm, const xcclConfig_t* config);
 

@@ -2,8 +2,8 @@
 
 Run it under a launcher (rank 0 hosts the rendezvous on the given port):
     torchrun --nproc-per-node 4 --master-port 29500 moe_demo.py
-    XCCL_ROOT=127.0.0.1:29500 mpirun -n 2 python3 moe_demo.py
-or by hand, one shell per rank: XCCL_RANK=r XCCL_SIZE=n XCCL_ROOT=127.0.0.1:29500 python3 moe_demo.py
+    XCCL_JOB_KEY=$(openssl rand -hex 32) XCCL_ROOT=127.0.0.1:29500 mpirun -x XCCL_JOB_KEY -n 2 python3 moe_demo.py
+or by hand, one shell per rank: XCCL_RANK=r XCCL_SIZE=n XCCL_ROOT=127.0.0.1:29500 XCCL_JOB_KEY=<the same 64 hex digits> python3 moe_demo.py
 
 Half the ranks are attention ranks, half expert ranks; expert e scales its rows by (e + 1), so
 each attention rank checks its combined output exactly. Uses numpy when it is installed, plain
