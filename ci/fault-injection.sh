@@ -12,7 +12,14 @@
 # call, a second when its shrink reaches a random step (XCCL_SHRINK_FAULT_SEED to replay); every
 # survivor must shrink past both and match the reference.
 #
-# CI runs 100 + 8 runs as part of `cargo test` (tests/tests/faults.rs, tests/tests/shrink.rs).
+# Then RUNS / 100 runs (at least 4) of strangers (tests/tests/bootstrap_hostile.rs): a process of
+# uid 65534 that knows the root's port and the job id but not the key sends hostile input, forged
+# hellos for the taken ranks, holds up to 700 connections, or squats the guessable /dev/shm
+# names, before the ranks start or while they run (XCCL_STRANGER_SEED to replay); every job must
+# complete its checked rounds and no answer may carry the key.
+#
+# CI runs 100 + 8 + 4 runs as part of `cargo test` (tests/tests/faults.rs, tests/tests/shrink.rs,
+# tests/tests/bootstrap_hostile.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-10000}"
@@ -20,3 +27,5 @@ XCCL_FAULT_RUNS="$runs" cargo test --release -p xccl-tests --test faults \
     random_sigkills_are_named_by_every_survivor_and_leave_nothing_behind -- --exact --nocapture
 XCCL_SHRINK_FAULT_RUNS="$(( (runs + 9) / 10 ))" cargo test --release -p xccl-tests --test shrink \
     random_kills_during_the_shrink_are_survived_by_every_other_rank -- --exact --nocapture
+XCCL_STRANGER_RUNS="$(( runs / 100 > 4 ? runs / 100 : 4 ))" cargo test --release -p xccl-tests \
+    --test bootstrap_hostile random_strangers_neither_join_nor_stop_a_job -- --exact --nocapture

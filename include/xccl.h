@@ -341,7 +341,9 @@ xcclResult_t xcclCommInitRankConfig(xcclComm_t* comm, int nranks, xcclUniqueId c
  *  environment: torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), Open MPI
  *  (OMPI_COMM_WORLD_RANK/SIZE), PMI (PMI_RANK/SIZE) or Slurm (SLURM_PROCID/NTASKS) plus
  *  XCCL_ROOT=host:port, or XCCL_RANK, XCCL_SIZE and XCCL_ROOT. Rank 0 hosts the root on that
- *  port. Errors: as xcclCommInitRankConfig; no launcher variables is xcclInvalidArgument, a
+ *  address and port. Every rank needs the job's key, XCCL_JOB_KEY (64 hex digits, the same on
+ *  every rank) or XCCL_JOB_KEY_FILE; without one (and without XCCL_INSECURE_NO_KEY=1) init
+ *  fails naming them (docs/SECURITY.md). Errors: as xcclCommInitRankConfig; no launcher variables is xcclInvalidArgument, a
  *  malformed one xcclSystemError naming it. */
 xcclResult_t xcclCommInitFromEnv(xcclComm_t* comm, const xcclConfig_t* config);
 
@@ -357,7 +359,11 @@ xcclResult_t xcclCommDestroy(xcclComm_t comm);
  *  thread, also while another thread is blocked in a call on `comm`. Every blocked call, here
  *  and on every peer, returns xcclAborted within milliseconds; later calls on `comm` return
  *  xcclAborted; peers' later calls fail too. Unlike ncclCommAbort it does not free `comm`:
- *  call xcclCommDestroy afterwards. Calling it again is a no-op.
+ *  call xcclCommDestroy afterwards. Calling it again is a no-op. Bounded: the out-of-band
+ *  abort through the bootstrap waits at most 0.25 s for another thread's bootstrap write and
+ *  0.5 s for its own (ofi also flushes its abort writes for at most 2 s). Not
+ *  async-signal-safe (it takes locks and allocates): from a signal handler, set a flag and call
+ *  it from a thread.
  *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed). */
 xcclResult_t xcclCommAbort(xcclComm_t comm);
 

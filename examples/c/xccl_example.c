@@ -5,8 +5,10 @@
  *   ./xccl_example 4          # 2 attention ranks + 2 expert ranks on this host
  *
  * The launcher calls xcclGetUniqueId (which hosts the rendezvous in this process), then runs
- * `xccl_example --rank R --nranks N --id HEX` for every rank; under torchrun or mpirun each rank
- * would call xcclCommInitFromEnv instead. Expert e multiplies its rows by (e + 1), so every
+ * `xccl_example --rank R --nranks N` for every rank with the id in hex in XCCL_UNIQUE_ID. The id
+ * carries the job's secret key, so it travels in the environment, never on the command line
+ * (which every user of the host can read in /proc/PID/cmdline). Under torchrun or mpirun each
+ * rank would call xcclCommInitFromEnv instead, with XCCL_JOB_KEY in its environment. Expert e multiplies its rows by (e + 1), so every
  * attention rank can check its result exactly. */
 #define _POSIX_C_SOURCE 200809L
 #include <stdio.h>
@@ -98,10 +100,10 @@ static int run_rank(int rank, int nranks, const xcclUniqueId* id) {
 }
 
 int main(int argc, char** argv) {
-  if (argc == 7 && strcmp(argv[1], "--rank") == 0) { /* one rank: --rank R --nranks N --id HEX */
+  if (argc == 5 && strcmp(argv[1], "--rank") == 0) { /* one rank: --rank R --nranks N */
     xcclUniqueId id;
-    const char* hex = argv[6];
-    if (strlen(hex) != 2 * sizeof id.internal) return 2;
+    const char* hex = getenv("XCCL_UNIQUE_ID");
+    if (hex == NULL || strlen(hex) != 2 * sizeof id.internal) return 2;
     for (size_t i = 0; i < sizeof id.internal; i++) {
       unsigned byte;
       if (sscanf(hex + 2 * i, "%2x", &byte) != 1) return 2;
@@ -126,7 +128,8 @@ int main(int argc, char** argv) {
       char rank[16], size[16];
       snprintf(rank, sizeof rank, "%d", r);
       snprintf(size, sizeof size, "%d", nranks);
-      execl("/proc/self/exe", argv[0], "--rank", rank, "--nranks", size, "--id", hex, (char*)NULL);
+      if (setenv("XCCL_UNIQUE_ID", hex, 1) != 0) _exit(127);
+      execl("/proc/self/exe", argv[0], "--rank", rank, "--nranks", size, (char*)NULL);
       _exit(127);
     }
     if (pid < 0) return 1;

@@ -860,3 +860,158 @@ fn a_stranger_squatting_guessable_shared_memory_names_cannot_stop_or_read_the_jo
     left.retain(|n| !(0..size).any(|r| *n == format!("{prefix}{r}")));
     assert!(left.is_empty(), "the job left {left:?}");
 }
+
+/// One stranger act of the campaign.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    /// The hostile inputs of [`probe_cases`].
+    Probe,
+    /// A forged hello for every rank.
+    Taken,
+    /// That many connections held open for the whole job.
+    Hold(u64),
+    /// The guessable shared-memory names, created first.
+    Shm,
+}
+
+/// Starts `act` as a stranger against the job `id` of `size` ranks; returns the holding stranger
+/// (to be released) or the output of one that ran to its end.
+fn start_act(
+    act: Act,
+    id: &UniqueId,
+    size: usize,
+    release: &Path,
+) -> (Option<std::process::Child>, String) {
+    let (root, job) = (id.root_addr(), id.job_id());
+    match act {
+        Act::Probe => (None, stranger_output(&format!("probe|{root}|{job}|{size}"))),
+        Act::Taken => (None, stranger_output(&format!("taken|{root}|{job}|{size}"))),
+        Act::Shm => (None, stranger_output(&format!("shm|{job}|{size}"))),
+        Act::Hold(n) => {
+            let mut child = stranger(&format!("hold|{root}|{job}|{n}|{}", release.display()));
+            let out = child.stdout.take().expect("stranger stdout");
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+            let line = rx
+                .iter()
+                .find(|l| l.contains("holding ") || l.contains("stranger failed"))
+                .unwrap_or_default();
+            (Some(child), line)
+        }
+    }
+}
+
+/// The strangers' campaign (also run by `ci/fault-injection.sh`): `XCCL_STRANGER_RUNS` runs
+/// (default 4: one of each act), each a 3-rank job over shm with checked rounds and one stranger
+/// (uid 65534) doing one act drawn from the seed (`XCCL_STRANGER_SEED` to replay), before the
+/// ranks start or after they joined. Every run must complete every rank's rounds, and no
+/// stranger answer may carry the key or be a welcome.
+#[test]
+fn random_strangers_neither_join_nor_stop_a_job() {
+    logs();
+    let runs: u64 = std::env::var("XCCL_STRANGER_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let seed: u64 = std::env::var("XCCL_STRANGER_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(xccl::bootstrap::random_job_id);
+    println!("STRANGER-CAMPAIGN seed {seed} runs {runs}");
+    let size = 3;
+    let mut counts = std::collections::BTreeMap::new();
+    for run in 0..runs {
+        let mut x = seed ^ run.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let act = match run % 4 {
+            0 => Act::Probe,
+            1 => Act::Taken,
+            2 => Act::Hold(100 + next() % 601),
+            _ => Act::Shm,
+        };
+        let before = next() % 2 == 0 || matches!(act, Act::Shm);
+        let tag = format!("{}-{run}", std::process::id());
+        let go = GoFile(std::env::temp_dir().join(format!("xccl-strangers-go-{tag}")));
+        let release = Release(std::env::temp_dir().join(format!("xccl-strangers-rel-{tag}")));
+        let id_slot = Mutex::new(None);
+        let acted: Mutex<Option<(Option<std::process::Child>, String)>> = Mutex::new(None);
+        let start = root_starter(&id_slot, Duration::from_secs(120));
+        let start_and_act = |job_id: u64| {
+            let (id, root) = start(job_id)?;
+            if before {
+                *acted.lock().unwrap() = Some(start_act(act, &id, size, &release.0));
+            }
+            Ok((id, root))
+        };
+        let mut job = Job::spawn_with(
+            ENTRY,
+            &format!("go:{}:4", go.0.display()),
+            size,
+            &start_and_act,
+            &|_, _| {},
+        );
+        let id = id_slot.lock().unwrap().expect("root started");
+        if !before {
+            for rank in 0..size {
+                job.wait_for_line(
+                    rank,
+                    &format!("rank {rank} joined"),
+                    Duration::from_secs(60),
+                );
+            }
+            *acted.lock().unwrap() = Some(start_act(act, &id, size, &release.0));
+        }
+        std::fs::write(&go.0, b"go").unwrap();
+        job.expect_success(Duration::from_secs(90));
+        for rank in 0..size {
+            assert!(
+                job.output(rank).contains("checked 4 rounds"),
+                "run {run} {act:?}"
+            );
+        }
+        let (holder, said) = acted.lock().unwrap().take().expect("the stranger acted");
+        drop(release);
+        if let Some(mut c) = holder {
+            let _ = c.wait();
+        }
+        let key = id.key().to_hex();
+        assert!(!said.contains(&key[..16]), "run {run} {act:?}: {said}");
+        assert!(
+            !said.contains("stranger failed"),
+            "run {run} {act:?}: {said}"
+        );
+        if matches!(act, Act::Taken) {
+            assert_eq!(
+                said.matches("authentication failed").count(),
+                size,
+                "{said}"
+            );
+        }
+        let prefix = format!("xccl-{:016x}-", id.job_id());
+        for name in shm_entries(&prefix) {
+            let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
+        }
+        let when = if before { "before" } else { "during" };
+        println!("STRANGER-REPORT run {run} seed {seed} {act:?} {when}: job completed");
+        *counts
+            .entry(
+                format!("{act:?}")
+                    .split('(')
+                    .next()
+                    .unwrap_or("")
+                    .to_string(),
+            )
+            .or_insert(0) += 1;
+    }
+    println!("STRANGER-CAMPAIGN seed {seed}: {counts:?}");
+}

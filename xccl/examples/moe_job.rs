@@ -7,8 +7,9 @@
 //!
 //! Run without `RANK` in its environment, the binary is the launcher: it makes the job's
 //! unique id (which starts the rendezvous root in this process: the launcher must outlive the
-//! ranks' init, not their whole run), and starts one process per rank with `XCCL_ID`, `RANK`
-//! and `WORLD_SIZE` set, then waits for all of them and fails if any failed. Run with `RANK`, it
+//! ranks' init, not their whole run), and starts one process per rank with `XCCL_UNIQUE_ID`,
+//! `RANK` and `WORLD_SIZE` set (the id carries the job's key: it goes through the environment,
+//! never on a command line, which every user of the host can read), then waits for all of them and fails if any failed. Run with `RANK`, it
 //! is a rank: it joins the bootstrap, builds its communicator over shared memory, and runs the
 //! MoE exchange for the given number of rounds. The experts compute `2 * x`; weights `0.75` and
 //! `0.25` on two experts make every combined row exactly `2 * x` (small integers), so each
@@ -19,7 +20,7 @@ use std::process::{Command, ExitCode};
 use std::sync::Arc;
 use std::time::Duration;
 
-use xccl::bootstrap::{TcpBootstrap, UniqueId};
+use xccl::bootstrap::{TcpBootstrap, UniqueId, UNIQUE_ID_ENV};
 use xccl::{Communicator, DType, MoeConfig, Role, TokenBatch, Topology};
 
 const HIDDEN: usize = 256;
@@ -58,7 +59,7 @@ fn launch(m: usize, n: usize, rounds: usize) -> Result<(), String> {
     for rank in 0..world {
         let child = Command::new(&exe)
             .args([m, n, rounds].map(|v| v.to_string()))
-            .env("XCCL_ID", id.to_string())
+            .env(UNIQUE_ID_ENV, id.to_string())
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", world.to_string())
             .spawn()
@@ -84,10 +85,9 @@ fn launch(m: usize, n: usize, rounds: usize) -> Result<(), String> {
 /// One rank of the job.
 fn rank_main(rank: usize, m: usize, n: usize, rounds: usize) -> Result<(), String> {
     let e = |e: xccl::Error| format!("rank {rank}: {e}");
-    let id: UniqueId = std::env::var("XCCL_ID")
-        .map_err(|_| "XCCL_ID is not set".to_string())?
-        .parse()
-        .map_err(e)?;
+    let id = UniqueId::from_env()
+        .map_err(e)?
+        .ok_or_else(|| format!("{UNIQUE_ID_ENV} is not set"))?;
     let world: usize = std::env::var("WORLD_SIZE")
         .map_err(|_| "WORLD_SIZE is not set".to_string())?
         .parse()

@@ -941,7 +941,7 @@ fn a_record_addressing_rows_outside_its_region_is_a_protocol_error_naming_the_se
 }
 
 #[test]
-fn a_view_reply_rejected_before_sending_keeps_the_view() {
+fn a_view_reply_rejected_before_sending_keeps_the_view_and_a_replied_view_hands_out_no_rows() {
     let c = cfg(8, DType::F32, 2, 4);
     let (mut attn, mut expert) = pair(&c);
     let (i0, x0) = input_of(0);
@@ -970,6 +970,9 @@ fn a_view_reply_rejected_before_sending_keeps_the_view() {
         out.copy_from_slice(&replies[i * 8..(i + 1) * 8])
     })
     .unwrap();
+    // Replied: the senders may overwrite the rows now, so the view hands none out.
+    let stale = view.row::<f32>(0).unwrap_err();
+    assert!(stale.to_string().contains("has replied"), "{stale}");
     drop(view);
     let mut out = vec![0f32; 32];
     attn.e2a_recv(&h, &mut out).unwrap();

@@ -4,12 +4,12 @@
 //! (random, made by [`UniqueId::new`](super::UniqueId::new)) or, under a launcher, from the
 //! environment ([`KEY_ENV`] in hex, or a file named by [`KEY_FILE_ENV`]). Ranks prove they hold
 //! it to the root by a challenge-response HMAC-SHA256 over the rank, the world size, the job id
-//! and both sides' nonces ([`JobKey::hello_mac`]), and the root proves it back, so a stranger
+//! and both sides' nonces, and the root proves it back, so a stranger
 //! who can reach the root's port and knows the job id can neither join nor pose as the root, and
 //! two jobs sharing one port never accept each other's ranks. The key itself never goes on the
 //! wire, into an error, a log line or a `Debug` output.
 //!
-//! The key also names the job's shared-memory segments ([`JobKey::derive`]), so other users of
+//! The key also names the job's shared-memory segments (an HMAC under it), so other users of
 //! the host cannot predict (and squat) them.
 
 use std::fmt;

@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
-use super::root::RootHandle;
+use super::root::{RootHandle, MAX_KEPT_ABORTS};
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
 use super::{Exchange, Survivors};
@@ -27,7 +27,11 @@ use crate::{Error, Result};
 pub const QUERY_GRACE: Duration = Duration::from_secs(1);
 /// How long dropping a [`TcpBootstrap`] waits for the root to acknowledge the goodbye.
 const BYE_WAIT: Duration = Duration::from_secs(2);
-/// Write timeout for control frames (hello, query, abort).
+/// Longest [`Exchange::broadcast_abort`] waits for another thread's write to finish.
+pub(crate) const ABORT_LOCK_WAIT: Duration = Duration::from_millis(250);
+/// Write timeout of an abort frame.
+pub(crate) const ABORT_WRITE_TIMEOUT: Duration = Duration::from_millis(500);
+/// Write timeout for control frames (hello, query).
 const CONTROL_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One rank's connection to a TCP rendezvous; implements [`Exchange`].
@@ -76,11 +80,27 @@ struct Inbox {
     status: Option<(u64, Vec<(usize, Absence)>)>,
     /// A round that cannot complete: `(round, gone rank, detail)`.
     failed: Option<(u64, usize, String)>,
-    /// Aborts raised by other ranks, in arrival order.
+    /// Aborts raised by other ranks, in arrival order: the first [`MAX_KEPT_ABORTS`].
     aborts: Vec<(usize, String)>,
+    /// Aborts received in all (later ones are counted, not kept).
+    abort_count: usize,
     /// Why the connection to the root ended, once it has.
     closed: Option<String>,
     bye_acked: bool,
+}
+
+impl Inbox {
+    /// The `i`-th abort received; past the kept ones, the last kept one (so an abort is never
+    /// missed, only its text).
+    fn abort_at(&self, i: usize) -> Option<&(usize, String)> {
+        if i < self.aborts.len() {
+            self.aborts.get(i)
+        } else if i < self.abort_count {
+            self.aborts.last()
+        } else {
+            None
+        }
+    }
 }
 
 /// How a round treats ranks that left and aborts.
@@ -344,7 +364,7 @@ impl TcpBootstrap {
             RoundKind::All => 0,
             RoundKind::Survivors { horizon } => horizon,
         };
-        if let Some((by, reason)) = inbox.aborts.get(ignored) {
+        if let Some((by, reason)) = inbox.abort_at(ignored) {
             return Some(Error::Aborted {
                 by: *by,
                 reason: reason.clone(),
@@ -516,14 +536,33 @@ impl Exchange for TcpBootstrap {
     }
 
     fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
-        lock(&self.shared.inbox).aborts.get(first).cloned()
+        lock(&self.shared.inbox).abort_at(first).cloned()
     }
 
     /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
     /// join later). The reason is truncated to 4 KiB.
+    ///
+    /// Bounded: waits at most 0.25 s for another thread's write on the connection (a
+    /// collective's blob) to finish and 0.5 s for its own write; past
+    /// that it fails (the fabrics' own abort paths have already told the peers they reach).
     fn broadcast_abort(&self, reason: &str) -> Result<()> {
-        let mut w = lock(&self.writer);
-        w.set_write_timeout(Some(CONTROL_WRITE_TIMEOUT))
+        let until = Instant::now() + ABORT_LOCK_WAIT;
+        let mut w = loop {
+            match self.writer.try_lock() {
+                Ok(w) => break w,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(Error::Bootstrap(format!(
+                        "abort not sent to the root at {}: its connection stayed busy for {:?}",
+                        self.root, ABORT_LOCK_WAIT
+                    )))
+                }
+            }
+        };
+        w.set_write_timeout(Some(ABORT_WRITE_TIMEOUT))
             .and_then(|()| wire::write_frame(&mut w, Kind::Abort, 0, wire::clip(reason).as_bytes()))
             .map_err(|e| Error::os(format!("sending an abort to the root at {}", self.root), e))
     }
@@ -722,7 +761,7 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
             Ok(f) => {
                 match f.kind {
                     Kind::Result => {
-                        let aborts = inbox.aborts.len();
+                        let aborts = inbox.abort_count;
                         inbox.result = Some((f.round, f.payload, aborts));
                     }
                     Kind::Status => {
@@ -732,7 +771,10 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
                     }
                     Kind::Abort => {
                         if let Some(a) = wire::decode_rank_text(&f.payload) {
-                            inbox.aborts.push(a);
+                            inbox.abort_count += 1;
+                            if inbox.aborts.len() < MAX_KEPT_ABORTS {
+                                inbox.aborts.push(a);
+                            }
                         }
                     }
                     Kind::Failed => {
@@ -1285,5 +1327,70 @@ mod tests {
             "{err}"
         );
         drop(fake.join().unwrap());
+    }
+
+    #[test]
+    fn a_flood_of_aborts_is_counted_but_only_the_first_ones_are_kept() {
+        let (id, _root) = start_job();
+        let (noisy, quiet) = std::thread::scope(|s| {
+            let a = s.spawn(|| TcpBootstrap::connect(&id, 0, 2, LONG).unwrap());
+            let b = s.spawn(|| TcpBootstrap::connect(&id, 1, 2, LONG).unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let n = MAX_KEPT_ABORTS + 50;
+        for i in 0..n {
+            noisy.broadcast_abort(&format!("abort {i}")).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while lock(&quiet.shared.inbox).abort_count < n && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let inbox = lock(&quiet.shared.inbox);
+        assert_eq!(inbox.abort_count, n);
+        assert_eq!(inbox.aborts.len(), MAX_KEPT_ABORTS);
+        assert!(inbox.abort_at(n - 1).is_some() && inbox.abort_at(n).is_none());
+    }
+
+    #[test]
+    fn a_flood_of_rejections_is_counted_but_only_the_first_ones_are_kept() {
+        use crate::bootstrap::root::MAX_KEPT_REJECTIONS;
+        let (id, root) = start_job();
+        let n = MAX_KEPT_REJECTIONS + 20;
+        for _ in 0..n {
+            let mut s = TcpStream::connect(id.root_addr()).unwrap();
+            s.write_all(b"garbage!").unwrap();
+            let _ = read_rejection(&mut s);
+        }
+        run_ranks(&id, 1, 0..1, |b| b.barrier(LONG).unwrap());
+        let report = root.join();
+        assert_eq!(report.rejected.len(), MAX_KEPT_REJECTIONS);
+        assert_eq!(report.rejected_not_kept, 20);
+    }
+
+    #[test]
+    fn an_abort_is_bounded_while_another_thread_holds_the_connection() {
+        let (id, _root) = start_job();
+        let b = TcpBootstrap::connect(&id, 0, 2, LONG).unwrap();
+        std::thread::scope(|s| {
+            // Another thread's write holds the connection for 1.5 s.
+            let (tx, rx) = std::sync::mpsc::channel();
+            let b = &b;
+            s.spawn(move || {
+                let held = lock(&b.writer);
+                tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_millis(1500));
+                drop(held);
+            });
+            rx.recv().unwrap();
+            let start = Instant::now();
+            let err = b.broadcast_abort("stop").unwrap_err();
+            assert!(
+                start.elapsed() < Duration::from_secs(1),
+                "{:?}",
+                start.elapsed()
+            );
+            assert!(err.to_string().contains("busy"), "{err}");
+        });
+        b.broadcast_abort("stop").unwrap();
     }
 }

@@ -46,7 +46,7 @@ pub const SOCKET_ADDR_ENV: &str = "XCCL_SOCKET_ADDR";
 
 /// An opaque 128-byte job identifier: magic, format version, random job id, the root
 /// service's socket address and the job's secret key. Plain bytes, so it can cross a C ABI or an
-/// MPI broadcast unchanged. Treat it as a secret (see the [module docs](self)); its `Debug`
+/// MPI broadcast unchanged. Treat it as a secret: whoever holds it can join the job; its `Debug`
 /// output shows the job id and root only.
 #[repr(C)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

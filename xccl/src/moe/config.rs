@@ -135,6 +135,19 @@ impl MoeConfig {
                 self.max_tokens_per_rank
             )));
         }
+        if topo.relay_plan().is_some() {
+            // A relay hop carries one member's rows for every expert rank in one message.
+            let hop = self
+                .max_tokens_per_rank
+                .saturating_mul(self.topk.min(topo.expert_ranks().len()));
+            if hop > MAX_PROGRESS_ROWS {
+                return Err(Error::invalid(format!(
+                    "with relays one hop carries up to max_tokens_per_rank * min(topk, expert \
+                     ranks) = {hop} rows in one message, more than a progress signal counts \
+                     ({MAX_PROGRESS_ROWS}); lower max_tokens_per_rank or topk"
+                )));
+            }
+        }
         if self.recv_capacity > self.max_tokens_per_rank {
             return Err(Error::invalid(format!(
                 "recv_capacity {} is more than max_tokens_per_rank {} (the worst case); use 0 \
@@ -359,5 +372,23 @@ mod tests {
         ] {
             assert_ne!(c.fingerprint(), other.fingerprint(), "{other:?}");
         }
+    }
+
+    #[test]
+    fn relayed_messages_must_fit_a_progress_signal_at_the_boundary() {
+        let topo = Topology::contiguous(1, 2, 4)
+            .unwrap()
+            .with_relays(Some(1))
+            .unwrap();
+        let at = |tokens: usize| MoeConfig::new(8, DType::F32, 2, tokens).validate(&topo);
+        // 1A:2E, topk 2: one hop carries 2 * max_tokens rows.
+        at(MAX_PROGRESS_ROWS / 2).unwrap();
+        let err = at(MAX_PROGRESS_ROWS / 2 + 1).unwrap_err();
+        assert!(err.to_string().contains("one hop carries"), "{err}");
+        // Without relays the same count is fine (one message per expert rank).
+        let direct = Topology::contiguous(1, 2, 4).unwrap();
+        MoeConfig::new(8, DType::F32, 2, MAX_PROGRESS_ROWS / 2 + 1)
+            .validate(&direct)
+            .unwrap();
     }
 }

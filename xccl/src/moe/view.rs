@@ -157,7 +157,31 @@ impl<'c> TokenView<'c> {
     }
 
     /// Token `i`'s hidden state, where it landed.
+    ///
+    /// Only until the reply: once [`TokenView::e2a_send`] has returned the senders' buffers,
+    /// they may be overwritten by the next call, so a view that has replied hands out no rows
+    /// (an [`Error::InvalidArgument`]), and a row borrowed before the reply cannot be used after
+    /// it (the reply borrows the view mutably):
+    ///
+    /// ```compile_fail
+    /// # fn f(comm: &mut xccl::Communicator) -> xccl::Result<()> {
+    /// let mut view = comm.a2e_recv_view()?;
+    /// let row: &[f32] = view.row(0)?;
+    /// view.e2a_send(xccl::TransferMode::Push, |_, x: &[f32], out: &mut [f32]| {
+    ///     out.copy_from_slice(x)
+    /// })?;
+    /// let stale = row[0]; // error: `view` is borrowed mutably by the reply
+    /// # let _ = stale;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn row<T: Element>(&self, i: usize) -> Result<&[T]> {
+        if self.replied {
+            return Err(Error::invalid(format!(
+                "the view of A2E epoch {} has replied: its rows were handed back to the senders",
+                self.epoch
+            )));
+        }
         row_of(self.ctx, &self.rows, &self.meta, i)
     }
 
