@@ -193,6 +193,11 @@ pub unsafe extern "C" fn xcclCommInitRankConfig(
                 "rank = {rank} is outside 0..{nranks}"
             )));
         }
+        if config.is_null() {
+            return Err(Fail::invalid(
+                "config is NULL (start from XCCL_CONFIG_INITIALIZER)",
+            ));
+        }
         let bytes: Vec<u8> = commId.internal.iter().map(|&b| b as u8).collect();
         let id =
             UniqueId::from_bytes(&bytes).map_err(|e| Fail::from_error(&e).prefixed("commId"))?;
