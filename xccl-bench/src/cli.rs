@@ -224,6 +224,9 @@ pub enum FabricKind {
     Local,
     /// libfabric (`XCCL_OFI_PROVIDER`, default `tcp;ofi_rxm`; `XCCL_OFI_ADDR` picks the interface).
     Ofi,
+    /// Ascend NPUs through the CANN runtime (`libascendcl.so`, found through
+    /// `ASCEND_HOME_PATH`); rank r uses device `LOCAL_RANK` when set, else r.
+    Ascend,
 }
 
 impl FabricKind {
@@ -233,6 +236,7 @@ impl FabricKind {
             FabricKind::Shm => "shm",
             FabricKind::Local => "local",
             FabricKind::Ofi => "ofi",
+            FabricKind::Ascend => "ascend",
         }
     }
 }

@@ -171,7 +171,17 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         write_routing(args)?;
     }
     let slots = Communicator::signal_slots(&topo);
-    let fabric: Box<dyn xccl::fabric::Fabric> = if args.fabric == FabricKind::Ofi {
+    let fabric: Box<dyn xccl::fabric::Fabric> = if args.fabric == FabricKind::Ascend {
+        let device = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(env.rank as i32);
+        let ex = env.exchange.clone();
+        Box::new(
+            xccl::fabric::ascend::AscendFabric::new(ex, lens[env.rank], slots, device)
+                .map_err(e)?,
+        )
+    } else if args.fabric == FabricKind::Ofi {
         let opts = xccl::fabric::ofi::OfiOptions {
             timeout: args.timeout(),
             ..Default::default()

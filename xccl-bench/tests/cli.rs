@@ -437,3 +437,85 @@ fn model_subcommand_calibrates_against_a_stats_run_and_projects_with_a_plot() {
         std::fs::remove_file(f).ok();
     }
 }
+
+/// Builds the Ascend stand-in runtime (`tests/ascend_standin`) as `<dir>/lib64/libascendcl.so`;
+/// returns `<dir>` (for `ASCEND_HOME_PATH`).
+fn ascend_standin() -> std::path::PathBuf {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let home = tmp("ascend-standin");
+    std::fs::create_dir_all(home.join("lib64")).unwrap();
+    let out = Command::new("gcc")
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-fvisibility=hidden",
+            "-I",
+        ])
+        .arg(repo.join("xccl-sys/include"))
+        .arg("-o")
+        .arg(home.join("lib64/libascendcl.so"))
+        .arg(repo.join("tests/ascend_standin/acl_standin.c"))
+        .args(["-lpthread", "-lrt"])
+        .output()
+        .expect("running gcc");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    home
+}
+
+#[test]
+fn fabric_ascend_runs_checked_against_the_standin_and_names_the_runtime_without_one() {
+    let home = ascend_standin();
+    let json = tmp("ascend.json");
+    let args = |cmd: &mut Command| {
+        cmd.args([
+            "-a",
+            "1",
+            "-e",
+            "2",
+            "--num-experts",
+            "8",
+            "-k",
+            "3",
+            "--hidden",
+            "64",
+        ])
+        .args(["-t", "1,16", "--iters", "5", "--warmup", "1", "--check"])
+        .args(["--timeout", "60", "--fabric", "ascend", "--json"])
+        .arg(&json)
+        .env_remove("ACL_STANDIN_FAIL");
+    };
+    let mut cmd = bench();
+    args(&mut cmd);
+    let prefix = format!("xccl-acl-bench{}", std::process::id());
+    cmd.env("ASCEND_HOME_PATH", &home)
+        .env("ACL_STANDIN_SHM_PREFIX", &prefix);
+    stdout_of(&mut cmd);
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("valid json");
+    std::fs::remove_file(&json).ok();
+    assert_eq!(v["check"], "passed");
+    assert_eq!(v["results"].as_array().unwrap().len(), 6);
+    let fabric = v.pointer("/config/fabric").or(v.get("fabric"));
+    assert_eq!(fabric.and_then(|f| f.as_str()), Some("ascend"), "{v}");
+    // Without a runtime: a clear error naming the library and the variable to set.
+    let mut cmd = bench();
+    args(&mut cmd);
+    let out = cmd
+        .env("ASCEND_HOME_PATH", "/nonexistent-ascend-home")
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .expect("xccl-bench runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("libascendcl.so") && err.contains("ASCEND_HOME_PATH"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&home).ok();
+}

@@ -459,16 +459,18 @@ fn int(inp: &mut Input) -> c_int {
 pub fn c_config(data: &[u8]) {
     let mut inp = Input::new(data);
     let nranks = 1 + inp.below(64);
-    let version = match inp.u8() % 5 {
+    let version = match inp.u8() % 6 {
         0 => 1,
         1 => 2,
-        2 | 3 => c::CONFIG_VERSION,
+        2 => 3,
+        3 | 4 => c::CONFIG_VERSION,
         _ => inp.u32(),
     };
     let size = match (inp.u8() % 4, version) {
         (0, _) => inp.u64() as usize,
         (_, 1) => c::CONFIG_V1_SIZE,
         (_, 2) => c::CONFIG_V2_SIZE,
+        (_, 3) => c::CONFIG_V3_SIZE,
         _ => std::mem::size_of::<xcclConfig_t>(),
     };
     let magic: c_uint = if inp.u8() == 0xff {
@@ -544,7 +546,8 @@ pub fn c_config(data: &[u8]) {
     // Counts above 64 replicas exceed `nranks` (at most 64), so the parse rejects them before
     // it reads the ranks; `ranks` covers every sum it can read.
     // SAFETY: `config` is a whole version-4 struct (whatever its `size` field says); `fabric`
-    // (also the OFI strings) is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
+    // (also the OFI strings) is NUL-terminated; `placementCounts` has `numExperts` ints and
+    // `placementRanks` the sum
     // of every count the parse accepts; all outlive the call.
     let _ = unsafe { c::parse(&config, nranks) };
 }

@@ -33,12 +33,21 @@ pub fn gather_roles(exchange: &dyn Exchange, mine: Role, timeout: Duration) -> R
         .map(|(rank, b)| match b.as_slice() {
             [m @ .., c] if m == ROLE_MAGIC && *c == b'A' => Ok(Role::Attention),
             [m @ .., c] if m == ROLE_MAGIC && *c == b'E' => Ok(Role::Expert),
-            _ => Err(Error::Protocol {
+            _ => Err(match crate::comm::agree::failure_in(b) {
+                // A rank whose init failed before stating its role says why.
+                Some(reason) => Error::Protocol {
+                    peer: rank,
+                    detail: format!(
+                        "the init of another rank failed, so this job cannot start: rank {rank}: {reason}"
+                    ),
+                },
+                None => Error::Protocol {
                 peer: rank,
                 detail: format!(
                     "rank {rank} sent {} bytes that are not a role in the roles round",
                     b.len()
                 ),
+                },
             }),
         })
         .collect()

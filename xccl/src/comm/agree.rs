@@ -158,6 +158,14 @@ pub(crate) fn agree(
     Ok(())
 }
 
+/// The reason in a blob of [`report_failure`], if `blob` is one (other rounds that may meet
+/// it, such as `bootstrap::gather_roles`, report it too).
+pub(crate) fn failure_in(blob: &[u8]) -> Option<String> {
+    let s = std::str::from_utf8(blob).ok()?;
+    let rest = s.strip_prefix(MAGIC)?.strip_prefix("\nfailed=")?;
+    Some(rest.to_string())
+}
+
 /// Tells every rank, in the agreement round, that this rank's init failed with `reason`, so
 /// that their [`agree`] fails at once with it. Best effort: errors are ignored (the caller
 /// returns its own failure either way).

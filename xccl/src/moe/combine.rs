@@ -495,7 +495,7 @@ impl CombineReceiver {
         if let Some(e) = failure {
             return Err(e);
         }
-        ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        credit_after_receipt(ctx, relay, epoch)?;
         fault_point!("e2a.credit");
         Ok(())
     }
@@ -684,9 +684,20 @@ impl CombineReceiver {
             return Err(e);
         }
         for &d in experts {
-            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+            credit_after_receipt(ctx, d, epoch)?;
             fault_point!("e2a.credit");
         }
         Ok(())
+    }
+}
+
+/// Credits `peer` for E2A call `epoch`, whose every row has arrived. A peer that has left the
+/// job since (an expert rank whose loop ended with this reply, and which dropped its fabric)
+/// needs no credit, and the call has succeeded: that is not this call's failure (a peer that
+/// died instead is reported by the next call that waits for it).
+fn credit_after_receipt(ctx: &Context, peer: usize, epoch: u64) -> Result<()> {
+    match ctx.signal(peer, ctx.slots.e2a_credit(ctx.rank), epoch) {
+        Err(Error::PeerFailed { .. }) => Ok(()),
+        other => other,
     }
 }
