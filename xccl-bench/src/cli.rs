@@ -351,7 +351,8 @@ impl Args {
                 return Err("--netns takes K >= 1 hosts and --fabric ofi".into());
             }
         }
-        if self.model_params.len() != 4 || self.model_params.iter().any(|&v| !(v > 0.0)) {
+        if self.model_params.len() != 4 || self.model_params.iter().any(|v| v.is_nan() || *v <= 0.0)
+        {
             return Err("--model-params takes four positive numbers: LAT,LINK,COPY,REC".into());
         }
         if self.domains == 0 || self.domains > self.attention {

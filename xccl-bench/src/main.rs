@@ -18,6 +18,7 @@ mod limit;
 mod memory;
 mod model;
 mod netns;
+mod plan;
 mod plot;
 mod projection;
 mod report;
@@ -302,10 +303,62 @@ fn report_stats(
     print!("{}", stats::table(&ranks, rounds_run(args), records));
     print!("{}", stats::sizes_table(&sizes, &windows));
     print!("{}", stats::relay_phases(args, topo, &ranks));
+    if args.fabric == FabricKind::Ofi && args.domains == 1 {
+        let (text, ok) = plan::check(args, topo, &ranks);
+        print!("{text}");
+        if !ok {
+            return Err("the links' records, rows or bytes differ from the routing's plan".into());
+        }
+    }
     if let Some((by, peer)) = stats::job_straggler(&ranks) {
         println!("# straggler: rank {peer} (rank {by} waited on it longest)");
     }
     Ok(stats::to_json(topo, &ranks, &sizes, &windows))
+}
+
+/// The cost model's prediction of each sweep point's A2E and E2A (`--model-params`, every rank
+/// sharing this machine's `cores`) from the traffic the ranks counted, beside the measured p50.
+fn model_beside_measurement(
+    args: &Args,
+    doc: &serde_json::Value,
+    cores: usize,
+) -> Result<String, String> {
+    use std::fmt::Write as _;
+    let (samples, _) = model::samples_from_report(doc)?;
+    let p = model::FabricParams {
+        latency_us: args.model_params[0],
+        link_gbps: args.model_params[1],
+        copy_gbps: args.model_params[2],
+        record_us: args.model_params[3],
+        cores: Some(cores as f64),
+    };
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# model: latency {} us, link {} GB/s, copy {} GB/s, record {} us, {cores} cores shared by \
+         the ranks (--model-params)",
+        p.latency_us, p.link_gbps, p.copy_gbps, p.record_us
+    );
+    let _ = writeln!(
+        out,
+        "# model: {:>26} {:>13} {:>12} {:>9} {:>13}",
+        "call", "predicted_us", "measured_us", "measured/predicted", "stages_us"
+    );
+    for smp in &samples {
+        let pred = model::predict(&p, &smp.counts);
+        let stages: Vec<String> = pred.stages_us.iter().map(|v| format!("{v:.1}")).collect();
+        let _ = writeln!(
+            out,
+            "# model: {:>26} {:>13.1} {:>12.1} {:>18.2} {:>13} (cpu bound {:.1})",
+            smp.label,
+            pred.total_us,
+            smp.measured_us,
+            smp.measured_us / pred.total_us,
+            stages.join("+"),
+            pred.cpu_us
+        );
+    }
+    Ok(out)
 }
 
 /// A2E+E2A round trips each rank ran: every sweep point's rounds, twice with `--check`.
@@ -492,6 +545,11 @@ fn finish(
     }
     for m in mismatches.iter().take(10) {
         eprintln!("xccl-bench: check failed: {m}");
+    }
+    if let Some(st) = &stats_json {
+        let mut doc = report::to_json(args, &machine, &rows, check, &extras);
+        doc["stats"] = st.clone();
+        print!("{}", model_beside_measurement(args, &doc, machine.cores)?);
     }
     if let Some(path) = &args.json {
         let mut doc = report::to_json(args, &machine, &rows, check, &extras);

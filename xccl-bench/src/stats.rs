@@ -38,6 +38,7 @@ pub fn accumulate(acc: &mut Stats, s: &Stats) {
         acc.peers.resize(s.peers.len(), PeerStats::default());
     }
     for (a, b) in acc.peers.iter_mut().zip(&s.peers) {
+        a.records += b.records;
         a.rows_sent += b.rows_sent;
         a.rows_received += b.rows_received;
         a.bytes_put += b.bytes_put;
@@ -59,6 +60,7 @@ fn push_stats(w: &mut Vec<u64>, s: &Stats) {
     ]);
     for p in &s.peers {
         w.extend([
+            p.records,
             p.rows_sent,
             p.rows_received,
             p.bytes_put,
@@ -106,6 +108,7 @@ impl Words {
         let n = self.next()? as usize;
         for _ in 0..n {
             s.peers.push(PeerStats {
+                records: self.next()?,
                 rows_sent: self.next()?,
                 rows_received: self.next()?,
                 bytes_put: self.next()?,
@@ -227,9 +230,8 @@ pub fn relay_phases(args: &Args, topo: &Topology, ranks: &[RankStats]) -> String
     for &r in plan.relays() {
         let Some(rs) = ranks.get(r) else { continue };
         for (ph, (quant, tokens)) in rs.phases.iter().zip(&points) {
-            let per = |d: std::time::Duration, calls: u64| {
-                d.as_secs_f64() * 1e6 / calls.max(1) as f64
-            };
+            let per =
+                |d: std::time::Duration, calls: u64| d.as_secs_f64() * 1e6 / calls.max(1) as f64;
             let _ = writeln!(
                 out,
                 "#                       {r:>5} {quant:>5} {tokens:>7} {:>11.1} {:>11.1} {:>10.1}",
@@ -437,6 +439,7 @@ impl Windows {
 fn peer_json(p: usize, x: &PeerStats) -> Value {
     json!({
         "peer": p,
+        "records": x.records,
         "rows_sent": x.rows_sent,
         "rows_received": x.rows_received,
         "bytes_put": x.bytes_put,

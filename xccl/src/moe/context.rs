@@ -129,6 +129,7 @@ impl Context {
             let mut s = self.stats.borrow_mut();
             s.records_written += 1;
             if let Some(p) = s.peers.get_mut(peer) {
+                p.records += 1;
                 p.rows_sent += u64::from(rec.count);
             }
         }

@@ -477,8 +477,8 @@ impl Relay {
                     }
                     let (red, mc) = (&mut reductions[m], &call.members[m]);
                     let at = (member_ranks[m], l.relay_e2a(m, buf));
-                    for j in 0..n {
-                        let mine = landed[j].saturating_sub(red.before[j]);
+                    for (j, &got) in landed.iter().enumerate() {
+                        let mine = got.saturating_sub(red.before[j]);
                         red.absorb(ctx, mc, j, mine.min(mc.counts[j] as usize), at, int8)?;
                     }
                     if red.emit(ctx, epoch, buf, mc, at, int8, work)? {

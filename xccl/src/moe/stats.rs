@@ -10,6 +10,8 @@ use std::time::Duration;
 /// What one rank exchanged with one peer.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PeerStats {
+    /// Metadata records this rank wrote into the peer's window (relay headers included).
+    pub records: u64,
     /// Rows this rank announced to the peer in records it wrote.
     pub rows_sent: u64,
     /// Rows the peer announced to this rank in records this rank read.
@@ -24,6 +26,7 @@ pub struct PeerStats {
 
 impl PeerStats {
     fn add(&mut self, o: &PeerStats) {
+        self.records += o.records;
         self.rows_sent += o.rows_sent;
         self.rows_received += o.rows_received;
         self.bytes_put += o.bytes_put;
