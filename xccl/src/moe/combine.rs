@@ -640,8 +640,12 @@ impl CombineReceiver {
         if let Some(e) = failure {
             return Err(e);
         }
+        // Where credits are implied, the next A2E is this call's credit.
+        let implied = ctx.implied_credits();
         for &d in experts {
-            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+            if !implied {
+                ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+            }
             fault_point!("e2a.credit");
         }
         Ok(())
