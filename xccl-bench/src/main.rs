@@ -17,6 +17,7 @@ mod launch;
 mod limit;
 mod memory;
 mod model;
+mod pingpong;
 mod plot;
 mod projection;
 mod report;
@@ -216,6 +217,22 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
             return Err(format!("measuring the streaming limit: {err}"));
         }
     };
+    // Over ofi, libfabric's own ping-pong is the limit of the network path.
+    let fi = (args.fabric == FabricKind::Ofi).then(|| {
+        let mut sizes: Vec<usize> = vec![plan.row];
+        let points = args.tokens.len();
+        sizes.extend(plan.measurements[..points].iter().map(|m| m.bytes));
+        sizes.push(1 << 20);
+        sizes.sort_unstable();
+        sizes.dedup();
+        pingpong::run(
+            env.exchange.as_ref(),
+            env.rank,
+            args.attention,
+            &sizes,
+            args.timeout(),
+        )
+    });
     let blobs = env
         .exchange
         .allgather(&report.encode(), args.timeout())
@@ -258,6 +275,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         &limit_words,
         policy,
         stats_json,
+        fi,
     )
 }
 
@@ -351,6 +369,7 @@ fn run_local(args: &Args) -> Result<i32, String> {
         &limit_words,
         wait_policy(args),
         stats_json,
+        None,
     )
 }
 
@@ -418,6 +437,7 @@ fn finish(
     limit_words: &[Vec<u64>],
     policy: WaitPolicy,
     stats_json: Option<serde_json::Value>,
+    fi: Option<Result<Vec<pingpong::PingPong>, String>>,
 ) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
@@ -453,6 +473,7 @@ fn finish(
         waits: wait_lines(args, reports),
         mpi,
         wait_policy: policy.describe(),
+        fi: fi.map(|r| report::FiLimit::of(r, args, plan)),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {
