@@ -429,6 +429,7 @@ fn write_routing(args: &Args) -> Result<(), String> {
 
 /// On rank 0 after the run: statistics, memcpy reference, limits, table, JSON, plot. Returns
 /// the exit code.
+#[allow(clippy::too_many_arguments)]
 fn finish(
     args: &Args,
     reports: &[RankReport],

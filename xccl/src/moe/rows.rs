@@ -3,7 +3,7 @@
 //! A row is `hidden` elements of payload, then [`A2E_META_FIXED`] bytes (source token index,
 //! number of local experts), then `mask_words` u64 words of local-expert bitmask, then `topk` f32
 //! weights (for the set bits, ascending), padded to 64 bytes (a cache line: every row's payload
-//! starts on a line of its own). A token for three experts on one rank
+//! starts on a line of its own; INT8 rows to 16). A token for three experts on one rank
 //! crosses the wire once. In gather mode only the metadata travels (`meta_stride` apart) and the
 //! payload is the token's row of the sender's registered input. E2A rows are bare payloads.
 
@@ -14,7 +14,7 @@ use crate::{Error, Result};
 
 /// Bytes of fixed A2E row metadata: source token index (u32) and expert count (u32).
 pub const A2E_META_FIXED: usize = 8;
-/// Alignment of full A2E rows (payload and metadata; dtype and INT8 rows alike): one cache line.
+/// Alignment of full A2E rows in the dtype (payload and metadata): one cache line.
 pub const ROW_ALIGN: usize = 64;
 
 /// Byte layout of one A2E row.
@@ -26,7 +26,7 @@ pub struct A2eRow {
     pub payload: usize,
     /// Payload bytes of an INT8 row ([`super::quant::int8_payload`]).
     pub int8_payload: usize,
-    /// Bytes from one INT8 row to the next (64-byte aligned).
+    /// Bytes from one INT8 row to the next (16-byte aligned).
     pub int8_stride: usize,
     /// u64 words of local-expert mask.
     pub mask_words: usize,
@@ -52,7 +52,9 @@ impl A2eRow {
             hidden: cfg.hidden,
             payload,
             int8_payload,
-            int8_stride: (int8_payload.next_multiple_of(8) + meta).next_multiple_of(ROW_ALIGN),
+            // INT8 rows stay 16-byte aligned: every row then grows by exactly the hidden-size
+            // difference (the cost model rescales counts by it; `xccl-bench model`).
+            int8_stride: (int8_payload.next_multiple_of(8) + meta).next_multiple_of(16),
             mask_words,
             topk: cfg.topk,
             stride,
