@@ -18,6 +18,7 @@ mod limit;
 mod memory;
 mod model;
 mod netns;
+mod pingpong;
 mod plan;
 mod plot;
 mod projection;
@@ -241,6 +242,22 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
             return Err(format!("measuring the streaming limit: {err}"));
         }
     };
+    // Over ofi, libfabric's own ping-pong is the limit of the network path.
+    let fi = (args.fabric == FabricKind::Ofi).then(|| {
+        let mut sizes: Vec<usize> = vec![plan.row];
+        let points = args.tokens.len();
+        sizes.extend(plan.measurements[..points].iter().map(|m| m.bytes));
+        sizes.push(1 << 20);
+        sizes.sort_unstable();
+        sizes.dedup();
+        pingpong::run(
+            env.exchange.as_ref(),
+            env.rank,
+            args.attention,
+            &sizes,
+            args.timeout(),
+        )
+    });
     let blobs = env
         .exchange
         .allgather(&report.encode(), args.timeout())
@@ -283,6 +300,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         &limit_words,
         policy,
         stats_json,
+        fi,
     )
 }
 
@@ -429,6 +447,7 @@ fn run_local(args: &Args) -> Result<i32, String> {
         &limit_words,
         wait_policy(args),
         stats_json,
+        None,
     )
 }
 
@@ -488,6 +507,7 @@ fn write_routing(args: &Args) -> Result<(), String> {
 
 /// On rank 0 after the run: statistics, memcpy reference, limits, table, JSON, plot. Returns
 /// the exit code.
+#[allow(clippy::too_many_arguments)]
 fn finish(
     args: &Args,
     reports: &[RankReport],
@@ -496,6 +516,7 @@ fn finish(
     limit_words: &[Vec<u64>],
     policy: WaitPolicy,
     stats_json: Option<serde_json::Value>,
+    fi: Option<Result<Vec<pingpong::PingPong>, String>>,
 ) -> Result<i32, String> {
     let mut rows = report::aggregate(args, reports, records);
     report::measure_memcpy(args, &mut rows);
@@ -531,6 +552,7 @@ fn finish(
         waits: wait_lines(args, reports),
         mpi,
         wait_policy: policy.describe(),
+        fi: fi.map(|r| report::FiLimit::of(r, args, plan)),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {

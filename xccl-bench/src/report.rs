@@ -344,8 +344,62 @@ pub struct Extras {
     pub waits: Vec<WaitLine>,
     /// The MPI baseline given with `--mpi-baseline`.
     pub mpi: Option<MpiBaseline>,
-    /// The wait policy of the ranks (`WaitPolicy` debug form).
+    /// The wait policy of the ranks ([`xccl::fabric::WaitPolicy::describe`]).
     pub wait_policy: String,
+    /// Over ofi: libfabric's `fi_pingpong` in the same run ([`crate::pingpong`]).
+    pub fi: Option<FiLimit>,
+}
+
+/// `fi_pingpong`'s figures of an ofi run, and the message size of each sweep point.
+#[derive(Clone, Debug)]
+pub struct FiLimit {
+    /// Its measurements, or why there are none.
+    pub runs: Result<Vec<crate::pingpong::PingPong>, String>,
+    /// Per token count, the bytes of the fi_pingpong message set beside it (the call's bytes
+    /// per attention rank, in whole rows).
+    pub point_bytes: Vec<(usize, usize)>,
+}
+
+impl FiLimit {
+    /// The figures of `runs` for the sweep of `args` (its points' message sizes from `plan`).
+    pub fn of(
+        runs: Result<Vec<crate::pingpong::PingPong>, String>,
+        args: &Args,
+        plan: &crate::limit::Plan,
+    ) -> Self {
+        let point_bytes = args
+            .tokens
+            .iter()
+            .zip(&plan.measurements)
+            .map(|(&t, m)| (t, m.bytes))
+            .collect();
+        FiLimit { runs, point_bytes }
+    }
+
+    /// The measurement of a message of `bytes`, if fi_pingpong ran it.
+    pub fn at(&self, bytes: usize) -> Option<&crate::pingpong::PingPong> {
+        self.runs.as_ref().ok()?.iter().find(|p| p.bytes == bytes)
+    }
+
+    /// Per token count: (tokens, bytes, xccl A2E p50 / fi one-way, xccl round-trip algbw / fi
+    /// MB/s) over the dtype rows of `rows`.
+    pub fn ratios(&self, rows: &[ResultRow]) -> Vec<(usize, usize, Option<f64>, Option<f64>)> {
+        self.point_bytes
+            .iter()
+            .map(|&(t, bytes)| {
+                let fi = self.at(bytes);
+                let row = |op: &str| {
+                    rows.iter()
+                        .find(|r| r.op == op && r.tokens == t && r.quant == "none")
+                };
+                let lat = fi.zip(row("a2e")).map(|(f, r)| r.p50_us / f.usec_per_xfer);
+                let bw = fi
+                    .zip(row("roundtrip"))
+                    .map(|(f, r)| r.algbw_gbps * 1e3 / f.mb_per_sec);
+                (t, bytes, lat, bw)
+            })
+            .collect()
+    }
 }
 
 /// One sweep point's wait counters per call, by role.
@@ -496,6 +550,33 @@ pub fn table(
         }
         s += "\n";
     }
+    if let Some(fi) = &extras.fi {
+        match &fi.runs {
+            Ok(runs) => {
+                let all: Vec<String> = runs
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{} B {:.2} us/xfer {:.1} MB/s",
+                            p.bytes, p.usec_per_xfer, p.mb_per_sec
+                        )
+                    })
+                    .collect();
+                s += &format!(
+                    "# ofi limit: fi_pingpong -p tcp -e rdm, same run: {}\n",
+                    all.join("; ")
+                );
+                for (t, bytes, lat, bw) in fi.ratios(rows) {
+                    s += &format!(
+                        "# vs fi_pingpong at {bytes} B (T={t}): a2e p50 = {} x its one-way time, roundtrip algbw = {} x its MB/s\n",
+                        lat.map_or("-".into(), |v| format!("{v:.2}")),
+                        bw.map_or("-".into(), |v| format!("{v:.2}")),
+                    );
+                }
+            }
+            Err(why) => s += &format!("# ofi limit: {why}\n"),
+        }
+    }
     s
 }
 
@@ -586,6 +667,15 @@ pub fn to_json(
             "p99_us": f.p99_us[2],
             "by_policy": extras.floors.iter().map(|(n, l)| json!({
                 "policy": n, "p50_us": l.p50_us[2], "p99_us": l.p99_us[2],
+            })).collect::<Vec<_>>(),
+        })),
+        "fi_pingpong": extras.fi.as_ref().map(|fi| json!({
+            "runs": fi.runs.as_ref().ok().map(|r| r.iter().map(|p| json!({
+                "bytes": p.bytes, "usec_per_xfer": p.usec_per_xfer, "mb_per_sec": p.mb_per_sec,
+            })).collect::<Vec<_>>()),
+            "error": fi.runs.as_ref().err(),
+            "ratios": fi.ratios(rows).iter().map(|(t, b, lat, bw)| json!({
+                "tokens": t, "bytes": b, "a2e_vs_one_way": lat, "roundtrip_algbw_vs_mb_per_sec": bw,
             })).collect::<Vec<_>>(),
         })),
         "waits": extras.waits.iter().map(|w| json!({

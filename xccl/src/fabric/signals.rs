@@ -398,8 +398,10 @@ impl ControlArea {
                 sync::yield_now();
                 tally.yields += 1;
                 // A yield that kept the core away longer than a sleep and its wake-up would
-                // have cost went to a task that is not the peer (or the peer's work is long):
-                // sleep from here on, and skip yielding in the next waits (`WaitState`).
+                // have cost went to a task that ran a time slice (or to a peer whose work is
+                // long, where sleeping costs no more): sleep from here on, and skip yielding for
+                // a while (`WaitState`). Whether the wait is over after it says nothing: a peer
+                // on the other core may have finished while this rank was kept off its own.
                 if now.elapsed() > plan.slow_yield {
                     tally.slow_yields += 1;
                     yielding = false;
@@ -489,8 +491,9 @@ const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 50_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
-/// Most waits that skip their yield phase after slow yields.
-const MAX_YIELD_BACKOFF: u32 = 64;
+/// Shortest and longest time without a yield phase after a slow yield.
+const MIN_YIELD_BACKOFF_NS: u64 = 10_000_000;
+const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
 
 /// The adaptive part of one rank's waits, and their counters ([`WaitCounters`]).
 ///
@@ -505,9 +508,9 @@ pub struct WaitState {
     wake_ns: std::sync::atomic::AtomicU64,
     /// Current spin budget, ns (0: not set yet, start at the wake-up latency).
     spin_ns: std::sync::atomic::AtomicU64,
-    /// Waits left that skip the yield phase, and the next such run's length.
-    yield_skip: std::sync::atomic::AtomicU32,
-    yield_backoff: std::sync::atomic::AtomicU32,
+    /// No yield phase before this time (`CLOCK_MONOTONIC` ns), and the next back-off, ns.
+    yield_off_until: std::sync::atomic::AtomicU64,
+    yield_backoff: std::sync::atomic::AtomicU64,
     counts: [std::sync::atomic::AtomicU64; 6],
 }
 
@@ -516,7 +519,7 @@ impl Default for WaitState {
         WaitState {
             wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
             spin_ns: std::sync::atomic::AtomicU64::new(0),
-            yield_skip: Default::default(),
+            yield_off_until: Default::default(),
             yield_backoff: Default::default(),
             counts: Default::default(),
         }
@@ -590,14 +593,15 @@ impl WaitState {
     fn plan(&self, policy: WaitPolicy) -> Plan {
         use std::sync::atomic::Ordering::Relaxed;
         let wake = self.wake_ns.load(Relaxed);
-        let skip = self.yield_skip.load(Relaxed);
-        if skip > 0 {
-            self.yield_skip.store(skip - 1, Relaxed);
-        }
+        let yield_allowed = !policy.yield_for.is_zero()
+            && match self.yield_off_until.load(Relaxed) {
+                0 => true,
+                until => now_ns() >= until,
+            };
         Plan {
             spin_for: Duration::from_nanos(self.spin_budget()),
             slow_yield: Duration::from_nanos((4 * wake).max(MIN_SLOW_YIELD_NS)),
-            yield_allowed: !policy.yield_for.is_zero() && skip == 0,
+            yield_allowed,
         }
     }
 
@@ -639,15 +643,18 @@ impl WaitState {
             };
             self.spin_ns.store(next.max(MIN_SPIN_NS), Relaxed);
         }
-        // Slow yields: skip the yield phase for the next 1, 2, 4 ... 64 waits; a wait whose
-        // yields were all quick ends the back-off.
+        // A slow yield (a slice of milliseconds given away) costs far more than the few
+        // microseconds a quick one saves: no yield phase for the next 10 ms, doubling up to 1 s
+        // while the probes that follow find yields slow; a wait whose yields were all quick
+        // halves the back-off.
         if plan.yield_allowed {
+            let b = self.yield_backoff.load(Relaxed);
             if tally.slow_yields > 0 {
-                let b = (self.yield_backoff.load(Relaxed) * 2).clamp(1, MAX_YIELD_BACKOFF);
+                let b = (2 * b).clamp(MIN_YIELD_BACKOFF_NS, MAX_YIELD_BACKOFF_NS);
                 self.yield_backoff.store(b, Relaxed);
-                self.yield_skip.store(b, Relaxed);
-            } else if tally.yields > 0 {
-                self.yield_backoff.store(0, Relaxed);
+                self.yield_off_until.store(now_ns() + b, Relaxed);
+            } else if tally.yields > 0 && b > 0 {
+                self.yield_backoff.store(b / 2, Relaxed);
             }
         }
     }
@@ -696,8 +703,8 @@ mod loom_tests;
 ///    Where ranks outnumber cores, waits never end while spinning and the budget falls to 0.5 us.
 /// 2. **Yield**: `sched_yield` between polls for up to `yield_for`, which hands the core to a
 ///    runnable peer on it at once. A yield that kept the core away for longer than 4 wake-ups
-///    (at least 50 us: another task ran its time slice) ends the phase, and the next 1, 2, 4 ...
-///    64 waits skip it (a wait with only quick yields ends the back-off): with busy processes
+///    (at least 50 us: another task ran its time slice) ends the phase, and waits skip it for the next 10 ms, doubling up to 1 s while later probes find
+///    yields slow (a wait with only quick yields halves the back-off): with busy processes
 ///    competing for the cores, yielding would hand them a slice of milliseconds per wait.
 /// 3. **Sleep** on the futex doorbell, in chunks of at most 20 ms (liveness and the deadline are
 ///    checked between them); a signaller wakes the sleeper (it sees the sleeper count).
@@ -726,11 +733,13 @@ impl WaitPolicy {
         spin_iters: 64,
         yield_for: Duration::ZERO,
     };
-    /// More ranks than cores: no busy-polling; `sched_yield` between polls (as Open MPI's
-    /// `mpi_yield_when_idle`) for up to 200 us, then sleep on the futex (`XCCL_WAIT=yield`). The
-    /// measured best when ranks outnumber cores (`xccl-bench/README.md`, "Wait policy").
+    /// More ranks than cores: a short spin (at most 256 polls, and the spin budget, which falls
+    /// to 0.5 us when waits never end while spinning), then `sched_yield` between polls (as Open
+    /// MPI's `mpi_yield_when_idle`) for up to 200 us, then sleep on the futex
+    /// (`XCCL_WAIT=yield`). The measured best when ranks outnumber cores
+    /// (`xccl-bench/README.md`, "Wait policy").
     pub const OVERSUBSCRIBED: WaitPolicy = WaitPolicy {
-        spin_iters: 0,
+        spin_iters: 256,
         yield_for: Duration::from_micros(200),
     };
 

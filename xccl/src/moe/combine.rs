@@ -683,8 +683,12 @@ impl CombineReceiver {
         if let Some(e) = failure {
             return Err(e);
         }
+        // Where credits are implied, the next A2E is this call's credit.
+        let implied = ctx.implied_credits();
         for &d in experts {
-            credit_after_receipt(ctx, d, epoch)?;
+            if !implied {
+                credit_after_receipt(ctx, d, epoch)?;
+            }
             fault_point!("e2a.credit");
         }
         Ok(())

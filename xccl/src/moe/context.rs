@@ -327,6 +327,20 @@ impl Context {
         self.topo.expert_ranks()
     }
 
+    /// Whether credits are implied by the calls themselves, so none is signalled or awaited:
+    /// without relays and DP domains. An attention rank's A2E of epoch `e` goes out only once
+    /// its E2A of `e - max_in_flight` was received from every expert rank (at most
+    /// `max_in_flight` calls wait for their E2A, and its epochs follow each other), and an
+    /// expert rank replies to `e - max_in_flight` only after it took that call's rows out of its
+    /// window (or, for a view, read them for the last time): the A2E credit. An expert rank
+    /// sends the E2A of `e` only after it received the A2E of `e` from every attention rank,
+    /// which each sent after receiving the E2A of `e - max_in_flight`: the E2A credit. With
+    /// relays the relay's own buffers need their credits, and with DP domains an attention
+    /// rank's next call waits for the previous domain's (the turn record).
+    pub(crate) fn implied_credits(&self) -> bool {
+        self.topo.relay_plan().is_none() && self.topo.num_domains() == 1
+    }
+
     /// Waits until every rank of `peers` has credited at least `epoch - max_in_flight` into its
     /// slot of the credit group at `base` (slot `base + peer`): the buffer `epoch` is about to
     /// reuse is free. Calls within the first `max_in_flight` after `epoch_base` need nothing.
@@ -343,6 +357,9 @@ impl Context {
         else {
             return Ok(());
         };
+        if self.implied_credits() {
+            return Ok(());
+        }
         let mut next = Instant::now() + AWAITED_CHECK_EVERY;
         let mut failure = None;
         self.wait(deadline, &mut || {

@@ -998,7 +998,8 @@ impl DispatchReceiver {
     }
 
     /// Tells every attention rank (every relay, with relays) that this rank is done with their
-    /// rows of `epoch`.
+    /// rows of `epoch`; nothing goes out where credits are implied
+    /// ([`Context::implied_credits`]).
     pub(crate) fn credit(&self, ctx: &Context, epoch: u64) -> Result<()> {
         if let Some(plan) = ctx.topo.relay_plan() {
             for &r in plan.relays() {
@@ -1007,8 +1008,11 @@ impl DispatchReceiver {
             }
             return Ok(());
         }
+        let implied = ctx.implied_credits();
         for &src in ctx.attention() {
-            ctx.signal(src, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+            if !implied {
+                ctx.signal(src, ctx.slots.a2e_credit(ctx.rank), epoch)?;
+            }
             fault_point!("a2e.credit");
         }
         Ok(())

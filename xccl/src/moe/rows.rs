@@ -2,7 +2,8 @@
 //!
 //! A row is `hidden` elements of payload, then [`A2E_META_FIXED`] bytes (source token index,
 //! number of local experts), then `mask_words` u64 words of local-expert bitmask, then `topk` f32
-//! weights (for the set bits, ascending), padded to 16 bytes. A token for three experts on one rank
+//! weights (for the set bits, ascending), padded to 64 bytes (a cache line: every row's payload
+//! starts on a line of its own; INT8 rows to 16). A token for three experts on one rank
 //! crosses the wire once. In gather mode only the metadata travels (`meta_stride` apart) and the
 //! payload is the token's row of the sender's registered input. E2A rows are bare payloads.
 
@@ -13,6 +14,8 @@ use crate::{Error, Result};
 
 /// Bytes of fixed A2E row metadata: source token index (u32) and expert count (u32).
 pub const A2E_META_FIXED: usize = 8;
+/// Alignment of full A2E rows in the dtype (payload and metadata): one cache line.
+pub const ROW_ALIGN: usize = 64;
 
 /// Byte layout of one A2E row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,7 +32,7 @@ pub struct A2eRow {
     pub mask_words: usize,
     /// f32 weight slots.
     pub topk: usize,
-    /// Bytes from one row to the next (16-byte aligned).
+    /// Bytes from one row to the next (64-byte aligned, [`ROW_ALIGN`]).
     pub stride: usize,
     /// Bytes from one metadata-only row to the next (gather mode; 16-byte aligned).
     pub meta_stride: usize,
@@ -41,12 +44,16 @@ impl A2eRow {
         let payload = cfg.hidden * cfg.dtype.size();
         let mask_words = topo.mask_words();
         let meta = A2E_META_FIXED + 8 * mask_words + 4 * cfg.topk;
-        let stride = (payload.next_multiple_of(8) + meta).next_multiple_of(16);
+        // Rows are 64-byte aligned (a cache line): each row's payload starts on a line of its
+        // own, so the copies in and out of windows never straddle lines shared by two rows.
+        let stride = (payload.next_multiple_of(8) + meta).next_multiple_of(ROW_ALIGN);
         let int8_payload = super::quant::int8_payload(cfg.hidden);
         A2eRow {
             hidden: cfg.hidden,
             payload,
             int8_payload,
+            // INT8 rows stay 16-byte aligned: every row then grows by exactly the hidden-size
+            // difference (the cost model rescales counts by it; `xccl-bench model`).
             int8_stride: (int8_payload.next_multiple_of(8) + meta).next_multiple_of(16),
             mask_words,
             topk: cfg.topk,
@@ -157,7 +164,7 @@ mod tests {
         let cfg = MoeConfig::new(5, DType::BF16, 3, 4);
         let row = A2eRow::new(&cfg, &topo);
         assert_eq!(row.mask_words, 2);
-        assert_eq!(row.stride % 16, 0);
+        assert_eq!(row.stride % ROW_ALIGN, 0);
         let mut meta = vec![0u8; row.stride - row.meta_offset()];
         row.encode_meta(&mut meta, 3, &[0b101, 1 << 35], &[0.5, 0.25, 0.125]);
         let mut experts = Vec::new();

@@ -70,7 +70,8 @@ pub const POINTS: &[(&str, &str)] = &[
     ),
     (
         "a2e.credit",
-        "A2E receive: one source credited, the others not yet",
+        "A2E receive: rows taken; one source credited, the others not yet (credits implied \
+         without relays and DP domains: nothing is signalled)",
     ),
     (
         "e2a.record",
@@ -86,7 +87,8 @@ pub const POINTS: &[(&str, &str)] = &[
     ),
     (
         "e2a.credit",
-        "E2A receive: one expert rank credited, the others not yet",
+        "E2A receive: rows combined; one expert rank credited, the others not yet (credits \
+         implied without relays and DP domains: nothing is signalled)",
     ),
     (
         "relay.forward",
