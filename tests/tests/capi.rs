@@ -578,10 +578,8 @@ fn c11_engine_program_over_ofi_across_two_network_namespaces() {
         let (fd0, addr0, job_id) = (ns.fd(0), ns.addrs[0].clone(), unique_job_id());
         std::thread::spawn(move || {
             // SAFETY: setns on this thread only, with an fd of a network namespace we own.
-            assert_eq!(
-                unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) },
-                0
-            );
+            let rc = unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "entering the root's namespace");
             let bind: SocketAddr = format!("{addr0}:0").parse().expect("socket address");
             UniqueId::start_root(bind, RootConfig::new(job_id))
         })

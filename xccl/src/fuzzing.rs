@@ -459,16 +459,18 @@ fn int(inp: &mut Input) -> c_int {
 pub fn c_config(data: &[u8]) {
     let mut inp = Input::new(data);
     let nranks = 1 + inp.below(64);
-    let version = match inp.u8() % 5 {
+    let version = match inp.u8() % 6 {
         0 => 1,
         1 => 2,
-        2 | 3 => c::CONFIG_VERSION,
+        2 => 3,
+        3 | 4 => c::CONFIG_VERSION,
         _ => inp.u32(),
     };
     let size = match (inp.u8() % 4, version) {
         (0, _) => inp.u64() as usize,
         (_, 1) => c::CONFIG_V1_SIZE,
         (_, 2) => c::CONFIG_V2_SIZE,
+        (_, 3) => c::CONFIG_V3_SIZE,
         _ => std::mem::size_of::<xcclConfig_t>(),
     };
     let magic: c_uint = if inp.u8() == 0xff {
@@ -476,7 +478,7 @@ pub fn c_config(data: &[u8]) {
     } else {
         c::CONFIG_MAGIC
     };
-    let mut fields = [0 as c_int; 14];
+    let mut fields = [0 as c_int; 16];
     for f in &mut fields {
         *f = int(&mut inp);
     }
@@ -528,10 +530,22 @@ pub fn c_config(data: &[u8]) {
         e2aQuant: fields[11],
         keepInt8: fields[12],
         recvCapacity: fields[13],
+        role: fields[14],
+        device: fields[15],
+        ofiProvider: if flags & 8 != 0 {
+            fabric.as_ptr()
+        } else {
+            std::ptr::null()
+        },
+        ofiInterface: if flags & 16 != 0 {
+            fabric.as_ptr()
+        } else {
+            std::ptr::null()
+        },
     };
     // Counts above 64 replicas exceed `nranks` (at most 64), so the parse rejects them before
     // it reads the ranks; `ranks` covers every sum it can read.
-    // SAFETY: `config` is a whole version-3 struct (whatever its `size` field says); `fabric`
+    // SAFETY: `config` is a whole version-4 struct (whatever its `size` field says); `fabric`
     // is NUL-terminated; `placementCounts` has `numExperts` ints and `placementRanks` the sum
     // of every count the parse accepts; all outlive the call.
     let _ = unsafe { c::parse(&config, nranks) };

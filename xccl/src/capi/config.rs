@@ -529,9 +529,9 @@ mod tests {
                 .recv_capacity,
             0
         );
-        assert_eq!(parsed(&config(3, full, UNDEF)).unwrap().recv_capacity, 0);
-        assert_eq!(parsed(&config(3, full, 4)).unwrap().recv_capacity, 4);
-        let err = parsed(&config(3, full, 17)).unwrap_err();
+        assert_eq!(parsed(&config(4, full, UNDEF)).unwrap().recv_capacity, 0);
+        assert_eq!(parsed(&config(4, full, 4)).unwrap().recv_capacity, 4);
+        let err = parsed(&config(4, full, 17)).unwrap_err();
         assert!(err.contains("recvCapacity"), "{err}");
         let err = parsed(&config(3, CONFIG_V1_SIZE, 4)).unwrap_err();
         assert!(err.contains("config.size"), "{err}");

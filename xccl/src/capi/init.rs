@@ -199,9 +199,12 @@ pub unsafe extern "C" fn xcclCommInitRankConfig(
             ));
         }
         let bytes: Vec<u8> = commId.internal.iter().map(|&b| b as u8).collect();
-        let id =
-            UniqueId::from_bytes(&bytes).map_err(|e| Fail::from_error(&e).prefixed("commId"))?;
+        // The id is read when init connects: a bad config is reported as such first.
         let connect = |timeout| -> crate::Result<Arc<dyn Exchange>> {
+            let id = UniqueId::from_bytes(&bytes).map_err(|e| match e {
+                Error::Bootstrap(m) => Error::Bootstrap(format!("commId: {m}")),
+                e => e,
+            })?;
             let boot = TcpBootstrap::connect(&id, rank as usize, nranks as usize, timeout)?;
             Ok(Arc::new(boot))
         };
