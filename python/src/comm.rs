@@ -256,23 +256,7 @@ fn join(
     let topo: Arc<Topology> = match role {
         None => topology.built.clone(),
         Some(mine) => {
-            let code = match mine {
-                Role::Attention => 1u8,
-                Role::Expert => 2u8,
-            };
-            let blobs = exchange.allgather(&[code], timeout)?;
-            let roles = blobs
-                .iter()
-                .enumerate()
-                .map(|(r, b)| match b.as_slice() {
-                    [1] => Ok(Role::Attention),
-                    [2] => Ok(Role::Expert),
-                    _ => Err(xccl::Error::Protocol {
-                        peer: r,
-                        detail: format!("rank {r} stated an unknown role ({b:?})"),
-                    }),
-                })
-                .collect::<xccl::Result<Vec<_>>>()?;
+            let roles = xccl::bootstrap::gather_roles(exchange.as_ref(), mine, timeout)?;
             topology.with_roles(roles)?
         }
     };
@@ -512,21 +496,27 @@ impl PyComm {
     /// (``[T, topk]``, int32 or int64 (converted exactly), ``-1`` = none) with gating weights
     /// ``topk_weights`` (``[T, topk]``, float32; float16/bfloat16 are widened exactly, float64
     /// is rejected). Every input is checked before anything is sent. Returns the handle for
-    /// :meth:`e2a_recv`. The inputs are read during the call only (do not write them from
+    /// :meth:`e2a_recv`. ``tag``: a user value this call carries to every expert rank it
+    /// reaches (:attr:`ExpertBatch.tag`, :attr:`ExpertBatch.tags`), for example a shutdown
+    /// flag or a request id. The inputs are read during the call only (do not write them from
     /// another thread meanwhile).
+    #[pyo3(signature = (x, topk_idx, topk_weights, *, tag = 0))]
     fn a2e_send(
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
+        tag: u64,
     ) -> PyResult<PyA2eHandle> {
+        self.require(py, Role::Attention, "A2E send")?;
         let xt = Tensor::import(py, x, "x")?;
         let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
         let (ids, w) = self.routing(py, topk_idx, topk_weights, t)?;
         let xb = xt.bytes();
         let handle = self.run(py, |c| {
             let mode = c.config().mode;
+            c.set_next_a2e_tag(tag);
             c.a2e_send_bytes(xb, &ids, &w, mode)
         })?;
         Ok(PyA2eHandle { handle })
@@ -571,16 +561,22 @@ impl PyComm {
 
     /// A2E send of the first ``num_tokens`` rows of the registered input (:meth:`a2e_input`,
     /// which must have been called for this call), routed by ``topk_idx``/``topk_weights`` as
-    /// in :meth:`a2e_send`. Returns the handle for :meth:`e2a_recv`.
+    /// in :meth:`a2e_send` (``tag`` too). Returns the handle for :meth:`e2a_recv`.
+    #[pyo3(signature = (num_tokens, topk_idx, topk_weights, *, tag = 0))]
     fn a2e_send_input(
         &self,
         py: Python<'_>,
         num_tokens: usize,
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
+        tag: u64,
     ) -> PyResult<PyA2eHandle> {
+        self.require(py, Role::Attention, "A2E send")?;
         let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
-        let result = self.run(py, |c| c.a2e_send_input(num_tokens, &ids, &w));
+        let result = self.run(py, |c| {
+            c.set_next_a2e_tag(tag);
+            c.a2e_send_input(num_tokens, &ids, &w)
+        });
         match &result {
             Ok(_) => self.retire_input(),
             Err(e) => {
@@ -597,6 +593,23 @@ impl PyComm {
         Ok(PyA2eHandle { handle: result? })
     }
 
+    /// Non-blocking E2A check on an attention rank: ``True`` when every contribution of
+    /// ``handle``'s E2A has landed, so :meth:`e2a_recv` with it returns without waiting on a
+    /// peer. Never blocks. Errors (a handle that is not the oldest, a dead peer, an abort)
+    /// follow the same retryable/poisoned rules as :meth:`e2a_recv`.
+    fn e2a_ready(&self, py: Python<'_>, handle: &Bound<'_, PyA2eHandle>) -> PyResult<bool> {
+        self.require(py, Role::Attention, "E2A test")?;
+        let h = &handle.get().handle;
+        self.run(py, |c| c.e2a_ready(h))
+    }
+
+    /// Non-blocking A2E check on an expert rank: ``True`` when the next A2E receive (either
+    /// path) has all its rows and returns without waiting. Never blocks.
+    fn a2e_ready(&self, py: Python<'_>) -> PyResult<bool> {
+        self.require(py, Role::Expert, "A2E test")?;
+        self.run(py, |c| c.a2e_ready())
+    }
+
     /// E2A on an attention rank: waits for the expert outputs of the tokens sent with
     /// ``handle`` (the oldest unanswered A2E) and returns ``out[t] = sum_k w[t,k] *
     /// expert_k(x[t])`` as ``[T, hidden]`` of the dtype, combined exactly as the protocol
@@ -610,6 +623,7 @@ impl PyComm {
         handle: &Bound<'py, PyA2eHandle>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        self.require(py, Role::Attention, "E2A receive")?;
         let h = &handle.get().handle;
         let (t, hidden) = (h.num_tokens(), self.info.hidden);
         match out {
@@ -650,6 +664,7 @@ impl PyComm {
         Ok(PyTokenBatch {
             inner: batch,
             elem: self.elem(),
+            hidden: self.info.hidden,
             topk: self.info.topk,
             keep_int8: self.info.keep_int8,
         })
@@ -665,6 +680,7 @@ impl PyComm {
         batch: &Bound<'_, PyExpertBatch>,
         expert_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        self.require(py, Role::Expert, "E2A send")?;
         let b = &batch.get().inner;
         let ot = Tensor::import(py, expert_out, "expert_out")?;
         expect_rows(
@@ -693,6 +709,7 @@ impl PyComm {
         batch: &Bound<'_, PyTokenBatch>,
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        self.require(py, Role::Expert, "E2A send")?;
         let b = &batch.get().inner;
         let rt = Tensor::import(py, reduced, "reduced")?;
         expect_rows(
@@ -835,6 +852,22 @@ impl PyComm {
 }
 
 impl PyComm {
+    /// Fails with `WrongRoleError` unless this rank has role `need` (checked before the
+    /// tensors, so a call on the wrong rank says so first).
+    fn require(&self, py: Python<'_>, need: Role, call: &str) -> PyResult<()> {
+        if self.info.role == need {
+            return Ok(());
+        }
+        Err(to_py(
+            py,
+            &xccl::Error::WrongRole(format!(
+                "{call} is for {need:?} ranks; rank {} is an {:?} rank",
+                self.info.rank, self.info.role
+            )),
+            false,
+        ))
+    }
+
     /// `topk_idx` and `topk_weights` checked and converted for `tokens` tokens.
     fn routing(
         &self,
@@ -915,6 +948,7 @@ fn sources_list<'py>(
         d.set_item("rank", s.rank())?;
         d.set_item("count", s.count())?;
         d.set_item("first_token", s.first_token())?;
+        d.set_item("tag", s.tag())?;
         d.set_item("arrived_after", s.arrived_after().as_secs_f64())?;
         l.append(d)?;
     }
@@ -939,6 +973,19 @@ pub struct PyExpertBatch {
 
 #[pymethods]
 impl PyExpertBatch {
+    /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
+    /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.inner.tag()
+    }
+
+    /// The tag of each source attention rank, in rank order (as :attr:`sources`).
+    #[getter]
+    fn tags(&self) -> Vec<u64> {
+        self.inner.sources().iter().map(|s| s.tag()).collect()
+    }
+
     /// Number of rows (received (token, local expert) pairs).
     #[getter]
     fn num_rows(&self) -> usize {
@@ -1111,12 +1158,26 @@ impl PyExpertBatch {
 pub struct PyTokenBatch {
     inner: TokenBatch,
     elem: Elem,
+    hidden: usize,
     topk: usize,
     keep_int8: bool,
 }
 
 #[pymethods]
 impl PyTokenBatch {
+    /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
+    /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.inner.tag()
+    }
+
+    /// The tag of each source attention rank, in rank order (as :attr:`sources`).
+    #[getter]
+    fn tags(&self) -> Vec<u64> {
+        self.inner.sources().iter().map(|s| s.tag()).collect()
+    }
+
     /// Number of received tokens.
     #[getter]
     fn num_tokens(&self) -> usize {
@@ -1135,13 +1196,8 @@ impl PyTokenBatch {
     fn rows(slf: &Bound<'_, Self>) -> Buffer {
         let b = slf.get();
         let bytes = b.inner.row_bytes();
-        let hidden = if b.inner.num_tokens() > 0 {
-            bytes.len() / b.elem.size() / b.inner.num_tokens()
-        } else {
-            0
-        };
-        let rows = if hidden == 0 { 0 } else { b.inner.num_tokens() };
-        batch_view(slf.as_any(), bytes, &[rows, hidden], b.elem)
+        let rows = bytes.len() / (b.hidden.max(1) * b.elem.size());
+        batch_view(slf.as_any(), bytes, &[rows, b.hidden], b.elem)
     }
 
     /// With ``keep_int8``: the rows as ``[num_tokens, hidden]`` int8; ``None`` otherwise.
@@ -1149,11 +1205,11 @@ impl PyTokenBatch {
     fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
         let b = slf.get();
         let (q, s) = b.inner.int8_rows()?;
-        let hidden = if s.is_empty() { 0 } else { q.len() / s.len() };
+        let shape = [s.len(), b.hidden];
         Some(batch_view(
             slf.as_any(),
             bytemuck::cast_slice(q),
-            &[s.len(), hidden],
+            &shape,
             Elem::I8,
         ))
     }

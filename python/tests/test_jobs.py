@@ -1,0 +1,135 @@
+"""Jobs of real processes (2 to 5 ranks) through the package: every join, dtype and receive
+path, bit for bit against the independent reference of reference.py; misuse, a killed rank,
+Ctrl-C."""
+
+import signal
+
+import harness
+
+BASE = {"H": 64, "topk": 3, "E": 8, "max_tokens": 16, "seed": 7}
+
+
+def roundtrip(tmp_path, world, cases, *, rounds=4, tokens=((5, 0, 16), (0, 3, 1)), **kw):
+    """Runs ``cases`` (each: ``m``, ``n`` with ``m + n == world``, dtype, paths) one after the
+    other in one job of ``world`` processes; checks every attention rank's results bit for bit
+    (INT8 cases within their stated bound) and that every expert rank answered every call."""
+    args = {**BASE, "rounds": rounds, "tokens": [list(t) for t in tokens], **kw}
+    results = harness.run("roundtrip", world, tmp_path, timeout=240, cases=cases, **args)
+    for i, case in enumerate(cases):
+        c = {**args, **case}
+        roles = c.get("role_of") or ["attention"] * c["m"] + ["expert"] * c["n"]
+        for r, res in enumerate(results):
+            got = res["cases"][i]
+            assert got["role"] == roles[r], (case, r, got)
+            if got["role"] == "attention":
+                assert got["mismatches"] == [], f"{case} rank {r}: {got['mismatches']}"
+            else:
+                assert got["calls"] >= 2 * c["rounds"], (case, r, got)
+    return results
+
+
+def test_every_dtype_and_path_is_combined_bit_for_bit_in_jobs_of_five_ranks(tmp_path):
+    # Token counts per round and attention rank include 0 and the maximum; expert ranks
+    # alternate expert-major and token-major receives; attention ranks alternate torch and
+    # numpy inputs (bfloat16 as ml_dtypes'), int64 and int32 expert ids.
+    roundtrip(
+        tmp_path,
+        5,
+        [
+            # 3A:2E, two microbatches in flight, results into caller tensors (out=).
+            {"m": 3, "n": 2, "dtype": "f32", "inflight": 2, "out": True},
+            # 2A:3E, the registered input (zero copy), refusing exports after its send.
+            {"m": 2, "n": 3, "dtype": "bf16", "registered": True},
+            # 3A:2E through a relay, token-major receives only.
+            {"m": 3, "n": 2, "dtype": "f16", "relays": 1, "token_major": True},
+            # 4A:1E in two DP domains (one call in flight).
+            {"m": 4, "n": 1, "dtype": "bf16", "domains": 2, "max_in_flight": 1},
+            # INT8 on the wire both ways, then INT8 rows kept on the expert ranks: inexact by
+            # design, each result within 3% of its row's magnitude.
+            {"m": 2, "n": 3, "dtype": "bf16", "a2e_quant": "int8", "e2a_quant": "int8"},
+            {"m": 3, "n": 2, "dtype": "bf16", "keep_int8": True, "rounds": 2},
+        ],
+    )
+
+
+def test_join_from_launcher_environment(tmp_path):
+    roundtrip(tmp_path, 3, [{"m": 1, "n": 2, "dtype": "f32"}], rounds=2, join="env")
+
+
+def test_join_from_torchrun_variables(tmp_path):
+    roundtrip(tmp_path, 3, [{"m": 2, "n": 1, "dtype": "bf16"}], rounds=2, join="torchrun")
+
+
+def test_join_from_a_torch_distributed_gloo_group_with_explicit_roles(tmp_path):
+    # Ranks state their roles at init: the expert ranks are 0 and 2, not the last ones.
+    roles = ["expert", "attention", "expert", "attention"]
+    roundtrip(
+        tmp_path, 4, [{"m": 2, "n": 2, "dtype": "bf16", "role_of": roles}], rounds=2, join="torch"
+    )
+
+
+def test_xccl_debug_sends_the_library_log_to_python_logging(tmp_path):
+    # Rank 0 runs with XCCL_DEBUG=info, rank 1 with the default (warn).
+    results = roundtrip(
+        tmp_path,
+        2,
+        [{"m": 1, "n": 1, "dtype": "f32"}],
+        rounds=1,
+        capture_logs=True,
+        rank_env={0: {"XCCL_DEBUG": "info"}, 1: {"XCCL_DEBUG": ""}},
+    )
+    loud, quiet = results[0]["logs"], results[1]["logs"]
+    assert any(n.startswith("xccl") and "communicator ready" in m for n, _, m in loud), loud
+    assert not any(level == "INFO" for _, level, _ in quiet), quiet
+
+
+def test_every_misuse_is_a_clear_error_that_changes_nothing(tmp_path):
+    results = harness.run(
+        "misuse", 2, tmp_path, m=1, n=1, H=8, topk=2, E=4, max_tokens=4, dtype="f32"
+    )
+    for res in results:
+        assert res["failures"] == [], res["failures"]
+
+
+def test_a_rank_killed_mid_call_is_named_by_every_survivor_who_then_shrink_past_it(tmp_path):
+    results = harness.start(
+        "kill", 4, tmp_path, m=2, n=2, H=16, topk=2, E=4, max_tokens=4, dtype="f32"
+    ).wait(240)
+    assert results[3]["exit"] == -signal.SIGKILL
+    for r in range(3):
+        res = results[r]
+        assert res["exit"] == 0, res
+        assert res["error"] == "PeerFailedError" and res["peer"] == 3, res
+        assert res["poisoned"] and res["comm_poisoned"], res
+        # Then every survivor shrinks past it and a round runs on the new communicator.
+        assert res["closed_after_shrink"] and res["new_world"] == 3, res
+        assert res["new_rank"] == r and res["shrunk_past"] == [3], res
+        assert res["after_shrink_ok"], res
+    assert results[0]["dropped"] == 1 and results[1]["dropped"] == 1, results[:2]
+
+
+def test_ctrl_c_interrupts_a_blocked_call_within_the_bound(tmp_path):
+    job = harness.start(
+        "sigint", 2, tmp_path, m=1, n=1, H=8, topk=2, E=4, max_tokens=4, dtype="f32"
+    )
+    job.wait_for_file("expert-waiting")
+    import time
+
+    time.sleep(0.3)  # the expert is inside a2e_recv by now
+    sent = job.signal(1)
+    job.wait_for_file("attention-waiting")
+    time.sleep(0.3)
+    sent_attention = job.signal(0)
+    attention, expert = job.wait(240)
+    assert expert["exit"] == 0 and attention["exit"] == 0, (expert, attention)
+    # Nothing published: KeyboardInterrupt, not poisoned, and the retried receive worked.
+    assert expert["first"] == "KeyboardInterrupt", expert
+    assert not expert["poisoned_after_first"], expert
+    # The bound: the interrupt check runs every 20 ms; allow for a busy machine.
+    assert expert["caught_at"] - sent < 0.5, expert["caught_at"] - sent
+    assert attention["round_ok"], attention
+    # The barrier had signalled its peer: KeyboardInterrupt, poisoned, and the peer aborted.
+    assert attention["barrier"] == "KeyboardInterrupt", attention
+    assert attention["caught_at"] - sent_attention < 0.5
+    assert attention["poisoned"], attention
+    assert expert["after_poison"] == "AbortedError" and expert["after_poison_by"] == 0, expert
