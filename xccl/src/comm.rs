@@ -528,6 +528,16 @@ impl Communicator {
         self.ctx.cfg.e2a_quant = quant;
     }
 
+    /// Installs (or, with `None`, removes) a check that every wait of later calls polls at least
+    /// every 20 ms while it waits for a peer: when it returns `true` the wait stops and the call
+    /// fails with [`Error::Interrupted`], with the usual failed-call state (retryable if the call
+    /// had published nothing, else this communicator is poisoned and the job aborted). Bindings
+    /// use it to deliver Ctrl-C to a blocked call; the check must be cheap and must not call
+    /// into this communicator.
+    pub fn set_interrupt_check(&mut self, check: Option<Arc<dyn Fn() -> bool + Send + Sync>>) {
+        self.ctx.interrupt = check;
+    }
+
     /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
         if timeout.is_zero() {

@@ -1732,3 +1732,81 @@ fn relays_reject_expert_ranks_that_disagree_on_int8_replies() {
         "{errors:?}"
     );
 }
+
+/// An interrupt check that turns true after `after`.
+fn interrupt_after(after: Duration) -> std::sync::Arc<dyn Fn() -> bool + Send + Sync> {
+    let start = std::time::Instant::now();
+    std::sync::Arc::new(move || start.elapsed() >= after)
+}
+
+#[test]
+fn an_interrupt_stops_a_wait_that_published_nothing_and_the_call_can_be_retried() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    // The expert waits for an A2E that nobody sends: the interrupt ends it, naming the peer.
+    expert.set_interrupt_check(Some(interrupt_after(Duration::from_millis(50))));
+    let start = std::time::Instant::now();
+    let err = expert.a2e_recv(&mut ExpertBatch::new()).unwrap_err();
+    assert!(matches!(err, Error::Interrupted { peer: 0, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(expert.poisoned().is_none(), "nothing was published");
+    expert.set_interrupt_check(None);
+    // The same call again, now with a sender: a normal round.
+    let w = wl(13, 4, false);
+    std::thread::scope(|s| {
+        let e = s.spawn(move || {
+            let mut b = ExpertBatch::new();
+            expert_round::<f32>(&mut expert, &w, 0, &mut b, true)
+                .unwrap()
+                .unwrap()
+        });
+        attention_round::<f32>(&mut attn, &wl(13, 4, false), 0)
+            .unwrap()
+            .unwrap();
+        e.join().unwrap();
+    });
+}
+
+#[test]
+fn an_interrupted_e2a_receive_is_retryable_and_an_interrupt_after_publishing_poisons() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let handle = attn
+        .a2e_send(&[1f32; 16], &[0, 1, 2, 3], &[0.5; 4])
+        .unwrap();
+    let mut batch = ExpertBatch::new();
+    expert.a2e_recv(&mut batch).unwrap();
+    // No reply yet: the attention rank's E2A receive waits (publishing nothing) until
+    // interrupted, and stays retryable.
+    attn.set_interrupt_check(Some(interrupt_after(Duration::from_millis(30))));
+    let mut out = [0f32; 16];
+    let err = attn.e2a_recv(&handle, &mut out).unwrap_err();
+    assert!(matches!(err, Error::Interrupted { peer: 1, .. }), "{err}");
+    assert!(attn.poisoned().is_none());
+    let rows = batch.rows::<f32>().unwrap().to_vec();
+    expert.e2a_send(&batch, &rows).unwrap();
+    attn.set_interrupt_check(None);
+    attn.e2a_recv(&handle, &mut out).unwrap();
+    // A barrier signals every peer before it waits: interrupted there, the call had published,
+    // so the communicator is poisoned and the peer's next call fails with the abort.
+    attn.set_interrupt_check(Some(interrupt_after(Duration::from_millis(30))));
+    let err = attn.barrier().unwrap_err();
+    assert!(matches!(err, Error::Interrupted { peer: 1, .. }), "{err}");
+    assert!(
+        matches!(attn.poisoned(), Some(Error::Interrupted { .. })),
+        "{:?}",
+        attn.poisoned()
+    );
+    let err = expert.a2e_recv(&mut batch).unwrap_err();
+    assert!(matches!(err, Error::Aborted { by: 0, .. }), "{err}");
+}

@@ -109,6 +109,17 @@ pub enum Error {
         others: String,
     },
 
+    /// The caller's interrupt check (`Communicator::set_interrupt_check`, e.g. Ctrl-C in a
+    /// binding) asked a wait to stop. Like any other failure: the call is retryable if it had
+    /// published nothing, else the communicator is poisoned and the job aborted.
+    #[error("interrupted while waiting for rank {peer}: {what}")]
+    Interrupted {
+        /// The rank the wait was waiting for.
+        peer: usize,
+        /// What was being waited for.
+        what: String,
+    },
+
     /// The operating system refused something.
     #[error("{what}: {source}")]
     Os {
@@ -158,6 +169,10 @@ impl Error {
                 detail: detail.clone(),
             },
             Error::Bootstrap(m) => Error::Bootstrap(m.clone()),
+            Error::Interrupted { peer, what } => Error::Interrupted {
+                peer: *peer,
+                what: what.clone(),
+            },
             Error::ExpertLost {
                 expert,
                 ranks,

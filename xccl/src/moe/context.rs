@@ -38,7 +38,14 @@ pub(crate) struct Context {
     published: Cell<bool>,
     /// Counters of the current call.
     pub(crate) stats: RefCell<Stats>,
+    /// The caller's interrupt check (`Communicator::set_interrupt_check`), polled by every
+    /// wait at most every [`INTERRUPT_CHECK_EVERY`].
+    pub(crate) interrupt: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
+
+/// How often a wait asks the caller's interrupt check whether to stop (a sleeping wait wakes
+/// at least every 20 ms, so an interrupt is seen within about 40 ms).
+pub(crate) const INTERRUPT_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl Context {
     /// Checks that `fabric` fits the topology and config (rank count, slots, window sizes).
@@ -85,6 +92,7 @@ impl Context {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             published: Cell::new(false),
             stats: RefCell::new(Stats::new(topo_world)),
+            interrupt: None,
         })
     }
 
@@ -188,17 +196,36 @@ impl Context {
                 }
             }
         };
+        // An interrupt ends the fabric's wait by reporting it done; the error is returned below.
+        let mut interrupted: Option<Waiting> = None;
+        let mut next_check = Instant::now() + INTERRUPT_CHECK_EVERY;
         let result = self.fabric.wait_until(deadline, &mut || {
             let w = poll();
             let now = Instant::now();
             charge(&mut last, now);
             if let Some(w) = &w {
                 last = Some((w.peer, now));
+                if let Some(check) = &self.interrupt {
+                    if now >= next_check {
+                        next_check = now + INTERRUPT_CHECK_EVERY;
+                        if check() {
+                            interrupted = Some(*w);
+                            return None;
+                        }
+                    }
+                }
             }
             w
         });
         charge(&mut last, Instant::now());
-        result
+        result?;
+        match interrupted {
+            Some(w) => Err(Error::Interrupted {
+                peer: w.peer,
+                what: w.what.to_string(),
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most

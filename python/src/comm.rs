@@ -1,0 +1,1250 @@
+//! [`PyComm`] (`xccl.Communicator`): one rank's communicator, and what its calls hand back
+//! ([`PyA2eHandle`], [`PyExpertBatch`], [`PyTokenBatch`]).
+//!
+//! Every blocking call releases the GIL while it waits; the communicator's interrupt check
+//! (`xccl::Communicator::set_interrupt_check`) takes the GIL back every 20 ms to run Python's
+//! signal handlers, so Ctrl-C raises `KeyboardInterrupt` from a waiting call within about
+//! 40 ms, leaving the documented state (retryable if the call had published nothing, else
+//! poisoned and the job aborted: see `Communicator.poisoned`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::time::Duration;
+
+use half::{bf16, f16};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
+use xccl::{Communicator, DType, Element, ExpertBatch, Role, TokenBatch, Topology};
+
+use crate::buffer::{Buffer, HostBytes, Owner};
+use crate::errors::{invalid, to_py};
+use crate::tensor::{expect_rows, topk_ids, Elem, Tensor};
+use crate::topo::{parse_role, role_name, PyConfig, PyTopology};
+
+/// A communicator shared by its Python object and the buffers over its window.
+struct Shared {
+    comm: Mutex<Communicator>,
+    /// What the interrupt check caught (KeyboardInterrupt), raised when the call returns.
+    pending: Arc<Mutex<Option<PyErr>>>,
+}
+
+impl Shared {
+    /// Wraps `comm`, installing the interrupt check that runs Python's signal handlers.
+    fn new(mut comm: Communicator) -> Arc<Shared> {
+        let pending: Arc<Mutex<Option<PyErr>>> = Arc::default();
+        let slot = pending.clone();
+        comm.set_interrupt_check(Some(Arc::new(move || {
+            Python::attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    true
+                }
+            })
+        })));
+        Arc::new(Shared {
+            comm: Mutex::new(comm),
+            pending,
+        })
+    }
+}
+
+/// Why a call could not start.
+enum Busy {
+    /// Another thread is inside a call on this communicator.
+    InUse,
+    /// A call panicked earlier (a bug): the communicator is unusable.
+    Broken,
+}
+
+/// Fixed facts of a communicator, kept outside its lock.
+struct Info {
+    rank: usize,
+    world_size: usize,
+    role: Role,
+    local_experts: Vec<usize>,
+    fabric: &'static str,
+    dtype: DType,
+    hidden: usize,
+    topk: usize,
+    max_tokens: usize,
+    num_experts: usize,
+    keep_int8: bool,
+}
+
+/// One rank's communicator (`xccl::Communicator`).
+///
+/// Make one with :meth:`Communicator.init` (unique id), :meth:`Communicator.from_env`
+/// (torchrun, mpirun, srun, or ``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``) or
+/// :func:`xccl.init_from_process_group` (an existing ``torch.distributed`` group).
+///
+/// Attention ranks call :meth:`a2e_send` (or :meth:`a2e_input` + :meth:`a2e_send_input`) and
+/// later :meth:`e2a_recv` with the handle; expert ranks receive with :meth:`a2e_recv`
+/// (expert-major) or :meth:`a2e_recv_tokens` (token-major) and reply with :meth:`e2a_send` /
+/// :meth:`e2a_send_tokens`. Every rank makes the same sequence of calls; at most
+/// ``config.max_in_flight`` calls are between their A2E and their E2A.
+///
+/// A failed call raises an :class:`xccl.XcclError` and leaves a defined state: nothing
+/// published and retryable (``e.retryable``), or the communicator poisoned
+/// (``e.poisoned``, :attr:`poisoned`): the job is aborted and every later call raises the
+/// first error again. Blocking calls release the GIL; Ctrl-C raises ``KeyboardInterrupt`` within
+/// about 40 ms, with the same rule. One call at a time: a call while another thread is inside
+/// one raises ``XcclError``.
+///
+/// Also a context manager: leaving the ``with`` block closes the communicator, and aborts the
+/// job first when the block raised.
+#[pyclass(frozen, module = "xccl", name = "Communicator")]
+pub struct PyComm {
+    shared: Mutex<Option<Arc<Shared>>>,
+    /// Cleared when the registered input handed out last may no longer be exported.
+    input_live: Mutex<Option<Arc<AtomicBool>>>,
+    info: Info,
+}
+
+impl Drop for PyComm {
+    fn drop(&mut self) {
+        let shared = self
+            .shared
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(shared) = shared {
+            // Leaving the job waits (bounded) for the bootstrap root, which may be a thread of
+            // this process that logs through Python: release the GIL meanwhile.
+            Python::attach(|py| py.detach(move || drop(shared)));
+        }
+    }
+}
+
+impl PyComm {
+    fn wrap(comm: Communicator) -> PyComm {
+        let cfg = comm.config();
+        let rank = comm.rank();
+        let topo = comm.topology();
+        let info = Info {
+            rank,
+            world_size: topo.world_size(),
+            role: comm.role(),
+            local_experts: topo.local_experts(rank).to_vec(),
+            fabric: comm.fabric_name(),
+            dtype: cfg.dtype,
+            hidden: cfg.hidden,
+            topk: cfg.topk,
+            max_tokens: cfg.max_tokens_per_rank,
+            num_experts: topo.num_experts(),
+            keep_int8: cfg.keep_int8,
+        };
+        PyComm {
+            shared: Mutex::new(Some(Shared::new(comm))),
+            input_live: Mutex::new(None),
+            info,
+        }
+    }
+
+    fn shared(&self, py: Python<'_>) -> PyResult<Arc<Shared>> {
+        self.shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| invalid(py, "the communicator is closed"))
+    }
+
+    fn elem(&self) -> Elem {
+        Elem::of_dtype(self.info.dtype)
+    }
+
+    /// Runs `f` on the communicator with the GIL released; maps its error (or the
+    /// KeyboardInterrupt its interrupt check caught) to the Python exception.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Communicator) -> xccl::Result<R> + Send,
+    ) -> PyResult<R> {
+        let shared = self.shared(py)?;
+        shared
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let outcome = py.detach(|| {
+            let mut comm = match shared.comm.try_lock() {
+                Ok(c) => c,
+                Err(TryLockError::WouldBlock) => return Err(Busy::InUse),
+                Err(TryLockError::Poisoned(_)) => return Err(Busy::Broken),
+            };
+            let r = f(&mut comm);
+            Ok((r, comm.poisoned().is_some()))
+        });
+        match outcome {
+            Ok((Ok(v), _)) => Ok(v),
+            Ok((Err(e), poisoned)) => {
+                if matches!(e, xccl::Error::Interrupted { .. }) {
+                    let caught = shared
+                        .pending
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .take();
+                    if let Some(k) = caught {
+                        return Err(k);
+                    }
+                }
+                Err(to_py(py, &e, poisoned))
+            }
+            Err(Busy::InUse) => Err(to_py(
+                py,
+                &xccl::Error::WrongRole(
+                    "the communicator is inside a call on another thread (one call at a time)"
+                        .into(),
+                ),
+                false,
+            )),
+            Err(Busy::Broken) => Err(to_py(
+                py,
+                &xccl::Error::InvalidArgument(
+                    "the communicator is unusable: an earlier call panicked (a bug in xccl)".into(),
+                ),
+                true,
+            )),
+        }
+    }
+
+    /// Takes the communicator out of this object (closing it), if nothing else holds it.
+    fn take(&self, py: Python<'_>) -> PyResult<Communicator> {
+        let mut guard = self.shared.lock().unwrap_or_else(|p| p.into_inner());
+        let shared = guard
+            .take()
+            .ok_or_else(|| invalid(py, "the communicator is closed"))?;
+        match Arc::try_unwrap(shared) {
+            Ok(s) => Ok(s.comm.into_inner().unwrap_or_else(|p| p.into_inner())),
+            Err(shared) => {
+                *guard = Some(shared);
+                Err(invalid(
+                    py,
+                    "buffers over this communicator's registered input (a2e_input) are still \
+                     alive: delete them (and tensors made from them) first",
+                ))
+            }
+        }
+    }
+
+    /// Marks the registered input handed out last as sent (no more exports).
+    fn retire_input(&self) {
+        if let Some(live) = self
+            .input_live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            live.store(false, Ordering::Release);
+        }
+    }
+}
+
+/// Joins a job on `fabric` over `boot`, with the topology built from gathered roles when
+/// `role` is given.
+fn join(
+    boot: TcpBootstrap,
+    topology: &PyTopology,
+    cfg: xccl::MoeConfig,
+    fabric: &str,
+    device: Option<i32>,
+    role: Option<Role>,
+    timeout: Duration,
+) -> xccl::Result<Communicator> {
+    let exchange: Arc<dyn Exchange> = Arc::new(boot);
+    let topo: Arc<Topology> = match role {
+        None => topology.built.clone(),
+        Some(mine) => {
+            let code = match mine {
+                Role::Attention => 1u8,
+                Role::Expert => 2u8,
+            };
+            let blobs = exchange.allgather(&[code], timeout)?;
+            let roles = blobs
+                .iter()
+                .enumerate()
+                .map(|(r, b)| match b.as_slice() {
+                    [1] => Ok(Role::Attention),
+                    [2] => Ok(Role::Expert),
+                    _ => Err(xccl::Error::Protocol {
+                        peer: r,
+                        detail: format!("rank {r} stated an unknown role ({b:?})"),
+                    }),
+                })
+                .collect::<xccl::Result<Vec<_>>>()?;
+            topology.with_roles(roles)?
+        }
+    };
+    if exchange.size() != topo.world_size() {
+        return Err(xccl::Error::invalid(format!(
+            "the job has {} ranks, the topology {}",
+            exchange.size(),
+            topo.world_size()
+        )));
+    }
+    match fabric {
+        "shm" => Communicator::init_shm(exchange, topo, cfg),
+        "ofi" => Communicator::init_ofi(exchange, topo, cfg),
+        "ascend" => {
+            let device = device.unwrap_or_else(|| {
+                std::env::var("LOCAL_RANK")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            });
+            Communicator::init_ascend(exchange, topo, cfg, device)
+        }
+        other => Err(xccl::Error::invalid(format!(
+            "unknown fabric {other:?} (expected \"shm\", \"ofi\" or \"ascend\")"
+        ))),
+    }
+}
+
+/// Calls `f` with `bytes` as elements of `T`, copying them first if they are not aligned for
+/// `T`.
+fn typed<T: Element, R>(bytes: &[u8], f: impl FnOnce(&[T]) -> R) -> R {
+    match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(s) => f(s),
+        Err(_) => f(&bytemuck::pod_collect_to_vec::<u8, T>(bytes)),
+    }
+}
+
+/// Stats as a dict.
+fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("calls", s.calls)?;
+    d.set_item("records_written", s.records_written)?;
+    d.set_item("records_polled", s.records_polled)?;
+    d.set_item("relay_rows_forwarded", s.relay_rows_forwarded)?;
+    d.set_item("dropped_slots", s.dropped_slots)?;
+    let peers = PyList::empty(py);
+    for p in &s.peers {
+        let pd = PyDict::new(py);
+        pd.set_item("rows_sent", p.rows_sent)?;
+        pd.set_item("rows_received", p.rows_received)?;
+        pd.set_item("bytes_put", p.bytes_put)?;
+        pd.set_item("bytes_got", p.bytes_got)?;
+        pd.set_item("waited", p.waited.as_secs_f64())?;
+        peers.append(pd)?;
+    }
+    d.set_item("peers", peers)?;
+    Ok(d)
+}
+
+/// Seconds as a positive duration.
+fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    if s.is_finite() && s > 0.0 {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(invalid(
+            py,
+            format!("{what} must be a positive number of seconds, got {s}"),
+        ))
+    }
+}
+
+#[pymethods]
+impl PyComm {
+    /// Joins the job named by ``unique_id`` (a :class:`UniqueId` or its string) as ``rank`` of
+    /// ``world_size``. Collective: every rank calls it with the same topology and config.
+    ///
+    /// ``fabric``: ``"shm"`` (ranks on one host), ``"ofi"`` (libfabric; ``XCCL_OFI_PROVIDER``,
+    /// ``XCCL_OFI_ADDR``) or ``"ascend"`` (NPU ``device``, default ``LOCAL_RANK`` or 0).
+    /// ``role``: this rank's role (``"attention"``/``"expert"``) when the topology's rank order
+    /// is not the launcher's: every rank states its own, and the topology is built from the
+    /// gathered roles (its counts must match). ``timeout``: seconds to wait for the other ranks
+    /// to join (default 60).
+    #[staticmethod]
+    #[pyo3(signature = (topology, config, *, unique_id, rank, world_size, fabric = "shm", device = None, role = None, timeout = 60.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn init(
+        py: Python<'_>,
+        topology: &Bound<'_, PyTopology>,
+        config: &Bound<'_, PyConfig>,
+        unique_id: &Bound<'_, PyAny>,
+        rank: usize,
+        world_size: usize,
+        fabric: &str,
+        device: Option<i32>,
+        role: Option<&str>,
+        timeout: f64,
+    ) -> PyResult<PyComm> {
+        let id = crate::topo::unique_id(py, unique_id)?;
+        let role = role.map(|r| parse_role(py, r)).transpose()?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        let topo = topology.get();
+        let cfg = config.get().cfg.clone();
+        let comm = py
+            .detach(|| {
+                let boot = TcpBootstrap::connect(&id, rank, world_size, timeout)?;
+                join(boot, topo, cfg, fabric, device, role, timeout)
+            })
+            .map_err(|e| to_py(py, &e, false))?;
+        Ok(PyComm::wrap(comm))
+    }
+
+    /// Joins the job the launcher's environment describes: torchrun (``RANK``,
+    /// ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), mpirun or srun (their rank variables
+    /// plus ``XCCL_ROOT=host:port``), or ``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``; rank 0 hosts
+    /// the rendezvous on that port. Arguments as for :meth:`init`.
+    #[staticmethod]
+    #[pyo3(signature = (topology, config, *, fabric = "shm", device = None, role = None, timeout = 60.0))]
+    fn from_env(
+        py: Python<'_>,
+        topology: &Bound<'_, PyTopology>,
+        config: &Bound<'_, PyConfig>,
+        fabric: &str,
+        device: Option<i32>,
+        role: Option<&str>,
+        timeout: f64,
+    ) -> PyResult<PyComm> {
+        let role = role.map(|r| parse_role(py, r)).transpose()?;
+        let timeout = seconds(py, "timeout", timeout)?;
+        let topo = topology.get();
+        let cfg = config.get().cfg.clone();
+        let comm = py
+            .detach(|| {
+                let env = LaunchEnv::detect()?.ok_or_else(|| {
+                    xccl::Error::Bootstrap(
+                        "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, or \
+                         launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
+                            .into(),
+                    )
+                })?;
+                let boot = env.connect(timeout)?;
+                join(boot, topo, cfg, fabric, device, role, timeout)
+            })
+            .map_err(|e| to_py(py, &e, false))?;
+        Ok(PyComm::wrap(comm))
+    }
+
+    /// This rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.info.rank
+    }
+
+    /// Number of ranks.
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.info.world_size
+    }
+
+    /// ``"attention"`` or ``"expert"``.
+    #[getter]
+    fn role(&self) -> &'static str {
+        role_name(self.info.role)
+    }
+
+    /// The global ids of the experts this rank hosts, ascending (local expert ``j`` is
+    /// ``local_experts[j]``); empty on an attention rank.
+    #[getter]
+    fn local_experts(&self) -> Vec<usize> {
+        self.info.local_experts.clone()
+    }
+
+    /// The fabric underneath (``"shm"``, ``"ofi"``, ``"ascend"``).
+    #[getter]
+    fn fabric(&self) -> &'static str {
+        self.info.fabric
+    }
+
+    /// The dtype of rows: ``"f32"``, ``"f16"`` or ``"bf16"``.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.info.dtype.name()
+    }
+
+    /// Elements per row.
+    #[getter]
+    fn hidden(&self) -> usize {
+        self.info.hidden
+    }
+
+    /// Routing entries per token.
+    #[getter]
+    fn topk(&self) -> usize {
+        self.info.topk
+    }
+
+    /// Number of global experts.
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.info.num_experts
+    }
+
+    /// Whether a failed call poisoned this communicator (the job was aborted; every later
+    /// call raises the first error again).
+    #[getter]
+    fn poisoned(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.error(py)?.is_some())
+    }
+
+    /// The message of the error that poisoned this communicator, or ``None``.
+    #[getter]
+    fn error(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        let shared = self.shared(py)?;
+        let comm = shared.comm.try_lock();
+        Ok(match comm {
+            Ok(c) => c.poisoned().map(|e| e.to_string()),
+            Err(_) => None,
+        })
+    }
+
+    /// Whether :meth:`close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.shared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// A2E calls of this attention rank waiting for their E2A.
+    #[getter]
+    fn a2e_in_flight(&self, py: Python<'_>) -> PyResult<usize> {
+        self.run(py, |c| Ok(c.a2e_in_flight()))
+    }
+
+    /// A2E on an attention rank: sends each token of ``x`` (``[T, hidden]`` of the
+    /// communicator's dtype, C-contiguous, CPU) to the ranks of its experts ``topk_idx``
+    /// (``[T, topk]``, int32 or int64 (converted exactly), ``-1`` = none) with gating weights
+    /// ``topk_weights`` (``[T, topk]``, float32; float16/bfloat16 are widened exactly, float64
+    /// is rejected). Every input is checked before anything is sent. Returns the handle for
+    /// :meth:`e2a_recv`. The inputs are read during the call only (do not write them from
+    /// another thread meanwhile).
+    fn a2e_send(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        topk_idx: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+    ) -> PyResult<PyA2eHandle> {
+        let xt = Tensor::import(py, x, "x")?;
+        let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
+        let (ids, w) = self.routing(py, topk_idx, topk_weights, t)?;
+        let xb = xt.bytes();
+        let handle = self.run(py, |c| {
+            let mode = c.config().mode;
+            c.a2e_send_bytes(xb, &ids, &w, mode)
+        })?;
+        Ok(PyA2eHandle { handle })
+    }
+
+    /// The registered A2E input of the next call: a writable :class:`Buffer`
+    /// ``[max_tokens_per_rank, hidden]`` in this rank's window. Write token ``t`` into row
+    /// ``t`` (``torch.from_dlpack(buf)[:T].copy_(x)``, or let the layer producing ``x`` write
+    /// there), then call :meth:`a2e_send_input`: expert ranks read the rows from here (one
+    /// copy in all instead of two).
+    ///
+    /// Valid until :meth:`a2e_send_input` succeeds: after it the rows belong to the call in
+    /// flight (writing them corrupts what the expert ranks read), the buffer refuses new
+    /// exports, and the next call's input comes from ``a2e_input()`` again. The memory stays
+    /// mapped as long as the buffer or a tensor made from it lives, even past :meth:`close`.
+    /// Waits until the previous use of the buffer has been consumed everywhere. Not available
+    /// through relays or on fabrics whose window is not host memory (use :meth:`a2e_send`).
+    fn a2e_input(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let shared = self.shared(py)?;
+        let dtype = self.info.dtype;
+        let (ptr, _len) = self.run(py, move |c| {
+            let s: &mut [u8] = match dtype {
+                DType::F32 => bytemuck::cast_slice_mut(c.a2e_input::<f32>()?),
+                DType::F16 => bytemuck::cast_slice_mut(c.a2e_input::<f16>()?),
+                DType::BF16 => bytemuck::cast_slice_mut(c.a2e_input::<bf16>()?),
+            };
+            Ok((s.as_mut_ptr() as usize, s.len()))
+        })?;
+        self.retire_input();
+        let live = Arc::new(AtomicBool::new(true));
+        *self.input_live.lock().unwrap_or_else(|p| p.into_inner()) = Some(live.clone());
+        let keep: Arc<dyn std::any::Any + Send + Sync> = shared;
+        Ok(Buffer::new(
+            Owner::Keep(keep),
+            ptr as *const u8,
+            &[self.info.max_tokens, self.info.hidden],
+            self.elem(),
+            false,
+            Some(live),
+        ))
+    }
+
+    /// A2E send of the first ``num_tokens`` rows of the registered input (:meth:`a2e_input`,
+    /// which must have been called for this call), routed by ``topk_idx``/``topk_weights`` as
+    /// in :meth:`a2e_send`. Returns the handle for :meth:`e2a_recv`.
+    fn a2e_send_input(
+        &self,
+        py: Python<'_>,
+        num_tokens: usize,
+        topk_idx: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+    ) -> PyResult<PyA2eHandle> {
+        let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
+        let result = self.run(py, |c| c.a2e_send_input(num_tokens, &ids, &w));
+        match &result {
+            Ok(_) => self.retire_input(),
+            Err(e) => {
+                let poisoned = e
+                    .value(py)
+                    .getattr("poisoned")
+                    .and_then(|p| p.extract::<bool>())
+                    .unwrap_or(true);
+                if poisoned {
+                    self.retire_input();
+                }
+            }
+        }
+        Ok(PyA2eHandle { handle: result? })
+    }
+
+    /// E2A on an attention rank: waits for the expert outputs of the tokens sent with
+    /// ``handle`` (the oldest unanswered A2E) and returns ``out[t] = sum_k w[t,k] *
+    /// expert_k(x[t])`` as ``[T, hidden]`` of the dtype, combined exactly as the protocol
+    /// documents (bitwise reproducible). ``out``: a writable C-contiguous CPU tensor
+    /// ``[T, hidden]`` to write into (returned), or ``None`` for a new :class:`Buffer` (yours,
+    /// writable). A rejected handle stays valid.
+    #[pyo3(signature = (handle, out = None))]
+    fn e2a_recv<'py>(
+        &self,
+        py: Python<'py>,
+        handle: &Bound<'py, PyA2eHandle>,
+        out: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let h = &handle.get().handle;
+        let (t, hidden) = (h.num_tokens(), self.info.hidden);
+        match out {
+            Some(o) => {
+                let mut ot = Tensor::import(py, o, "out")?;
+                expect_rows(py, &ot, "out", self.elem(), Some(t), hidden)?;
+                let ob = ot.bytes_mut(py, "out")?;
+                self.run(py, |c| c.e2a_recv_bytes(h, ob))?;
+                Ok(o.clone().unbind())
+            }
+            None => {
+                let mut bytes = HostBytes::zeroed(t * hidden * self.info.dtype.size());
+                let ob = bytes.as_mut_slice();
+                self.run(py, |c| c.e2a_recv_bytes(h, ob))?;
+                let buf = Buffer::host(bytes, &[t, hidden], self.elem());
+                Ok(Bound::new(py, buf)?.into_any().unbind())
+            }
+        }
+    }
+
+    /// A2E receive on an expert rank, expert-major: waits for this call's rows from every
+    /// attention rank and returns them grouped by local expert (:class:`ExpertBatch`).
+    fn a2e_recv(&self, py: Python<'_>) -> PyResult<PyExpertBatch> {
+        let mut batch = ExpertBatch::new();
+        self.run(py, |c| c.a2e_recv(&mut batch))?;
+        Ok(PyExpertBatch {
+            inner: batch,
+            elem: self.elem(),
+            keep_int8: self.info.keep_int8,
+        })
+    }
+
+    /// A2E receive on an expert rank, token-major: one row per received token, with its local
+    /// experts and weights (:class:`TokenBatch`).
+    fn a2e_recv_tokens(&self, py: Python<'_>) -> PyResult<PyTokenBatch> {
+        let mut batch = TokenBatch::new();
+        self.run(py, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))?;
+        Ok(PyTokenBatch {
+            inner: batch,
+            elem: self.elem(),
+            topk: self.info.topk,
+            keep_int8: self.info.keep_int8,
+        })
+    }
+
+    /// E2A on an expert rank, expert-major: ``expert_out`` holds one output row per row of
+    /// ``batch`` (``[batch.num_rows, hidden]`` of the dtype, same order); each token's rows are
+    /// reduced with its gating weights (f32, ascending local expert, rounded once) and sent
+    /// back to its attention rank.
+    fn e2a_send(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, PyExpertBatch>,
+        expert_out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let b = &batch.get().inner;
+        let ot = Tensor::import(py, expert_out, "expert_out")?;
+        expect_rows(
+            py,
+            &ot,
+            "expert_out",
+            self.elem(),
+            Some(b.num_rows()),
+            self.info.hidden,
+        )?;
+        let bytes = ot.bytes();
+        let dtype = self.info.dtype;
+        self.run(py, |c| match dtype {
+            DType::F32 => typed::<f32, _>(bytes, |s| c.e2a_send(b, s)),
+            DType::F16 => typed::<f16, _>(bytes, |s| c.e2a_send(b, s)),
+            DType::BF16 => typed::<bf16, _>(bytes, |s| c.e2a_send(b, s)),
+        })
+    }
+
+    /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
+    /// (``[batch.num_tokens, hidden]``), each already the gating-weighted sum over the token's
+    /// local experts.
+    fn e2a_send_tokens(
+        &self,
+        py: Python<'_>,
+        batch: &Bound<'_, PyTokenBatch>,
+        reduced: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let b = &batch.get().inner;
+        let rt = Tensor::import(py, reduced, "reduced")?;
+        expect_rows(
+            py,
+            &rt,
+            "reduced",
+            self.elem(),
+            Some(b.num_tokens()),
+            self.info.hidden,
+        )?;
+        let bytes = rt.bytes();
+        self.run(py, |c| {
+            let mode = c.config().mode;
+            c.e2a_send_tokens_bytes(b, bytes, mode)
+        })
+    }
+
+    /// Waits for every rank (collective).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |c| c.barrier())
+    }
+
+    /// What the last call counted: ``calls``, ``records_written``, ``records_polled``,
+    /// ``relay_rows_forwarded``, ``dropped_slots`` and ``peers`` (per rank: ``rows_sent``,
+    /// ``rows_received``, ``bytes_put``, ``bytes_got``, ``waited`` in seconds).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.run(py, |c| Ok(c.last_call_stats().clone()))?;
+        stats_dict(py, &s)
+    }
+
+    /// :meth:`stats` added up over every call so far.
+    fn total_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.run(py, |c| Ok(c.total_stats().clone()))?;
+        stats_dict(py, &s)
+    }
+
+    /// Clears the totals of :meth:`total_stats`.
+    fn reset_stats(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |c| {
+            c.reset_stats();
+            Ok(())
+        })
+    }
+
+    /// Aborts the job with ``reason``: every rank's current and later waits fail with
+    /// :class:`AbortedError` naming this rank and the reason; this communicator is poisoned.
+    /// Returns promptly (from another thread it raises while a call is running here).
+    fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        self.run(py, |c| {
+            c.abort(reason);
+            Ok(())
+        })
+    }
+
+    /// After a peer failure: every survivor calls ``shrink()``, which agrees on the dead ranks
+    /// and returns a new communicator over the survivors (ranks renumbered densely; see
+    /// :meth:`rank_after_shrink`). This communicator is closed. ``drop_orphaned_experts``: drop
+    /// the selections of experts left without a replica instead of raising
+    /// :class:`ExpertLostError`. ``timeout``: seconds per agreement round (default 60).
+    #[pyo3(signature = (*, drop_orphaned_experts = false, timeout = 60.0))]
+    fn shrink(
+        &self,
+        py: Python<'_>,
+        drop_orphaned_experts: bool,
+        timeout: f64,
+    ) -> PyResult<PyComm> {
+        let timeout = seconds(py, "timeout", timeout)?;
+        self.retire_input();
+        let comm = self.take(py)?;
+        let opts = xccl::ShrinkOptions {
+            drop_orphaned_experts,
+            timeout,
+            ..Default::default()
+        };
+        let new = py
+            .detach(move || comm.shrink(&opts))
+            .map_err(|e| to_py(py, &e, true))?;
+        Ok(PyComm::wrap(new))
+    }
+
+    /// On a communicator made by :meth:`shrink`: the new rank of the rank numbered ``old``
+    /// before it, or ``None`` if that rank died.
+    fn rank_after_shrink(&self, py: Python<'_>, old: usize) -> PyResult<Option<usize>> {
+        self.run(py, |c| Ok(c.rank_after_shrink(old)))
+    }
+
+    /// On a communicator made by :meth:`shrink`: the dead ranks (old numbering).
+    fn shrunk_past(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        self.run(py, |c| Ok(c.shrunk_past().to_vec()))
+    }
+
+    /// Leaves the job and frees the communicator (windows stay mapped while buffers from
+    /// :meth:`a2e_input` live). Later calls raise; closing twice is fine.
+    fn close(&self, py: Python<'_>) {
+        self.retire_input();
+        let shared = self.shared.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(shared) = shared {
+            py.detach(move || drop(shared));
+        }
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Closes the communicator; aborts the job first if the block raised.
+    #[pyo3(signature = (exc_type = None, exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        if exc_type.is_some_and(|t| !t.is_none()) && !self.closed() {
+            let what = exc
+                .and_then(|e| e.repr().ok())
+                .map(|r| r.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "an exception".into());
+            let _ = self.abort(
+                py,
+                &format!("rank {} left its with block with {what}", self.info.rank),
+            );
+        }
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "xccl.Communicator(rank={} of {}, {}, {}, hidden={}, dtype={})",
+            self.info.rank,
+            self.info.world_size,
+            role_name(self.info.role),
+            self.info.fabric,
+            self.info.hidden,
+            self.info.dtype.name()
+        )
+    }
+}
+
+impl PyComm {
+    /// `topk_idx` and `topk_weights` checked and converted for `tokens` tokens.
+    fn routing(
+        &self,
+        py: Python<'_>,
+        topk_idx: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+        tokens: usize,
+    ) -> PyResult<(Vec<i32>, Vec<f32>)> {
+        let it = Tensor::import(py, topk_idx, "topk_idx")?;
+        let ids = topk_ids(py, &it, tokens, self.info.topk, self.info.num_experts)?;
+        let wt = Tensor::import(py, topk_weights, "topk_weights")?;
+        let w = crate::tensor::topk_weights(py, &wt, tokens, self.info.topk)?;
+        Ok((ids, w))
+    }
+}
+
+/// What an attention rank keeps between an A2E call and its E2A: pass it to
+/// :meth:`Communicator.e2a_recv` once.
+#[pyclass(frozen, module = "xccl", name = "A2eHandle")]
+pub struct PyA2eHandle {
+    handle: xccl::A2eHandle,
+}
+
+#[pymethods]
+impl PyA2eHandle {
+    /// Tokens sent in that A2E call.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.handle.num_tokens()
+    }
+
+    /// The A2E epoch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.handle.epoch()
+    }
+
+    /// Rows sent (one per (token, destination rank)).
+    #[getter]
+    fn total_rows(&self) -> usize {
+        self.handle.total_rows()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "xccl.A2eHandle(epoch={}, num_tokens={})",
+            self.handle.epoch(),
+            self.handle.num_tokens()
+        )
+    }
+}
+
+/// `values` (all below 2^31: ranks and token indices) as int32.
+fn as_i32(values: &[u32]) -> Vec<i32> {
+    values.iter().map(|&v| v as i32).collect()
+}
+
+/// A buffer viewing `bytes` of batch `owner` (read-only; the batch never changes).
+fn batch_view(owner: &Bound<'_, PyAny>, bytes: &[u8], shape: &[usize], elem: Elem) -> Buffer {
+    Buffer::new(
+        Owner::Object(owner.clone().unbind()),
+        bytes.as_ptr(),
+        shape,
+        elem,
+        true,
+        None,
+    )
+}
+
+/// Per-source info as a list of dicts (``rank``, ``count``, ``first_token``).
+fn sources_list<'py>(
+    py: Python<'py>,
+    sources: &[xccl::SourceInfo],
+) -> PyResult<Bound<'py, PyList>> {
+    let l = PyList::empty(py);
+    for s in sources {
+        let d = PyDict::new(py);
+        d.set_item("rank", s.rank())?;
+        d.set_item("count", s.count())?;
+        d.set_item("first_token", s.first_token())?;
+        d.set_item("arrived_after", s.arrived_after().as_secs_f64())?;
+        l.append(d)?;
+    }
+    Ok(l)
+}
+
+/// The rows an expert rank received in one A2E call, grouped by local expert
+/// (:meth:`Communicator.a2e_recv`).
+///
+/// Local expert ``j`` (global id ``comm.local_experts[j]``) has rows
+/// ``expert_offsets[j]:expert_offsets[j+1]`` (``num_recv_tokens_per_expert_list[j]`` of them),
+/// ordered by source rank, then source token. The batch owns its memory: :attr:`rows` and the
+/// other buffers view it without a copy, stay valid as long as Python holds them (or the
+/// batch), and never change (no peer writes them; they are read-only). Reply with
+/// :meth:`Communicator.e2a_send` once.
+#[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
+pub struct PyExpertBatch {
+    inner: ExpertBatch,
+    elem: Elem,
+    keep_int8: bool,
+}
+
+#[pymethods]
+impl PyExpertBatch {
+    /// Number of rows (received (token, local expert) pairs).
+    #[getter]
+    fn num_rows(&self) -> usize {
+        self.inner.num_rows()
+    }
+
+    /// Number of received tokens.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+
+    /// Number of local experts.
+    #[getter]
+    fn num_local_experts(&self) -> usize {
+        self.inner.num_local_experts()
+    }
+
+    /// The A2E epoch this batch came from.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+
+    /// Elements per row.
+    #[getter]
+    fn hidden(&self) -> usize {
+        self.inner.hidden()
+    }
+
+    /// The rows, ``[num_rows, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
+    /// with ``keep_int8``: see :attr:`int8_rows`).
+    #[getter]
+    fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
+        let b = slf.get();
+        let bytes = b.inner.row_bytes();
+        let rows = bytes.len() / (b.inner.hidden().max(1) * b.elem.size());
+        Ok(batch_view(
+            slf.as_any(),
+            bytes,
+            &[rows, b.inner.hidden()],
+            b.elem,
+        ))
+    }
+
+    /// With ``keep_int8``: the rows as ``[num_rows, hidden]`` int8 (a value is ``q *
+    /// scales[row]``); ``None`` otherwise.
+    #[getter]
+    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+        let b = slf.get();
+        let (q, _) = b.inner.int8_rows()?;
+        let bytes: &[u8] = bytemuck::cast_slice(q);
+        Some(batch_view(
+            slf.as_any(),
+            bytes,
+            &[b.inner.num_rows(), b.inner.hidden()],
+            Elem::I8,
+        ))
+    }
+
+    /// With ``keep_int8``: one float32 scale per row; ``None`` otherwise.
+    #[getter]
+    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+        let b = slf.get();
+        let (_, s) = b.inner.int8_rows()?;
+        Some(batch_view(
+            slf.as_any(),
+            bytemuck::cast_slice(s),
+            &[s.len()],
+            Elem::F32,
+        ))
+    }
+
+    /// Whether rows were kept as INT8 (``Config(keep_int8=True)``).
+    #[getter]
+    fn keep_int8(&self) -> bool {
+        self.keep_int8
+    }
+
+    /// Rows per local expert, as a list (like DeepEP's ``num_recv_tokens_per_expert_list``).
+    #[getter]
+    fn num_recv_tokens_per_expert_list(&self) -> Vec<usize> {
+        (0..self.inner.num_local_experts())
+            .map(|j| self.inner.expert_rows(j).len())
+            .collect()
+    }
+
+    /// Rows per local expert, as an int32 :class:`Buffer`.
+    #[getter]
+    fn num_recv_tokens_per_expert(&self) -> Buffer {
+        let counts: Vec<i32> = (0..self.inner.num_local_experts())
+            .map(|j| self.inner.expert_rows(j).len() as i32)
+            .collect();
+        Buffer::copy_of(&counts, &[counts.len()], Elem::I32)
+    }
+
+    /// ``expert_offsets[j]:expert_offsets[j+1]`` are the rows of local expert ``j``.
+    #[getter]
+    fn expert_offsets(&self) -> Vec<usize> {
+        let l = self.inner.num_local_experts();
+        let mut v: Vec<usize> = (0..l).map(|j| self.inner.expert_rows(j).start).collect();
+        v.push(if l == 0 {
+            0
+        } else {
+            self.inner.expert_rows(l - 1).end
+        });
+        v
+    }
+
+    /// Per row: the attention rank it came from (int32).
+    #[getter]
+    fn src_rank(&self) -> Buffer {
+        let v = as_i32(self.inner.src_rank());
+        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    }
+
+    /// Per row: its token index at that attention rank (int32).
+    #[getter]
+    fn src_token(&self) -> Buffer {
+        let v = as_i32(self.inner.src_token());
+        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    }
+
+    /// Per row: the gating weight of its (token, expert), float32, read-only, no copy.
+    #[getter]
+    fn weights(slf: &Bound<'_, Self>) -> Buffer {
+        let w = slf.get().inner.weight();
+        batch_view(slf.as_any(), bytemuck::cast_slice(w), &[w.len()], Elem::F32)
+    }
+
+    /// Row indices of received token ``i`` (one per local expert it selected, ascending).
+    fn token_rows(&self, py: Python<'_>, i: usize) -> PyResult<Vec<u32>> {
+        if i >= self.inner.num_tokens() {
+            return Err(invalid(
+                py,
+                format!(
+                    "token {i} is outside the batch's {} tokens",
+                    self.inner.num_tokens()
+                ),
+            ));
+        }
+        Ok(self.inner.token_rows(i).to_vec())
+    }
+
+    /// Per source attention rank, in rank order: ``rank``, ``count`` (tokens),
+    /// ``first_token``, ``arrived_after`` (seconds).
+    #[getter]
+    fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        sources_list(py, self.inner.sources())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "xccl.ExpertBatch(epoch={}, rows={}, tokens={}, per_expert={:?})",
+            self.inner.epoch(),
+            self.inner.num_rows(),
+            self.inner.num_tokens(),
+            self.num_recv_tokens_per_expert_list()
+        )
+    }
+}
+
+/// The tokens an expert rank received in one A2E call, one row each
+/// (:meth:`Communicator.a2e_recv_tokens`), each source's tokens consecutive.
+///
+/// Token ``i`` selected local experts ``expert_ids[i, :]`` (ascending, padded with -1) with
+/// weights ``expert_weights[i, :]`` (padded with 0). Buffers as for :class:`ExpertBatch`.
+/// Reply with :meth:`Communicator.e2a_send_tokens` once.
+#[pyclass(frozen, module = "xccl", name = "TokenBatch")]
+pub struct PyTokenBatch {
+    inner: TokenBatch,
+    elem: Elem,
+    topk: usize,
+    keep_int8: bool,
+}
+
+#[pymethods]
+impl PyTokenBatch {
+    /// Number of received tokens.
+    #[getter]
+    fn num_tokens(&self) -> usize {
+        self.inner.num_tokens()
+    }
+
+    /// The A2E epoch this batch came from.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+
+    /// The rows, ``[num_tokens, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
+    /// with ``keep_int8``).
+    #[getter]
+    fn rows(slf: &Bound<'_, Self>) -> Buffer {
+        let b = slf.get();
+        let bytes = b.inner.row_bytes();
+        let hidden = if b.inner.num_tokens() > 0 {
+            bytes.len() / b.elem.size() / b.inner.num_tokens()
+        } else {
+            0
+        };
+        let rows = if hidden == 0 { 0 } else { b.inner.num_tokens() };
+        batch_view(slf.as_any(), bytes, &[rows, hidden], b.elem)
+    }
+
+    /// With ``keep_int8``: the rows as ``[num_tokens, hidden]`` int8; ``None`` otherwise.
+    #[getter]
+    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+        let b = slf.get();
+        let (q, s) = b.inner.int8_rows()?;
+        let hidden = if s.is_empty() { 0 } else { q.len() / s.len() };
+        Some(batch_view(
+            slf.as_any(),
+            bytemuck::cast_slice(q),
+            &[s.len(), hidden],
+            Elem::I8,
+        ))
+    }
+
+    /// With ``keep_int8``: one float32 scale per token; ``None`` otherwise.
+    #[getter]
+    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+        let b = slf.get();
+        let (_, s) = b.inner.int8_rows()?;
+        Some(batch_view(
+            slf.as_any(),
+            bytemuck::cast_slice(s),
+            &[s.len()],
+            Elem::F32,
+        ))
+    }
+
+    /// Whether rows were kept as INT8.
+    #[getter]
+    fn keep_int8(&self) -> bool {
+        self.keep_int8
+    }
+
+    /// Per token: the attention rank it came from (int32).
+    #[getter]
+    fn src_rank(&self) -> Buffer {
+        let v = as_i32(self.inner.src_rank());
+        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    }
+
+    /// Per token: its index at that attention rank (int32).
+    #[getter]
+    fn src_token(&self) -> Buffer {
+        let v = as_i32(self.inner.src_token());
+        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    }
+
+    /// Per token: its local expert indices, ``[num_tokens, topk]`` int32, ascending, padded
+    /// with -1.
+    #[getter]
+    fn expert_ids(&self) -> Buffer {
+        let (t, k) = (self.inner.num_tokens(), self.topk);
+        let mut v = vec![-1i32; t * k];
+        for i in 0..t {
+            let (ids, _) = self.inner.experts_of(i);
+            for (c, &j) in ids.iter().enumerate() {
+                v[i * k + c] = j as i32;
+            }
+        }
+        Buffer::copy_of(&v, &[t, k], Elem::I32)
+    }
+
+    /// Per token: the gating weights of its local experts, ``[num_tokens, topk]`` float32,
+    /// padded with 0.
+    #[getter]
+    fn expert_weights(&self) -> Buffer {
+        let (t, k) = (self.inner.num_tokens(), self.topk);
+        let mut v = vec![0f32; t * k];
+        for i in 0..t {
+            let (_, ws) = self.inner.experts_of(i);
+            v[i * k..i * k + ws.len()].copy_from_slice(ws);
+        }
+        Buffer::copy_of(&v, &[t, k], Elem::F32)
+    }
+
+    /// Local expert indices and weights of token ``i``, as two lists.
+    fn experts_of(&self, py: Python<'_>, i: usize) -> PyResult<(Vec<u32>, Vec<f32>)> {
+        if i >= self.inner.num_tokens() {
+            return Err(invalid(
+                py,
+                format!(
+                    "token {i} is outside the batch's {} tokens",
+                    self.inner.num_tokens()
+                ),
+            ));
+        }
+        let (ids, ws) = self.inner.experts_of(i);
+        Ok((ids.to_vec(), ws.to_vec()))
+    }
+
+    /// Per source attention rank, in rank order (as :attr:`ExpertBatch.sources`).
+    #[getter]
+    fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        sources_list(py, self.inner.sources())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "xccl.TokenBatch(epoch={}, tokens={})",
+            self.inner.epoch(),
+            self.inner.num_tokens()
+        )
+    }
+}

@@ -1,0 +1,477 @@
+//! Tensors in: any object with `__dlpack__` (torch CPU tensors, numpy >= 1.22, JAX CPU arrays),
+//! numpy arrays of `ml_dtypes.bfloat16`, and (through numpy) any object with the buffer
+//! protocol. [`Tensor::import`] checks the device and the layout; the `expect_*` functions
+//! check dtype and shape against what a call needs, before anything is sent.
+
+use dlpark::ffi::{DLDataTypeCode, DLDevice, DLDeviceType};
+use dlpark::python::{ImportRequest, ImportedDlpack};
+use dlpark::DlpackFlags;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+use crate::errors::invalid;
+
+/// Element type of a tensor, as far as xccl cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Elem {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// IEEE binary64.
+    F64,
+    /// Signed integers of 8, 16, 32, 64 bits.
+    I8,
+    I16,
+    I32,
+    I64,
+    /// Unsigned integers.
+    U8,
+    U16,
+    U32,
+    U64,
+    /// Anything else (bool, complex, fp8, vector types...), as DLPack's code and bits.
+    Other(u8, u8, u16),
+}
+
+impl Elem {
+    /// The element type of a DLPack dtype.
+    fn of(dt: dlpark::ffi::DLDataType) -> Elem {
+        if dt.lanes != 1 {
+            return Elem::Other(dt.code.0, dt.bits, dt.lanes);
+        }
+        match (dt.code, dt.bits) {
+            (DLDataTypeCode::FLOAT, 32) => Elem::F32,
+            (DLDataTypeCode::FLOAT, 16) => Elem::F16,
+            (DLDataTypeCode::BFLOAT, 16) => Elem::BF16,
+            (DLDataTypeCode::FLOAT, 64) => Elem::F64,
+            (DLDataTypeCode::INT, 8) => Elem::I8,
+            (DLDataTypeCode::INT, 16) => Elem::I16,
+            (DLDataTypeCode::INT, 32) => Elem::I32,
+            (DLDataTypeCode::INT, 64) => Elem::I64,
+            (DLDataTypeCode::UINT, 8) => Elem::U8,
+            (DLDataTypeCode::UINT, 16) => Elem::U16,
+            (DLDataTypeCode::UINT, 32) => Elem::U32,
+            (DLDataTypeCode::UINT, 64) => Elem::U64,
+            (code, bits) => Elem::Other(code.0, bits, 1),
+        }
+    }
+
+    /// The element type of an xccl dtype.
+    pub(crate) fn of_dtype(d: xccl::DType) -> Elem {
+        match d {
+            xccl::DType::F32 => Elem::F32,
+            xccl::DType::F16 => Elem::F16,
+            xccl::DType::BF16 => Elem::BF16,
+        }
+    }
+
+    /// Bytes per element.
+    pub(crate) fn size(self) -> usize {
+        match self {
+            Elem::I8 | Elem::U8 => 1,
+            Elem::F16 | Elem::BF16 | Elem::I16 | Elem::U16 => 2,
+            Elem::F32 | Elem::I32 | Elem::U32 => 4,
+            Elem::F64 | Elem::I64 | Elem::U64 => 8,
+            Elem::Other(_, bits, lanes) => (usize::from(bits) * usize::from(lanes)).div_ceil(8),
+        }
+    }
+
+    /// The name users know it by (`"float32"`, `"bfloat16"`, `"int64"`...).
+    pub(crate) fn name(self) -> String {
+        match self {
+            Elem::F32 => "float32".into(),
+            Elem::F16 => "float16".into(),
+            Elem::BF16 => "bfloat16".into(),
+            Elem::F64 => "float64".into(),
+            Elem::I8 => "int8".into(),
+            Elem::I16 => "int16".into(),
+            Elem::I32 => "int32".into(),
+            Elem::I64 => "int64".into(),
+            Elem::U8 => "uint8".into(),
+            Elem::U16 => "uint16".into(),
+            Elem::U32 => "uint32".into(),
+            Elem::U64 => "uint64".into(),
+            Elem::Other(6, _, 1) => "bool".into(),
+            Elem::Other(5, bits, 1) => format!("complex{bits}"),
+            Elem::Other(code, bits, lanes) => {
+                format!("DLPack type code {code} of {bits} bits x {lanes} lanes")
+            }
+        }
+    }
+
+    /// The DLPack dtype of this element type (for the types xccl hands out).
+    pub(crate) fn dl(self) -> dlpark::ffi::DLDataType {
+        let (code, bits) = match self {
+            Elem::F32 => (DLDataTypeCode::FLOAT, 32),
+            Elem::F16 => (DLDataTypeCode::FLOAT, 16),
+            Elem::BF16 => (DLDataTypeCode::BFLOAT, 16),
+            Elem::F64 => (DLDataTypeCode::FLOAT, 64),
+            Elem::I8 => (DLDataTypeCode::INT, 8),
+            Elem::I16 => (DLDataTypeCode::INT, 16),
+            Elem::I32 => (DLDataTypeCode::INT, 32),
+            Elem::I64 => (DLDataTypeCode::INT, 64),
+            Elem::U8 => (DLDataTypeCode::UINT, 8),
+            Elem::U16 => (DLDataTypeCode::UINT, 16),
+            Elem::U32 => (DLDataTypeCode::UINT, 32),
+            Elem::U64 => (DLDataTypeCode::UINT, 64),
+            Elem::Other(code, bits, lanes) => {
+                return dlpark::ffi::DLDataType::new(DLDataTypeCode(code), bits, lanes)
+            }
+        };
+        dlpark::ffi::DLDataType::scalar(code, bits)
+    }
+}
+
+/// The name of a DLPack device, as frameworks print it (`"cuda:0"`).
+fn device_name(d: DLDevice) -> String {
+    let kind = match d.device_type.0 {
+        1 => "cpu",
+        2 => "cuda",
+        3 => "cuda_host",
+        4 => "opencl",
+        7 => "vulkan",
+        8 => "metal",
+        9 => "vpi",
+        10 => "rocm",
+        11 => "rocm_host",
+        12 => "ext_dev",
+        13 => "cuda_managed",
+        14 => "oneapi",
+        15 => "webgpu",
+        16 => "hexagon",
+        17 => "maia",
+        other => return format!("DLPack device type {other}:{}", d.device_id),
+    };
+    format!("{kind}:{}", d.device_id)
+}
+
+/// Whether this process's CPU may read and write memory of device `d` directly: host memory,
+/// pinned host memory of CUDA or ROCm.
+fn host_accessible(d: DLDevice) -> bool {
+    d.device_type == DLDeviceType::CPU || matches!(d.device_type.0, 3 | 11)
+}
+
+/// A tensor handed in by the caller, imported through DLPack and checked to be in host memory
+/// and C-contiguous. It owns the DLPack managed tensor, so the producer keeps the memory alive
+/// until this value is dropped.
+pub(crate) struct Tensor {
+    /// Keeps the producer's memory alive (its deleter runs on drop).
+    _managed: Option<ImportedDlpack>,
+    /// Start of the data (byte offset applied); null only when the tensor is empty.
+    ptr: *mut u8,
+    len_bytes: usize,
+    shape: Vec<usize>,
+    elem: Elem,
+    read_only: bool,
+}
+
+impl Tensor {
+    /// Imports `obj` (`what` names it in errors: `"x"`, `"topk_idx"`...).
+    ///
+    /// Errors ([`crate::errors`]' `InvalidArgumentError`): no `__dlpack__` and no buffer protocol,
+    /// a device the CPU cannot address (named), a non-C-contiguous layout.
+    pub(crate) fn import(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
+        let (obj, bf16) = prepare(py, obj, what)?;
+        let req = ImportRequest::new(obj.as_borrowed())
+            .map_err(|e| invalid(py, format!("{what}: cannot take it through DLPack: {e}")))?;
+        if let Ok(device) = req.device() {
+            check_device(py, device, what)?;
+        }
+        let managed = req
+            .import(None, None)
+            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
+        let flags = managed.flags();
+        let t = managed
+            .validate()
+            .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
+        check_device(py, t.device(), what)?;
+        let mut elem = Elem::of(t.dtype());
+        if bf16 && elem == Elem::U16 {
+            elem = Elem::BF16;
+        }
+        let shape: Vec<usize> = t
+            .shape()
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(0))
+            .collect();
+        let numel: usize = shape.iter().product();
+        if numel > 0 {
+            if let Some(strides) = t.strides() {
+                let mut expect: i64 = 1;
+                for (axis, (&n, &s)) in shape.iter().zip(strides).enumerate().rev() {
+                    if n != 1 && s != expect {
+                        return Err(invalid(
+                            py,
+                            format!(
+                                "{what} is not C-contiguous (shape {shape:?}, strides {strides:?} \
+                                 in elements; axis {axis} has stride {s}, expected {expect}): \
+                                 pass x.contiguous() (torch) or np.ascontiguousarray(x)"
+                            ),
+                        ));
+                    }
+                    expect = expect.saturating_mul(n as i64);
+                }
+            }
+        }
+        let len_bytes = numel * elem.size();
+        let ptr = if numel == 0 {
+            std::ptr::null_mut()
+        } else {
+            // The byte offset moves the start within the producer's allocation (DLPack's
+            // contract); nothing is dereferenced here.
+            (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize)
+        };
+        if numel > 0 && ptr.is_null() {
+            return Err(invalid(
+                py,
+                format!("{what}: DLPack tensor has no data pointer"),
+            ));
+        }
+        let read_only = flags.contains(DlpackFlags::READ_ONLY);
+        Ok(Tensor {
+            _managed: Some(managed),
+            ptr,
+            len_bytes,
+            shape,
+            elem,
+            read_only,
+        })
+    }
+
+    /// Shape.
+    pub(crate) fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element type.
+    pub(crate) fn elem(&self) -> Elem {
+        self.elem
+    }
+
+    /// The data, read-only.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        if self.len_bytes == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` is the start of this C-contiguous tensor's `len_bytes` bytes of host
+        // memory (device checked, layout checked in `import`), which its producer keeps alive
+        // while `self._managed` lives, so for the borrow of `self`. The caller must not write
+        // the tensor from another thread while a call reads it (documented on every call).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len_bytes) }
+    }
+
+    /// The data, writable; fails for a producer that marked it read-only.
+    pub(crate) fn bytes_mut(&mut self, py: Python<'_>, what: &str) -> PyResult<&mut [u8]> {
+        if self.read_only {
+            return Err(invalid(
+                py,
+                format!("{what} is read-only; pass a writable tensor"),
+            ));
+        }
+        if self.len_bytes == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `bytes`; the producer did not mark the memory read-only, and `&mut
+        // self` makes this the only borrow of it through this value.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len_bytes) })
+    }
+}
+
+/// Checks that `device` is host memory, else an error naming it.
+fn check_device(py: Python<'_>, device: DLDevice, what: &str) -> PyResult<()> {
+    if host_accessible(device) {
+        return Ok(());
+    }
+    Err(invalid(
+        py,
+        format!(
+            "{what} is on device {}; xccl takes CPU tensors only for now (move it with .cpu())",
+            device_name(device)
+        ),
+    ))
+}
+
+/// What to hand to DLPack for `obj`: the object itself; a `uint16` view of a numpy array of
+/// `ml_dtypes.bfloat16` (numpy cannot export that dtype; the flag says the bits are bf16); or
+/// a numpy array over an object that has only the buffer protocol.
+fn prepare<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<(Bound<'py, PyAny>, bool)> {
+    let is_numpy = obj
+        .get_type()
+        .module()
+        .map(|m| m.to_string_lossy().starts_with("numpy"))
+        .unwrap_or(false);
+    if is_numpy {
+        if let Ok(dtype) = obj.getattr("dtype") {
+            let name = dtype.str().map(|s| s.to_string_lossy().into_owned());
+            if name.ok().as_deref() == Some("bfloat16") {
+                let view = obj.call_method1("view", (PyString::new(py, "uint16"),))?;
+                return Ok((view, true));
+            }
+        }
+    }
+    if obj.hasattr("__dlpack__")? {
+        return Ok((obj.clone(), false));
+    }
+    let buffer_protocol = py.import("builtins")?.getattr("memoryview")?.call1((obj,));
+    match buffer_protocol {
+        Ok(view) => match py.import("numpy") {
+            Ok(np) => Ok((np.getattr("asarray")?.call1((view,))?, false)),
+            Err(_) => Err(invalid(
+                py,
+                format!(
+                    "{what} ({}) has only the buffer protocol, which xccl takes through numpy: \
+                     install numpy, or pass a tensor with __dlpack__",
+                    obj.get_type().name()?
+                ),
+            )),
+        },
+        Err(_) => Err(invalid(
+            py,
+            format!(
+                "{what} ({}) is not a tensor: pass an object with __dlpack__ (torch, numpy >= \
+                 1.22, jax) or the buffer protocol",
+                obj.get_type().name()?
+            ),
+        )),
+    }
+}
+
+/// Checks that `t` is `[rows, hidden]` of element type `elem` (`rows` any when `None`);
+/// returns the number of rows.
+pub(crate) fn expect_rows(
+    py: Python<'_>,
+    t: &Tensor,
+    what: &str,
+    elem: Elem,
+    rows: Option<usize>,
+    hidden: usize,
+) -> PyResult<usize> {
+    if t.elem() != elem {
+        return Err(invalid(
+            py,
+            format!(
+                "{what} has dtype {} but the communicator's dtype is {} (convert it first, e.g. \
+                 x.to(torch.{}) or x.astype(np.{}))",
+                t.elem().name(),
+                elem.name(),
+                elem.name(),
+                elem.name()
+            ),
+        ));
+    }
+    let shape = t.shape();
+    let ok = shape.len() == 2 && shape[1] == hidden && rows.is_none_or(|r| shape[0] == r);
+    if !ok {
+        let want = match rows {
+            Some(r) => format!("[{r}, {hidden}]"),
+            None => format!("[T, {hidden}]"),
+        };
+        return Err(invalid(
+            py,
+            format!("{what} has shape {shape:?}, expected {want}"),
+        ));
+    }
+    Ok(shape[0])
+}
+
+/// `topk_idx` as the `i32` expert ids the Rust API takes: int32 as is, int64 converted exactly
+/// (a value outside int32 is an error naming its index and value). Shape `[tokens, topk]`.
+pub(crate) fn topk_ids(
+    py: Python<'_>,
+    t: &Tensor,
+    tokens: usize,
+    topk: usize,
+    num_experts: usize,
+) -> PyResult<Vec<i32>> {
+    check_routing_shape(py, t, "topk_idx", tokens, topk)?;
+    match t.elem() {
+        Elem::I32 => Ok(bytemuck::pod_collect_to_vec(t.bytes())),
+        Elem::I64 => {
+            let wide: Vec<i64> = bytemuck::pod_collect_to_vec(t.bytes());
+            wide.iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    i32::try_from(v).map_err(|_| {
+                        invalid(
+                            py,
+                            format!(
+                                "topk_idx[{}, {}] = {v} selects no expert: ids are 0..{num_experts}, \
+                                 or -1 for none",
+                                i / topk.max(1),
+                                i % topk.max(1)
+                            ),
+                        )
+                    })
+                })
+                .collect()
+        }
+        other => Err(invalid(
+            py,
+            format!(
+                "topk_idx has dtype {}; xccl takes int32 or int64 expert ids",
+                other.name()
+            ),
+        )),
+    }
+}
+
+/// `topk_weights` as `f32`: float32 as is; float16 and bfloat16 converted exactly (every value
+/// of theirs is a float32); float64 is rejected, since rounding it would change the results.
+pub(crate) fn topk_weights(
+    py: Python<'_>,
+    t: &Tensor,
+    tokens: usize,
+    topk: usize,
+) -> PyResult<Vec<f32>> {
+    check_routing_shape(py, t, "topk_weights", tokens, topk)?;
+    match t.elem() {
+        Elem::F32 => Ok(bytemuck::pod_collect_to_vec(t.bytes())),
+        Elem::F16 => {
+            let h: Vec<half::f16> = bytemuck::pod_collect_to_vec(t.bytes());
+            Ok(h.iter().map(|v| v.to_f32()).collect())
+        }
+        Elem::BF16 => {
+            let h: Vec<half::bf16> = bytemuck::pod_collect_to_vec(t.bytes());
+            Ok(h.iter().map(|v| v.to_f32()).collect())
+        }
+        Elem::F64 => Err(invalid(
+            py,
+            "topk_weights has dtype float64; xccl takes float32 weights (float16 and bfloat16 \
+             are widened exactly): convert with w.float() (torch) or w.astype(np.float32)",
+        )),
+        other => Err(invalid(
+            py,
+            format!(
+                "topk_weights has dtype {}; xccl takes float32 weights",
+                other.name()
+            ),
+        )),
+    }
+}
+
+/// Checks that a routing tensor is `[tokens, topk]`.
+fn check_routing_shape(
+    py: Python<'_>,
+    t: &Tensor,
+    what: &str,
+    tokens: usize,
+    topk: usize,
+) -> PyResult<()> {
+    if t.shape() != [tokens, topk] {
+        return Err(invalid(
+            py,
+            format!(
+                "{what} has shape {:?}, expected [{tokens}, {topk}] (tokens x topk)",
+                t.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
