@@ -63,6 +63,11 @@ def afd_rank(rank: int, uid: str) -> None:
                 x, idx, w = inputs(step, mb, rank)
                 meta = AFDConnectorMetadata(layer_idx=3, stage_idx=mb, topk_idx=idx, topk_weights=w)
                 conn.send_attn_output(x, meta, ubatch_idx=mb)
+                try:
+                    conn.send_attn_output(x, meta, ubatch_idx=mb)
+                    raise AssertionError("a second send under a pending ubatch_idx was accepted")
+                except ValueError:
+                    pass  # rejected before anything was sent
                 sent.append((x, idx, w))
             for mb, (x, idx, w) in enumerate(sent):
                 out = conn.recv_ffn_output(ubatch_idx=mb)
@@ -178,7 +183,7 @@ def run_ranks(mode: str, timeout: float = 60.0) -> None:
     assert not failed, "\n".join(failed)
 
 
-def test_afd_connector_2a2e_two_microbatches_exact_with_seq_lens_per_attention_rank():
+def test_afd_connector_2a2e_two_microbatches_exact_seq_lens_and_rejected_resend():
     run_ranks("afd")
 
 

@@ -102,6 +102,8 @@ class AFDConnector:
         :meth:`recv_ffn_output` takes (also remembered under ``ubatch_idx``)."""
         if metadata.topk_idx is None or metadata.topk_weights is None:
             raise ValueError("send_attn_output needs metadata.topk_idx and metadata.topk_weights")
+        if ubatch_idx in self._pending:
+            raise ValueError(f"ubatch_idx {ubatch_idx} has a send whose output is not received")
         comm = self._comm()
         handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights)
         self._pending[ubatch_idx] = handle
@@ -110,14 +112,15 @@ class AFDConnector:
     def recv_ffn_output(self, handle: Any = None, ubatch_idx: int | None = None) -> torch.Tensor:
         """Attention: waits for and returns the combined FFN output ``[T, hidden]`` of ``handle``
         (or of the last send under ``ubatch_idx``): the gating-weighted sum over the token's
-        experts."""
+        experts. A receive that failed and can be retried keeps the handle pending."""
         if handle is None:
             if ubatch_idx not in self._pending:
                 raise ValueError(f"no send_attn_output pending for ubatch_idx {ubatch_idx}")
-            handle = self._pending.pop(ubatch_idx)
-        elif self._pending.get(ubatch_idx) is handle:
+            handle = self._pending[ubatch_idx]
+        out = torch.from_dlpack(self._comm().e2a_recv(handle))
+        if self._pending.get(ubatch_idx) is handle:
             del self._pending[ubatch_idx]
-        return torch.from_dlpack(self._comm().e2a_recv(handle))
+        return out
 
     def recv_attn_output(
         self, timeout_ms: int | None = None, ubatch_idx: int | None = None
