@@ -521,6 +521,7 @@ impl PyComm {
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
     ) -> PyResult<PyA2eHandle> {
+        self.require(py, Role::Attention, "A2E send")?;
         let xt = Tensor::import(py, x, "x")?;
         let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
         let (ids, w) = self.routing(py, topk_idx, topk_weights, t)?;
@@ -579,6 +580,7 @@ impl PyComm {
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
     ) -> PyResult<PyA2eHandle> {
+        self.require(py, Role::Attention, "A2E send")?;
         let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
         let result = self.run(py, |c| c.a2e_send_input(num_tokens, &ids, &w));
         match &result {
@@ -610,6 +612,7 @@ impl PyComm {
         handle: &Bound<'py, PyA2eHandle>,
         out: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        self.require(py, Role::Attention, "E2A receive")?;
         let h = &handle.get().handle;
         let (t, hidden) = (h.num_tokens(), self.info.hidden);
         match out {
@@ -650,6 +653,7 @@ impl PyComm {
         Ok(PyTokenBatch {
             inner: batch,
             elem: self.elem(),
+            hidden: self.info.hidden,
             topk: self.info.topk,
             keep_int8: self.info.keep_int8,
         })
@@ -665,6 +669,7 @@ impl PyComm {
         batch: &Bound<'_, PyExpertBatch>,
         expert_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        self.require(py, Role::Expert, "E2A send")?;
         let b = &batch.get().inner;
         let ot = Tensor::import(py, expert_out, "expert_out")?;
         expect_rows(
@@ -693,6 +698,7 @@ impl PyComm {
         batch: &Bound<'_, PyTokenBatch>,
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        self.require(py, Role::Expert, "E2A send")?;
         let b = &batch.get().inner;
         let rt = Tensor::import(py, reduced, "reduced")?;
         expect_rows(
@@ -835,6 +841,22 @@ impl PyComm {
 }
 
 impl PyComm {
+    /// Fails with `WrongRoleError` unless this rank has role `need` (checked before the
+    /// tensors, so a call on the wrong rank says so first).
+    fn require(&self, py: Python<'_>, need: Role, call: &str) -> PyResult<()> {
+        if self.info.role == need {
+            return Ok(());
+        }
+        Err(to_py(
+            py,
+            &xccl::Error::WrongRole(format!(
+                "{call} is for {need:?} ranks; rank {} is an {:?} rank",
+                self.info.rank, self.info.role
+            )),
+            false,
+        ))
+    }
+
     /// `topk_idx` and `topk_weights` checked and converted for `tokens` tokens.
     fn routing(
         &self,
@@ -1111,6 +1133,7 @@ impl PyExpertBatch {
 pub struct PyTokenBatch {
     inner: TokenBatch,
     elem: Elem,
+    hidden: usize,
     topk: usize,
     keep_int8: bool,
 }
@@ -1135,13 +1158,8 @@ impl PyTokenBatch {
     fn rows(slf: &Bound<'_, Self>) -> Buffer {
         let b = slf.get();
         let bytes = b.inner.row_bytes();
-        let hidden = if b.inner.num_tokens() > 0 {
-            bytes.len() / b.elem.size() / b.inner.num_tokens()
-        } else {
-            0
-        };
-        let rows = if hidden == 0 { 0 } else { b.inner.num_tokens() };
-        batch_view(slf.as_any(), bytes, &[rows, hidden], b.elem)
+        let rows = bytes.len() / (b.hidden.max(1) * b.elem.size());
+        batch_view(slf.as_any(), bytes, &[rows, b.hidden], b.elem)
     }
 
     /// With ``keep_int8``: the rows as ``[num_tokens, hidden]`` int8; ``None`` otherwise.
@@ -1149,11 +1167,11 @@ impl PyTokenBatch {
     fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
         let b = slf.get();
         let (q, s) = b.inner.int8_rows()?;
-        let hidden = if s.is_empty() { 0 } else { q.len() / s.len() };
+        let shape = [s.len(), b.hidden];
         Some(batch_view(
             slf.as_any(),
             bytemuck::cast_slice(q),
-            &[s.len(), hidden],
+            &shape,
             Elem::I8,
         ))
     }

@@ -19,18 +19,18 @@ from __future__ import annotations
 import builtins
 
 __all__ = [
-    "XcclError",
-    "InvalidArgumentError",
-    "WrongRoleError",
-    "TimeoutError",
-    "PeerFailedError",
     "AbortedError",
-    "ProtocolError",
     "BootstrapError",
-    "FabricUnavailableError",
     "ExpertLostError",
+    "FabricUnavailableError",
     "InterruptedError",
+    "InvalidArgumentError",
     "OsError",
+    "PeerFailedError",
+    "ProtocolError",
+    "TimeoutError",
+    "WrongRoleError",
+    "XcclError",
 ]
 
 
@@ -60,7 +60,7 @@ class WrongRoleError(XcclError):
     """A call was made on a rank whose role does not allow it (A2E send on an expert rank...)."""
 
 
-class TimeoutError(XcclError, builtins.TimeoutError):  # noqa: A001 - mirrors xccl::Error::Timeout
+class TimeoutError(XcclError, builtins.TimeoutError):
     """A wait passed the call's deadline; ``peer`` is the rank it waited for.
 
     ``retryable`` says whether the call had published nothing (then it may be called again)."""
@@ -101,7 +101,7 @@ class ExpertLostError(XcclError):
     ranks: list
 
 
-class InterruptedError(XcclError):  # noqa: A001 - mirrors xccl::Error::Interrupted
+class InterruptedError(XcclError):
     """A wait was interrupted by the communicator's interrupt check (Ctrl-C arrives as
     ``KeyboardInterrupt`` instead)."""
 

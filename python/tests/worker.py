@@ -1,0 +1,578 @@
+"""One rank of a test job (started by harness.py): joins the job the way the test asks and runs
+its scenario; prints ``RESULT <json>`` last."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import reference as ref
+import torch
+
+import xccl
+
+ARGS = json.loads(os.environ["XCCL_TEST_ARGS"])
+TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def result(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def touch(name: str):
+    Path(ARGS["tmp"], name).write_text("")
+
+
+def wait_file(name: str, timeout: float = 60.0):
+    path = Path(ARGS["tmp"], name)
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} never appeared")
+        time.sleep(0.005)
+
+
+def topology():
+    a = ARGS
+    return xccl.Topology(
+        a["m"],
+        a["n"],
+        a["E"],
+        roles=a.get("roles"),
+        relays=a.get("relays"),
+        domains=a.get("domains", 1),
+    )
+
+
+def config():
+    a = ARGS
+    return xccl.Config(
+        a["H"],
+        a.get("dtype_arg", a["dtype"]),
+        a["topk"],
+        a["max_tokens"],
+        timeout=a.get("timeout", 20.0),
+        a2e_quant=a.get("a2e_quant"),
+        e2a_quant=a.get("e2a_quant"),
+        keep_int8=a.get("keep_int8", False),
+        mode=a.get("mode", "push"),
+        max_in_flight=a.get("max_in_flight", 2),
+    )
+
+
+def join():
+    a = ARGS
+    topo, cfg = topology(), config()
+    role = None
+    if a.get("role_of"):
+        role = a["role_of"][a["rank"]]
+    if a["join"] == "uid":
+        return xccl.Communicator.init(
+            topo, cfg, unique_id=a["uid"], rank=a["rank"], world_size=a["world"], role=role
+        )
+    if a["join"] in ("env", "torchrun"):
+        return xccl.Communicator.from_env(topo, cfg, role=role)
+    if a["join"] == "torch":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=a["rank"], world_size=a["world"])
+        try:
+            return xccl.init_from_process_group(None, topo, cfg, role=role)
+        finally:
+            dist.barrier()
+    raise ValueError(a["join"])
+
+
+def to_torch(x, dtype: str):
+    """A numpy array of the dtype as a torch tensor (bf16 through its bits)."""
+    if dtype == "bf16":
+        return torch.from_numpy(x.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def to_numpy(t, dtype: str):
+    """A torch tensor (or xccl.Buffer) of the dtype as numpy (bf16 as ml_dtypes.bfloat16)."""
+    if isinstance(t, xccl.Buffer):
+        return t.numpy()
+    if dtype == "bf16":
+        return t.view(torch.int16).numpy().view(ref.DTYPES["bf16"])
+    return t.numpy()
+
+
+def rank_of_expert(comm_topo):
+    return {e: comm_topo.replicas(e)[0] for e in range(ARGS["E"])}
+
+
+def tokens_of(rnd: int, a_index: int) -> int:
+    tokens = ARGS["tokens"]
+    return tokens[rnd % len(tokens)][a_index % len(tokens[0])]
+
+
+def expert_major_reply(comm, batch, dtype):
+    rows = torch.from_dlpack(batch.rows)
+    if batch.keep_int8:
+        q = torch.from_dlpack(batch.int8_rows).float()
+        s = torch.from_dlpack(batch.scales)
+        rows = (q * s[:, None]).to(TORCH[dtype])
+    assert rows.shape == (batch.num_rows, ARGS["H"]), rows.shape
+    counts = batch.num_recv_tokens_per_expert_list
+    assert torch.from_dlpack(batch.num_recv_tokens_per_expert).tolist() == counts
+    offs = batch.expert_offsets
+    assert [offs[j + 1] - offs[j] for j in range(len(counts))] == counts
+    out = torch.empty_like(rows)
+    for j, e in enumerate(comm.local_experts):
+        r = slice(offs[j], offs[j + 1])
+        out[r] = (rows[r].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
+    comm.e2a_send(batch, out)
+    return batch.num_rows
+
+
+def token_major_reply(comm, batch, dtype):
+    rows = torch.from_dlpack(batch.rows)
+    if batch.keep_int8:
+        q = torch.from_dlpack(batch.int8_rows).float()
+        s = torch.from_dlpack(batch.scales)
+        rows = (q * s[:, None]).to(TORCH[dtype])
+    ids = torch.from_dlpack(batch.expert_ids)
+    ws = torch.from_dlpack(batch.expert_weights)
+    t = batch.num_tokens
+    acc = torch.zeros((t, ARGS["H"]), dtype=torch.float32)
+    scales = torch.tensor(
+        [float(ref.expert_scale(e)) for e in comm.local_experts] + [0.0], dtype=torch.float32
+    )
+    for c in range(ARGS["topk"]):
+        j = ids[:, c]
+        valid = j >= 0
+        s = scales[torch.where(valid, j, len(comm.local_experts))]
+        y = (rows.float() * s[:, None]).to(TORCH[dtype]).float()
+        contrib = ws[:, c : c + 1] * y
+        acc = torch.where(valid[:, None], acc + contrib, acc)
+    comm.e2a_send_tokens(batch, acc.to(TORCH[dtype]))
+    return t
+
+
+def check_result(got, x, idx, w, owner, dtype, label):
+    want = ref.combine(x, idx, w, owner, dtype)
+    if ARGS.get("a2e_quant") or ARGS.get("e2a_quant") or ARGS.get("keep_int8"):
+        # INT8 on the wire: each quantization step errs by at most half a step (row max/254)
+        # per element; bound the difference by 3% of the reference row's largest magnitude.
+        g = got.astype(np.float32)
+        r = want.astype(np.float32)
+        bound = 0.03 * np.maximum(np.abs(r).max(axis=1, keepdims=True), 1e-3)
+        bad = np.argwhere(np.abs(g - r) > bound)
+        return None if len(bad) == 0 else (label, [int(v) for v in bad[0]])
+    d = ref.first_difference(got, want, dtype)
+    return None if d is None else (label, d)
+
+
+def attention_rounds(comm):
+    a = ARGS
+    dtype = a["dtype"]
+    owner = rank_of_expert(topology_of(comm))
+    a_index = comm_topo_attention(comm).index(comm.rank)
+    inflight = a.get("inflight", 1)
+    mismatches = []
+    rnd = 0
+    domains = a.get("domains", 1)
+    m = len(comm_topo_attention(comm))
+    mine = [r for r in range(a["rounds"]) if r % domains == a_index * domains // m]
+    while rnd < len(mine):
+        batch = []
+        for r in mine[rnd : rnd + inflight]:
+            t = tokens_of(r, a_index)
+            x, idx, w = ref.workload(a["seed"], r, a_index, t, a["H"], a["topk"], a["E"], dtype)
+            ids = idx.astype(np.int32) if r % 2 else torch.from_numpy(idx)
+            if a.get("registered"):
+                buf = comm.a2e_input()
+                torch.from_dlpack(buf)[:t].copy_(to_torch(x, dtype))
+                h = comm.a2e_send_input(t, ids, torch.from_numpy(w))
+                try:
+                    buf.__dlpack__()
+                    mismatches.append(("registered input still exported after its send", r))
+                except xccl.InvalidArgumentError:
+                    pass
+            else:
+                h = comm.a2e_send(to_torch(x, dtype), ids, torch.from_numpy(w))
+            batch.append((r, h, x, idx, w))
+        for r, h, x, idx, w in batch:
+            if a.get("out") and r % 2 == 0:
+                out = torch.empty((x.shape[0], a["H"]), dtype=TORCH[dtype])
+                got = comm.e2a_recv(h, out=out)
+                assert got is out
+                got = to_numpy(out, dtype)
+            else:
+                buf = comm.e2a_recv(h)
+                got = to_numpy(torch.from_dlpack(buf), dtype)
+            d = check_result(got, x, idx, w, owner, dtype, f"round {r}")
+            if d:
+                mismatches.append(d)
+        rnd += inflight
+    return mismatches
+
+
+def topology_of(comm):
+    """The topology the job runs (with the gathered roles when ranks stated theirs)."""
+    if ARGS.get("role_of"):
+        return xccl.Topology(
+            ARGS["m"], ARGS["n"], ARGS["E"], roles=ARGS["role_of"], relays=ARGS.get("relays")
+        )
+    return topology()
+
+
+def comm_topo_attention(comm):
+    return topology_of(comm).attention_ranks
+
+
+def expert_rounds(comm):
+    a = ARGS
+    rows = 0
+    token_major = a.get("token_major", "alternate")
+    for r in range(a["rounds"]):
+        use_tokens = token_major is True or (
+            token_major == "alternate" and (r + comm.rank) % 2 == 1
+        )
+        if use_tokens:
+            rows += token_major_reply(comm, comm.a2e_recv_tokens(), a["dtype"])
+        else:
+            rows += expert_major_reply(comm, comm.a2e_recv(), a["dtype"])
+    return rows
+
+
+class Records:
+    """Collects the records of the ``xccl`` logger."""
+
+    def __init__(self):
+        import logging
+
+        self.records = []
+        h = logging.Handler()
+        h.emit = lambda r: self.records.append([r.name, r.levelname, r.getMessage()])
+        logging.getLogger("xccl").addHandler(h)
+
+
+def scenario_roundtrip():
+    logs = Records() if ARGS.get("capture_logs") else None
+    comm = join()
+    if logs:
+        result(logs=logs.records)
+    with comm:
+        if comm.role == "attention":
+            mismatches = attention_rounds(comm)
+            result(role="attention", mismatches=mismatches, rank=comm.rank)
+        else:
+            rows = expert_rounds(comm)
+            stats = comm.total_stats()
+            result(role="expert", rows=rows, calls=stats["calls"], rank=comm.rank)
+
+
+def expect(exc, fn, *words):
+    """Calls ``fn``; returns None if it raised ``exc`` whose message has every word, else what
+    happened."""
+    try:
+        fn()
+    except exc as e:
+        missing = [w for w in words if w not in str(e)]
+        if missing:
+            return f"{exc.__name__} without {missing}: {e}"
+        if getattr(e, "poisoned", False):
+            return f"{e} poisoned the communicator"
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"expected {exc.__name__}, got {type(e).__name__}: {e}"
+    return f"expected {exc.__name__}, nothing raised"
+
+
+class FakeCudaTensor:
+    """Speaks the DLPack protocol of a CUDA tensor (this machine has no GPU): the device query
+    says cuda:0; an export would hand over device memory."""
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, **kw):
+        raise AssertionError("xccl exported a CUDA tensor instead of rejecting it")
+
+
+def scenario_misuse():
+    """1A:1E (f32, hidden 8, topk 2, 4 experts): every misuse of the issue, then a good round."""
+    a = ARGS
+    comm = join()
+    H = a["H"]
+    failures = []
+    with comm:
+        if comm.role == "attention":
+            x = torch.ones((2, H), dtype=torch.float32)
+            idx = torch.tensor([[0, 1], [2, 3]])
+            w = torch.full((2, 2), 0.5)
+            checks = {
+                "int64 id beyond int32": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, torch.tensor([[0, 1], [2, 2**32 + 1]]), w),
+                    "topk_idx[1, 1]",
+                    str(2**32 + 1),
+                ),
+                "expert id out of range": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, np.array([[0, 4], [1, 2]], dtype=np.int32), w),
+                    "token 0 slot 1",
+                    "expert 4",
+                ),
+                "float64 weights": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, idx, w.double()),
+                    "float64",
+                ),
+                "int weights": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, idx, torch.ones((2, 2), dtype=torch.int32)),
+                    "int32",
+                ),
+                "float16 x with an f32 config": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x.half(), idx, w),
+                    "float16",
+                    "float32",
+                ),
+                "uint8 ids": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, idx.to(torch.uint8), w),
+                    "uint8",
+                ),
+                "wrong hidden": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(torch.ones((2, H + 1)), idx, w),
+                    f"[T, {H}]",
+                ),
+                "1-D x": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(torch.ones(2 * H), idx, w),
+                    "shape",
+                ),
+                "ids of the wrong shape": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, torch.tensor([0, 1]), w),
+                    "[2, 2]",
+                ),
+                "weights of the wrong shape": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, idx, torch.ones((3, 2))),
+                    "topk_weights",
+                ),
+                "non-contiguous x": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(torch.ones((H, 2)).t(), idx, w),
+                    "not C-contiguous",
+                ),
+                "too many tokens": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(
+                        torch.ones((a["max_tokens"] + 1, H)),
+                        torch.zeros((a["max_tokens"] + 1, 2), dtype=torch.int32),
+                        torch.ones((a["max_tokens"] + 1, 2)),
+                    ),
+                    str(a["max_tokens"]),
+                ),
+                "a CUDA tensor": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(FakeCudaTensor(), idx, w),
+                    "cuda:0",
+                ),
+                "not a tensor": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send("hello", idx, w),
+                    "str",
+                ),
+                "expert call on an attention rank": (
+                    xccl.WrongRoleError,
+                    lambda: comm.a2e_recv(),
+                    "wrong role",
+                ),
+            }
+            for name, (exc, fn, *words) in checks.items():
+                f = expect(exc, fn, *words)
+                if f:
+                    failures.append(f"{name}: {f}")
+            if comm.poisoned:
+                failures.append(f"poisoned after the misuses: {comm.error}")
+            # A good round now, with inputs in other accepted forms: x through the buffer
+            # protocol (a memoryview), ids as numpy int64, weights as float16 (widened exactly).
+            xs = np.arange(2 * H, dtype=np.float32).reshape(2, H)
+            ids = np.array([[0, 3], [1, -1]], dtype=np.int64)
+            w16 = np.array([[0.5, 0.25], [0.75, 0.0]], dtype=np.float16)
+            h = comm.a2e_send(memoryview(xs), ids, w16)
+            # e2a_recv misuses, then the good receive.
+            for name, (exc, fn, *words) in {
+                "out of the wrong dtype": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.e2a_recv(h, out=torch.empty((2, H), dtype=torch.float16)),
+                    "float16",
+                ),
+                "out of the wrong shape": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.e2a_recv(h, out=torch.empty((3, H))),
+                    f"[2, {H}]",
+                ),
+                "read-only out": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.e2a_recv(h, out=readonly(np.zeros((2, H), np.float32))),
+                    "read-only",
+                ),
+            }.items():
+                f = expect(exc, fn, *words)
+                if f:
+                    failures.append(f"{name}: {f}")
+            got = np.from_dlpack(comm.e2a_recv(h))
+            owner = rank_of_expert(topology())
+            want = ref.combine(xs, ids, w16.astype(np.float32), owner, "f32")
+            d = ref.first_difference(got, want, "f32")
+            if d:
+                failures.append(f"good round after the misuses differs: {d}")
+            # Round 2: the expert checks that its view of round 1's rows did not change.
+            x2 = -np.ones((2, H), dtype=np.float32)
+            h2 = comm.a2e_send(x2, ids, w16)
+            np.from_dlpack(comm.e2a_recv(h2))
+        else:
+            batch = comm.a2e_recv()
+            view = np.from_dlpack(batch.rows)
+            before = view.copy()
+            if view.flags.writeable:
+                failures.append("batch rows are exported writable")
+            out = torch.from_dlpack(batch.rows).clone()
+            for j, e in enumerate(comm.local_experts):
+                lo, hi = batch.expert_offsets[j], batch.expert_offsets[j + 1]
+                out[lo:hi] = out[lo:hi] * float(ref.expert_scale(e))
+            for name, (exc, fn, *words) in {
+                "expert_out of the wrong dtype": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.e2a_send(batch, out.half()),
+                    "float16",
+                ),
+                "expert_out of the wrong shape": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.e2a_send(batch, out[:-1]),
+                    f"[{batch.num_rows}, {H}]",
+                ),
+                "attention call on an expert rank": (
+                    xccl.WrongRoleError,
+                    lambda: comm.a2e_send(out, np.zeros((1, 2), np.int32), np.ones((1, 2))),
+                    "wrong role",
+                ),
+            }.items():
+                f = expect(exc, fn, *words)
+                if f:
+                    failures.append(f"{name}: {f}")
+            comm.e2a_send(batch, out)
+            f = expect(xccl.InvalidArgumentError, lambda: comm.e2a_send(batch, out), "epoch")
+            if f:
+                failures.append(f"second reply to a batch: {f}")
+            del batch
+            # The next round overwrites the receive areas; round 1's view keeps its own memory.
+            b2 = comm.a2e_recv()
+            o2 = torch.from_dlpack(b2.rows).clone()
+            for j, e in enumerate(comm.local_experts):
+                lo, hi = b2.expert_offsets[j], b2.expert_offsets[j + 1]
+                o2[lo:hi] = o2[lo:hi] * float(ref.expert_scale(e))
+            comm.e2a_send(b2, o2)
+            if not np.array_equal(view, before):
+                failures.append("a view of a batch's rows changed after the reply")
+        result(role=comm.role, failures=failures)
+
+
+def readonly(a):
+    a.setflags(write=False)
+    return a
+
+
+def scenario_kill():
+    """The last expert rank receives one call and SIGKILLs itself before replying."""
+    comm = join()
+    victim = ARGS["world"] - 1
+    a = ARGS
+    try:
+        if comm.role == "attention":
+            a_index = topology().attention_ranks.index(comm.rank)
+            x, idx, w = ref.workload(1, 0, a_index, 4, a["H"], a["topk"], a["E"], a["dtype"])
+            h = comm.a2e_send(to_torch(x, a["dtype"]), torch.from_numpy(idx), torch.from_numpy(w))
+            comm.e2a_recv(h)
+            result(error=None)
+        else:
+            batch = comm.a2e_recv()
+            if comm.rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out = torch.from_dlpack(batch.rows).clone()
+            comm.e2a_send(batch, out)
+            comm.a2e_recv()
+            result(error=None)
+    except xccl.XcclError as e:
+        result(
+            error=type(e).__name__,
+            peer=e.peer,
+            poisoned=e.poisoned,
+            message=str(e),
+            comm_poisoned=comm.poisoned,
+        )
+
+
+def scenario_sigint():
+    """1A:1E. The expert waits in a2e_recv until the test's SIGINT: KeyboardInterrupt, not
+    poisoned; then the round runs. Then the attention rank waits in a barrier (which signals its
+    peers first) until SIGINT: KeyboardInterrupt and poisoned; the expert's next call raises
+    the abort."""
+    comm = join()
+    a = ARGS
+    out = {}
+    if comm.role == "expert":
+        touch("expert-waiting")
+        start = time.monotonic()
+        try:
+            comm.a2e_recv()
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+            out["caught_at"] = time.monotonic()
+            out["waited"] = out["caught_at"] - start
+        out["poisoned_after_first"] = comm.poisoned
+        touch("expert-interrupted")
+        batch = comm.a2e_recv()
+        comm.e2a_send(batch, torch.from_dlpack(batch.rows).clone())
+        touch("round-done")
+        try:
+            comm.a2e_recv()
+            out["after_poison"] = "returned"
+        except xccl.XcclError as e:
+            out["after_poison"] = type(e).__name__
+            out["after_poison_by"] = getattr(e, "by", None)
+    else:
+        wait_file("expert-interrupted")
+        x = np.ones((2, a["H"]), dtype=np.float32)
+        h = comm.a2e_send(x, np.array([[0, 1], [2, 3]], np.int32), np.ones((2, 2), np.float32))
+        got = np.from_dlpack(comm.e2a_recv(h))
+        out["round_ok"] = bool(np.all(got == 2.0))
+        wait_file("round-done")
+        touch("attention-waiting")
+        try:
+            comm.barrier()
+            out["barrier"] = "returned"
+        except KeyboardInterrupt:
+            out["barrier"] = "KeyboardInterrupt"
+            out["caught_at"] = time.monotonic()
+        out["poisoned"] = comm.poisoned
+        out["error"] = comm.error
+    comm.close()
+    result(**out)
+
+
+if __name__ == "__main__":
+    try:
+        globals()["scenario_" + ARGS["scenario"]]()
+    except BaseException:  # noqa: BLE001 - a rank reports any failure through its exit code
+        traceback.print_exc()
+        sys.exit(1)
