@@ -44,6 +44,30 @@ for f in $(comm -23 "$tmp/declared" "$tmp/static"); do
   fail=1
 done
 
+# Layouts: every struct as a binding computes it from the header alone (ci/capi-layout.py,
+# ctypes field by field) against the C compiler's sizeof/offsetof of the same header. (The
+# library's own #[repr(C)] structs are checked against the compiled header by the unit test
+# capi::tests::rust_structs_have_the_layout_the_header_compiles_to.)
+python3 ci/capi-layout.py "$header" > "$tmp/binding"
+{
+  echo '#include <stddef.h>'
+  echo '#include <stdio.h>'
+  echo '#include "xccl.h"'
+  echo 'int main(void) {'
+  awk '$2 == "sizeof" { printf "  printf(\"%s sizeof %%zu\\n\", sizeof(%s));\n", $1, $1; next }
+       { printf "  printf(\"%s %s %%zu %%zu\\n\", offsetof(%s, %s), sizeof(((%s*)0)->%s));\n", $1, $2, $1, $2, $1, $2 }' "$tmp/binding"
+  echo '  return 0;'
+  echo '}'
+} > "$tmp/layout.c"
+if ! cc -std=c11 -Wall -Werror -I include -o "$tmp/layout" "$tmp/layout.c"; then
+  echo "check-capi: the layout program generated from $header does not compile" >&2
+  fail=1
+elif ! "$tmp/layout" > "$tmp/compiled" || ! diff -u "$tmp/binding" "$tmp/compiled" >&2; then
+  echo "check-capi: a struct's layout computed from $header (binding) differs from the compiler's" >&2
+  fail=1
+fi
+structs=$(grep -c sizeof "$tmp/binding")
+
 version=$(sed -n '/^\[workspace.package\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' Cargo.toml)
 IFS=. read -r major minor patch <<< "${version%%-*}"
 for part in MAJOR:$major MINOR:$minor PATCH:$patch; do
@@ -64,4 +88,4 @@ fi
 if [ "$fail" -ne 0 ]; then
   exit 1
 fi
-echo "check-capi: $(wc -l < "$tmp/declared") functions declared and exported; version $version"
+echo "check-capi: $(wc -l < "$tmp/declared") functions declared and exported; $structs struct layouts agree; version $version"

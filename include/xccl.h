@@ -16,8 +16,9 @@
  *   checked against a registry, never dereferenced). A communicator on which xcclCommAbort was
  *   called returns xcclAborted (from every call but xcclCommDestroy, xcclCommAbort,
  *   xcclCommGetAsyncError and xcclGetLastError). xcclGetLastError gives the message (which call, which
- *   rank or peer, which field). No function aborts or exits the process: an internal panic is
- *   xcclInternalError and poisons the communicator.
+ *   rank or peer, which field): it is per thread, set by every failing call and cleared by
+ *   every successful call on that thread (see xcclGetLastError). No function aborts or exits
+ *   the process: an internal panic is xcclInternalError and poisons the communicator.
  * - Retryable vs poisoned: a call that fails before publishing anything to a peer (bad
  *   arguments, wrong role, too many calls in flight, a timeout waiting for a buffer or for the
  *   first rows) changes nothing: fix the cause and call again; handles and batches stay valid.
@@ -25,17 +26,32 @@
  *   out) poisons the communicator: the job is aborted (every peer's blocked call returns
  *   xcclAborted within milliseconds) and every later call on it returns the first error again.
  * - Thread safety: calls on different communicators are independent. Calls on one communicator
- *   are serialised by a lock (two threads calling at once is safe, the second waits), except
- *   xcclCommAbort, xcclCommGetAsyncError, xcclGetLastError and the queries, which never wait
- *   for a call in progress.
+ *   are serialised by a lock (two threads calling at once is safe, the second waits until the
+ *   first returns), except xcclCommAbort, xcclCommGetAsyncError, xcclGetLastError and the
+ *   queries, which never wait for a call in progress. In particular an xcclA2ESend of
+ *   microbatch 2 on one thread waits while another thread is blocked in xcclE2ARecv of
+ *   microbatch 1: the two share the communicator's protocol state (epochs, buffers, the
+ *   failure state), and a call blocked in a wait holds it. To overlap microbatches, do not
+ *   block: send microbatch 1 (xcclA2ESend), send microbatch 2 (up to maxInFlight calls may be
+ *   in flight), and poll xcclE2ATest between compute steps, calling xcclE2ARecv once it says
+ *   done (it then returns without waiting); expert ranks poll xcclA2ERecvTest likewise. Every
+ *   call on one communicator from a single thread (or from several, one at a time) is the
+ *   supported pattern; calls from several threads at once are safe but serialised.
  * - Blocking: the MoE calls block until their data moved or the call's deadline
  *   (config.timeoutMs) passes (xcclTimeout). Init blocks until every rank joined.
  * - Pairing: every rank makes the same sequence of calls. A2E call e on every attention rank
  *   meets A2E receive e on every expert rank; the E2A of a call completes in A2E order (the
  *   oldest handle or batch first). At most config.maxInFlight calls may be between their A2E
  *   and their E2A; one more fails at once with xcclInvalidArgument. A call with 0 tokens is an
- *   ordinary call. xccl has no end-of-stream message: an expert loop runs the number of rounds
- *   the job agrees on.
+ *   ordinary call. An expert loop ends when the attention ranks say so: each A2E carries a
+ *   64-bit user tag (xcclA2ESetTag; for example the step number, or a stop value) that every
+ *   expert rank receives with its batch (info `tag` and `sourceTags`).
+ * - Output structs that can grow: every struct xccl writes (xcclExpertBatchInfo_t,
+ *   xcclTokenBatchInfo_t, xcclStats_t) starts with a `size_t size` the caller sets to the
+ *   sizeof of the struct it compiled against; xccl writes no more than `size` bytes (fields
+ *   past it are left alone), so a struct from an older header stays safe as fields are added
+ *   at the end. Callers whose communicator was made with config version 1 to 3 (whose batch
+ *   info structs had no `size` field) get exactly the layout of that version.
  * - Exact results: the combine is bitwise reproducible. On each expert rank
  *   acc = 0; acc = acc + w_j * y_j (f32, over its local experts in ascending order, no FMA),
  *   one rounding to the dtype; on the attention rank one contribution is copied, several are
@@ -105,11 +121,14 @@ typedef enum {
  *  Thread-safe; never fails. */
 const char* xcclGetErrorString(xcclResult_t result);
 
-/** The message of the last failed call on `comm` (which call, which rank or peer, which field),
- *  or, when `comm` is NULL or not a live communicator, of the last failed call on this thread
- *  (use NULL after a failed init). "" when there was none. The string is owned by xccl and
- *  stays valid until this thread's next xccl call. Thread-safe; never fails; never waits for a
- *  call in progress. */
+/** The message of this thread's last xccl call: every call that fails sets it (which call,
+ *  which rank or peer, which field), every call that succeeds clears it to "" (except that a
+ *  successful xcclCommGetAsyncError that found an async error leaves that error's message),
+ *  and xcclGetErrorString / xcclGetLastError do not change it. One rule, per thread: a call on
+ *  another thread never changes what this thread reads. `comm` is not used (kept for the NCCL
+ *  shape; pass the communicator or NULL). The string is owned by xccl and stays valid until
+ *  this thread's next xccl call. Thread-safe; never fails; never waits for a call in
+ *  progress. */
 const char* xcclGetLastError(xcclComm_t comm);
 
 /** Writes this library's version code (XCCL_VERSION_CODE of the header it was built with) to
@@ -121,10 +140,25 @@ xcclResult_t xcclGetVersion(int* version);
 /* Communicator, unique id, config                                                           */
 
 /** Names a job's rendezvous: 128 opaque bytes, copied freely (by value, over a socket, in a
- *  file, as 256 hex characters). */
+ *  file, as 256 hex characters: xcclUniqueIdToString / xcclUniqueIdFromString; the bytes may
+ *  contain NUL, so do not handle them as a C string). */
 typedef struct {
   char internal[128];
 } xcclUniqueId;
+
+/** Length of the hex form of an xcclUniqueId, without its terminating NUL. */
+#define XCCL_UNIQUE_ID_HEX_LEN 256
+
+/** Writes `uniqueId` as 256 lowercase hex characters and a NUL into `str` (at least
+ *  XCCL_UNIQUE_ID_HEX_LEN + 1 = 257 bytes, `len` says how many there are). Never blocks;
+ *  thread-safe. Errors: xcclInvalidArgument (NULL, `len` < 257; `str` is then untouched). */
+xcclResult_t xcclUniqueIdToString(const xcclUniqueId* uniqueId, char* str, size_t len);
+
+/** Parses the 256 hex characters (NUL-terminated, either case) of xcclUniqueIdToString into
+ *  `*uniqueId`. Never blocks; thread-safe. Errors: xcclInvalidArgument (NULL, a length other
+ *  than 256, a character that is not a hex digit, bytes that are not an xccl unique id: the
+ *  message says which; `*uniqueId` is then untouched). */
+xcclResult_t xcclUniqueIdFromString(const char* str, xcclUniqueId* uniqueId);
 
 /** Element type of token rows. */
 typedef enum {
@@ -151,8 +185,8 @@ typedef enum {
   xcclQuantInt8 = 1
 } xcclQuant_t;
 
-/** A rank's role: global ranks 0..numAttentionRanks-1 are attention ranks, the rest expert
- *  ranks. */
+/** A rank's role. Without config.role, global ranks 0..numAttentionRanks-1 are attention
+ *  ranks and the rest expert ranks; with config.role every rank states its own. */
 typedef enum {
   xcclRoleAttention = 0,
   xcclRoleExpert = 1
@@ -165,7 +199,7 @@ typedef enum {
 /** xcclConfig_t.version of this header's layout. Later versions append fields (relay ranks,
  *  data-parallel domains, INT8 rows) after the last field below; `size` and `version` tell the
  *  library which layout the caller compiled against. */
-#define XCCL_CONFIG_VERSION 3u
+#define XCCL_CONFIG_VERSION 4u
 
 /** The communicator's parameters. Start from XCCL_CONFIG_INITIALIZER (size, magic, version set;
  *  every other field unset), then set fields. Fields marked "agreed" must be equal on every
@@ -202,12 +236,19 @@ typedef struct {
   /** Deadline of each call, and of each init step (at least 10 s there), in ms (local; >= 1);
    *  default 30000. */
   int timeoutMs;
-  /** Fabric name, NUL-terminated (local); NULL means "shm" (processes on one host). Others are
-   *  xcclUnavailable in this build. Read during init only. */
+  /** Fabric name, NUL-terminated (local); NULL means "shm" (processes on one host). "ofi":
+   *  libfabric (ranks on any hosts; provider and interface from config.ofiProvider and
+   *  config.ofiInterface, else XCCL_OFI_PROVIDER and XCCL_OFI_ADDR). "ascend": windows in NPU
+   *  memory (device config.device; needs the CANN runtime: without libascendcl.so init fails
+   *  with xcclUnavailable naming it and ASCEND_HOME_PATH, the variable to set). Another name
+   *  is xcclUnavailable before any rendezvous. Read during init only. */
   const char* fabric;
   /** Explicit expert placement (agreed), or NULL (with placementRanks NULL) for the contiguous
-   *  default (expert ranks host equal consecutive blocks of experts). placementCounts[e] is the
-   *  number of replicas of expert e (numExperts entries, each 1..numExpertRanks). */
+   *  default: expert e goes to expert-rank index floor(e * numExpertRanks / numExperts), so
+   *  consecutive blocks of floor or ceil(numExperts / numExpertRanks) experts (8 experts on 3
+   *  expert ranks: experts 0-2, 3-5 and 6-7, blocks of 3, 3, 2; with fewer experts than expert
+   *  ranks some host none). placementCounts[e] is the number of replicas of expert e
+   *  (numExperts entries, each 1..numExpertRanks). */
   const int* placementCounts;
   /** The global ranks (expert ranks) hosting each expert's replicas, concatenated in expert
    *  order, the primary first (sum of placementCounts entries). A rank hosts an expert at most
@@ -221,7 +262,11 @@ typedef struct {
    *  sum. Replies from xcclE2AOutput travel in config.dtype. Default xcclQuantNone. */
   int e2aQuant;
   /** Expert ranks: 1 to receive A2E rows as INT8 plus one f32 scale per row (batch info
-   *  `int8Rows` and `scales`, `rows` NULL), 0 for rows in config.dtype (local); default 0. */
+   *  `int8Rows` and `scales`, `rows` NULL), 0 for rows in config.dtype (local); default 0.
+   *  keepInt8 does not need the senders' a2eQuant: rows that arrive in config.dtype are
+   *  quantized here on receipt with the same quantizer (see xcclQuantInt8; a row with a NaN or
+   *  an infinity is then a protocol error naming its attention rank), rows that arrive as INT8
+   *  are kept as they are. */
   int keepInt8;
   /* ---- version 3 ---- */
   /** Rows an expert rank receives from one attention rank per call at most (agreed;
@@ -229,6 +274,22 @@ typedef struct {
    *  shrinks every expert window; an xcclA2ESend that would send more rows than this to one
    *  expert rank fails with xcclInvalidArgument before sending anything. */
   int recvCapacity;
+  /* ---- version 4 ---- */
+  /** This rank's xcclRole_t (local), or XCCL_CONFIG_UNDEF_INT. When set (on every rank: a
+   *  rank without it fails init, as do the others, within the init round), every rank states
+   *  its own role and init gathers them in rank order, so attention ranks need not be the
+   *  lowest ranks (mpirun and torchrun order ranks their own way). numAttentionRanks and
+   *  numExpertRanks may then stay unset; when set they must match the stated roles.
+   *  placementRanks then name expert ranks by global rank. */
+  int role;
+  /** NPU device of this rank for fabric "ascend" (local; >= 0); default 0. */
+  int device;
+  /** libfabric provider for fabric "ofi" (local; e.g. "tcp;ofi_rxm", "verbs;ofi_rxm"), or
+   *  NULL: XCCL_OFI_PROVIDER, else "tcp;ofi_rxm". Read during init only. */
+  const char* ofiProvider;
+  /** Local address (an IP of the interface to use) for fabric "ofi" (local), or NULL:
+   *  XCCL_OFI_ADDR, else the provider's first interface. Read during init only. */
+  const char* ofiInterface;
 } xcclConfig_t;
 
 /** Initializer of an xcclConfig_t: size, magic and version set, every other field unset. */
@@ -239,8 +300,14 @@ typedef struct {
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL, NULL, \
         XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT,                 \
-        XCCL_CONFIG_UNDEF_INT                                                                \
+        XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, XCCL_CONFIG_UNDEF_INT, NULL, NULL       \
   }
+
+/** Fills `*config` as XCCL_CONFIG_INITIALIZER does (size, magic and version of this
+ *  library's newest layout, every other field unset), for bindings that cannot use a C macro.
+ *  A binding whose struct is an older layout sets size, magic and version itself instead.
+ *  Never blocks; thread-safe. Errors: xcclInvalidArgument (`config` NULL). */
+xcclResult_t xcclConfigInit(xcclConfig_t* config);
 
 /** Makes a new job id and starts its rendezvous root in this process (a background thread
  *  bound to an ephemeral port on XCCL_SOCKET_ADDR, default 127.0.0.1). This process must live
@@ -252,12 +319,21 @@ xcclResult_t xcclGetUniqueId(xcclUniqueId* uniqueId);
 /** Joins the job named by `commId` as `rank` of `nranks` (collective: every rank calls it; it
  *  blocks until all have joined and checked that they share the config's agreed fields).
  *  Writes the new communicator to `*comm` on success (untouched on failure). `config` is read
- *  during the call only. The job lives in shared memory (/dev/shm) until every rank destroyed
- *  its communicator.
+ *  during the call only. On shm the job lives in shared memory (/dev/shm) until every rank
+ *  destroyed its communicator.
+ *  Agreement: before any window is sized, every rank sends every agreed field by name (world
+ *  size, roles, numAttentionRanks, numExpertRanks, numExperts, placement, hidden, dtype, topk,
+ *  maxTokensPerRank, recvCapacity, maxInFlight) in one rendezvous round; a difference fails
+ *  init on every rank with xcclRemoteError naming each differing field, the peer and both
+ *  values. A rank whose own config is invalid still joins that round (when its id is valid)
+ *  and tells every rank its reason, so the others fail at once (xcclRemoteError, the message
+ *  naming that rank and its reason) instead of waiting out their timeout; a failure after the
+ *  round (a fabric that cannot open) is broadcast as an abort the others see within
+ *  milliseconds (xcclAborted naming the rank and its reason).
  *  Errors: xcclInvalidArgument (NULL pointer, nranks < 2, rank outside 0..nranks-1, a config
  *  field, a malformed id), xcclSystemError (rendezvous failed or timed out, shared memory),
- *  xcclRemoteError (a peer has a different agreed field: the message names it and both
- *  values), xcclUnavailable (config.fabric). */
+ *  xcclRemoteError (a peer has a different agreed field, or a peer's config was invalid),
+ *  xcclAborted (a peer's init failed after the agreement), xcclUnavailable (config.fabric). */
 xcclResult_t xcclCommInitRankConfig(xcclComm_t* comm, int nranks, xcclUniqueId commId, int rank,
                                     const xcclConfig_t* config);
 
@@ -322,6 +398,110 @@ xcclResult_t xcclCommBufferSizes(xcclComm_t comm, size_t* rowBytes, size_t* maxR
                                  size_t* maxRecvRows);
 
 /* ---------------------------------------------------------------------------------------- */
+/* Counters                                                                                  */
+
+/** What this rank exchanged with one peer. This struct never grows (new per-peer counters
+ *  would come in a new array). */
+typedef struct {
+  /** Rows this rank announced to the peer in records it wrote. */
+  uint64_t rowsSent;
+  /** Rows the peer announced to this rank in records this rank read. */
+  uint64_t rowsReceived;
+  /** Bytes this rank wrote into the peer's window (records and rows). */
+  uint64_t bytesPut;
+  /** Bytes this rank read from the peer's window (pulled rows). */
+  uint64_t bytesGot;
+  /** Nanoseconds this rank waited for the peer (signals, records, rows, credits). */
+  uint64_t waitedNs;
+} xcclPeerStats_t;
+
+/** Counters of one call or of every call so far. */
+typedef struct {
+  /** Calls counted. */
+  uint64_t calls;
+  /** Metadata records this rank wrote (relay headers included). */
+  uint64_t recordsWritten;
+  /** Metadata records this rank read and validated. */
+  uint64_t recordsPolled;
+  /** Rows this rank forwarded as a relay. */
+  uint64_t relayRowsForwarded;
+  /** Expert selections dropped because their expert has no replica left (after an
+   *  xcclCommShrink with dropOrphanedExperts). */
+  uint64_t droppedSlots;
+  /** The peer this rank waited for longest, or -1 when it waited for none. */
+  int slowestPeer;
+  /** A peer waited for more than 4 times as long as the median of the peers waited for (and
+   *  at least 200 us), or -1. */
+  int straggler;
+  /** Nanoseconds waited for slowestPeer. */
+  uint64_t slowestWaitedNs;
+} xcclCallStats_t;
+
+/** What xcclCommGetStats writes. The caller sets `size` (sizeof(xcclStats_t)),
+ *  `peerCapacity` and the two arrays; xccl writes the rest, never past `size` bytes. */
+typedef struct {
+  /** sizeof(xcclStats_t) of the caller's header (set by the caller). */
+  size_t size;
+  /** Entries of lastPeers and totalPeers (set by the caller; 0 with both NULL). */
+  size_t peerCapacity;
+  /** Caller-owned array of peerCapacity entries for the last call's counters per rank (entry r
+   *  is rank r, this rank's own entry counting writes into its own window), or NULL. */
+  xcclPeerStats_t* lastPeers;
+  /** The same for the totals, or NULL. */
+  xcclPeerStats_t* totalPeers;
+  /** Written: the ranks of the job (entries beyond peerCapacity are not written). */
+  size_t numPeers;
+  /** Written: the counters of the last call on this communicator (a failed call's too;
+   *  xcclE2ATest and xcclA2ERecvTest count nothing). */
+  xcclCallStats_t last;
+  /** Written: the counters of every call so far, added up. */
+  xcclCallStats_t total;
+} xcclStats_t;
+
+/** Writes the counters of the last call and of every call so far to `*stats` (see
+ *  xcclStats_t) and to its per-peer arrays. Takes the communicator's lock (waits for a call in
+ *  progress on another thread). Errors: xcclInvalidArgument (NULL, `size` smaller than the
+ *  fields up to peerCapacity, lastPeers or totalPeers misaligned), xcclInvalidUsage
+ *  (destroyed or shrunk communicator), xcclAborted. */
+xcclResult_t xcclCommGetStats(xcclComm_t comm, xcclStats_t* stats);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Shrink: going on past dead ranks                                                          */
+
+/** Options of xcclCommShrink. The caller sets `size` (sizeof(xcclShrinkOptions_t)); fields
+ *  past it read as unset. */
+typedef struct {
+  /** sizeof(xcclShrinkOptions_t) of the caller's header. */
+  size_t size;
+  /** 1: drop (and count, xcclCallStats_t.droppedSlots) the selections of an expert whose
+   *  every replica died; 0 (default): fail with xcclRemoteError naming the expert. */
+  int dropOrphanedExperts;
+  /** Bound of each agreement round in ms (how long a survivor waits for the others to call
+   *  xcclCommShrink); XCCL_CONFIG_UNDEF_INT or 0: 60000. */
+  int timeoutMs;
+} xcclShrinkOptions_t;
+
+/** After a peer failure (xcclRemoteError naming a dead rank), every survivor calls
+ *  xcclCommShrink (collective among the survivors): they agree on the dead ranks through the
+ *  bootstrap, renumber the survivors densely in old rank order (xcclCommRankAfterShrink),
+ *  serve the dead ranks' experts by their surviving replicas, and build a new communicator of
+ *  the same fabric (shm or ofi; the bootstrap root's process must be alive), written to
+ *  `*newcomm`. `options` may be NULL (defaults). `comm` is spent whatever the outcome: its
+ *  handles and batches are freed, every later call on it but xcclCommDestroy (which the
+ *  caller still calls) returns xcclInvalidUsage. Blocks until the survivors agreed and built
+ *  the new communicator. Errors: xcclInvalidArgument (NULL `newcomm`, a bad option),
+ *  xcclInvalidUsage (destroyed or already shrunk `comm`), xcclRemoteError (an expert with no
+ *  replica left, naming it; survivors that disagree), xcclSystemError (the bootstrap root is
+ *  gone, naming its address), xcclTimeout (a survivor did not call xcclCommShrink). */
+xcclResult_t xcclCommShrink(xcclComm_t comm, const xcclShrinkOptions_t* options,
+                            xcclComm_t* newcomm);
+
+/** The rank that rank `oldRank` of the communicator `comm` was shrunk from has in `comm`
+ *  (made by xcclCommShrink), or -1 when it died (or is out of range). Errors:
+ *  xcclInvalidArgument (NULL), xcclInvalidUsage (`comm` not made by xcclCommShrink). */
+xcclResult_t xcclCommRankAfterShrink(xcclComm_t comm, int oldRank, int* newRank);
+
+/* ---------------------------------------------------------------------------------------- */
 /* Attention ranks: A2E send, E2A receive                                                    */
 
 /** One A2E call's token on its way to the experts, kept for its E2A receive: opaque, an id. */
@@ -353,6 +533,23 @@ xcclResult_t xcclA2ESend(xcclComm_t comm, const void* x, int numTokens, const in
  *  xcclRemoteError, xcclAborted. */
 xcclResult_t xcclE2ARecv(xcclComm_t comm, xcclA2EHandle_t handle, void* out);
 
+/** Non-blocking: writes 1 to `*done` when every contribution to the E2A of `handle` has
+ *  landed (the next xcclE2ARecv of it returns without waiting for a peer), else 0. Never
+ *  blocks (it takes the communicator's lock, so it waits for a call in progress on another
+ *  thread); counts nothing in the stats. Errors (as xcclE2ARecv's): xcclInvalidArgument
+ *  (NULL, a handle that is not the oldest: changes nothing), xcclInvalidUsage (unknown or
+ *  used handle, another communicator's handle, expert rank), xcclRemoteError (a peer it
+ *  waits for died: poisons), xcclAborted. */
+xcclResult_t xcclE2ATest(xcclComm_t comm, xcclA2EHandle_t handle, int* done);
+
+/** Sets the 64-bit user tag this rank's next A2E call (xcclA2ESend or xcclA2ESendInput)
+ *  carries to every expert rank it reaches, also those it sends 0 rows to, and through relays
+ *  (expert ranks read it as batch info `tag` / `sourceTags`). The tag is consumed by the call
+ *  that sends it; a call that fails before sending anything keeps it for the retry. A call
+ *  after which none was set carries 0. Never blocks (beyond the lock). Errors:
+ *  xcclInvalidUsage (expert rank, destroyed communicator), xcclAborted. */
+xcclResult_t xcclA2ESetTag(xcclComm_t comm, uint64_t tag);
+
 /** Frees a handle without receiving its E2A (after a failure; a healthy job's experts would
  *  still send it). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (unknown or freed). */
 xcclResult_t xcclA2EHandleFree(xcclA2EHandle_t handle);
@@ -382,8 +579,12 @@ typedef struct xcclExpertBatch* xcclExpertBatch_t;
 
 /** What an expert batch holds. Every pointer points into the batch (owned by xccl) and stays
  *  valid until the batch is freed (a successful xcclE2ASend, xcclExpertBatchFree or
- *  xcclCommDestroy). Read only. */
+ *  xcclCommDestroy). Read only. Set `size` before xcclExpertBatchGetInfo (see "Output structs
+ *  that can grow"; config version 1 to 3 callers have the layout without `size`, `tag` and
+ *  the source fields, version 1 also without int8Rows and scales). */
 typedef struct {
+  /** sizeof(xcclExpertBatchInfo_t), set by the caller. */
+  size_t size;
   /** Rows: received (token, local expert) pairs. */
   size_t numRows;
   /** Received tokens (one per (source rank, token)). */
@@ -408,6 +609,19 @@ typedef struct {
   const int8_t* int8Rows;
   /** With config.keepInt8: [numRows] per-row scales; otherwise NULL. */
   const float* scales;
+  /** The call's user tag: the one its first source sent (the lowest attention rank taking
+   *  part in the call; see xcclA2ESetTag). */
+  uint64_t tag;
+  /** Attention ranks of the job (entries of the four source arrays, in rank order). */
+  size_t numSources;
+  /** Per source: its global rank. */
+  const uint32_t* sourceRanks;
+  /** Per source: tokens received from it in this call. */
+  const size_t* sourceCounts;
+  /** Per source: index of its first token among the batch's tokens. */
+  const size_t* sourceFirstToken;
+  /** Per source: the tag its call carried (0 for a source outside the call's DP domain). */
+  const uint64_t* sourceTags;
 } xcclExpertBatchInfo_t;
 
 /** A2E receive on an expert rank, expert-major: blocks until every attention rank's rows of
@@ -417,8 +631,18 @@ typedef struct {
  *  rank), xcclTimeout (no rows in time: retryable), xcclRemoteError, xcclAborted. */
 xcclResult_t xcclA2ERecv(xcclComm_t comm, xcclExpertBatch_t* batch);
 
-/** Describes `batch` (see xcclExpertBatchInfo_t for the lifetime of the pointers).
- *  Thread-safe. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed batch). */
+/** Non-blocking: writes 1 to `*ready` when every row of the next A2E call has arrived (the
+ *  next receive, any variant, returns without waiting for a peer), else 0. On a relay rank it
+ *  also needs its members' rows, and every expert rank's receive through relays needs every
+ *  relay to have forwarded, which a relay does inside its own receive: with several relays do
+ *  not wait for 1 on a relay before calling its receive. Never blocks (beyond the lock);
+ *  counts nothing in the stats. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage
+ *  (attention rank), xcclRemoteError (a dead peer or a bad record: poisons), xcclAborted. */
+xcclResult_t xcclA2ERecvTest(xcclComm_t comm, int* ready);
+
+/** Describes `batch` (see xcclExpertBatchInfo_t for the lifetime of the pointers), writing no
+ *  more than info->size bytes. Thread-safe. Errors: xcclInvalidArgument (NULL, info->size
+ *  smaller than a size_t), xcclInvalidUsage (freed batch). */
 xcclResult_t xcclExpertBatchGetInfo(xcclExpertBatch_t batch, xcclExpertBatchInfo_t* info);
 
 /** E2A send on an expert rank: `expertOut` ([numRows, hidden] of config.dtype, same layout as
@@ -439,8 +663,12 @@ xcclResult_t xcclExpertBatchFree(xcclExpertBatch_t batch);
  *  Owned by xccl; freed by a successful E2A send or by xcclTokenBatchFree. */
 typedef struct xcclTokenBatch* xcclTokenBatch_t;
 
-/** What a token batch holds; pointers into the batch, valid until the batch is freed. */
+/** What a token batch holds; pointers into the batch, valid until the batch is freed. Set
+ *  `size` before xcclTokenBatchGetInfo (layouts of older config versions as for
+ *  xcclExpertBatchInfo_t). */
 typedef struct {
+  /** sizeof(xcclTokenBatchInfo_t), set by the caller. */
+  size_t size;
   /** Received tokens, each source's tokens consecutive, sources in arrival order. */
   size_t numTokens;
   /** Row stride of localExperts and weights (config.topk). */
@@ -462,6 +690,20 @@ typedef struct {
   const int8_t* int8Rows;
   /** With config.keepInt8: [numTokens] per-token scales; otherwise NULL. */
   const float* scales;
+  /** The call's user tag (its lowest source's, see xcclExpertBatchInfo_t.tag); 0 in an
+   *  arrival callback, where the call is not complete. */
+  uint64_t tag;
+  /** Attention ranks of the job (entries of the source arrays); 0 (and the arrays NULL) in an
+   *  arrival callback. */
+  size_t numSources;
+  /** Per source: its global rank. */
+  const uint32_t* sourceRanks;
+  /** Per source: tokens received from it in this call. */
+  const size_t* sourceCounts;
+  /** Per source: index of its first token in this batch. */
+  const size_t* sourceFirstToken;
+  /** Per source: the tag its call carried. */
+  const uint64_t* sourceTags;
 } xcclTokenBatchInfo_t;
 
 /** A2E receive, token-major: like xcclA2ERecv with one row per received token (reply with
@@ -469,7 +711,9 @@ typedef struct {
 xcclResult_t xcclA2ERecvTokens(xcclComm_t comm, xcclTokenBatch_t* batch);
 
 /** Called by xcclA2ERecvTokensWithCallback on the receiving thread each time one attention
- *  rank's tokens have all landed: tokens firstToken..firstToken+numTokens-1 of `arrived` are
+ *  rank's tokens have all landed (`arrived` has the layout of the caller's config version:
+ *  from version 4 its `size` is xccl's sizeof, read only the fields the caller knows):
+ *  tokens firstToken..firstToken+numTokens-1 of `arrived` are
  *  complete (with those of earlier callbacks of this receive; other tokens may still be
  *  arriving). `arrived` and every pointer in it are valid during the callback only. Start the
  *  experts' work on those tokens here to overlap it with the rest of the receive. The callback
@@ -484,7 +728,8 @@ typedef void (*xcclArrivalFn)(void* userData, const xcclTokenBatchInfo_t* arrive
 xcclResult_t xcclA2ERecvTokensWithCallback(xcclComm_t comm, xcclTokenBatch_t* batch,
                                            xcclArrivalFn onArrival, void* userData);
 
-/** Describes `batch`. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed batch). */
+/** Describes `batch`, writing no more than info->size bytes. Errors: xcclInvalidArgument
+ *  (NULL, info->size smaller than a size_t), xcclInvalidUsage (freed batch). */
 xcclResult_t xcclTokenBatchGetInfo(xcclTokenBatch_t batch, xcclTokenBatchInfo_t* info);
 
 /** E2A send, token-major: `reduced` ([numTokens, hidden] of config.dtype, caller-owned, read

@@ -82,6 +82,7 @@ static int run_rank(int rank, int nranks, const xcclUniqueId* id) {
       xcclExpertBatch_t batch;
       xcclExpertBatchInfo_t info;
       CHECK(xcclA2ERecv(comm, &batch));
+      info.size = sizeof info;
       CHECK(xcclExpertBatchGetInfo(batch, &info));
       const float* rows = info.rows;
       for (size_t j = 0; j < info.numLocalExperts; j++) /* local expert j is experts[j] */

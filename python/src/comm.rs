@@ -256,23 +256,7 @@ fn join(
     let topo: Arc<Topology> = match role {
         None => topology.built.clone(),
         Some(mine) => {
-            let code = match mine {
-                Role::Attention => 1u8,
-                Role::Expert => 2u8,
-            };
-            let blobs = exchange.allgather(&[code], timeout)?;
-            let roles = blobs
-                .iter()
-                .enumerate()
-                .map(|(r, b)| match b.as_slice() {
-                    [1] => Ok(Role::Attention),
-                    [2] => Ok(Role::Expert),
-                    _ => Err(xccl::Error::Protocol {
-                        peer: r,
-                        detail: format!("rank {r} stated an unknown role ({b:?})"),
-                    }),
-                })
-                .collect::<xccl::Result<Vec<_>>>()?;
+            let roles = xccl::bootstrap::gather_roles(exchange.as_ref(), mine, timeout)?;
             topology.with_roles(roles)?
         }
     };
@@ -512,14 +496,18 @@ impl PyComm {
     /// (``[T, topk]``, int32 or int64 (converted exactly), ``-1`` = none) with gating weights
     /// ``topk_weights`` (``[T, topk]``, float32; float16/bfloat16 are widened exactly, float64
     /// is rejected). Every input is checked before anything is sent. Returns the handle for
-    /// :meth:`e2a_recv`. The inputs are read during the call only (do not write them from
+    /// :meth:`e2a_recv`. ``tag``: a user value this call carries to every expert rank it
+    /// reaches (:attr:`ExpertBatch.tag`, :attr:`ExpertBatch.tags`), for example a shutdown
+    /// flag or a request id. The inputs are read during the call only (do not write them from
     /// another thread meanwhile).
+    #[pyo3(signature = (x, topk_idx, topk_weights, *, tag = 0))]
     fn a2e_send(
         &self,
         py: Python<'_>,
         x: &Bound<'_, PyAny>,
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
+        tag: u64,
     ) -> PyResult<PyA2eHandle> {
         self.require(py, Role::Attention, "A2E send")?;
         let xt = Tensor::import(py, x, "x")?;
@@ -528,6 +516,7 @@ impl PyComm {
         let xb = xt.bytes();
         let handle = self.run(py, |c| {
             let mode = c.config().mode;
+            c.set_next_a2e_tag(tag);
             c.a2e_send_bytes(xb, &ids, &w, mode)
         })?;
         Ok(PyA2eHandle { handle })
@@ -572,17 +561,22 @@ impl PyComm {
 
     /// A2E send of the first ``num_tokens`` rows of the registered input (:meth:`a2e_input`,
     /// which must have been called for this call), routed by ``topk_idx``/``topk_weights`` as
-    /// in :meth:`a2e_send`. Returns the handle for :meth:`e2a_recv`.
+    /// in :meth:`a2e_send` (``tag`` too). Returns the handle for :meth:`e2a_recv`.
+    #[pyo3(signature = (num_tokens, topk_idx, topk_weights, *, tag = 0))]
     fn a2e_send_input(
         &self,
         py: Python<'_>,
         num_tokens: usize,
         topk_idx: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
+        tag: u64,
     ) -> PyResult<PyA2eHandle> {
         self.require(py, Role::Attention, "A2E send")?;
         let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
-        let result = self.run(py, |c| c.a2e_send_input(num_tokens, &ids, &w));
+        let result = self.run(py, |c| {
+            c.set_next_a2e_tag(tag);
+            c.a2e_send_input(num_tokens, &ids, &w)
+        });
         match &result {
             Ok(_) => self.retire_input(),
             Err(e) => {
@@ -597,6 +591,23 @@ impl PyComm {
             }
         }
         Ok(PyA2eHandle { handle: result? })
+    }
+
+    /// Non-blocking E2A check on an attention rank: ``True`` when every contribution of
+    /// ``handle``'s E2A has landed, so :meth:`e2a_recv` with it returns without waiting on a
+    /// peer. Never blocks. Errors (a handle that is not the oldest, a dead peer, an abort)
+    /// follow the same retryable/poisoned rules as :meth:`e2a_recv`.
+    fn e2a_ready(&self, py: Python<'_>, handle: &Bound<'_, PyA2eHandle>) -> PyResult<bool> {
+        self.require(py, Role::Attention, "E2A test")?;
+        let h = &handle.get().handle;
+        self.run(py, |c| c.e2a_ready(h))
+    }
+
+    /// Non-blocking A2E check on an expert rank: ``True`` when the next A2E receive (either
+    /// path) has all its rows and returns without waiting. Never blocks.
+    fn a2e_ready(&self, py: Python<'_>) -> PyResult<bool> {
+        self.require(py, Role::Expert, "A2E test")?;
+        self.run(py, |c| c.a2e_ready())
     }
 
     /// E2A on an attention rank: waits for the expert outputs of the tokens sent with
@@ -937,6 +948,7 @@ fn sources_list<'py>(
         d.set_item("rank", s.rank())?;
         d.set_item("count", s.count())?;
         d.set_item("first_token", s.first_token())?;
+        d.set_item("tag", s.tag())?;
         d.set_item("arrived_after", s.arrived_after().as_secs_f64())?;
         l.append(d)?;
     }
@@ -961,6 +973,19 @@ pub struct PyExpertBatch {
 
 #[pymethods]
 impl PyExpertBatch {
+    /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
+    /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.inner.tag()
+    }
+
+    /// The tag of each source attention rank, in rank order (as :attr:`sources`).
+    #[getter]
+    fn tags(&self) -> Vec<u64> {
+        self.inner.sources().iter().map(|s| s.tag()).collect()
+    }
+
     /// Number of rows (received (token, local expert) pairs).
     #[getter]
     fn num_rows(&self) -> usize {
@@ -1140,6 +1165,19 @@ pub struct PyTokenBatch {
 
 #[pymethods]
 impl PyTokenBatch {
+    /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
+    /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
+    #[getter]
+    fn tag(&self) -> u64 {
+        self.inner.tag()
+    }
+
+    /// The tag of each source attention rank, in rank order (as :attr:`sources`).
+    #[getter]
+    fn tags(&self) -> Vec<u64> {
+        self.inner.sources().iter().map(|s| s.tag()).collect()
+    }
+
     /// Number of received tokens.
     #[getter]
     fn num_tokens(&self) -> usize {

@@ -70,7 +70,9 @@ class Job:
         return path
 
 
-def start(scenario: str, world: int, tmp, join: str = "uid", env=None, **args) -> Job:
+def start(
+    scenario: str, world: int, tmp, join: str = "uid", env=None, rank_env=None, **args
+) -> Job:
     """Starts ``world`` ranks of ``scenario``. ``join``: ``"uid"`` (a unique id made here),
     ``"env"`` (``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``), ``"torchrun"`` (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), or ``"torch"`` (a torch.distributed gloo
@@ -81,10 +83,12 @@ def start(scenario: str, world: int, tmp, join: str = "uid", env=None, **args) -
         import xccl
 
         common["uid"] = str(xccl.UniqueId.new())
+        common["uids"] = [str(xccl.UniqueId.new()) for _ in args.get("cases") or []]
     port = free_port()
     procs = []
     for rank in range(world):
         e = dict(env)
+        e.update((rank_env or {}).get(rank, {}))
         if join == "env":
             e.update(XCCL_RANK=str(rank), XCCL_SIZE=str(world), XCCL_ROOT=f"127.0.0.1:{port}")
         elif join in ("torchrun", "torch"):

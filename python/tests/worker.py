@@ -193,16 +193,22 @@ def attention_rounds(comm):
             if a.get("registered"):
                 buf = comm.a2e_input()
                 torch.from_dlpack(buf)[:t].copy_(to_torch(x, dtype))
-                h = comm.a2e_send_input(t, ids, torch.from_numpy(w))
+                h = comm.a2e_send_input(t, ids, torch.from_numpy(w), tag=call_tag(r, a_index))
                 try:
                     buf.__dlpack__()
                     mismatches.append(("registered input still exported after its send", r))
                 except xccl.InvalidArgumentError:
                     pass
+            elif r % 3 == 2:
+                # numpy in: float32/float16 through DLPack, bfloat16 as ml_dtypes' dtype.
+                h = comm.a2e_send(x, idx, w, tag=call_tag(r, a_index))
             else:
-                h = comm.a2e_send(to_torch(x, dtype), ids, torch.from_numpy(w))
+                tag = call_tag(r, a_index)
+                h = comm.a2e_send(to_torch(x, dtype), ids, torch.from_numpy(w), tag=tag)
             batch.append((r, h, x, idx, w))
         for r, h, x, idx, w in batch:
+            if r % 2 == 1 and poll(lambda h=h: comm.e2a_ready(h)) is None:
+                mismatches.append(("e2a_ready never became True", r))
             if a.get("out") and r % 2 == 0:
                 out = torch.empty((x.shape[0], a["H"]), dtype=TORCH[dtype])
                 got = comm.e2a_recv(h, out=out)
@@ -239,11 +245,23 @@ def expert_rounds(comm):
         use_tokens = token_major is True or (
             token_major == "alternate" and (r + comm.rank) % 2 == 1
         )
+        batch = comm.a2e_recv_tokens() if use_tokens else comm.a2e_recv()
+        m = len(comm_topo_attention(comm))
+        domains = a.get("domains", 1)
+        want = [call_tag(r, i) if r % domains == i * domains // m else 0 for i in range(m)]
+        first = next(t for t in want if t)
+        if (batch.tag, batch.tags) != (first, want):
+            raise AssertionError(f"round {r}: tags {batch.tag}, {batch.tags}; want {want}")
         if use_tokens:
-            rows += token_major_reply(comm, comm.a2e_recv_tokens(), a["dtype"])
+            rows += token_major_reply(comm, batch, a["dtype"])
         else:
-            rows += expert_major_reply(comm, comm.a2e_recv(), a["dtype"])
+            rows += expert_major_reply(comm, batch, a["dtype"])
     return rows
+
+
+def call_tag(r: int, a_index: int) -> int:
+    """The tag attention index ``a_index`` sends with call ``r``."""
+    return (r + 1) * 1000 + a_index + (1 << 40)
 
 
 class Records:
@@ -259,18 +277,24 @@ class Records:
 
 
 def scenario_roundtrip():
+    """Runs each case of ``cases`` (argument overrides: topology, dtype, paths...) on a
+    communicator of its own, one after the other, in the same processes."""
     logs = Records() if ARGS.get("capture_logs") else None
-    comm = join()
-    if logs:
-        result(logs=logs.records)
-    with comm:
-        if comm.role == "attention":
-            mismatches = attention_rounds(comm)
-            result(role="attention", mismatches=mismatches, rank=comm.rank)
-        else:
-            rows = expert_rounds(comm)
-            stats = comm.total_stats()
-            result(role="expert", rows=rows, calls=stats["calls"], rank=comm.rank)
+    base = dict(ARGS)
+    out = []
+    for i, case in enumerate(base.get("cases") or [{}]):
+        ARGS.clear()
+        ARGS.update(base, **case)
+        if base.get("uids"):
+            ARGS["uid"] = base["uids"][i]
+        comm = join()
+        with comm:
+            if comm.role == "attention":
+                out.append({"role": "attention", "mismatches": attention_rounds(comm)})
+            else:
+                rows = expert_rounds(comm)
+                out.append({"role": "expert", "rows": rows, "calls": comm.total_stats()["calls"]})
+    result(cases=out, logs=logs.records if logs else None)
 
 
 def expect(exc, fn, *words):
@@ -436,8 +460,16 @@ def scenario_misuse():
             if d:
                 failures.append(f"good round after the misuses differs: {d}")
             # Round 2: the expert checks that its view of round 1's rows did not change.
+            # The non-blocking checks: the expert has not replied yet (it waits for our file).
+            wait_file("expert-checked")
             x2 = -np.ones((2, H), dtype=np.float32)
-            h2 = comm.a2e_send(x2, ids, w16)
+            h2 = comm.a2e_send(x2, ids, w16, tag=77)
+            if comm.e2a_ready(h2):
+                failures.append("e2a_ready was True before the expert replied")
+            touch("attention-polled")
+            polls = poll(lambda: comm.e2a_ready(h2))
+            if polls is None:
+                failures.append("e2a_ready never became True")
             np.from_dlpack(comm.e2a_recv(h2))
         else:
             batch = comm.a2e_recv()
@@ -474,8 +506,16 @@ def scenario_misuse():
             if f:
                 failures.append(f"second reply to a batch: {f}")
             del batch
+            if comm.a2e_ready():
+                failures.append("a2e_ready was True before the attention rank sent")
+            touch("expert-checked")
+            if poll(comm.a2e_ready) is None:
+                failures.append("a2e_ready never became True")
             # The next round overwrites the receive areas; round 1's view keeps its own memory.
             b2 = comm.a2e_recv()
+            if (b2.tag, b2.tags) != (77, [77]):
+                failures.append(f"tags of round 2: {b2.tag}, {b2.tags}")
+            wait_file("attention-polled")
             o2 = torch.from_dlpack(b2.rows).clone()
             for j, e in enumerate(comm.local_experts):
                 lo, hi = b2.expert_offsets[j], b2.expert_offsets[j + 1]
@@ -484,6 +524,18 @@ def scenario_misuse():
             if not np.array_equal(view, before):
                 failures.append("a view of a batch's rows changed after the reply")
         result(role=comm.role, failures=failures)
+
+
+def poll(ready, timeout: float = 20.0):
+    """Calls ``ready()`` until it is True; returns the number of calls, or None at the timeout."""
+    deadline = time.monotonic() + timeout
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+        if ready():
+            return n
+        time.sleep(0.001)
+    return None
 
 
 def readonly(a):

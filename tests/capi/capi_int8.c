@@ -50,15 +50,18 @@ int main(int argc, char** argv) {
   xcclComm_t comm;
   int role = -1, nlocal = 0, experts[NUM_EXPERTS];
   int round;
-  if (cfg.version != 3u || cfg.a2eQuant != XCCL_CONFIG_UNDEF_INT || cfg.recvCapacity != XCCL_CONFIG_UNDEF_INT)
-    FAIL("initializer of version 3");
+  if (cfg.version != 4u || cfg.a2eQuant != XCCL_CONFIG_UNDEF_INT || cfg.recvCapacity != XCCL_CONFIG_UNDEF_INT ||
+      cfg.role != XCCL_CONFIG_UNDEF_INT || cfg.ofiInterface != NULL)
+    FAIL("initializer of version 4");
   cfg.a2eQuant = xcclQuantInt8;
   cfg.keepInt8 = 1;
   /* A value out of range names the field. */
   cfg.e2aQuant = 7;
   {
     xcclComm_t bad = NULL;
-    EXPECT(xcclCommInitRankConfig(&bad, a.nranks, a.id, a.rank, &cfg), xcclInvalidArgument);
+    xcclUniqueId none; /* names no job: a bad config with a real id would end the job */
+    memset(&none, 0, sizeof none);
+    EXPECT(xcclCommInitRankConfig(&bad, a.nranks, none, a.rank, &cfg), xcclInvalidArgument);
     if (strstr(xcclGetLastError(NULL), "e2aQuant") == NULL) FAIL("message: %s", xcclGetLastError(NULL));
   }
   cfg.e2aQuant = xcclQuantNone;
@@ -108,6 +111,7 @@ int main(int argc, char** argv) {
       float reduced[MAX_TOKENS * HIDDEN];
       size_t i;
       CHECK(xcclA2ERecvTokens(comm, &batch));
+      info.size = sizeof info;
       CHECK(xcclTokenBatchGetInfo(batch, &info));
       if (info.rows != NULL || (info.numTokens > 0 && (info.int8Rows == NULL || info.scales == NULL)))
         FAIL("round %d: keepInt8 must give int8Rows and scales, rows NULL", round);

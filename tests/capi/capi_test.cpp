@@ -140,6 +140,7 @@ void expert(xcclComm_t comm, const std::vector<int>& experts) {
     for (int k = 0; k < 2; k++) {
       xcclTokenBatch_t b = batches[k];
       xcclTokenBatchInfo_t info;
+      info.size = sizeof info;
       CHECK(xcclTokenBatchGetInfo(b, &info));
       void* output = nullptr;
       CHECK(xcclE2AOutput(comm, b, &output));

@@ -187,21 +187,34 @@ fn run_with_unique_id(exe: &Path, n: usize, first_args: &[&str]) {
     let job_id = unique_job_id();
     let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
     let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
+    let logs = run_ranks(exe, n, first_args, &id, &|_, _| {});
+    for (r, l) in logs.iter().enumerate() {
+        assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+    }
+    assert_no_leftovers(job_id);
+}
+
+/// Runs `exe` as `n` ranks of the job `id` (after `first_args`), each command adjusted by
+/// `customize(rank, cmd)`; returns every rank's output once all exited with 0.
+fn run_ranks(
+    exe: &Path,
+    n: usize,
+    first_args: &[&str],
+    id: &UniqueId,
+    customize: &dyn Fn(usize, &mut Command),
+) -> Vec<String> {
     let cmds = (0..n)
         .map(|r| {
             let mut c = Command::new(exe);
             c.args(first_args)
                 .args(["--id", &id.to_string(), "--rank", &r.to_string()])
                 .args(["--nranks", &n.to_string()]);
+            customize(r, &mut c);
             c
         })
         .collect();
     let name = exe.file_name().unwrap().to_string_lossy().into_owned();
-    let logs = Ranks::spawn(&name, cmds).expect_success(TIMEOUT);
-    for (r, l) in logs.iter().enumerate() {
-        assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
-    }
-    assert_no_leftovers(job_id);
+    Ranks::spawn(&name, cmds).expect_success(TIMEOUT)
 }
 
 fn free_port() -> u16 {
@@ -412,4 +425,328 @@ fn install_step_pkg_config_and_static_library_build_the_example() {
         assert!(logs[0].contains("all 2 ranks ok"), "{}", logs[0]);
     }
     let _ = std::fs::remove_dir_all(&prefix);
+}
+
+#[test]
+fn c11_engine_program_roles_tags_ready_tests_stats_and_grown_structs_over_shm() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_engine.c"), "capi_engine_c");
+    for n in [2, 3, 4] {
+        run_with_unique_id(&exe, n, &[]);
+    }
+    // A caller compiled against config version 1: the 9-field batch info is not overrun.
+    run_with_unique_id(&exe, 2, &["--legacy"]);
+}
+
+#[test]
+fn c11_engine_program_shrinks_past_a_sigkilled_expert_rank_over_shm() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(
+        &repo().join("tests/capi/capi_engine.c"),
+        "capi_engine_c_kill",
+    );
+    let job_id = unique_job_id();
+    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+    let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
+    let logs = run_ranks_allowing_kill(&exe, 4, &["--kill", "2"], &id, &|_, _| {});
+    for r in [0, 1, 3] {
+        assert!(
+            logs[r].contains(&format!("rank {r}: ok")),
+            "rank {r}: {}",
+            logs[r]
+        );
+    }
+    assert!(logs[0].contains("hosting all 8 experts"), "{}", logs[0]);
+    assert!(
+        logs[0].contains("expert loop ended by the stop tag"),
+        "{}",
+        logs[0]
+    );
+}
+
+/// Two network namespaces joined by a veth pair (the ofi tests' setup, for C programs).
+struct Netns {
+    names: [String; 2],
+    addrs: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("running ip: {e}"))?;
+    out.status
+        .success()
+        .then_some(())
+        .ok_or_else(|| String::from_utf8_lossy(&out.stderr).trim().to_string())
+}
+
+impl Netns {
+    fn create() -> Result<Netns, String> {
+        let pid = std::process::id();
+        let ns = Netns {
+            names: [format!("xccl-c{pid}-a"), format!("xccl-c{pid}-b")],
+            addrs: [
+                format!("10.78.{}.1", pid % 250),
+                format!("10.78.{}.2", pid % 250),
+            ],
+        };
+        let veth = [
+            format!("xc{}a", pid % 10_000_000),
+            format!("xc{}b", pid % 10_000_000),
+        ];
+        ip(&["netns", "add", &ns.names[0]])?;
+        ip(&["netns", "add", &ns.names[1]])?;
+        let link = [
+            "link",
+            "add",
+            &veth[0],
+            "netns",
+            &ns.names[0],
+            "type",
+            "veth",
+        ];
+        let peer = ["peer", "name", &veth[1], "netns", &ns.names[1]];
+        ip(&[&link[..], &peer[..]].concat())?;
+        for (i, dev) in veth.iter().enumerate() {
+            let (n, addr) = (&ns.names[i], format!("{}/24", ns.addrs[i]));
+            ip(&["-n", n, "addr", "add", &addr, "dev", dev])?;
+            ip(&["-n", n, "link", "set", dev, "up"])?;
+            ip(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(ns)
+    }
+
+    fn fd(&self, i: usize) -> File {
+        File::open(format!("/run/netns/{}", self.names[i])).expect("opening the netns")
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = ip(&["netns", "del", n]);
+        }
+    }
+}
+
+#[test]
+fn c11_engine_program_over_ofi_across_two_network_namespaces() {
+    use std::os::fd::AsRawFd;
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ns = match Netns::create() {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!(
+                "\n!!!! c11 engine over ofi NOT RUN: cannot create network namespaces ({why})\n"
+            );
+            return;
+        }
+    };
+    let exe = compile(
+        &repo().join("tests/capi/capi_engine.c"),
+        "capi_engine_c_ofi",
+    );
+    // A job's root, bound in namespace 0 (on a thread that enters it).
+    let root = || {
+        let (fd0, addr0, job_id) = (ns.fd(0), ns.addrs[0].clone(), unique_job_id());
+        std::thread::spawn(move || {
+            // SAFETY: setns on this thread only, with an fd of a network namespace we own.
+            assert_eq!(
+                unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) },
+                0
+            );
+            let bind: SocketAddr = format!("{addr0}:0").parse().expect("socket address");
+            UniqueId::start_root(bind, RootConfig::new(job_id))
+        })
+        .join()
+        .expect("root thread")
+        .expect("bootstrap root in the namespace")
+    };
+    let customize = |rank: usize, cmd: &mut Command| {
+        let side = rank % 2;
+        let fd = ns.fd(side);
+        cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
+            .env("ENGINE_OFI_INTERFACE", &ns.addrs[side])
+            .env_remove("XCCL_OFI_ADDR")
+            .env_remove("XCCL_OFI_PROVIDER");
+        // SAFETY: runs in the forked child before exec and only calls setns(2)
+        // (async-signal-safe); `fd` is moved in and stays open until then.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    };
+    for (n, args) in [
+        (2, &["--fabric", "ofi"][..]),
+        (4, &["--fabric", "ofi"][..]),
+        (4, &["--fabric", "ofi", "--kill", "2"][..]),
+    ] {
+        let (id, _root) = root();
+        let logs = run_ranks_allowing_kill(&exe, n, args, &id, &customize);
+        for (r, l) in logs.iter().enumerate() {
+            if args.contains(&"--kill") && r == 2 {
+                continue;
+            }
+            assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+        }
+    }
+}
+
+#[test]
+fn c11_engine_program_over_ascend_against_the_standin_runtime() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let home = out_dir().join("ascend-standin");
+    let lib64 = home.join("lib64");
+    std::fs::create_dir_all(&lib64).expect("stand-in directory");
+    let out = Command::new("gcc")
+        .args([
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-Wall",
+            "-fvisibility=hidden",
+            "-I",
+        ])
+        .arg(repo().join("xccl-sys/include"))
+        .arg("-o")
+        .arg(lib64.join("libascendcl.so"))
+        .arg(repo().join("tests/ascend_standin/acl_standin.c"))
+        .args(["-lpthread", "-lrt"])
+        .output()
+        .expect("running gcc");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let exe = compile(
+        &repo().join("tests/capi/capi_engine.c"),
+        "capi_engine_c_ascend",
+    );
+    let job_id = unique_job_id();
+    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+    let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
+    let prefix = format!("xccl-acl-c{}", std::process::id());
+    let customize = |_: usize, cmd: &mut Command| {
+        cmd.env("ASCEND_HOME_PATH", &home)
+            .env("ACL_STANDIN_SHM_PREFIX", &prefix)
+            .env_remove("ACL_STANDIN_FAIL");
+    };
+    let logs = run_ranks(&exe, 2, &["--fabric", "ascend"], &id, &customize);
+    for (r, l) in logs.iter().enumerate() {
+        assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+    }
+    let left = shm_entries(&format!("{prefix}-"));
+    assert!(left.is_empty(), "the stand-in left {left:?}");
+    // Without a runtime: xcclUnavailable naming the library and the variable to set.
+    let (id, _root) = UniqueId::start_root(bind, RootConfig::new(unique_job_id())).expect("root");
+    let cmds = (0..2)
+        .map(|r| {
+            let mut c = Command::new(&exe);
+            c.args([
+                "--fabric",
+                "ascend",
+                "--expect-unavailable",
+                "--id",
+                &id.to_string(),
+            ])
+            .args(["--rank", &r.to_string(), "--nranks", "2"])
+            .env("ASCEND_HOME_PATH", "/nonexistent-ascend-home");
+            c
+        })
+        .collect();
+    let logs = Ranks::spawn("capi_engine_no_ascend", cmds).expect_success(TIMEOUT);
+    for l in &logs {
+        assert!(
+            l.contains("libascendcl.so") && l.contains("ASCEND_HOME_PATH"),
+            "{l}"
+        );
+    }
+}
+
+/// Runs `exe` like [`run_ranks`]; with `--kill R` among the arguments rank R must die of
+/// SIGKILL and the others exit with 0.
+fn run_ranks_allowing_kill(
+    exe: &Path,
+    n: usize,
+    args: &[&str],
+    id: &UniqueId,
+    customize: &dyn Fn(usize, &mut Command),
+) -> Vec<String> {
+    let Some(k) = args.iter().position(|a| *a == "--kill") else {
+        return run_ranks(exe, n, args, id, customize);
+    };
+    let killed: usize = args[k + 1].parse().expect("--kill R");
+    let cmds = (0..n)
+        .map(|r| {
+            let mut c = Command::new(exe);
+            c.args(args)
+                .args(["--id", &id.to_string(), "--rank", &r.to_string()])
+                .args(["--nranks", &n.to_string()]);
+            customize(r, &mut c);
+            c
+        })
+        .collect();
+    let mut ranks = Ranks::spawn("capi_engine_kill", cmds);
+    let deadline = Instant::now() + TIMEOUT;
+    let mut status = vec![None; n];
+    while status.iter().any(Option::is_none) && Instant::now() < deadline {
+        for (i, (c, _)) in ranks.children.iter_mut().enumerate() {
+            if status[i].is_none() {
+                status[i] = c.try_wait().expect("try_wait");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let logs: Vec<String> = (ranks.children.iter())
+        .map(|(_, log)| std::fs::read_to_string(log).unwrap_or_default())
+        .collect();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status[killed].and_then(|s| s.signal()),
+        Some(libc::SIGKILL),
+        "rank {killed}: {}",
+        logs[killed]
+    );
+    for r in (0..n).filter(|&r| r != killed) {
+        assert!(
+            status[r].is_some_and(|s| s.success()),
+            "rank {r} ({:?}):\n{}",
+            status[r],
+            logs[r]
+        );
+        assert!(
+            logs[r].contains(&format!("shrunk to {} ranks", n - 1)),
+            "rank {r}: {}",
+            logs[r]
+        );
+    }
+    logs
+}
+
+#[test]
+fn c11_one_ranks_bad_or_different_config_fails_every_rank_at_once_naming_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(
+        &repo().join("tests/capi/capi_engine.c"),
+        "capi_engine_c_bad",
+    );
+    for args in [["--bad-rank", "2"], ["--mismatch-rank", "1"]] {
+        let job_id = unique_job_id();
+        let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+        let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("root");
+        let logs = run_ranks(&exe, 3, &args, &id, &|_, _| {});
+        for (r, l) in logs.iter().enumerate() {
+            assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
+            eprintln!(
+                "{}",
+                l.lines().find(|l| l.contains("init failed")).unwrap_or("")
+            );
+        }
+    }
 }

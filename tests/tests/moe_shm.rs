@@ -14,7 +14,7 @@ use xccl::testing::harness::{
     attention_round, expert_round, expert_round_tokens_with, Buffers, Workload,
 };
 use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
-use xccl_tests::{child_main, mixed_round, ChildCtx, Job};
+use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 
@@ -44,6 +44,9 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             round_trip(ctx, p(relays)?, p(rounds)?)
         }
         ["moe_kill"] => killed_expert(ctx),
+        ["tags_roles", rounds] => {
+            tagged_explicit_roles(ctx, rounds.parse().map_err(|e| format!("{e}"))?)
+        }
         _ => Err(format!("unknown scenario {scenario:?}")),
     }
 }
@@ -257,6 +260,108 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
     }
 }
 
+/// The tag attention rank `rank` puts on round `round` (the last round: [`u64::MAX`], stop).
+fn tag_of(round: u64, rounds: u64, rank: usize) -> u64 {
+    if round + 1 == rounds {
+        u64::MAX
+    } else {
+        (round + 1) << 32 | rank as u64
+    }
+}
+
+/// Explicit roles gathered at init (odd ranks attention, even ranks experts: not "attention
+/// first"), then tagged rounds: attention ranks poll `e2a_ready` before each E2A, expert ranks
+/// poll `a2e_ready` before each receive, check every source's tag, and end their loop on the
+/// stop tag. Experts echo their rows (topk 1, weight 1), so the E2A brings `x` back bit for bit.
+fn tagged_explicit_roles(ctx: &ChildCtx, rounds: u64) -> Result<(), String> {
+    let ex = ctx
+        .connect(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let mine = if ctx.rank % 2 == 1 {
+        Role::Attention
+    } else {
+        Role::Expert
+    };
+    let roles = xccl::bootstrap::gather_roles(&*ex, mine, Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let topo = xccl::TopologyBuilder::new(roles, 4)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let (hidden, tokens) = (8, 5);
+    let cfg = MoeConfig::new(hidden, DType::F32, 1, tokens);
+    let base = cfg.epoch_base;
+    let mut c = Communicator::init_shm(ex, Arc::new(topo), cfg).map_err(|e| e.to_string())?;
+    let attention: Vec<usize> = c.topology().attention_ranks().to_vec();
+    if c.role() != mine {
+        return Err(format!(
+            "rank {} has role {:?}, stated {mine:?}",
+            ctx.rank,
+            c.role()
+        ));
+    }
+    let poll = |what: &str, ready: &mut dyn FnMut() -> xccl::Result<bool>| {
+        let start = std::time::Instant::now();
+        while !ready().map_err(|e| e.to_string())? {
+            if start.elapsed() > Duration::from_secs(30) {
+                return Err(format!("{what} never ready"));
+            }
+            std::thread::yield_now();
+        }
+        Ok::<(), String>(())
+    };
+    if mine == Role::Attention {
+        for round in 0..rounds {
+            let x: Vec<f32> = (0..tokens * hidden)
+                .map(|i| (i as u64 * 7 + round * 131 + ctx.rank as u64) as f32)
+                .collect();
+            let idx: Vec<i32> = (0..tokens as i32).map(|t| (t + round as i32) % 4).collect();
+            c.set_next_a2e_tag(tag_of(round, rounds, ctx.rank));
+            let h = c
+                .a2e_send(&x, &idx, &vec![1.0; tokens])
+                .map_err(|e| e.to_string())?;
+            poll("E2A", &mut || c.e2a_ready(&h))?;
+            let mut out = vec![0f32; x.len()];
+            c.e2a_recv(&h, &mut out).map_err(|e| e.to_string())?;
+            if out.iter().zip(&x).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                return Err(format!("round {round}: the E2A is not the echo of the A2E"));
+            }
+        }
+        return Ok(());
+    }
+    let mut batch = ExpertBatch::new();
+    let mut seen = 0;
+    loop {
+        poll("A2E", &mut || c.a2e_ready())?;
+        c.a2e_recv(&mut batch).map_err(|e| e.to_string())?;
+        let round = batch.epoch() - base - 1;
+        seen += 1;
+        for s in batch.sources() {
+            if s.tag() != tag_of(round, rounds, s.rank()) {
+                return Err(format!(
+                    "round {round}: source {} tag {:#x}",
+                    s.rank(),
+                    s.tag()
+                ));
+            }
+        }
+        if batch.tag() != tag_of(round, rounds, attention[0]) {
+            return Err(format!("round {round}: call tag {:#x}", batch.tag()));
+        }
+        let rows = batch.rows::<f32>().map_err(|e| e.to_string())?.to_vec();
+        c.e2a_send(&batch, &rows).map_err(|e| e.to_string())?;
+        if batch.tag() == u64::MAX {
+            break;
+        }
+    }
+    if seen != rounds {
+        return Err(format!(
+            "the loop ended after {seen} calls, {rounds} were sent"
+        ));
+    }
+    announce("tagged loop ended by the stop tag");
+    Ok(())
+}
+
 fn run(m: usize, n: usize, rounds: usize, timeout_s: u64) {
     Job::spawn(ENTRY, &format!("moe:{m}:{n}:{rounds}"), m + n)
         .expect_success(Duration::from_secs(timeout_s));
@@ -290,6 +395,13 @@ fn int8_on_the_wire_over_shm_matches_the_quantizing_reference() {
 #[test]
 fn ten_thousand_back_to_back_rounds_with_random_token_counts() {
     run(2, 2, 10_000, 300);
+}
+
+#[test]
+fn explicit_roles_gathered_at_init_tags_end_the_expert_loop_and_ready_tests_poll_over_shm() {
+    let mut job = Job::spawn(ENTRY, "tags_roles:20", 4);
+    job.expect_success(Duration::from_secs(60));
+    assert!(job.output(0).contains("tagged loop ended by the stop tag"));
 }
 
 #[test]

@@ -13,8 +13,18 @@
 //! too. E2A completes in A2E order: a handle or batch of another call is an error naming both
 //! epochs. At most [`MoeConfig::max_in_flight`] calls may be between their A2E and their E2A on
 //! a rank; one more fails at once. A call with 0 tokens is an ordinary call (every pair still
-//! exchanges a record). An expert loop ends when the job's protocol says so (for example a
-//! shutdown flag in the caller's own control plane): xccl has no end-of-stream message.
+//! exchanges a record). An expert loop ends when the job's protocol says so: attention ranks
+//! put a user tag on each A2E ([`Communicator::set_next_a2e_tag`], for example the step number
+//! or a stop flag), and every expert rank reads it with the call's rows
+//! ([`crate::SourceInfo::tag`], [`ExpertBatch::tag`]).
+//!
+//! # Polling instead of blocking
+//! [`Communicator::e2a_ready`] and [`Communicator::a2e_ready`] say, without blocking, whether
+//! the next E2A receive of a handle or the next A2E receive would wait for a peer: a
+//! single-threaded engine overlaps communication with compute by polling them between kernels.
+//! Through relays a relay rank's A2E is ready only once its members' rows are in, and an
+//! expert rank's once every relay has forwarded (a relay forwards inside its own receive, so
+//! with several relays do not wait for `a2e_ready` on a relay before calling its receive).
 //!
 //! # What a failed call leaves
 //! - An error before the call published anything to a peer (bad arguments, wrong role or
@@ -53,8 +63,10 @@ use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
 
+pub(crate) mod agree;
 pub mod shrink;
-use shrink::{Origin, ShrinkInfo};
+pub(crate) use shrink::Origin;
+use shrink::ShrinkInfo;
 pub use shrink::{ShrinkOptions, ShrinkStep};
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
@@ -278,11 +290,45 @@ impl Communicator {
         topo: Arc<Topology>,
         cfg: MoeConfig,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = ShmFabric::new(exchange.clone(), len, Self::signal_slots(&topo))?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Shm(exchange);
-        Ok(comm)
+        let origin = Origin::Shm(exchange.clone());
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            Ok(Box::new(ShmFabric::new(exchange.clone(), len, slots)?))
+        })
+    }
+
+    /// Init over a bootstrap: the agreement round first ([`agree`]: every field that must be
+    /// equal compared by name on every rank, a rank's invalid config reported to all), then the
+    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure after the
+    /// agreement is broadcast as an abort naming this rank and its reason, so no peer waits for
+    /// it until its timeout.
+    pub(crate) fn init_agreed(
+        exchange: &Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+        origin: Origin,
+        fabric: &dyn Fn(usize, usize) -> Result<Box<dyn Fabric>>,
+    ) -> Result<Self> {
+        let rank = exchange.rank();
+        let timeout = cfg.timeout.max(Duration::from_secs(10));
+        let len = match Self::own_window_len(rank, &topo, &cfg) {
+            Ok(len) => len,
+            Err(e) => {
+                agree::report_failure(&**exchange, &e.to_string(), timeout);
+                return Err(e);
+            }
+        };
+        agree::agree(&**exchange, &topo, &cfg, timeout)?;
+        let built = fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::new(f, topo, cfg));
+        match built {
+            Ok(mut comm) => {
+                comm.origin = origin;
+                Ok(comm)
+            }
+            Err(e) => {
+                let _ = exchange.broadcast_abort(&format!("rank {rank}'s init failed: {e}"));
+                Err(e)
+            }
+        }
     }
 
     /// Joins a job over the libfabric fabric (`ofi`, ranks on any hosts): like
@@ -308,16 +354,12 @@ impl Communicator {
         cfg: MoeConfig,
         opts: &crate::fabric::ofi::OfiOptions,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = crate::fabric::ofi::OfiFabric::with_options(
-            exchange.clone(),
-            len,
-            Self::signal_slots(&topo),
-            opts,
-        )?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Ofi(exchange, opts.clone());
-        Ok(comm)
+        let origin = Origin::Ofi(exchange.clone(), opts.clone());
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            let f =
+                crate::fabric::ofi::OfiFabric::with_options(exchange.clone(), len, slots, opts)?;
+            Ok(Box::new(f))
+        })
     }
 
     /// Builds this rank's communicator over the Ascend fabric: its window in the device memory
@@ -332,11 +374,15 @@ impl Communicator {
         cfg: MoeConfig,
         device: i32,
     ) -> Result<Self> {
-        let len = Self::own_window_len(exchange.rank(), &topo, &cfg)?;
-        let fabric = AscendFabric::new(exchange.clone(), len, Self::signal_slots(&topo), device)?;
-        let mut comm = Self::new(Box::new(fabric), topo, cfg)?;
-        comm.origin = Origin::Ascend(exchange, device);
-        Ok(comm)
+        let origin = Origin::Ascend(exchange.clone(), device);
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            Ok(Box::new(AscendFabric::new(
+                exchange.clone(),
+                len,
+                slots,
+                device,
+            )?))
+        })
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
@@ -608,6 +654,20 @@ impl Communicator {
         }
     }
 
+    /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
+    /// publishes nothing and counts nothing in the stats.
+    fn probe<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.duplicate());
+        }
+        if let Some((by, reason)) = self.ctx.fabric.aborted() {
+            return Err(self.fail(Error::Aborted { by, reason }));
+        }
+        // Nothing of this look is a call: the last call's counters were copied already.
+        self.ctx.begin_call();
+        f(&self.ctx, &mut self.side).map_err(|e| self.fail(e))
+    }
+
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
     /// retried; returns `e` either way.
     fn fail(&mut self, e: Error) -> Error {
@@ -840,6 +900,45 @@ impl Communicator {
             dispatch.retire();
             Ok(())
         })
+    }
+
+    /// Whether the E2A of `handle` has fully arrived, without blocking (attention ranks):
+    /// `Ok(true)` means every contribution has landed, so the next [`Communicator::e2a_recv`]
+    /// of `handle` (any variant) returns without waiting for a peer. Errors follow
+    /// [`Communicator::e2a_recv`]'s rules: a wrong handle changes nothing; a dead peer or an
+    /// abort poisons the communicator. Polling counts nothing in the stats.
+    pub fn e2a_ready(&mut self, handle: &A2eHandle) -> Result<bool> {
+        self.probe(|ctx, side| match side {
+            Side::Attention { dispatch, .. } => {
+                CombineReceiver::ready(ctx, dispatch.oldest(ctx, handle)?)
+            }
+            Side::Expert { .. } => Err(wrong_role(ctx.rank, Role::Expert, "E2A test")),
+        })
+    }
+
+    /// Whether the next A2E receive has all its rows, without blocking (expert ranks):
+    /// `Ok(true)` means the next [`Communicator::a2e_recv`] (any variant) returns without
+    /// waiting for a peer (on a relay: its members' rows and the credits to forward them are
+    /// in). Errors follow the receive's rules: a dead peer, an abort or a bad record poisons
+    /// the communicator. Polling counts nothing in the stats.
+    pub fn a2e_ready(&mut self) -> Result<bool> {
+        self.probe(|ctx, side| match side {
+            Side::Expert { dispatch, .. } => dispatch.ready(ctx),
+            Side::Attention { .. } => Err(wrong_role(ctx.rank, Role::Attention, "A2E test")),
+        })
+    }
+
+    /// Sets the user tag this rank's next A2E call (any variant: [`Communicator::a2e_send`],
+    /// [`Communicator::a2e_send_input`], ...) carries to every expert rank it reaches, also
+    /// those it sends 0 rows to, and through relays. Expert ranks read it with
+    /// [`crate::SourceInfo::tag`] (and the call's first source's with
+    /// [`ExpertBatch::tag`], [`TokenBatch::tag`], [`TokenView::tag`]). The tag is consumed by
+    /// the call that publishes; a call that fails before publishing keeps it. Default 0 (each
+    /// call that set none carries 0). No effect on expert ranks.
+    pub fn set_next_a2e_tag(&mut self, tag: u64) {
+        if let Side::Attention { dispatch, .. } = &mut self.side {
+            dispatch.set_tag(tag);
+        }
     }
 
     /// A2E calls of this attention rank waiting for their E2A.

@@ -42,6 +42,8 @@ pub mod testing;
 pub mod topology;
 
 #[cfg(test)]
+mod api_tests;
+#[cfg(test)]
 mod comm_tests;
 
 pub use comm::{Communicator, ShrinkOptions, ShrinkStep};

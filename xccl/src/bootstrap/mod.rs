@@ -22,6 +22,7 @@ use crate::Result;
 
 pub mod env;
 mod generation;
+mod roles;
 pub mod root;
 mod tcp;
 mod thread;
@@ -30,6 +31,7 @@ pub(crate) mod wire;
 
 pub use env::{from_env, LaunchEnv, Launcher, JOB_ID_ENV, ROOT_ENV};
 pub use generation::{generation_job_id, Generation};
+pub use roles::gather_roles;
 pub use root::{RootConfig, RootHandle, RootReport};
 pub use tcp::{TcpBootstrap, QUERY_GRACE};
 pub use thread::ThreadExchange;

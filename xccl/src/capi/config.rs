@@ -6,18 +6,19 @@ use std::time::Duration;
 
 use super::Fail;
 use crate::moe::config::MAX_IN_FLIGHT;
-use crate::{DType, Error, MoeConfig, Quant, Topology, TopologyBuilder, TransferMode};
+use crate::{DType, Error, MoeConfig, Quant, Role, Topology, TopologyBuilder, TransferMode};
 
 /// `XCCL_CONFIG_MAGIC`: `"xccl"` read as a little-endian `u32`.
 pub const CONFIG_MAGIC: c_uint = 0x6c63_6378;
 /// `XCCL_CONFIG_VERSION`: the newest layout of [`xcclConfig_t`] this library reads (versions 1,
-/// without the INT8 fields, and 2, without `recvCapacity`, are read too).
-pub const CONFIG_VERSION: c_uint = 3;
+/// without the INT8 fields, 2, without `recvCapacity`, and 3, without `role`, `device`,
+/// `ofiProvider` and `ofiInterface`, are read too).
+pub const CONFIG_VERSION: c_uint = 4;
 /// `XCCL_CONFIG_UNDEF_INT`: an unset integer field.
 pub const UNDEF: c_int = c_int::MIN;
 
-/// The C `xcclConfig_t`, version 3 (field for field the header's struct; version 1 ends
-/// before `a2eQuant`, version 2 before `recvCapacity`).
+/// The C `xcclConfig_t`, version 4 (field for field the header's struct; version 1 ends
+/// before `a2eQuant`, version 2 before `recvCapacity`, version 3 before `role`).
 #[repr(C)]
 #[derive(Debug)]
 #[allow(non_camel_case_types, non_snake_case)]
@@ -63,6 +64,17 @@ pub struct xcclConfig_t {
     /// Version 3: rows an expert rank receives from one attention rank per call at most
     /// (`MoeConfig::recv_capacity`; 0 or unset: `maxTokensPerRank`).
     pub recvCapacity: c_int,
+    /// Version 4: this rank's `xcclRole_t`, gathered from every rank at init; unset: the
+    /// lowest `numAttentionRanks` ranks are attention ranks.
+    pub role: c_int,
+    /// Version 4: the NPU of this rank (fabric `"ascend"`); unset: 0.
+    pub device: c_int,
+    /// Version 4: libfabric provider (fabric `"ofi"`); NULL: `XCCL_OFI_PROVIDER`, else
+    /// `tcp;ofi_rxm`.
+    pub ofiProvider: *const c_char,
+    /// Version 4: local address selecting the interface (fabric `"ofi"`); NULL:
+    /// `XCCL_OFI_ADDR`, else the provider's first.
+    pub ofiInterface: *const c_char,
 }
 
 impl xcclConfig_t {
@@ -90,6 +102,21 @@ impl xcclConfig_t {
             e2aQuant: UNDEF,
             keepInt8: UNDEF,
             recvCapacity: UNDEF,
+            role: UNDEF,
+            device: UNDEF,
+            ofiProvider: std::ptr::null(),
+            ofiInterface: std::ptr::null(),
+        }
+    }
+
+    /// What `XCCL_CONFIG_INITIALIZER` gives: size, magic and version of this layout, every
+    /// other field unset.
+    pub(crate) fn initializer() -> Self {
+        xcclConfig_t {
+            size: std::mem::size_of::<xcclConfig_t>(),
+            magic: CONFIG_MAGIC,
+            version: CONFIG_VERSION,
+            ..Self::unset()
         }
     }
 }
@@ -102,10 +129,93 @@ pub const CONFIG_V1_SIZE: usize = std::mem::offset_of!(xcclConfig_t, a2eQuant);
 pub const CONFIG_V2_SIZE: usize = (std::mem::offset_of!(xcclConfig_t, recvCapacity))
     .next_multiple_of(std::mem::align_of::<xcclConfig_t>());
 
-/// What a config turns into.
+/// Bytes of a version 3 config: everything before `role`.
+pub const CONFIG_V3_SIZE: usize = std::mem::offset_of!(xcclConfig_t, role);
+
+/// The fabric a config asks for.
+#[derive(Clone, Debug)]
+pub(crate) enum FabricSpec {
+    /// Shared memory.
+    Shm,
+    /// libfabric with these options.
+    Ofi(crate::fabric::ofi::OfiOptions),
+    /// Ascend on this device.
+    Ascend(i32),
+}
+
+/// What a config turns into: everything but the topology, which needs the roles (gathered at
+/// init when the config sets `role`).
 pub(crate) struct Parsed {
-    pub topo: Topology,
+    /// This rank's explicit role, when the config sets one.
+    pub role: Option<Role>,
+    /// Attention and expert ranks as the config says (when set).
+    pub counts: (c_int, c_int),
+    pub nranks: usize,
+    pub num_experts: usize,
+    pub placement: Option<Vec<Vec<usize>>>,
     pub cfg: MoeConfig,
+    pub fabric: FabricSpec,
+    /// The config version the caller compiled against (it selects the layouts of the output
+    /// structs of version 1 to 3 callers, which have no `size` field).
+    pub version: c_uint,
+}
+
+impl Parsed {
+    /// The roles when the config sets none: the lowest `numAttentionRanks` ranks attend.
+    pub fn default_roles(&self) -> Vec<Role> {
+        let mut roles = vec![Role::Attention; self.counts.0 as usize];
+        roles.resize(self.nranks, Role::Expert);
+        roles
+    }
+
+    /// The topology over `roles` (rank order), checked against the config's counts and
+    /// placement, and the config checked against it.
+    pub fn topology(&self, roles: Vec<Role>) -> Result<Topology, Fail> {
+        let m = roles.iter().filter(|r| **r == Role::Attention).count() as c_int;
+        let e = roles.len() as c_int - m;
+        let (cm, ce) = self.counts;
+        if (cm != UNDEF && cm != m) || (ce != UNDEF && ce != e) {
+            return Err(Fail::invalid(format!(
+                "config.numAttentionRanks ({}) and config.numExpertRanks ({}) do not match the                  roles the ranks stated ({m} attention, {e} expert ranks)",
+                show(cm),
+                show(ce)
+            )));
+        }
+        let mut builder = TopologyBuilder::new(roles, self.num_experts);
+        if let Some(map) = &self.placement {
+            builder = builder.placement(map.clone());
+        }
+        let topo = builder
+            .build()
+            .map_err(|err| Fail::from_error(&err).prefixed("config placement"))?;
+        self.cfg
+            .validate(&topo)
+            .map_err(|err| Fail::from_error(&err).prefixed("config"))?;
+        Ok(topo)
+    }
+}
+
+fn show(v: c_int) -> String {
+    if v == UNDEF {
+        "unset".into()
+    } else {
+        v.to_string()
+    }
+}
+
+/// The NUL-terminated string field `name` at `p` (NULL: `None`).
+///
+/// # Safety
+/// `p`, when non-NULL, points to a NUL-terminated string.
+unsafe fn string_field(name: &str, p: *const c_char) -> Result<Option<String>, Fail> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-NULL; the header requires a NUL-terminated string.
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map(|s| Some(s.to_string()))
+        .map_err(|_| Fail::invalid(format!("config.{name} is not UTF-8")))
 }
 
 fn int_field(
@@ -157,6 +267,7 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
     let expected = match version {
         1 => CONFIG_V1_SIZE,
         2 => CONFIG_V2_SIZE,
+        3 => CONFIG_V3_SIZE,
         CONFIG_VERSION => std::mem::size_of::<xcclConfig_t>(),
         _ => {
             return Err(Fail::invalid(format!(
@@ -187,6 +298,12 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
         // so the version, not the size, says whether the field is there.
         local.recvCapacity = UNDEF;
     }
+    if version < 4 {
+        local.role = UNDEF;
+        local.device = UNDEF;
+        local.ofiProvider = std::ptr::null();
+        local.ofiInterface = std::ptr::null();
+    }
     let c = &local;
     let (a2e_quant, e2a_quant, keep_int8) = if version >= 2 {
         let quant = |name: &str, v: c_int| {
@@ -202,24 +319,49 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
         (Quant::None, Quant::None, false)
     };
     let n = nranks as c_int;
-    let (m, e) = match (c.numAttentionRanks, c.numExpertRanks) {
-        (UNDEF, UNDEF) => return Err(Fail::invalid(
-            "config.numAttentionRanks and config.numExpertRanks are both unset; set at least one",
-        )),
-        (UNDEF, e) => (
-            n.saturating_sub(e),
-            int_field("numExpertRanks", e, None, 1, n - 1)?,
-        ),
-        (m, UNDEF) => (int_field("numAttentionRanks", m, None, 1, n - 1)?, n - m),
-        (m, e) => (m, e),
+    let role = match (version >= 4).then_some(c.role) {
+        None | Some(UNDEF) => None,
+        Some(0) => Some(Role::Attention),
+        Some(1) => Some(Role::Expert),
+        Some(v) => {
+            return Err(Fail::invalid(format!(
+                "config.role = {v} is not an xcclRole_t (0 attention, 1 expert)"
+            )))
+        }
     };
-    int_field("numAttentionRanks", m, None, 1, n - 1)?;
-    int_field("numExpertRanks", e, None, 1, n - 1)?;
-    if m + e != n {
-        return Err(Fail::invalid(format!(
-            "config.numAttentionRanks ({m}) + config.numExpertRanks ({e}) != nranks ({n})"
-        )));
-    }
+    let (m, e) = if role.is_some() {
+        // Explicit roles: the counts, when set, are checked against the gathered roles.
+        for (name, v) in [
+            ("numAttentionRanks", c.numAttentionRanks),
+            ("numExpertRanks", c.numExpertRanks),
+        ] {
+            if v != UNDEF {
+                int_field(name, v, None, 1, n - 1)?;
+            }
+        }
+        (c.numAttentionRanks, c.numExpertRanks)
+    } else {
+        let (m, e) = match (c.numAttentionRanks, c.numExpertRanks) {
+            (UNDEF, UNDEF) => return Err(Fail::invalid(
+                "config.numAttentionRanks and config.numExpertRanks are both unset; set at least \
+                 one (or config.role on every rank)",
+            )),
+            (UNDEF, e) => (
+                n.saturating_sub(e),
+                int_field("numExpertRanks", e, None, 1, n - 1)?,
+            ),
+            (m, UNDEF) => (int_field("numAttentionRanks", m, None, 1, n - 1)?, n - m),
+            (m, e) => (m, e),
+        };
+        int_field("numAttentionRanks", m, None, 1, n - 1)?;
+        int_field("numExpertRanks", e, None, 1, n - 1)?;
+        if m + e != n {
+            return Err(Fail::invalid(format!(
+                "config.numAttentionRanks ({m}) + config.numExpertRanks ({e}) != nranks ({n})"
+            )));
+        }
+        (m, e)
+    };
     let num_experts = int_field("numExperts", c.numExperts, None, 1, 1 << 20)? as usize;
     let topk = int_field("topk", c.topk, None, 1, num_experts.min(1 << 10) as c_int)? as usize;
     let hidden = int_field("hidden", c.hidden, None, 1, 1 << 24)? as usize;
@@ -242,25 +384,37 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
         MAX_IN_FLIGHT as c_int,
     )?;
     let timeout = int_field("timeoutMs", c.timeoutMs, Some(30_000), 1, c_int::MAX)?;
-    let fabric = if c.fabric.is_null() {
-        "shm".to_string()
-    } else {
-        // SAFETY: non-NULL; the header requires a NUL-terminated string.
-        let s = unsafe { CStr::from_ptr(c.fabric) };
-        s.to_str()
-            .map_err(|_| Fail::invalid("config.fabric is not UTF-8"))?
-            .to_string()
+    // SAFETY: the header requires NUL-terminated strings (or NULL) in these fields.
+    let fabric_name = unsafe { string_field("fabric", c.fabric)? }.unwrap_or("shm".into());
+    let fabric = match fabric_name.as_str() {
+        "shm" => FabricSpec::Shm,
+        "ofi" => {
+            // SAFETY: as above (version 4 fields are unset, NULL, for older callers).
+            let (provider, addr) = unsafe {
+                (
+                    string_field("ofiProvider", c.ofiProvider)?,
+                    string_field("ofiInterface", c.ofiInterface)?,
+                )
+            };
+            FabricSpec::Ofi(crate::fabric::ofi::OfiOptions {
+                provider,
+                addr,
+                timeout: Duration::from_millis(timeout as u64).max(Duration::from_secs(10)),
+                ..Default::default()
+            })
+        }
+        "ascend" => FabricSpec::Ascend(int_field("device", c.device, Some(0), 0, 1 << 16)?),
+        _ => {
+            // Checked before any rendezvous, so every rank fails alike.
+            return Err(Fail::from_error(&Error::FabricUnavailable {
+                fabric: fabric_name,
+                detail: "unknown fabric (available: shm, ofi, ascend)".into(),
+            })
+            .prefixed("config.fabric"));
+        }
     };
-    // Checked before any rendezvous, so every rank fails alike and none waits for the others.
-    if fabric != "shm" {
-        return Err(Fail::from_error(&Error::FabricUnavailable {
-            fabric,
-            detail: "not available through the C ABI in this build (available: shm)".into(),
-        })
-        .prefixed("config.fabric"));
-    }
 
-    let mut builder = TopologyBuilder::contiguous(m as usize, e as usize, num_experts);
+    let mut placement = None;
     match (c.placementCounts.is_null(), c.placementRanks.is_null()) {
         (true, true) => {}
         (false, false) => {
@@ -268,10 +422,11 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             let counts =
                 unsafe { super::slice(c.placementCounts, num_experts, "config.placementCounts")? };
             let mut total = 0usize;
+            let most = if e == UNDEF { n - 1 } else { e };
             for (x, &k) in counts.iter().enumerate() {
-                if k < 1 || k > e {
+                if k < 1 || k > most {
                     return Err(Fail::invalid(format!(
-                        "config.placementCounts[{x}] = {k} is out of range (1..={e} replicas)"
+                        "config.placementCounts[{x}] = {k} is out of range (1..={most} replicas)"
                     )));
                 }
                 total += k as usize;
@@ -283,9 +438,11 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             for (x, &k) in counts.iter().enumerate() {
                 let mut hosts = Vec::with_capacity(k as usize);
                 for &r in &ranks[at..at + k as usize] {
-                    if r < m || r >= n {
+                    // With explicit roles the topology checks that `r` is an expert rank.
+                    let first = if role.is_some() { 0 } else { m };
+                    if r < first || r >= n {
                         return Err(Fail::invalid(format!(
-                            "config.placementRanks lists rank {r} for expert {x}; expert ranks are {m}..{n}"
+                            "config.placementRanks lists rank {r} for expert {x}; expert ranks are {first}..{n}"
                         )));
                     }
                     hosts.push(r as usize);
@@ -293,7 +450,7 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
                 at += k as usize;
                 map.push(hosts);
             }
-            builder = builder.placement(map);
+            placement = Some(map);
         }
         _ => {
             return Err(Fail::invalid(
@@ -301,9 +458,6 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             ))
         }
     }
-    let topo = builder
-        .build()
-        .map_err(|err| Fail::from_error(&err).prefixed("config placement"))?;
     let mut cfg = MoeConfig::new(hidden, dtype, topk, max_tokens);
     cfg.mode = mode;
     cfg.max_in_flight = in_flight as usize;
@@ -318,9 +472,21 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
         0,
         max_tokens.min(c_int::MAX as usize) as c_int,
     )? as usize;
-    cfg.validate(&topo)
-        .map_err(|err| Fail::from_error(&err).prefixed("config"))?;
-    Ok(Parsed { topo, cfg })
+    let parsed = Parsed {
+        role,
+        counts: (m, e),
+        nranks,
+        num_experts,
+        placement,
+        cfg,
+        fabric,
+        version,
+    };
+    if role.is_none() {
+        // Without explicit roles everything is known now: fail before any rendezvous.
+        parsed.topology(parsed.default_roles())?;
+    }
+    Ok(parsed)
 }
 
 #[cfg(test)]
@@ -369,5 +535,14 @@ mod tests {
         assert!(err.contains("recvCapacity"), "{err}");
         let err = parsed(&config(3, CONFIG_V1_SIZE, 4)).unwrap_err();
         assert!(err.contains("config.size"), "{err}");
+        assert_eq!(CONFIG_V3_SIZE, 96);
+        assert_eq!(full, 120);
+        let mut v3 = config(3, CONFIG_V3_SIZE, 4);
+        v3.role = 7; // past a version 3 struct: never read
+        assert_eq!(parsed(&v3).unwrap().recv_capacity, 4);
+        let mut v4 = config(4, full, 4);
+        v4.role = 7;
+        let err = parsed(&v4).unwrap_err();
+        assert!(err.contains("config.role"), "{err}");
     }
 }

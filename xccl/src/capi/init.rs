@@ -2,17 +2,20 @@
 //! destroy, abort, async error and the queries.
 
 use std::ffi::{c_char, c_int, CStr};
-use std::panic::catch_unwind;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::config::{self, xcclConfig_t};
 use super::*;
 use crate::bootstrap::{Exchange, TcpBootstrap, UniqueId};
+use crate::comm::shrink::Rebuild;
+use crate::comm::Origin;
+use crate::fabric::ascend::AscendFabric;
+use crate::fabric::ofi::OfiFabric;
 use crate::fabric::shm::ShmFabric;
 use crate::fabric::Fabric;
-use crate::{Communicator, Role};
+use crate::{Communicator, MoeConfig, Role, Topology};
 
 /// `xcclGetErrorString`: a static description of `result`.
 #[no_mangle]
@@ -32,19 +35,12 @@ pub extern "C" fn xcclGetErrorString(result: xcclResult_t) -> *const c_char {
     s.as_ptr()
 }
 
-/// `xcclGetLastError`: the last failure's message on `comm`, or on this thread when `comm` is
-/// NULL or not live. The string stays valid until this thread's next xccl call.
+/// `xcclGetLastError`: the message of this thread's last xccl call ("" when it succeeded).
+/// `comm` is not used (kept for the NCCL shape). The string stays valid until this thread's
+/// next xccl call.
 #[no_mangle]
 pub extern "C" fn xcclGetLastError(comm: *mut xcclComm) -> *const c_char {
-    let _ = catch_unwind(|| {
-        if comm.is_null() {
-            return;
-        }
-        if let Ok((_, c)) = lookup(comm) {
-            let msg = lock(&c.last_error).clone();
-            set_thread_error(&msg);
-        }
-    });
+    let _ = comm;
     LAST_ERROR.with(|l| l.borrow().as_ptr())
 }
 
@@ -85,40 +81,85 @@ pub unsafe extern "C" fn xcclGetUniqueId(uniqueId: *mut xcclUniqueId) -> xcclRes
     })
 }
 
-fn build(exchange: Arc<dyn Exchange>, parsed: config::Parsed) -> Result<Comm, Fail> {
-    let config::Parsed { topo, cfg } = parsed;
-    let rank = exchange.rank();
-    let lens = Communicator::window_lens(&topo, &cfg)?;
-    let shm: Arc<dyn Fabric> = Arc::new(ShmFabric::new(
-        exchange,
-        lens[rank],
-        Communicator::signal_slots(&topo),
-    )?);
-    let topo = Arc::new(topo);
-    let comm = Communicator::new(
-        Box::new(SharedFabric(shm.clone())),
-        topo.clone(),
-        cfg.clone(),
-    )?;
-    Ok(Comm {
-        rank,
-        nranks: topo.world_size(),
-        role: topo.role(rank),
-        local_experts: topo.local_experts(rank).to_vec(),
-        num_attention: topo.attention_ranks().len(),
-        max_tokens: cfg.max_tokens_per_rank,
-        recv_rows: cfg.recv_rows_per_source(),
-        topk: cfg.topk,
-        row_bytes: cfg.hidden * cfg.dtype.size(),
-        dtype: cfg.dtype,
-        comm: Mutex::new(comm),
-        fabric: shm,
-        aborted: AtomicBool::new(false),
-        first_error: Mutex::new(None),
-        last_error: Mutex::new(String::new()),
-        spare_expert: Mutex::new(Vec::new()),
-        spare_token: Mutex::new(Vec::new()),
+/// Builds this rank's communicator over `exchange` on the fabric `spec` asks for, its fabric
+/// shared with the C side (for `xcclCommAbort`), through the init agreement
+/// ([`Communicator::init_agreed`]). A shrink builds the next one the same way.
+pub(super) fn build_comm(
+    exchange: Arc<dyn Exchange>,
+    topo: Arc<Topology>,
+    cfg: MoeConfig,
+    spec: config::FabricSpec,
+    latest: Arc<Mutex<Option<Arc<dyn Fabric>>>>,
+) -> crate::Result<Communicator> {
+    let rebuild: Arc<Rebuild> = {
+        let (spec, latest) = (spec.clone(), latest.clone());
+        Arc::new(move |ex, topo, cfg| build_comm(ex, topo, cfg, spec.clone(), latest.clone()))
+    };
+    let origin = Origin::Built(exchange.clone(), rebuild);
+    Communicator::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+        let fabric: Arc<dyn Fabric> = match &spec {
+            config::FabricSpec::Shm => Arc::new(ShmFabric::new(exchange.clone(), len, slots)?),
+            config::FabricSpec::Ofi(opts) => {
+                Arc::new(OfiFabric::with_options(exchange.clone(), len, slots, opts)?)
+            }
+            config::FabricSpec::Ascend(device) => {
+                Arc::new(AscendFabric::new(exchange.clone(), len, slots, *device)?)
+            }
+        };
+        *lock(&latest) = Some(fabric.clone());
+        Ok(Box::new(SharedFabric(fabric)))
     })
+}
+
+/// Joins the job: parses `config`, rendezvous through `connect`, gathers the roles when the
+/// config sets one, builds the topology and the communicator. A rank whose config is invalid
+/// still joins the rendezvous (when it can) to tell every rank why, so no peer waits for it
+/// until its timeout.
+///
+/// # Safety
+/// As [`config::parse`].
+unsafe fn init(
+    config: *const xcclConfig_t,
+    nranks: usize,
+    connect: &dyn Fn(Duration) -> crate::Result<Arc<dyn Exchange>>,
+) -> Result<Comm, Fail> {
+    // SAFETY: the caller's contract.
+    let parsed = match unsafe { config::parse(config, nranks) } {
+        Ok(p) => p,
+        Err(fail) => {
+            let t = Duration::from_secs(10);
+            if let Ok(ex) = connect(t) {
+                crate::comm::agree::report_failure(&*ex, &format!("config: {}", fail.msg), t);
+            }
+            return Err(fail);
+        }
+    };
+    let timeout = parsed.cfg.timeout.max(Duration::from_secs(10));
+    let exchange = connect(timeout)?;
+    let roles = match parsed.role {
+        Some(mine) => crate::bootstrap::gather_roles(&*exchange, mine, timeout)?,
+        None => parsed.default_roles(),
+    };
+    let topo = match parsed.topology(roles) {
+        Ok(t) => t,
+        Err(fail) => {
+            let reason = format!("config: {}", fail.msg);
+            crate::comm::agree::report_failure(&*exchange, &reason, timeout);
+            return Err(fail);
+        }
+    };
+    let latest = Arc::new(Mutex::new(None));
+    let comm = build_comm(
+        exchange,
+        Arc::new(topo),
+        parsed.cfg.clone(),
+        parsed.fabric.clone(),
+        latest.clone(),
+    )?;
+    let fabric = lock(&latest)
+        .take()
+        .ok_or_else(|| Fail::new(XCCL_INTERNAL_ERROR, "init built no fabric"))?;
+    Ok(Comm::new(comm, fabric, parsed.version, latest))
 }
 
 pub(super) fn register(c: Comm) -> *mut xcclComm {
@@ -152,14 +193,20 @@ pub unsafe extern "C" fn xcclCommInitRankConfig(
                 "rank = {rank} is outside 0..{nranks}"
             )));
         }
-        // SAFETY: the caller's contract (see the function's docs).
-        let parsed = unsafe { config::parse(config, nranks as usize)? };
+        if config.is_null() {
+            return Err(Fail::invalid(
+                "config is NULL (start from XCCL_CONFIG_INITIALIZER)",
+            ));
+        }
         let bytes: Vec<u8> = commId.internal.iter().map(|&b| b as u8).collect();
         let id =
             UniqueId::from_bytes(&bytes).map_err(|e| Fail::from_error(&e).prefixed("commId"))?;
-        let timeout = parsed.cfg.timeout.max(Duration::from_secs(10));
-        let boot = TcpBootstrap::connect(&id, rank as usize, nranks as usize, timeout)?;
-        let c = build(Arc::new(boot), parsed)?;
+        let connect = |timeout| -> crate::Result<Arc<dyn Exchange>> {
+            let boot = TcpBootstrap::connect(&id, rank as usize, nranks as usize, timeout)?;
+            Ok(Arc::new(boot))
+        };
+        // SAFETY: the caller's contract (see the function's docs).
+        let c = unsafe { init(config, nranks as usize, &connect)? };
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(comm, register(c), "comm") }
     })
@@ -187,11 +234,10 @@ pub unsafe extern "C" fn xcclCommInitFromEnv(
                  torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), mpirun or srun plus XCCL_ROOT",
             )
         })?;
+        let connect =
+            |timeout| -> crate::Result<Arc<dyn Exchange>> { Ok(Arc::new(env.connect(timeout)?)) };
         // SAFETY: the caller's contract (see the function's docs).
-        let parsed = unsafe { config::parse(config, env.size)? };
-        let timeout = parsed.cfg.timeout.max(Duration::from_secs(10));
-        let boot = env.connect(timeout)?;
-        let c = build(Arc::new(boot), parsed)?;
+        let c = unsafe { init(config, env.size, &connect)? };
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(comm, register(c), "comm") }
     })
@@ -222,7 +268,9 @@ pub extern "C" fn xcclCommAbort(comm: *mut xcclComm) -> xcclResult_t {
             c.fabric.abort(&reason);
             lock(&c.first_error).get_or_insert((XCCL_ABORTED, format!("aborted: {reason}")));
             if let Ok(mut inner) = c.comm.try_lock() {
-                inner.abort(&reason);
+                if let Some(inner) = inner.as_mut() {
+                    inner.abort(&reason);
+                }
             }
         }
         Ok(())
@@ -239,7 +287,8 @@ pub unsafe extern "C" fn xcclCommGetAsyncError(
     comm: *mut xcclComm,
     asyncError: *mut xcclResult_t,
 ) -> xcclResult_t {
-    guard("xcclCommGetAsyncError", || {
+    let mut message = None;
+    let code = guard("xcclCommGetAsyncError", || {
         let (_, c) = lookup(comm)?;
         let found = lock(&c.first_error).clone().or_else(|| {
             if let Some((by, reason)) = c.fabric.aborted() {
@@ -252,14 +301,20 @@ pub unsafe extern "C" fn xcclCommGetAsyncError(
         });
         let code = match found {
             Some((code, msg)) => {
-                *lock(&c.last_error) = format!("async error: {msg}");
+                message = Some(format!("xcclCommGetAsyncError: async error: {msg}"));
                 code
             }
             None => XCCL_SUCCESS,
         };
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(asyncError, code, "asyncError") }
-    })
+    });
+    // A successful call that found an async error leaves its message (the one exception to
+    // "a success clears it").
+    if let (XCCL_SUCCESS, Some(msg)) = (code, message) {
+        set_thread_error(&msg);
+    }
+    code
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -26,9 +26,11 @@
 #![allow(non_camel_case_types, non_snake_case)]
 
 pub(crate) mod config;
+mod ext;
 mod init;
 mod moe;
 
+pub use ext::*;
 pub use init::*;
 pub use moe::*;
 
@@ -288,19 +290,56 @@ struct Comm {
     topk: usize,
     row_bytes: usize,
     dtype: DType,
-    comm: Mutex<Communicator>,
+    /// `None` once `xcclCommShrink` moved it into a new communicator.
+    comm: Mutex<Option<Communicator>>,
     fabric: Arc<dyn Fabric>,
+    /// The config version the caller compiled against: versions 1 to 3 get the output
+    /// structs of their layout (no `size` field); 4 and later say their size.
+    version: std::ffi::c_uint,
+    /// Where a shrink's rebuild leaves the new communicator's fabric.
+    rebuilt: Arc<Mutex<Option<Arc<dyn Fabric>>>>,
     /// Set by `xcclCommAbort`.
     aborted: AtomicBool,
     /// The first error that poisoned the communicator (code and message).
     first_error: Mutex<Option<(xcclResult_t, String)>>,
-    /// The message of the last failed call on this communicator.
-    last_error: Mutex<String>,
     /// Batches whose reply went out, reused by the next receive (their buffers keep their
     /// capacity, so steady-state receives do not allocate).
     spare_expert: Mutex<Vec<ExpertBatch>>,
     /// As `spare_expert`, token-major.
     spare_token: Mutex<Vec<TokenBatch>>,
+}
+
+impl Comm {
+    /// The C side of `comm`, whose fabric is `fabric` (shared, so that abort reaches it while a
+    /// call holds the communicator), for a caller of config version `version`.
+    fn new(
+        comm: Communicator,
+        fabric: Arc<dyn Fabric>,
+        version: std::ffi::c_uint,
+        rebuilt: Arc<Mutex<Option<Arc<dyn Fabric>>>>,
+    ) -> Comm {
+        let (topo, cfg, rank) = (comm.topology(), comm.config(), comm.rank());
+        Comm {
+            rank,
+            nranks: topo.world_size(),
+            role: topo.role(rank),
+            local_experts: topo.local_experts(rank).to_vec(),
+            num_attention: topo.attention_ranks().len(),
+            max_tokens: cfg.max_tokens_per_rank,
+            recv_rows: cfg.recv_rows_per_source(),
+            topk: cfg.topk,
+            row_bytes: cfg.hidden * cfg.dtype.size(),
+            dtype: cfg.dtype,
+            comm: Mutex::new(Some(comm)),
+            fabric,
+            version,
+            rebuilt,
+            aborted: AtomicBool::new(false),
+            first_error: Mutex::new(None),
+            spare_expert: Mutex::new(Vec::new()),
+            spare_token: Mutex::new(Vec::new()),
+        }
+    }
 }
 
 /// Keeps `batch` for the next receive (at most `MAX_IN_FLIGHT` spares).
@@ -340,16 +379,51 @@ struct ExpertBatchObj {
     batch: ExpertBatch,
     counts: Vec<usize>,
     offsets: Vec<usize>,
+    sources: Sources,
 }
 
 struct TokenBatchObj {
     comm: usize,
     batch: TokenBatch,
+    sources: Sources,
+}
+
+/// A batch's sources as the info structs point to them (attention ranks in rank order).
+#[derive(Default)]
+struct Sources {
+    ranks: Vec<u32>,
+    counts: Vec<usize>,
+    first: Vec<usize>,
+    tags: Vec<u64>,
+}
+
+impl Sources {
+    fn of(sources: &[crate::SourceInfo]) -> Self {
+        Sources {
+            ranks: sources.iter().map(|s| s.rank() as u32).collect(),
+            counts: sources.iter().map(|s| s.count()).collect(),
+            first: sources.iter().map(|s| s.first_token()).collect(),
+            tags: sources.iter().map(|s| s.tag()).collect(),
+        }
+    }
+}
+
+/// Bytes of the `xcclExpertBatchInfo_t` and `xcclTokenBatchInfo_t` a caller of config version
+/// 1 to 3 has (no `size` field): version 1 without `int8Rows` and `scales`.
+fn legacy_info_len(version: std::ffi::c_uint, fields_v1: usize) -> usize {
+    let word = std::mem::size_of::<usize>();
+    if version < 2 {
+        fields_v1 * word
+    } else {
+        (fields_v1 + 2) * word
+    }
 }
 
 /// `xcclExpertBatchInfo_t`.
 #[repr(C)]
 pub struct xcclExpertBatchInfo_t {
+    /// `sizeof(xcclExpertBatchInfo_t)`, set by the caller (config version 4 and later).
+    pub size: usize,
     /// Rows (received (token, local expert) pairs).
     pub numRows: usize,
     /// Received tokens.
@@ -372,11 +446,25 @@ pub struct xcclExpertBatchInfo_t {
     pub int8Rows: *const i8,
     /// With `keepInt8`: per-row scales; else NULL.
     pub scales: *const f32,
+    /// The call's tag (its lowest source's).
+    pub tag: u64,
+    /// Attention ranks (entries of the source arrays).
+    pub numSources: usize,
+    /// Per source: its rank.
+    pub sourceRanks: *const u32,
+    /// Per source: tokens received from it.
+    pub sourceCounts: *const usize,
+    /// Per source: index of its first token.
+    pub sourceFirstToken: *const usize,
+    /// Per source: its tag.
+    pub sourceTags: *const u64,
 }
 
 /// `xcclTokenBatchInfo_t`.
 #[repr(C)]
 pub struct xcclTokenBatchInfo_t {
+    /// `sizeof(xcclTokenBatchInfo_t)`, set by the caller (config version 4 and later).
+    pub size: usize,
     /// Received tokens.
     pub numTokens: usize,
     /// Stride of `localExperts` and `weights`.
@@ -397,6 +485,18 @@ pub struct xcclTokenBatchInfo_t {
     pub int8Rows: *const i8,
     /// With `keepInt8`: per-token scales; else NULL.
     pub scales: *const f32,
+    /// The call's tag (its lowest source's); 0 in an arrival callback.
+    pub tag: u64,
+    /// Attention ranks (entries of the source arrays); 0 in an arrival callback.
+    pub numSources: usize,
+    /// Per source: its rank.
+    pub sourceRanks: *const u32,
+    /// Per source: tokens received from it.
+    pub sourceCounts: *const usize,
+    /// Per source: index of its first token.
+    pub sourceFirstToken: *const usize,
+    /// Per source: its tag.
+    pub sourceTags: *const u64,
 }
 
 /// `xcclUniqueId`.
@@ -412,7 +512,10 @@ pub struct xcclUniqueId {
 fn guard(name: &str, f: impl FnOnce() -> Result<(), Fail>) -> xcclResult_t {
     let outcome = catch_unwind(AssertUnwindSafe(f));
     let fail = match outcome {
-        Ok(Ok(())) => return XCCL_SUCCESS,
+        Ok(Ok(())) => {
+            set_thread_error("");
+            return XCCL_SUCCESS;
+        }
         Ok(Err(fail)) => fail,
         Err(_) => Fail::new(XCCL_INTERNAL_ERROR, "internal error (panic); see stderr"),
     };
@@ -467,14 +570,23 @@ fn with_comm(
                 "the communicator was poisoned by an internal error (panic) in an earlier call",
             )
         })?;
-        let res = f(id, &c, &mut guard);
-        if let Some(e) = guard.poisoned() {
+        let Some(inner) = guard.as_mut() else {
+            return Err(Fail::usage(
+                "this communicator was shrunk into a new one (xcclCommShrink): use that one, \
+                 and destroy this one",
+            ));
+        };
+        let res = f(id, &c, inner);
+        if let Some(e) = inner.poisoned() {
             lock(&c.first_error).get_or_insert_with(|| (code_of(e), e.to_string()));
         }
         res
     }));
     let fail = match outcome {
-        Ok(Ok(())) => return XCCL_SUCCESS,
+        Ok(Ok(())) => {
+            set_thread_error("");
+            return XCCL_SUCCESS;
+        }
         Ok(Err(fail)) => fail,
         Err(_) => {
             let msg = "internal error (panic); the communicator is poisoned and the job aborted";
@@ -486,11 +598,7 @@ fn with_comm(
             Fail::new(XCCL_INTERNAL_ERROR, msg)
         }
     };
-    let msg = format!("{name}: {}", fail.msg);
-    if let Some(c) = &target {
-        *lock(&c.last_error) = msg.clone();
-    }
-    set_thread_error(&msg);
+    set_thread_error(&format!("{name}: {}", fail.msg));
     fail.code
 }
 

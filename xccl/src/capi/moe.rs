@@ -168,6 +168,7 @@ pub unsafe extern "C" fn xcclA2ERecv(
         let mut offsets = vec![0usize];
         offsets.extend((0..n).map(|j| b.expert_rows(j).end));
         let bid = next_id();
+        let sources = Sources::of(b.sources());
         lock(&EXPERT_BATCHES).insert(
             bid,
             ExpertBatchObj {
@@ -175,6 +176,7 @@ pub unsafe extern "C" fn xcclA2ERecv(
                 batch: b,
                 counts,
                 offsets,
+                sources,
             },
         );
         // SAFETY: the caller's contract (see the function's docs).
@@ -197,9 +199,12 @@ pub unsafe extern "C" fn xcclExpertBatchGetInfo(
         let o = map
             .get(&(batch as usize))
             .ok_or_else(|| Fail::usage("batch is not a live expert batch (replied to or freed)"))?;
+        let version = lock(&COMMS).get(&o.comm).map_or(0, |c| c.version);
         let b = &o.batch;
         let int8 = b.int8_rows();
+        let src = &o.sources;
         let i = xcclExpertBatchInfo_t {
+            size: std::mem::size_of::<xcclExpertBatchInfo_t>(),
             numRows: b.num_rows(),
             numTokens: b.num_tokens(),
             numLocalExperts: o.counts.len(),
@@ -215,9 +220,16 @@ pub unsafe extern "C" fn xcclExpertBatchGetInfo(
             weights: b.weight().as_ptr(),
             int8Rows: int8.map_or(std::ptr::null(), |(q, _)| q.as_ptr()),
             scales: int8.map_or(std::ptr::null(), |(_, s)| s.as_ptr()),
+            tag: b.tag(),
+            numSources: src.ranks.len(),
+            sourceRanks: src.ranks.as_ptr(),
+            sourceCounts: src.counts.as_ptr(),
+            sourceFirstToken: src.first.as_ptr(),
+            sourceTags: src.tags.as_ptr(),
         };
-        // SAFETY: the caller's contract (see the function's docs).
-        unsafe { put(info, i, "info") }
+        let legacy = legacy_info_len(version, 9);
+        // SAFETY: the caller's contract: its layout of the struct (see the function's docs).
+        unsafe { ext::write_sized(info, &i, version, legacy, "info") }
     })
 }
 
@@ -306,7 +318,15 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
         let bid = next_id();
-        lock(&TOKEN_BATCHES).insert(bid, TokenBatchObj { comm: id, batch: b });
+        let sources = Sources::of(b.sources());
+        lock(&TOKEN_BATCHES).insert(
+            bid,
+            TokenBatchObj {
+                comm: id,
+                batch: b,
+                sources,
+            },
+        );
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
@@ -327,15 +347,32 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
         let o = map
             .get(&(batch as usize))
             .ok_or_else(|| Fail::usage("batch is not a live token batch (replied to or freed)"))?;
-        // SAFETY: the caller's contract (see the function's docs).
-        unsafe { put(info, token_info(&o.batch), "info") }
+        let version = lock(&COMMS).get(&o.comm).map_or(0, |c| c.version);
+        let i = token_info(&o.batch, Some(&o.sources));
+        let legacy = legacy_info_len(version, 8);
+        // SAFETY: the caller's contract: its layout of the struct (see the function's docs).
+        unsafe { ext::write_sized(info, &i, version, legacy, "info") }
     })
 }
 
-/// What `b` holds, as pointers into it.
-fn token_info(b: &TokenBatch) -> xcclTokenBatchInfo_t {
+/// What `b` holds, as pointers into it (and into `sources`: none in an arrival callback).
+fn token_info(b: &TokenBatch, sources: Option<&Sources>) -> xcclTokenBatchInfo_t {
     let int8 = b.int8_rows();
+    let empty = Sources::default();
+    let src = sources.unwrap_or(&empty);
+    let (tag, n) = match sources {
+        Some(s) => (b.tag(), s.ranks.len()),
+        None => (0, 0),
+    };
+    let ptr = |n: usize, p: *const u8| if n == 0 { std::ptr::null() } else { p };
     xcclTokenBatchInfo_t {
+        size: std::mem::size_of::<xcclTokenBatchInfo_t>(),
+        tag,
+        numSources: n,
+        sourceRanks: ptr(n, src.ranks.as_ptr().cast()).cast(),
+        sourceCounts: ptr(n, src.counts.as_ptr().cast()).cast(),
+        sourceFirstToken: ptr(n, src.first.as_ptr().cast()).cast(),
+        sourceTags: ptr(n, src.tags.as_ptr().cast()).cast(),
         numTokens: b.num_tokens(),
         topk: b.topk,
         rows: if int8.is_some() {
@@ -399,15 +436,30 @@ pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
             return Err(Fail::invalid("onArrival is NULL"));
         };
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
+        let legacy = c.version < 4;
         inner.a2e_recv_tokens(&mut b, &mut |tb, range| {
-            let info = token_info(tb);
+            let info = token_info(tb, None);
+            // A caller of config version 1 to 3 reads its layout: the fields after `size`.
+            let at: *const xcclTokenBatchInfo_t = if legacy {
+                std::ptr::addr_of!(info.numTokens).cast()
+            } else {
+                &info
+            };
             let _inside = InCallback::enter(id);
-            // SAFETY: the caller's contract: `onArrival` may be called with `userData`; `info`
-            // points into `tb`, which is not touched while the callback runs.
-            unsafe { on_arrival(userData, &info, range.start, range.len()) };
+            // SAFETY: the caller's contract: `onArrival` may be called with `userData`; `at`
+            // points into `info`, which points into `tb`, untouched while the callback runs.
+            unsafe { on_arrival(userData, at, range.start, range.len()) };
         })?;
         let bid = next_id();
-        lock(&TOKEN_BATCHES).insert(bid, TokenBatchObj { comm: id, batch: b });
+        let sources = Sources::of(b.sources());
+        lock(&TOKEN_BATCHES).insert(
+            bid,
+            TokenBatchObj {
+                comm: id,
+                batch: b,
+                sources,
+            },
+        );
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })

@@ -28,26 +28,12 @@ fn pair() -> Vec<*mut xcclComm> {
                         cfg.clone(),
                     )
                     .unwrap();
-                    let rank = comm.rank();
-                    Comm {
-                        rank,
-                        nranks: 2,
-                        role: topo.role(rank),
-                        local_experts: topo.local_experts(rank).to_vec(),
-                        num_attention: 1,
-                        max_tokens: 2,
-                        recv_rows: 2,
-                        topk: 1,
-                        row_bytes: 16,
-                        dtype: DType::F32,
-                        comm: Mutex::new(comm),
+                    Comm::new(
+                        comm,
                         fabric,
-                        aborted: AtomicBool::new(false),
-                        first_error: Mutex::new(None),
-                        last_error: Mutex::new(String::new()),
-                        spare_expert: Mutex::new(Vec::new()),
-                        spare_token: Mutex::new(Vec::new()),
-                    }
+                        super::config::CONFIG_VERSION,
+                        Default::default(),
+                    )
                 })
             })
             .collect();
@@ -117,4 +103,148 @@ fn every_result_code_has_a_distinct_description() {
         .map(|c| unsafe { CStr::from_ptr(xcclGetErrorString(c)) })
         .collect();
     assert_eq!(names.len(), 9);
+}
+
+/// The library's `#[repr(C)]` structs against the header as a C compiler lays it out: every
+/// field's offset and size and every struct's size, as `_Static_assert`s compiled with gcc.
+#[test]
+fn rust_structs_have_the_layout_the_header_compiles_to() {
+    use std::mem::{offset_of, size_of};
+    let mut checks = String::new();
+    macro_rules! layout {
+        ($t:ident { $($f:ident),* $(,)? }) => {{
+            let s = stringify!($t);
+            checks.push_str(&format!(
+                "_Static_assert(sizeof({s}) == {}, \"sizeof {s}\");\n",
+                size_of::<$t>()
+            ));
+            $(
+                let f = stringify!($f);
+                checks.push_str(&format!(
+                    "_Static_assert(offsetof({s}, {f}) == {}, \"{s}.{f}\");\n",
+                    offset_of!($t, $f)
+                ));
+            )*
+        }};
+    }
+    use super::config::xcclConfig_t;
+    layout!(xcclUniqueId { internal });
+    layout!(xcclConfig_t {
+        size,
+        magic,
+        version,
+        numAttentionRanks,
+        numExpertRanks,
+        numExperts,
+        topk,
+        hidden,
+        maxTokensPerRank,
+        dtype,
+        transferMode,
+        maxInFlight,
+        timeoutMs,
+        fabric,
+        placementCounts,
+        placementRanks,
+        a2eQuant,
+        e2aQuant,
+        keepInt8,
+        recvCapacity,
+        role,
+        device,
+        ofiProvider,
+        ofiInterface,
+    });
+    layout!(xcclExpertBatchInfo_t {
+        size,
+        numRows,
+        numTokens,
+        numLocalExperts,
+        rows,
+        expertCounts,
+        expertOffsets,
+        srcRank,
+        srcToken,
+        weights,
+        int8Rows,
+        scales,
+        tag,
+        numSources,
+        sourceRanks,
+        sourceCounts,
+        sourceFirstToken,
+        sourceTags,
+    });
+    layout!(xcclTokenBatchInfo_t {
+        size,
+        numTokens,
+        topk,
+        rows,
+        srcRank,
+        srcToken,
+        expertCount,
+        localExperts,
+        weights,
+        int8Rows,
+        scales,
+        tag,
+        numSources,
+        sourceRanks,
+        sourceCounts,
+        sourceFirstToken,
+        sourceTags,
+    });
+    layout!(xcclPeerStats_t {
+        rowsSent,
+        rowsReceived,
+        bytesPut,
+        bytesGot,
+        waitedNs
+    });
+    layout!(xcclCallStats_t {
+        calls,
+        recordsWritten,
+        recordsPolled,
+        relayRowsForwarded,
+        droppedSlots,
+        slowestPeer,
+        straggler,
+        slowestWaitedNs,
+    });
+    layout!(xcclStats_t {
+        size,
+        peerCapacity,
+        lastPeers,
+        totalPeers,
+        numPeers,
+        last,
+        total
+    });
+    layout!(xcclShrinkOptions_t {
+        size,
+        dropOrphanedExperts,
+        timeoutMs
+    });
+    let dir = std::env::temp_dir().join(format!("xccl-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("layout.c");
+    std::fs::write(
+        &src,
+        format!(
+            "#include <stddef.h>\n#include \"xccl.h\"\n{checks}int main(void) {{ return 0; }}\n"
+        ),
+    )
+    .unwrap();
+    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/../include");
+    let out = std::process::Command::new("gcc")
+        .args(["-std=c11", "-fsyntax-only", "-I", include])
+        .arg(&src)
+        .output()
+        .expect("running gcc");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        out.status.success(),
+        "the library's structs differ from the header:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

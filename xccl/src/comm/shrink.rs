@@ -48,7 +48,7 @@ use crate::{Error, Result};
 
 /// How this communicator's fabric was built, so a shrink can build the next one alike.
 #[derive(Clone)]
-pub(super) enum Origin {
+pub(crate) enum Origin {
     /// [`Communicator::init_shm`].
     Shm(Arc<dyn Exchange>),
     /// [`Communicator::init_ofi_with`].
@@ -57,12 +57,20 @@ pub(super) enum Origin {
     Ascend(Arc<dyn Exchange>, i32),
     /// A fabric the caller built ([`Communicator::new`], [`Communicator::local_group`]).
     Fabric,
+    /// Built by a crate-internal builder (the C ABI's), which a shrink calls again.
+    Built(Arc<dyn Exchange>, Arc<Rebuild>),
 }
+
+/// How a crate-internal builder makes a communicator over a bootstrap (used again by a shrink).
+pub(crate) type Rebuild =
+    dyn Fn(Arc<dyn Exchange>, Arc<Topology>, MoeConfig) -> Result<Communicator> + Send + Sync;
 
 impl Origin {
     fn exchange(&self) -> Option<Arc<dyn Exchange>> {
         match self {
-            Origin::Shm(e) | Origin::Ofi(e, _) | Origin::Ascend(e, _) => Some(e.clone()),
+            Origin::Shm(e) | Origin::Ofi(e, _) | Origin::Ascend(e, _) | Origin::Built(e, _) => {
+                Some(e.clone())
+            }
             Origin::Fabric => None,
         }
     }
@@ -78,6 +86,7 @@ impl Origin {
             Origin::Shm(_) => Communicator::init_shm(exchange, topo, cfg),
             Origin::Ofi(_, opts) => Communicator::init_ofi_with(exchange, topo, cfg, opts),
             Origin::Ascend(_, device) => Communicator::init_ascend(exchange, topo, cfg, *device),
+            Origin::Built(_, build) => build(exchange, topo, cfg),
             Origin::Fabric => Err(not_shrinkable()),
         }
     }

@@ -61,6 +61,7 @@ pub struct SourceInfo {
     pub(crate) reply_offset: usize,
     pub(crate) first_token: usize,
     pub(crate) arrived_after: Duration,
+    pub(crate) tag: u64,
 }
 
 impl SourceInfo {
@@ -83,6 +84,13 @@ impl SourceInfo {
     pub fn arrived_after(&self) -> Duration {
         self.arrived_after
     }
+
+    /// The user tag this attention rank's A2E call carried
+    /// (`Communicator::set_next_a2e_tag`; 0 when it set none, and for a source outside the
+    /// call's DP domain, which sent nothing).
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
 }
 
 /// Fields every received batch has: which call it answers and where its tokens came from.
@@ -98,6 +106,15 @@ pub(crate) struct Received {
     pub(crate) arrival_order: Vec<u32>,
     /// Rows are kept as INT8 plus scales (`MoeConfig::keep_int8`), not in the dtype.
     pub(crate) int8: bool,
+    /// The call's tag: (attention index, tag) of its lowest source seen so far.
+    pub(crate) tag: Option<(usize, u64)>,
+}
+
+impl Received {
+    /// The tag of the call's first source (lowest attention rank taking part); 0 while empty.
+    pub(crate) fn call_tag(&self) -> u64 {
+        self.tag.map_or(0, |(_, t)| t)
+    }
 }
 
 /// The rows an expert rank received in one A2E call, grouped by local expert (expert-major).
@@ -158,6 +175,12 @@ impl ExpertBatch {
     /// The A2E epoch this batch came from (0 while empty).
     pub fn epoch(&self) -> u64 {
         self.recv.epoch
+    }
+
+    /// The user tag of the call: the tag its first source sent (the lowest attention rank
+    /// taking part in the call; see [`SourceInfo::tag`] for every source's). 0 while empty.
+    pub fn tag(&self) -> u64 {
+        self.recv.call_tag()
     }
 
     /// Hidden size of the rows.
@@ -246,6 +269,12 @@ impl TokenBatch {
         self.recv.epoch
     }
 
+    /// The user tag of the call: the tag its first source sent (the lowest attention rank
+    /// taking part in the call; see [`SourceInfo::tag`] for every source's). 0 while empty.
+    pub fn tag(&self) -> u64 {
+        self.recv.call_tag()
+    }
+
     /// Per token: the attention rank it came from.
     pub fn src_rank(&self) -> &[u32] {
         &self.src_rank
@@ -304,6 +333,7 @@ impl TokenBatch {
             sources: std::mem::take(&mut self.recv.sources),
             arrival_order: std::mem::take(&mut self.recv.arrival_order),
             int8: false,
+            tag: None,
         };
         self.recv.sources.clear();
         self.recv.arrival_order.clear();

@@ -370,6 +370,24 @@ pub(crate) struct CombineReceiver {
 }
 
 impl CombineReceiver {
+    /// Whether every contribution to the E2A of `sent` has landed, without waiting: then
+    /// [`CombineReceiver::recv`] of it waits for no peer.
+    pub(crate) fn ready(ctx: &Context, sent: &Sent) -> Result<bool> {
+        let epoch = sent.epoch;
+        let landed = |peer: usize, count: usize| {
+            let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(peer)), epoch);
+            Ok(p != Progress::NotYet && p.rows(count) >= count)
+        };
+        if let Some(plan) = ctx.topo.relay_plan() {
+            let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+            let relay = plan.relay_rank_of(index);
+            return ctx.all_done([relay], &|r| landed(r, sent.num_tokens));
+        }
+        ctx.all_done(ctx.experts().iter().copied(), &|d| {
+            landed(d, sent.layout.count(d))
+        })
+    }
+
     /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
     /// token from this rank's relay, copied as it is (or, INT8, dequantized and rounded once);
     /// then the relay is credited.
@@ -452,7 +470,7 @@ impl CombineReceiver {
         } else {
             ctx.get(ctx.rank, l.e2a_recv(buf), out)?;
         }
-        ctx.signal(relay, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        credit_after_receipt(ctx, relay, epoch)?;
         fault_point!("e2a.credit");
         Ok(())
     }
@@ -641,9 +659,20 @@ impl CombineReceiver {
             return Err(e);
         }
         for &d in experts {
-            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+            credit_after_receipt(ctx, d, epoch)?;
             fault_point!("e2a.credit");
         }
         Ok(())
+    }
+}
+
+/// Credits `peer` for E2A call `epoch`, whose every row has arrived. A peer that has left the
+/// job since (an expert rank whose loop ended with this reply, and which dropped its fabric)
+/// needs no credit, and the call has succeeded: that is not this call's failure (a peer that
+/// died instead is reported by the next call that waits for it).
+fn credit_after_receipt(ctx: &Context, peer: usize, epoch: u64) -> Result<()> {
+    match ctx.signal(peer, ctx.slots.e2a_credit(ctx.rank), epoch) {
+        Err(Error::PeerFailed { .. }) => Ok(()),
+        other => other,
     }
 }

@@ -269,6 +269,34 @@ impl Context {
             })
     }
 
+    /// Whether every peer of `peers` is done, by `done(peer)`, without waiting: a non-blocking
+    /// look for `e2a_ready` and `a2e_ready`. A peer not done is checked for liveness, and a dead
+    /// one is an error only if a second look still finds it not done (it may have left right
+    /// after its last signal).
+    pub(crate) fn all_done(
+        &self,
+        peers: impl IntoIterator<Item = usize>,
+        done: &dyn Fn(usize) -> Result<bool>,
+    ) -> Result<bool> {
+        let mut all = true;
+        for p in peers {
+            if done(p)? {
+                continue;
+            }
+            if let Err(e) = self.fabric.check_peer(p) {
+                if !done(p)? {
+                    return Err(e);
+                }
+                continue;
+            }
+            all = false;
+        }
+        if !all {
+            self.fabric.check_peers()?;
+        }
+        Ok(all)
+    }
+
     /// The call index of `epoch` (0 for the first call after `epoch_base`).
     pub(crate) fn call_of(&self, epoch: u64) -> u64 {
         epoch.wrapping_sub(self.cfg.epoch_base + 1)

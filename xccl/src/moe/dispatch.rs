@@ -70,6 +70,8 @@ pub(crate) struct DispatchSender {
     /// One encoded INT8 row (payload, scale, metadata).
     qrow: Vec<u8>,
     quant: Quantizer,
+    /// The user tag the next call carries to every expert rank it reaches.
+    tag: u64,
 }
 
 impl DispatchSender {
@@ -84,7 +86,13 @@ impl DispatchSender {
             row: Vec::new(),
             qrow: Vec::new(),
             quant: Quantizer::default(),
+            tag: 0,
         }
+    }
+
+    /// Sets the user tag of the next call that publishes (consumed by it).
+    pub(crate) fn set_tag(&mut self, tag: u64) {
+        self.tag = tag;
     }
 
     /// The epoch of this rank's next call: the next one, or with DP domains the next of its
@@ -307,6 +315,7 @@ impl DispatchSender {
         }
         self.input_epoch = None;
         self.write_all(ctx, &sent, epoch, payloads, mode)?;
+        self.tag = 0;
         self.last_epoch = epoch;
         let handle = A2eHandle {
             comm: ctx.id,
@@ -347,7 +356,8 @@ impl DispatchSender {
             let entries = plan.entries(d);
             let count = entries.len();
             // The record goes first: receivers may start on the first chunk.
-            let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8);
+            let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8)
+                .tagged(self.tag);
             ctx.put_record(d, layout.record(src_index, buf), &rec)?;
             fault_point!("a2e.record");
             if mode == WireMode::Gather {
@@ -418,7 +428,8 @@ impl DispatchSender {
         }
         ctx.put(relay, layout.relay_table(m, buf), &table)?;
         let count = plan_rows.total_entries();
-        let rec = Record::with_payload(epoch, count as u32, 0, WireMode::Push, int8);
+        let rec =
+            Record::with_payload(epoch, count as u32, 0, WireMode::Push, int8).tagged(self.tag);
         ctx.put_record(relay, layout.record(src_index, buf), &rec)?;
         fault_point!("a2e.record");
         let slot = ctx.slots.a2e_ready(ctx.rank);
@@ -865,6 +876,7 @@ impl Received {
             ..SourceInfo::default()
         }));
         self.arrival_order.clear();
+        self.tag = None;
     }
 
     /// Notes what an arrival says about its source (its record, its completion).
@@ -877,6 +889,11 @@ impl Received {
                     reply_offset: msg.rec.offset as usize,
                     first_token: 0,
                     arrived_after: Default::default(),
+                    tag: msg.rec.tag,
+                };
+                // The call's tag is its first source's (lowest attention rank in the call).
+                if self.tag.is_none_or(|(i, _)| msg.index < i) {
+                    self.tag = Some((msg.index, msg.rec.tag));
                 }
             }
             Arrival::Rows(..) => {}
@@ -1158,7 +1175,8 @@ impl DispatchReceiver {
                         e.offset as u32,
                         WireMode::Push,
                         e.int8,
-                    );
+                    )
+                    .tagged(e.tag);
                     messages[ai] = Some(Message {
                         index: ai,
                         src: attention[ai],
@@ -1198,6 +1216,58 @@ impl DispatchReceiver {
             return Err(e);
         }
         Ok(epoch)
+    }
+
+    /// Whether every row of the next call is in place, without waiting: then the next receive
+    /// (any variant) waits for no peer. On a relay this includes its members' rows and the
+    /// credits its forwarding needs.
+    pub(crate) fn ready(&self, ctx: &Context) -> Result<bool> {
+        let epoch = self.last_epoch + 1;
+        let l = &ctx.layout;
+        let buf = l.buffer(epoch);
+        let attention = ctx.attention();
+        // A source's message is complete when its progress covers its record's rows.
+        let complete = |src: usize, record_at: usize, max_rows: usize| -> Result<bool> {
+            match Progress::of(ctx.slot_value(ctx.slots.a2e_ready(src)), epoch) {
+                Progress::NotYet => Ok(false),
+                Progress::Done => Ok(true),
+                Progress::Rows(rows) => {
+                    let mut rec = Record::default();
+                    ctx.fabric
+                        .get(ctx.rank, record_at, bytemuck::bytes_of_mut(&mut rec))?;
+                    rec.validate(src, epoch, max_rows)?;
+                    Ok(rows >= rec.count as usize)
+                }
+            }
+        };
+        let index_of = |a: usize| attention.iter().position(|&x| x == a).expect("attention");
+        let Some(plan) = ctx.topo.relay_plan() else {
+            let part = ctx.call_sources(epoch).iter().map(|&i| attention[i]);
+            return ctx.all_done(part, &|a| {
+                complete(a, l.record(index_of(a), buf), l.recv_rows)
+            });
+        };
+        if let Some(k) = plan.relay_index(ctx.rank) {
+            let need =
+                super::progress::reuse_credit(epoch, ctx.cfg.epoch_base, ctx.cfg.max_in_flight);
+            let credited =
+                |d: usize| Ok(need.is_none_or(|n| ctx.slot_value(ctx.slots.a2e_credit(d)) >= n));
+            if !ctx.all_done(ctx.experts().iter().copied(), &credited)? {
+                return Ok(false);
+            }
+            let call = ctx.call_of(epoch);
+            let members = plan.members(k).iter().map(|&ai| attention[ai]);
+            let members = members.filter(|&a| ctx.topo.in_call(a, call));
+            let rows = l.attention_rows;
+            if !ctx.all_done(members, &|a| complete(a, l.record(index_of(a), buf), rows))? {
+                return Ok(false);
+            }
+        }
+        // This rank's own header (a relay's) is written by its own receive.
+        let others = plan.relays().iter().copied().filter(|&r| r != ctx.rank);
+        ctx.all_done(others, &|r| {
+            Ok(Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) != Progress::NotYet)
+        })
     }
 
     /// Marks call `epoch` received (its batch or view now answers it).

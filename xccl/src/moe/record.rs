@@ -60,10 +60,10 @@ pub struct Record {
     /// [`WireMode`] of this message in the low byte (0 push, 1 pull, 2 gather), plus
     /// [`INT8_FLAG`] when its payloads are INT8 with a scale.
     pub mode: u32,
-    /// Check word: a hash of every field above; catches torn and stale records.
+    /// Check word: a hash of every other field; catches torn and stale records.
     pub check: u32,
-    /// Reserved, zero.
-    pub reserved: u64,
+    /// The sender's user tag for this call (A2E: `Communicator::set_next_a2e_tag`; 0 elsewhere).
+    pub tag: u64,
 }
 
 impl Record {
@@ -86,10 +86,17 @@ impl Record {
             offset,
             mode: mode.into().code() | if int8 { INT8_FLAG } else { 0 },
             check: 0,
-            reserved: 0,
+            tag: 0,
         };
         r.check = r.expected_check();
         r
+    }
+
+    /// This record carrying the user tag `tag` (check word updated).
+    pub fn tagged(mut self, tag: u64) -> Self {
+        self.tag = tag;
+        self.check = self.expected_check();
+        self
     }
 
     pub(crate) fn expected_check(&self) -> u32 {
@@ -97,6 +104,7 @@ impl Record {
         h.u64(self.epoch);
         h.u64(u64::from(self.count) | u64::from(self.offset) << 32);
         h.u64(u64::from(self.mode));
+        h.u64(self.tag);
         let v = h.finish();
         (v ^ (v >> 32)) as u32
     }
@@ -165,10 +173,14 @@ mod tests {
             Err(Error::Protocol { peer: 1, .. })
         ));
         assert!(r.validate(1, 7, 2).is_err(), "count above capacity");
+        let t = r.tagged(u64::MAX - 3);
+        assert_eq!(t.validate(1, 7, 10).unwrap(), WireMode::Pull);
+        assert_eq!(t.tag, u64::MAX - 3);
         for torn in [
             Record { count: 4, ..r },
             Record { offset: 13, ..r },
             Record { mode: 0, ..r },
+            Record { tag: 5, ..r },
             // Differs from the expected epoch only above bit 32.
             Record {
                 epoch: 7 + (1 << 40),

@@ -66,6 +66,8 @@ pub(crate) struct MemberCall {
     pub(crate) tokens: Vec<u32>,
     /// The rows are INT8.
     pub(crate) int8: bool,
+    /// The member's user tag, forwarded in the headers.
+    pub(crate) tag: u64,
 }
 
 /// What a relay keeps of one A2E call until its E2A.
@@ -109,6 +111,8 @@ pub(crate) struct HeaderEntry {
     pub(crate) offset: usize,
     /// The rows are INT8.
     pub(crate) int8: bool,
+    /// The member's user tag.
+    pub(crate) tag: u64,
 }
 
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
@@ -157,6 +161,7 @@ pub(crate) fn read_header(
             count: word(0),
             offset: word(1),
             int8: word(2) & 1 != 0,
+            tag: u64::from_le_bytes(e[16..24].try_into().expect("8")),
         };
         if entry.count > max_tokens || entry.offset + entry.count > rows {
             return bad(format!(
@@ -217,6 +222,7 @@ impl Relay {
         for (mc, _) in call.members.iter_mut().zip(&done).filter(|(_, d)| **d) {
             mc.num_tokens = 0;
             mc.int8 = false;
+            mc.tag = 0;
             mc.counts.clear();
             mc.counts.resize(n, 0);
             mc.offsets.clear();
@@ -314,6 +320,7 @@ impl Relay {
                 for (w, v) in e.chunks_exact_mut(4).zip(words) {
                     w.copy_from_slice(&v.to_le_bytes());
                 }
+                e[16..24].copy_from_slice(&mc.tag.to_le_bytes());
             }
             let at = l.relay_header(k, buf);
             let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
@@ -587,6 +594,7 @@ fn begin_member(
     }
     mc.num_tokens = t_count;
     mc.int8 = rec.int8();
+    mc.tag = rec.tag;
     mc.counts.clear();
     mc.offsets.clear();
     mc.tokens.clear();

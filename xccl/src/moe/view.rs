@@ -139,6 +139,12 @@ impl<'c> TokenView<'c> {
         self.epoch
     }
 
+    /// The user tag of the call: the tag its first source sent (the lowest attention rank
+    /// taking part in the call; every source's is in [`TokenView::sources`]).
+    pub fn tag(&self) -> u64 {
+        self.meta.tag()
+    }
+
     /// Per-token metadata: `src_rank`, `src_token`, [`TokenBatch::experts_of`], `sources`
     /// (its rows are empty: read them with [`TokenView::row`]).
     pub fn meta(&self) -> &TokenBatch {

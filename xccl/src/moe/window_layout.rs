@@ -68,8 +68,9 @@ pub struct WindowLayout {
     relays: Option<(usize, usize, Vec<usize>)>,
 }
 
-/// Bytes of one relay-header entry: `(count, offset, flags, reserved)` as u32.
-pub const RELAY_ENTRY: usize = 16;
+/// Bytes of one relay-header entry: `(count, offset, flags, reserved)` as u32, then the
+/// member's user tag as u64.
+pub const RELAY_ENTRY: usize = 24;
 
 impl WindowLayout {
     /// Computes the layout for a topology and config.
