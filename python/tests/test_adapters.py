@@ -62,7 +62,9 @@ def afd_rank(rank: int, uid: str) -> None:
             sent = []
             for mb in range(2):
                 x, idx, w = inputs(step, mb, rank)
-                meta = AFDConnectorMetadata(layer_idx=3, stage_idx=mb, topk_idx=idx, topk_weights=w)
+                meta = AFDConnectorMetadata(
+                    layer_idx=3 + step, stage_idx=mb, topk_idx=idx, topk_weights=w
+                )
                 conn.send_attn_output(x, meta, ubatch_idx=mb)
                 try:
                     conn.send_attn_output(x, meta, ubatch_idx=mb)
@@ -83,6 +85,7 @@ def afd_rank(rank: int, uid: str) -> None:
                     _, idx, _ = inputs(step, mb, a)
                     want.append(sum(any(int(e) in local for e in row) for row in idx))
                 assert meta.seq_lens == want, (meta.seq_lens, want)
+                assert (meta.layer_idx, meta.stage_idx) == (3 + step, mb), meta
                 assert rows.shape == (sum(want), HIDDEN), (rows.shape, want)
                 assert set(meta.topk_idx[meta.topk_idx >= 0].tolist()) <= local
                 conn.send_ffn_output(expected(rows, meta.topk_idx, meta.topk_weights), meta)

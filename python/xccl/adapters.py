@@ -40,9 +40,9 @@ class AFDConnectorMetadata:
     FFN side: :meth:`AFDConnector.recv_attn_output` fills ``seq_lens`` (tokens received from
     each attention rank of the call, in rank order), ``topk_idx`` / ``topk_weights`` (per token
     the global ids of this rank's experts it selected and their weights, ``[N, k]`` padded with
-    -1 / 0.0) and ``handle`` (the batch to reply to). ``layer_idx`` and ``stage_idx`` are the
-    engine's own bookkeeping: they are not sent (xccl matches calls by order; the FFN side
-    leaves them 0).
+    -1 / 0.0), ``layer_idx`` / ``stage_idx`` (sent as the call's tag, ``stage_idx << 32 |
+    layer_idx``; those of the lowest attention rank of the call) and ``handle`` (the batch to
+    reply to).
     """
 
     layer_idx: int = 0
@@ -104,8 +104,13 @@ class AFDConnector:
             raise ValueError("send_attn_output needs metadata.topk_idx and metadata.topk_weights")
         if ubatch_idx in self._pending:
             raise ValueError(f"ubatch_idx {ubatch_idx} has a send whose output is not received")
+        if not (0 <= metadata.layer_idx < 1 << 32 and 0 <= metadata.stage_idx < 1 << 32):
+            raise ValueError(
+                f"layer_idx {metadata.layer_idx} / stage_idx {metadata.stage_idx} must fit 32 bits"
+            )
+        tag = metadata.stage_idx << 32 | metadata.layer_idx
         comm = self._comm()
-        handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights)
+        handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights, tag=tag)
         self._pending[ubatch_idx] = handle
         return handle
 
@@ -137,6 +142,8 @@ class AFDConnector:
         # Local expert indices -> global expert ids (-1 stays -1: it picks the appended -1).
         to_global = torch.tensor([*comm.local_experts, -1], dtype=torch.int64)
         meta = AFDConnectorMetadata(
+            layer_idx=batch.tag & 0xFFFF_FFFF,
+            stage_idx=batch.tag >> 32,
             seq_lens=[s["count"] for s in batch.sources],
             topk_idx=to_global[torch.from_dlpack(batch.expert_ids).to(torch.int64)],
             topk_weights=torch.from_dlpack(batch.expert_weights),
