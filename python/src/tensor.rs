@@ -1,6 +1,6 @@
 //! Tensors in: any object with `__dlpack__` (torch CPU tensors, numpy >= 1.22, JAX CPU arrays),
 //! numpy arrays of `ml_dtypes.bfloat16`, and (through numpy) any object with the buffer
-//! protocol. [`Tensor::import`] checks the device and the layout; the `expect_*` functions
+//! protocol. `Tensor::import` checks the device and the layout; the `expect_*` functions
 //! check dtype and shape against what a call needs, before anything is sent.
 
 use dlpark::ffi::{DLDataTypeCode, DLDevice, DLDeviceType};

@@ -30,7 +30,7 @@ class Job:
         self.procs = procs
         self.tmp = tmp
 
-    def wait(self, timeout: float = 90.0) -> list:
+    def wait(self, timeout: float = 240.0) -> list:
         """Each rank's result dict, or ``{"exit": code, "stderr": ...}`` for a rank that printed
         none."""
         deadline = time.monotonic() + timeout
@@ -111,7 +111,7 @@ def start(
     return Job(procs, tmp)
 
 
-def run(scenario: str, world: int, tmp, timeout: float = 90.0, **args) -> list:
+def run(scenario: str, world: int, tmp, timeout: float = 240.0, **args) -> list:
     """Starts the job and waits for every rank; fails naming a rank that exited non-zero."""
     results = start(scenario, world, tmp, **args).wait(timeout)
     for r, res in enumerate(results):

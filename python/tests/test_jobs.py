@@ -91,16 +91,21 @@ def test_every_misuse_is_a_clear_error_that_changes_nothing(tmp_path):
         assert res["failures"] == [], res["failures"]
 
 
-def test_a_rank_killed_mid_call_is_named_by_every_survivor(tmp_path):
+def test_a_rank_killed_mid_call_is_named_by_every_survivor_who_then_shrink_past_it(tmp_path):
     results = harness.start(
         "kill", 4, tmp_path, m=2, n=2, H=16, topk=2, E=4, max_tokens=4, dtype="f32"
-    ).wait(60)
+    ).wait(240)
     assert results[3]["exit"] == -signal.SIGKILL
     for r in range(3):
         res = results[r]
         assert res["exit"] == 0, res
         assert res["error"] == "PeerFailedError" and res["peer"] == 3, res
         assert res["poisoned"] and res["comm_poisoned"], res
+        # Then every survivor shrinks past it and a round runs on the new communicator.
+        assert res["closed_after_shrink"] and res["new_world"] == 3, res
+        assert res["new_rank"] == r and res["shrunk_past"] == [3], res
+        assert res["after_shrink_ok"], res
+    assert results[0]["dropped"] == 1 and results[1]["dropped"] == 1, results[:2]
 
 
 def test_ctrl_c_interrupts_a_blocked_call_within_the_bound(tmp_path):
@@ -115,7 +120,7 @@ def test_ctrl_c_interrupts_a_blocked_call_within_the_bound(tmp_path):
     job.wait_for_file("attention-waiting")
     time.sleep(0.3)
     sent_attention = job.signal(0)
-    attention, expert = job.wait(60)
+    attention, expert = job.wait(240)
     assert expert["exit"] == 0 and attention["exit"] == 0, (expert, attention)
     # Nothing published: KeyboardInterrupt, not poisoned, and the retried receive worked.
     assert expert["first"] == "KeyboardInterrupt", expert

@@ -98,3 +98,22 @@ def test_help_of_communicator_reads_like_the_rust_docs():
     ).stdout
     for words in ("a2e_send", "poisoned", "KeyboardInterrupt", "e2a_recv(self, /, handle"):
         assert words in text, words
+
+
+def test_the_stub_file_names_every_public_member_of_the_extension():
+    import ast
+
+    import xccl._xccl as ext
+
+    stub_path = Path(xccl.__file__).parent / "_xccl.pyi"
+    tree = ast.parse(stub_path.read_text())
+    stub = {
+        n.name: {f.name for f in n.body if isinstance(f, ast.FunctionDef)}
+        for n in tree.body
+        if isinstance(n, ast.ClassDef)
+    }
+    classes = {a for a in dir(ext) if isinstance(getattr(ext, a), type)}
+    assert classes == set(stub), classes ^ set(stub)
+    for name, members in stub.items():
+        real = {a for a in dir(getattr(ext, name)) if not a.startswith("_")}
+        assert {m for m in members if not m.startswith("_")} == real, (name, real ^ members)

@@ -471,6 +471,21 @@ def scenario_misuse():
             if polls is None:
                 failures.append("e2a_ready never became True")
             np.from_dlpack(comm.e2a_recv(h2))
+            stats = comm.stats()
+            if stats["calls"] != 1 or len(stats["peers"]) != 2 or comm.total_stats()["calls"] < 4:
+                failures.append(f"stats: {stats}")
+            if (
+                stats["peers"][1]["rows_received"] <= 0
+                or comm.total_stats()["peers"][1]["bytes_put"] <= 0
+            ):
+                failures.append(f"stats per peer: {comm.total_stats()}")
+            comm.abort("misuse test over")
+            try:
+                comm.a2e_send(xs, ids, w16)
+                failures.append("a call after abort() did not raise")
+            except xccl.AbortedError as e:
+                if (e.by, e.reason, e.poisoned) != (0, "misuse test over", True):
+                    failures.append(f"call after abort: {e.by}, {e.reason!r}, {e.poisoned}")
         else:
             batch = comm.a2e_recv()
             view = np.from_dlpack(batch.rows)
@@ -523,6 +538,12 @@ def scenario_misuse():
             comm.e2a_send(b2, o2)
             if not np.array_equal(view, before):
                 failures.append("a view of a batch's rows changed after the reply")
+            try:
+                comm.a2e_recv()
+                failures.append("a2e_recv returned after the attention rank aborted")
+            except xccl.AbortedError as e:
+                if (e.by, e.reason, e.poisoned) != (0, "misuse test over", True):
+                    failures.append(f"abort seen as {e.by}, {e.reason!r}, {e.poisoned}")
         result(role=comm.role, failures=failures)
 
 
@@ -564,13 +585,38 @@ def scenario_kill():
             comm.a2e_recv()
             result(error=None)
     except xccl.XcclError as e:
-        result(
-            error=type(e).__name__,
-            peer=e.peer,
-            poisoned=e.poisoned,
-            message=str(e),
-            comm_poisoned=comm.poisoned,
-        )
+        out = {
+            "error": type(e).__name__,
+            "peer": e.peer,
+            "poisoned": e.poisoned,
+            "message": str(e),
+            "comm_poisoned": comm.poisoned,
+        }
+        # The survivors go on: shrink past the dead rank (its experts 2 and 3 had no other
+        # replica: their selections are dropped) and run a round on the new communicator.
+        new = comm.shrink(drop_orphaned_experts=True, timeout=30)
+        out["closed_after_shrink"] = comm.closed
+        out["new_rank"] = new.rank
+        out["new_world"] = new.world_size
+        out["shrunk_past"] = new.shrunk_past()
+        with new:
+            if new.role == "attention":
+                x = np.full((2, a["H"]), 1.5, dtype=np.float32)
+                idx = np.array([[0, 2], [1, -1]], dtype=np.int64)
+                w = np.array([[0.5, 0.25], [2.0, 0.0]], dtype=np.float32)
+                got = np.from_dlpack(new.e2a_recv(new.a2e_send(x, idx, w)))
+                # Expert 2 is orphaned: token 0 gets only expert 0's 0.5 * 1.5 (identity
+                # experts), token 1 expert 1's 2.0 * 1.5.
+                out["after_shrink_ok"] = bool(
+                    np.array_equal(got[0], np.full(a["H"], 0.75, np.float32))
+                    and np.array_equal(got[1], np.full(a["H"], 3.0, np.float32))
+                )
+                out["dropped"] = new.total_stats()["dropped_slots"]
+            else:
+                b = new.a2e_recv()
+                new.e2a_send(b, torch.from_dlpack(b.rows).clone())
+                out["after_shrink_ok"] = True
+        result(**out)
 
 
 def scenario_sigint():
