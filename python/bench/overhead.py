@@ -11,6 +11,10 @@ repeat's p50 difference is one sample of the added cost.
 
     PYTHONPATH=<where xccl is installed> python python/bench/overhead.py --repeats 5
 
+On a loaded machine (more runnable processes than cores) a woken rank waits for a core and
+the round trip measures the scheduler; ``chrt -f 10 python ...`` runs both sides (every rank
+inherits it) at a real-time priority above the load, the same for Rust and Python.
+
 Four Python calls are on the path of one round trip (a2e_send, a2e_recv, e2a_send, e2a_recv);
 "per direction" is the added round trip divided by 2 (A2E and E2A).
 """
@@ -161,7 +165,9 @@ def main() -> int:
             rs, py = got["rust"][t]["p50"], got["python"][t]["p50"]
             line.append(f"T={t} rust {rs / 1e3:.2f} us python {py / 1e3:.2f} us")
         print(" ".join(line), flush=True)
-    print(f"load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs")
+    policy = {os.SCHED_OTHER: "normal", os.SCHED_FIFO: "SCHED_FIFO", os.SCHED_RR: "SCHED_RR"}
+    sched = policy.get(os.sched_getscheduler(0), "other")
+    print(f"load: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} CPUs, scheduling {sched}")
     for t in args.tokens:
         rs = [s["rust"][t]["p50"] / 1e3 for s in samples]
         py = [s["python"][t]["p50"] / 1e3 for s in samples]

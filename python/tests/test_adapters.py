@@ -1,15 +1,16 @@
 """xccl.adapters in real processes: vLLM's AFD connector and DeepEP's low-latency Buffer.
 
-Each test runs 2 attention + 2 expert ranks as processes of this file over shared memory
-(the unique id on stdin), 3 steps of 2 microbatches in flight with token counts that include
+Each test forks 2 attention + 2 expert ranks (processes, over shared memory; the unique id
+goes over a pipe), 3 steps of 2 microbatches in flight with token counts that include
 0. Hidden states are small integers, weights multiples of 1/4 and expert ``e`` computes
 ``(e + 1) * x``, so every combined row is exact in f32 and is compared bit for bit.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import multiprocessing
+import time
+import traceback
 
 import torch
 
@@ -61,8 +62,15 @@ def afd_rank(rank: int, uid: str) -> None:
             sent = []
             for mb in range(2):
                 x, idx, w = inputs(step, mb, rank)
-                meta = AFDConnectorMetadata(layer_idx=3, stage_idx=mb, topk_idx=idx, topk_weights=w)
+                meta = AFDConnectorMetadata(
+                    layer_idx=3 + step, stage_idx=mb, topk_idx=idx, topk_weights=w
+                )
                 conn.send_attn_output(x, meta, ubatch_idx=mb)
+                try:
+                    conn.send_attn_output(x, meta, ubatch_idx=mb)
+                    raise AssertionError("a second send under a pending ubatch_idx was accepted")
+                except ValueError:
+                    pass  # rejected before anything was sent
                 sent.append((x, idx, w))
             for mb, (x, idx, w) in enumerate(sent):
                 out = conn.recv_ffn_output(ubatch_idx=mb)
@@ -77,6 +85,7 @@ def afd_rank(rank: int, uid: str) -> None:
                     _, idx, _ = inputs(step, mb, a)
                     want.append(sum(any(int(e) in local for e in row) for row in idx))
                 assert meta.seq_lens == want, (meta.seq_lens, want)
+                assert (meta.layer_idx, meta.stage_idx) == (3 + step, mb), meta
                 assert rows.shape == (sum(want), HIDDEN), (rows.shape, want)
                 assert set(meta.topk_idx[meta.topk_idx >= 0].tolist()) <= local
                 conn.send_ffn_output(expected(rows, meta.topk_idx, meta.topk_weights), meta)
@@ -146,48 +155,53 @@ def deepep_rank(rank: int, uid: str) -> None:
     comm.close()
 
 
-def run_ranks(mode: str, timeout: float = 60.0) -> None:
-    root = xccl.UniqueId.new()  # the rendezvous root lives as long as this object
-    uid = str(root)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, mode, str(rank)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(WORLD)
-    ]
-    results = []
+def rank_entry(mode: str, rank: int, conn) -> None:
+    """A forked rank: gets the unique id over `conn`, runs, sends back None or the traceback."""
+    torch.set_num_threads(1)
     try:
-        for p in procs:
-            p.stdin.write(uid + "\n")
-            p.stdin.flush()  # communicate() closes it
-        for p in procs:
-            _, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, err))
+        {"afd": afd_rank, "deepep": deepep_rank}[mode](rank, conn.recv())
+        conn.send(None)
+    except BaseException:
+        conn.send(traceback.format_exc())
+        raise
+
+
+def run_ranks(mode: str, timeout: float = 60.0) -> None:
+    """Forks WORLD ranks of `mode` (torch is imported once, here) and fails with every rank's
+    traceback if any failed."""
+    ctx = multiprocessing.get_context("fork")  # forked before this process starts the root
+    procs, conns = [], []
+    for rank in range(WORLD):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=rank_entry, args=(mode, rank, theirs))
+        p.start()
+        procs.append(p)
+        conns.append(mine)
+    root = xccl.UniqueId.new()  # the rendezvous root lives as long as this object
+    failed = []
+    deadline = time.monotonic() + timeout
+    try:
+        for c in conns:
+            c.send(str(root))
+        for rank, (p, c) in enumerate(zip(procs, conns)):
+            if not c.poll(max(0.0, deadline - time.monotonic())):
+                failed.append(f"rank {rank}: no result within {timeout} s")
+                break
+            err = c.recv()
+            p.join(max(1.0, deadline - time.monotonic()))
+            if err is not None or p.exitcode != 0:
+                failed.append(f"rank {rank} (exit {p.exitcode}):\n{err}")
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.is_alive():
                 p.kill()
-                p.wait()
-    failed = [
-        f"rank {rank} exited with {rc}:\n{err}" for rank, (rc, err) in enumerate(results) if rc
-    ]
+                p.join()
     assert not failed, "\n".join(failed)
 
 
-def test_afd_connector_2a2e_two_microbatches_exact_with_seq_lens_per_attention_rank():
+def test_afd_connector_2a2e_two_microbatches_exact_seq_lens_and_rejected_resend():
     run_ranks("afd")
 
 
 def test_low_latency_buffer_2a2e_deepep_layout_counts_hook_and_rejected_misuse():
     run_ranks("deepep")
-
-
-if __name__ == "__main__":
-    mode, rank = sys.argv[1], int(sys.argv[2])
-    uid = sys.stdin.readline().strip()
-    torch.set_num_threads(1)
-    {"afd": afd_rank, "deepep": deepep_rank}[mode](rank, uid)

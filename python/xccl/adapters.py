@@ -40,9 +40,9 @@ class AFDConnectorMetadata:
     FFN side: :meth:`AFDConnector.recv_attn_output` fills ``seq_lens`` (tokens received from
     each attention rank of the call, in rank order), ``topk_idx`` / ``topk_weights`` (per token
     the global ids of this rank's experts it selected and their weights, ``[N, k]`` padded with
-    -1 / 0.0) and ``handle`` (the batch to reply to). ``layer_idx`` and ``stage_idx`` are the
-    engine's own bookkeeping: they are not sent (xccl matches calls by order; the FFN side
-    leaves them 0).
+    -1 / 0.0), ``layer_idx`` / ``stage_idx`` (sent as the call's tag, ``stage_idx << 32 |
+    layer_idx``; those of the lowest attention rank of the call) and ``handle`` (the batch to
+    reply to).
     """
 
     layer_idx: int = 0
@@ -102,22 +102,30 @@ class AFDConnector:
         :meth:`recv_ffn_output` takes (also remembered under ``ubatch_idx``)."""
         if metadata.topk_idx is None or metadata.topk_weights is None:
             raise ValueError("send_attn_output needs metadata.topk_idx and metadata.topk_weights")
+        if ubatch_idx in self._pending:
+            raise ValueError(f"ubatch_idx {ubatch_idx} has a send whose output is not received")
+        if not (0 <= metadata.layer_idx < 1 << 32 and 0 <= metadata.stage_idx < 1 << 32):
+            raise ValueError(
+                f"layer_idx {metadata.layer_idx} / stage_idx {metadata.stage_idx} must fit 32 bits"
+            )
+        tag = metadata.stage_idx << 32 | metadata.layer_idx
         comm = self._comm()
-        handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights)
+        handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights, tag=tag)
         self._pending[ubatch_idx] = handle
         return handle
 
     def recv_ffn_output(self, handle: Any = None, ubatch_idx: int | None = None) -> torch.Tensor:
         """Attention: waits for and returns the combined FFN output ``[T, hidden]`` of ``handle``
         (or of the last send under ``ubatch_idx``): the gating-weighted sum over the token's
-        experts."""
+        experts. A receive that failed and can be retried keeps the handle pending."""
         if handle is None:
             if ubatch_idx not in self._pending:
                 raise ValueError(f"no send_attn_output pending for ubatch_idx {ubatch_idx}")
-            handle = self._pending.pop(ubatch_idx)
-        elif self._pending.get(ubatch_idx) is handle:
+            handle = self._pending[ubatch_idx]
+        out = torch.from_dlpack(self._comm().e2a_recv(handle))
+        if self._pending.get(ubatch_idx) is handle:
             del self._pending[ubatch_idx]
-        return torch.from_dlpack(self._comm().e2a_recv(handle))
+        return out
 
     def recv_attn_output(
         self, timeout_ms: int | None = None, ubatch_idx: int | None = None
@@ -134,6 +142,8 @@ class AFDConnector:
         # Local expert indices -> global expert ids (-1 stays -1: it picks the appended -1).
         to_global = torch.tensor([*comm.local_experts, -1], dtype=torch.int64)
         meta = AFDConnectorMetadata(
+            layer_idx=batch.tag & 0xFFFF_FFFF,
+            stage_idx=batch.tag >> 32,
             seq_lens=[s["count"] for s in batch.sources],
             topk_idx=to_global[torch.from_dlpack(batch.expert_ids).to(torch.int64)],
             topk_weights=torch.from_dlpack(batch.expert_weights),
