@@ -325,7 +325,17 @@ impl Communicator {
                 Ok(comm)
             }
             Err(e) => {
-                let _ = exchange.broadcast_abort(&format!("rank {rank}'s init failed: {e}"));
+                // A death seen during init is reported as that death (every survivor names the
+                // dead rank, whichever noticed first); an abort received needs no echo.
+                let e = e.naming_the_dead();
+                let reason = match &e {
+                    Error::Aborted { .. } => None,
+                    Error::PeerFailed { .. } => Some(e.abort_reason(rank)),
+                    other => Some(format!("rank {rank}'s init failed: {other}")),
+                };
+                if let Some(reason) = reason {
+                    let _ = exchange.broadcast_abort(&reason);
+                }
                 Err(e)
             }
         }
