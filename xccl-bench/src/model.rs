@@ -17,9 +17,9 @@
 //! them), `own` the bytes it puts into its own window (a local copy), and `records` the records it writes (charged to the last hop it sends in) and
 //! polls (charged to the first hop it receives in). A hop takes `stage(h) = max_r work(r, h)`:
 //! senders and receivers stream concurrently (chunks with a progress signal each). A2E hops
-//! pipeline in both directions (a relay forwards A2E rows as they arrive, and reduces E2A
-//! replies and forwards the reduced rows chunk by chunk as they land), so a call takes
-//! `hops x latency + max_h stage(h)`. When ranks share `cores` CPUs (shm on this machine)
+//! pipeline (a relay forwards as rows arrive), so A2E takes `hops x latency + max_h stage(h)`;
+//! the relayed E2A does not (a relay reduces once every expert rank's replies are in), so it
+//! takes `hops x latency + sum_h stage(h)`. When ranks share `cores` CPUs (shm on this machine)
 //! the call takes at least `hops x latency + sum of all work / cores`.
 //!
 //! **Counts.** [`Counts`] is one call's traffic as the communicators counted it (`--stats`):
@@ -225,8 +225,13 @@ pub fn predict(p: &FabricParams, c: &Counts) -> Prediction {
         }
     }
     let lat = hops as f64 * p.latency_us;
-    // Both directions pipeline their hops (see the module docs).
-    let path = lat + stages.iter().copied().fold(0.0, f64::max);
+    let pipelined = c.direction == Direction::A2e || hops == 1;
+    let path = lat
+        + if pipelined {
+            stages.iter().copied().fold(0.0, f64::max)
+        } else {
+            stages.iter().sum()
+        };
     let cpu = p.cores.map_or(0.0, |n| lat + all / n);
     Prediction {
         hops,
@@ -681,7 +686,7 @@ mod tests {
     }
 
     #[test]
-    fn relayed_calls_pipeline_their_hops_both_ways() {
+    fn relayed_a2e_pipelines_its_hops_and_relayed_e2a_adds_them() {
         let c = relayed(Direction::A2e);
         assert_eq!((c.hop(0, 2), c.hop(2, 3), c.hop(2, 2)), (0, 1, 1));
         let p = predict(&UNIT, &c);
@@ -697,8 +702,10 @@ mod tests {
         let q = predict(&UNIT, &e);
         // Hop 0: rank 3 puts 1000 B + 1 record = 1.5; the relay receives 1000 B (1 us), copies
         // them (0.5 us), polls 2 (1 us) = 2.5. Hop 1: the relay puts 1000 B + writes 3 = 2.5.
-        // The relay reduces and forwards chunk by chunk: the slower hop, not their sum.
-        assert!((q.total_us - (2.0 + 2.5)).abs() < 1e-9, "pipelined: {q:?}");
+        assert!(
+            (q.total_us - (2.0 + 2.5 + 2.5)).abs() < 1e-9,
+            "summed: {q:?}"
+        );
     }
 
     #[test]

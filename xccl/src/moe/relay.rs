@@ -718,7 +718,10 @@ impl Reduction {
             // them (the one below, after the slice is gone), and with relays no other rank
             // writes the member's reply area.
             match unsafe { super::regions::exclusive(ctx, a, at, len)? } {
-                Some(dst) => self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?,
+                Some(dst) => {
+                    self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?;
+                    ctx.note_written(a, len);
+                }
                 None => {
                     let mut out = std::mem::take(&mut work.out);
                     out.resize(len, 0);
