@@ -123,6 +123,15 @@ impl Context {
         self.fabric.put(peer, offset, data)
     }
 
+    /// Counts `bytes` this rank wrote into `peer`'s window in place (through a slice of
+    /// `moe::regions`) as a `put` of them, and notes that the call has published.
+    pub(crate) fn note_written(&self, peer: usize, bytes: usize) {
+        self.published.set(true);
+        if let Some(p) = self.stats.borrow_mut().peers.get_mut(peer) {
+            p.bytes_put += bytes as u64;
+        }
+    }
+
     /// Puts `rec` at `offset` of `peer`'s window, counting a record written and its rows.
     pub(crate) fn put_record(&self, peer: usize, offset: usize, rec: &Record) -> Result<()> {
         {

@@ -17,14 +17,19 @@
 //! therefore polls one record per relay, not one per attention rank. The relay keeps the token
 //! index of every forwarded row for the E2A.
 //!
-//! E2A: every expert rank writes its replies for the tokens of relay `r`'s members into `r`'s
-//! member areas at the offsets the header named, then one record per relay. The relay
-//! ([`Relay::combine_e2a`], inside its own E2A send) waits for every expert rank, then for each
-//! member and token replays the attention side's arithmetic of the direct path exactly (see
-//! `moe::combine`): no contribution gives zeros, one is copied as it is, several are summed in
-//! f32 in ascending expert-rank order starting from the first, then rounded once. It forwards one
-//! fully reduced row per token; the attention rank copies it as it is. The result is therefore
-//! identical bit for bit to the direct path's.
+//! E2A: every expert rank writes one record per relay (the rows it sends through it), then its
+//! replies for the tokens of relay `r`'s members into `r`'s member areas at the offsets the
+//! header named, member after member, in chunks with a progress signal each. The relay
+//! ([`Relay::combine_e2a`], inside its own E2A send) reduces as the chunks land ([`Reduction`]):
+//! for each member and token it replays the attention side's arithmetic of the direct path
+//! exactly (see `moe::combine`): no contribution gives zeros, one is copied as it is, several are
+//! summed in f32 in ascending expert-rank order starting from the first, then rounded once. A
+//! contribution is summed once it has landed and the token's earlier ones are in; reply rows are
+//! read where they landed when this rank's window is mapped (no staging copy). Complete tokens go
+//! out in token order, a chunk at a time (the member's record first, a progress signal per
+//! chunk), written straight into the member's reply area when its window is mapped here; the
+//! attention rank copies each chunk as its signal arrives. The result is therefore identical bit
+//! for bit to the direct path's.
 //!
 //! Every record, route table and header is checked against the exact region it may address
 //! (counts against the member's token count and the area's rows, sums against the record, the
@@ -34,7 +39,7 @@
 //!
 //! INT8: A2E rows are forwarded as they are. INT8 E2A replies are summed as above after
 //! dequantization (`f32(q) * scale`), and a token with several contributions has its f32 sum
-//! quantized once more ([`Relay::reduce_member`]); the attention rank dequantizes it. That
+//! quantized once more ([`Reduction`]); the attention rank dequantizes it. That
 //! second quantization is the only difference from the direct INT8 path (within `scale' / 2`
 //! per element, `scale'` of the sum), and the reference replays it.
 //!
@@ -720,7 +725,10 @@ impl Reduction {
             // them (the one below, after the slice is gone), and with relays no other rank
             // writes the member's reply area.
             match unsafe { super::regions::exclusive(ctx, a, at, len)? } {
-                Some(dst) => self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?,
+                Some(dst) => {
+                    self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?;
+                    ctx.note_written(a, len);
+                }
                 None => {
                     let mut out = std::mem::take(&mut work.out);
                     out.resize(len, 0);
