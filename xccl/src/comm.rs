@@ -298,9 +298,9 @@ impl Communicator {
 
     /// Init over a bootstrap: the agreement round first ([`agree`]: every field that must be
     /// equal compared by name on every rank, a rank's invalid config reported to all), then the
-    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure after the
-    /// agreement is broadcast as an abort naming this rank and its reason, so no peer waits for
-    /// it until its timeout.
+    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure of this
+    /// rank's own after the agreement (not one naming a peer) is broadcast as an abort naming
+    /// this rank and its reason, so no peer waits for it until its timeout.
     pub(crate) fn init_agreed(
         exchange: &Arc<dyn Exchange>,
         topo: Arc<Topology>,
@@ -325,7 +325,20 @@ impl Communicator {
                 Ok(comm)
             }
             Err(e) => {
-                let _ = exchange.broadcast_abort(&format!("rank {rank}'s init failed: {e}"));
+                // A failure of this rank's own (its fabric could not open, a system error) is
+                // news to the peers; one that names a peer or the bootstrap, they see too, and
+                // an abort would hide the dead rank they should name.
+                let own = !matches!(
+                    e,
+                    Error::PeerFailed { .. }
+                        | Error::Aborted { .. }
+                        | Error::Protocol { .. }
+                        | Error::Timeout { .. }
+                        | Error::Bootstrap(_)
+                );
+                if own {
+                    let _ = exchange.broadcast_abort(&format!("rank {rank}'s init failed: {e}"));
+                }
                 Err(e)
             }
         }
