@@ -492,9 +492,9 @@ typedef struct {
  *  bootstrap, renumber the survivors densely in old rank order (xcclCommRankAfterShrink),
  *  serve the dead ranks' experts by their surviving replicas, and build a new communicator of
  *  the same fabric (shm or ofi; the bootstrap root's process must be alive), written to
- *  `*newcomm`. `options` may be NULL (defaults). `comm` is spent whatever the outcome: its
- *  handles and batches are freed, every later call on it but xcclCommDestroy (which the
- *  caller still calls) returns xcclInvalidUsage. Blocks until the survivors agreed and built
+ *  `*newcomm`. `options` may be NULL (defaults). Once the arguments are checked `comm` is spent
+ *  whatever the outcome: its handles and batches are freed, every later call on it but
+ *  xcclCommDestroy (which the caller still calls) returns xcclInvalidUsage. Blocks until the survivors agreed and built
  *  the new communicator. Errors: xcclInvalidArgument (NULL `newcomm`, a bad option),
  *  xcclInvalidUsage (destroyed or already shrunk `comm`), xcclRemoteError (an expert with no
  *  replica left, naming it; survivors that disagree), xcclSystemError (the bootstrap root is

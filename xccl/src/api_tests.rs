@@ -277,3 +277,30 @@ fn ready_tests_on_the_wrong_role_and_after_a_peer_left_are_errors() {
     }
     assert!(attn.poisoned().is_some());
 }
+
+#[test]
+fn a_wait_for_a_gone_bootstrap_root_names_the_root_and_its_address_not_rank_0() {
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = gone.local_addr().unwrap();
+    drop(gone);
+    let id = crate::bootstrap::UniqueId::from_parts(7, addr);
+    let err =
+        crate::bootstrap::TcpBootstrap::connect(&id, 1, 2, Duration::from_millis(200)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Timeout {
+                peer: crate::error::BOOTSTRAP_ROOT,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("waiting for the bootstrap root")
+            && msg.contains(&format!("the bootstrap root at {addr}"))
+            && !msg.contains("rank 0"),
+        "{msg}"
+    );
+}

@@ -298,9 +298,9 @@ impl Communicator {
 
     /// Init over a bootstrap: the agreement round first ([`agree`]: every field that must be
     /// equal compared by name on every rank, a rank's invalid config reported to all), then the
-    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure after the
-    /// agreement is broadcast as an abort naming this rank and its reason, so no peer waits for
-    /// it until its timeout.
+    /// fabric from `fabric(window_len, signal_slots)` and the communicator. A failure of this
+    /// rank's own after the agreement (not one naming a peer) is broadcast as an abort naming
+    /// this rank and its reason, so no peer waits for it until its timeout.
     pub(crate) fn init_agreed(
         exchange: &Arc<dyn Exchange>,
         topo: Arc<Topology>,
@@ -326,11 +326,17 @@ impl Communicator {
             }
             Err(e) => {
                 // A death seen during init is reported as that death (every survivor names the
-                // dead rank, whichever noticed first); an abort received needs no echo.
+                // dead rank, whichever noticed first). A failure of this rank's own (its fabric
+                // could not open, a system error) is news to the peers; a protocol error, a
+                // timeout or a bootstrap failure they see too, and an abort received needs no
+                // echo.
                 let e = e.naming_the_dead();
                 let reason = match &e {
-                    Error::Aborted { .. } => None,
                     Error::PeerFailed { .. } => Some(e.abort_reason(rank)),
+                    Error::Aborted { .. }
+                    | Error::Protocol { .. }
+                    | Error::Timeout { .. }
+                    | Error::Bootstrap(_) => None,
                     other => Some(format!("rank {rank}'s init failed: {other}")),
                 };
                 if let Some(reason) = reason {

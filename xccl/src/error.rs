@@ -18,9 +18,10 @@ pub enum Error {
     WrongRole(String),
 
     /// A wait passed its deadline before the peer it was waiting for made progress.
-    #[error("timed out after {waited:?} waiting for rank {peer}: {what}")]
+    #[error("timed out after {waited:?} waiting for {}: {what}", awaited(*peer))]
     Timeout {
-        /// The rank the wait was waiting for.
+        /// The rank the wait was waiting for ([`BOOTSTRAP_ROOT`] for the bootstrap root, which
+        /// is not a rank: its process may host any rank, or none).
         peer: usize,
         /// What was being waited for.
         what: String,
@@ -129,6 +130,19 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// The `peer` of a [`Error::Timeout`] whose wait was for the bootstrap root, not for a rank
+/// (messages then say "the bootstrap root", and `what` names its address).
+pub const BOOTSTRAP_ROOT: usize = usize::MAX;
+
+/// Who a wait waited for, as messages say it.
+fn awaited(peer: usize) -> String {
+    if peer == BOOTSTRAP_ROOT {
+        "the bootstrap root".into()
+    } else {
+        format!("rank {peer}")
+    }
 }
 
 impl Error {

@@ -184,7 +184,7 @@ impl TcpBootstrap {
                 }
                 Err(Handshake::TimedOut) => {
                     return Err(Error::Timeout {
-                        peer: 0,
+                        peer: crate::error::BOOTSTRAP_ROOT,
                         what: format!(
                             "the bootstrap root at {root} to accept the hello of rank {rank}"
                         ),
@@ -431,7 +431,7 @@ impl TcpBootstrap {
         drop(inbox);
         let Some(missing) = missing else {
             return Err(Error::Timeout {
-                peer: 0,
+                peer: crate::error::BOOTSTRAP_ROOT,
                 what: format!(
                     "bootstrap {what} round {round}: the root at {} did not say which ranks are missing",
                     self.root
@@ -729,7 +729,7 @@ fn connect_retrying(
         let remaining = deadline.saturating_duration_since(now);
         if remaining.is_zero() {
             return Err(Error::Timeout {
-                peer: 0,
+                peer: crate::error::BOOTSTRAP_ROOT,
                 what: format!("rank {rank} connecting to the bootstrap root at {root}"),
                 waited: start.elapsed(),
             });
