@@ -488,7 +488,7 @@ struct Plan {
 /// Shortest and longest spin budget; shortest time a slow yield is measured against.
 const MIN_SPIN_NS: u64 = 500;
 const MAX_WAKE_NS: u64 = 1_000_000;
-const MIN_SLOW_YIELD_NS: u64 = 50_000;
+const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
 /// Shortest and longest time without a yield phase after a slow yield.
@@ -600,7 +600,7 @@ impl WaitState {
             };
         Plan {
             spin_for: Duration::from_nanos(self.spin_budget()),
-            slow_yield: Duration::from_nanos((4 * wake).max(MIN_SLOW_YIELD_NS)),
+            slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
         }
     }
@@ -702,8 +702,8 @@ mod loom_tests;
 ///    a wake-up and doubles after one that ended just past it (as an adaptive mutex spins).
 ///    Where ranks outnumber cores, waits never end while spinning and the budget falls to 0.5 us.
 /// 2. **Yield**: `sched_yield` between polls for up to `yield_for`, which hands the core to a
-///    runnable peer on it at once. A yield that kept the core away for longer than 4 wake-ups
-///    (at least 50 us: another task ran its time slice) ends the phase, and waits skip it for the next 10 ms, doubling up to 1 s while later probes find
+///    runnable peer on it at once. A yield that kept the core away for longer than 16 wake-ups
+///    (at least 500 us: another task ran its time slice) ends the phase, and waits skip it for the next 10 ms, doubling up to 1 s while later probes find
 ///    yields slow (a wait with only quick yields halves the back-off): with busy processes
 ///    competing for the cores, yielding would hand them a slice of milliseconds per wait.
 /// 3. **Sleep** on the futex doorbell, in chunks of at most 20 ms (liveness and the deadline are
@@ -733,13 +733,12 @@ impl WaitPolicy {
         spin_iters: 64,
         yield_for: Duration::ZERO,
     };
-    /// More ranks than cores: a short spin (at most 256 polls, and the spin budget, which falls
-    /// to 0.5 us when waits never end while spinning), then `sched_yield` between polls (as Open
-    /// MPI's `mpi_yield_when_idle`) for up to 200 us, then sleep on the futex
-    /// (`XCCL_WAIT=yield`). The measured best when ranks outnumber cores
-    /// (`xccl-bench/README.md`, "Wait policy").
+    /// More ranks than cores: no busy-polling (a spinning waiter keeps the core from the peer
+    /// it waits for); `sched_yield` between polls (as Open MPI's `mpi_yield_when_idle`) for up
+    /// to 200 us, then sleep on the futex (`XCCL_WAIT=yield`). The measured best when ranks
+    /// outnumber cores (`xccl-bench/README.md`, "Wait policy").
     pub const OVERSUBSCRIBED: WaitPolicy = WaitPolicy {
-        spin_iters: 256,
+        spin_iters: 0,
         yield_for: Duration::from_micros(200),
     };
 
