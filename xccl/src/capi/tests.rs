@@ -278,10 +278,8 @@ fn queries_answer_while_a_call_blocks_and_other_calls_wait_for_it() {
         s.spawn(move || {
             let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
             // SAFETY: a valid out-pointer.
-            assert_eq!(
-                unsafe { xcclA2ERecv(e as *mut xcclComm, &mut b) },
-                XCCL_SUCCESS
-            );
+            let code = unsafe { xcclA2ERecv(e as *mut xcclComm, &mut b) };
+            assert_eq!(code, XCCL_SUCCESS);
             std::thread::sleep(Duration::from_millis(300));
             replied2.store(true, Ordering::SeqCst);
             let y = [2f32; 4];
