@@ -248,3 +248,86 @@ fn rust_structs_have_the_layout_the_header_compiles_to() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// What may run concurrently on one communicator, as the header says: a query answers while
+/// another thread is blocked in a call; any other call waits for it (here xcclCommGetStats, which
+/// then sees the counters of the call it waited for).
+#[test]
+fn queries_answer_while_a_call_blocks_and_other_calls_wait_for_it() {
+    use std::sync::atomic::AtomicBool;
+    let comms = pair();
+    let (a, e) = (comms[0] as usize, comms[1] as usize);
+    let (x, idx, w) = ([1f32; 4], [0i32], [1f32]);
+    let mut h: *mut xcclA2EHandle = std::ptr::null_mut();
+    // SAFETY: one token of 4 f32, one routing entry, a valid out-pointer.
+    let code = unsafe {
+        xcclA2ESend(
+            comms[0],
+            x.as_ptr().cast(),
+            1,
+            idx.as_ptr(),
+            w.as_ptr(),
+            &mut h,
+        )
+    };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(comms[0]));
+    let h = h as usize;
+    let replied = Arc::new(AtomicBool::new(false));
+    std::thread::scope(|s| {
+        let replied2 = replied.clone();
+        s.spawn(move || {
+            let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
+            // SAFETY: a valid out-pointer.
+            let code = unsafe { xcclA2ERecv(e as *mut xcclComm, &mut b) };
+            assert_eq!(code, XCCL_SUCCESS);
+            std::thread::sleep(Duration::from_millis(300));
+            replied2.store(true, Ordering::SeqCst);
+            let y = [2f32; 4];
+            // SAFETY: the batch's one row of 4 f32.
+            let code = unsafe { xcclE2ASend(e as *mut xcclComm, b, y.as_ptr().cast()) };
+            assert_eq!(code, XCCL_SUCCESS);
+        });
+        s.spawn(move || {
+            let mut out = [0f32; 4];
+            // SAFETY: one token of 4 f32 to write.
+            let code = unsafe {
+                xcclE2ARecv(
+                    a as *mut xcclComm,
+                    h as *mut xcclA2EHandle,
+                    out.as_mut_ptr().cast(),
+                )
+            };
+            assert_eq!(code, XCCL_SUCCESS);
+            assert_eq!(out, [2f32; 4]);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let mut n = 0;
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { xcclCommCount(comms[0], &mut n) }, XCCL_SUCCESS);
+        assert_eq!(n, 2);
+        assert!(
+            !replied.load(Ordering::SeqCst),
+            "the query waited for the blocked call"
+        );
+        let mut st = ext::xcclStats_t {
+            size: std::mem::size_of::<ext::xcclStats_t>(),
+            peerCapacity: 0,
+            lastPeers: std::ptr::null_mut(),
+            totalPeers: std::ptr::null_mut(),
+            numPeers: 0,
+            last: Default::default(),
+            total: Default::default(),
+        };
+        // SAFETY: a whole stats struct, no peer arrays.
+        assert_eq!(unsafe { xcclCommGetStats(comms[0], &mut st) }, XCCL_SUCCESS);
+        assert!(
+            replied.load(Ordering::SeqCst),
+            "GetStats did not wait for the blocked call"
+        );
+        assert!(
+            st.last.recordsPolled > 0,
+            "the stats are not those of the E2A it waited for"
+        );
+        assert_eq!(st.total.calls, 2);
+    });
+}
