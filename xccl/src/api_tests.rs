@@ -283,7 +283,8 @@ fn a_wait_for_a_gone_bootstrap_root_names_the_root_and_its_address_not_rank_0() 
     let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = gone.local_addr().unwrap();
     drop(gone);
-    let id = crate::bootstrap::UniqueId::from_parts(7, addr);
+    let key = crate::bootstrap::JobKey::random();
+    let id = crate::bootstrap::UniqueId::from_parts(7, &key, addr);
     let err =
         crate::bootstrap::TcpBootstrap::connect(&id, 1, 2, Duration::from_millis(200)).unwrap_err();
     assert!(
