@@ -556,8 +556,12 @@ xcclResult_t xcclE2ATest(xcclComm_t comm, xcclA2EHandle_t handle, int* done);
  *  xcclInvalidUsage (expert rank, destroyed communicator), xcclAborted. */
 xcclResult_t xcclA2ESetTag(xcclComm_t comm, uint64_t tag);
 
-/** Frees a handle without receiving its E2A (after a failure; a healthy job's experts would
- *  still send it). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (unknown or freed). */
+/** Frees a handle without receiving its E2A, after the communicator failed (poisoned) or was
+ *  aborted. On a healthy communicator a handle whose E2A is still to be received is refused
+ *  (xcclInvalidUsage, the handle stays valid): freeing it would leave the communicator and its
+ *  peers waiting for that E2A. Call xcclCommAbort first to give up on it. Errors:
+ *  xcclInvalidArgument (NULL), xcclInvalidUsage (unknown, freed, or live on a healthy
+ *  communicator). */
 xcclResult_t xcclA2EHandleFree(xcclA2EHandle_t handle);
 
 /** Zero-copy A2E, step 1: writes to `*input` the registered input of the next A2E call:
@@ -661,8 +665,10 @@ xcclResult_t xcclExpertBatchGetInfo(xcclExpertBatch_t batch, xcclExpertBatchInfo
  *  attention rank), xcclTimeout, xcclRemoteError, xcclAborted. */
 xcclResult_t xcclE2ASend(xcclComm_t comm, xcclExpertBatch_t batch, const void* expertOut);
 
-/** Frees a batch without replying (after a failure: the attention ranks of a healthy job wait
- *  for the reply). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (freed). */
+/** Frees a batch without replying, after the communicator failed (poisoned) or was aborted.
+ *  On a healthy communicator it is refused (xcclInvalidUsage, the batch stays valid): the
+ *  attention ranks wait for the reply. Call xcclCommAbort first to give up on it. Errors:
+ *  xcclInvalidArgument (NULL), xcclInvalidUsage (freed, or live on a healthy communicator). */
 xcclResult_t xcclExpertBatchFree(xcclExpertBatch_t batch);
 
 /** The tokens one A2E call brought to this expert rank, one row per token: opaque, an id.
@@ -756,7 +762,8 @@ xcclResult_t xcclE2AOutput(xcclComm_t comm, xcclTokenBatch_t batch, void** outpu
  *  Errors as xcclE2ASend. */
 xcclResult_t xcclE2ASendOutput(xcclComm_t comm, xcclTokenBatch_t batch);
 
-/** Frees a token batch without replying (after a failure). */
+/** Frees a token batch without replying, under the rule of xcclExpertBatchFree (refused with
+ *  xcclInvalidUsage while live on a healthy communicator). */
 xcclResult_t xcclTokenBatchFree(xcclTokenBatch_t batch);
 
 #ifdef __cplusplus

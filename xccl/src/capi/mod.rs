@@ -523,6 +523,31 @@ fn guard(name: &str, f: impl FnOnce() -> Result<(), Fail>) -> xcclResult_t {
     fail.code
 }
 
+/// Refuses to free `what` (of call `epoch`) while its communicator `owner` can still answer
+/// it: registered, not aborted, not poisoned. Freeing it then would leave this communicator
+/// stuck on the unanswered call and its peers waiting for a reply that never comes; once the
+/// communicator is aborted, poisoned or destroyed, freeing is allowed.
+fn refuse_if_answerable(owner: usize, what: &str, epoch: u64, instead: &str) -> Result<(), Fail> {
+    let Some(c) = lock(&COMMS).get(&owner).cloned() else {
+        return Ok(());
+    };
+    if c.aborted.load(Ordering::SeqCst) || lock(&c.first_error).is_some() {
+        return Ok(());
+    }
+    // Shrunk into a new communicator: this one answers nothing any more. (`try_lock`: a call
+    // in progress holds the lock, and the communicator is then certainly not shrunk.)
+    if let Ok(inner) = c.comm.try_lock() {
+        if inner.is_none() {
+            return Ok(());
+        }
+    }
+    Err(Fail::usage(format!(
+        "{what} of call epoch {epoch} on rank {} is still live: {instead}, or abort the \
+         communicator first (xcclCommAbort); it stays valid",
+        c.rank
+    )))
+}
+
 fn lookup(comm: *mut xcclComm) -> Result<(usize, Arc<Comm>), Fail> {
     if comm.is_null() {
         return Err(Fail::invalid("comm is NULL"));

@@ -138,12 +138,19 @@ pub unsafe extern "C" fn xcclE2ARecv(
 pub extern "C" fn xcclA2EHandleFree(handle: *mut xcclA2EHandle) -> xcclResult_t {
     guard("xcclA2EHandleFree", || {
         check_ptr(handle, "handle")?;
-        lock(&HANDLES)
-            .remove(&(handle as usize))
-            .map(drop)
-            .ok_or_else(|| {
-                Fail::usage("handle is not a live A2E handle (already received or freed)")
-            })
+        let key = handle as usize;
+        let gone = || Fail::usage("handle is not a live A2E handle (already received or freed)");
+        let (owner, epoch) = lock(&HANDLES)
+            .get(&key)
+            .map(|(owner, h)| (*owner, h.epoch()))
+            .ok_or_else(gone)?;
+        refuse_if_answerable(
+            owner,
+            "the A2E handle",
+            epoch,
+            "receive its E2A (xcclE2ARecv)",
+        )?;
+        lock(&HANDLES).remove(&key).map(drop).ok_or_else(gone)
     })
 }
 
@@ -297,10 +304,22 @@ fn bytemuck_cast<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T], Fail> {
 pub extern "C" fn xcclExpertBatchFree(batch: *mut xcclExpertBatch) -> xcclResult_t {
     guard("xcclExpertBatchFree", || {
         check_ptr(batch, "batch")?;
+        let key = batch as usize;
+        let gone = || Fail::usage("batch is not a live expert batch (replied to or freed)");
+        let (owner, epoch) = lock(&EXPERT_BATCHES)
+            .get(&key)
+            .map(|b| (b.comm, b.batch.epoch()))
+            .ok_or_else(gone)?;
+        refuse_if_answerable(
+            owner,
+            "the expert batch",
+            epoch,
+            "reply to it (xcclE2ASend)",
+        )?;
         lock(&EXPERT_BATCHES)
-            .remove(&(batch as usize))
+            .remove(&key)
             .map(drop)
-            .ok_or_else(|| Fail::usage("batch is not a live expert batch (replied to or freed)"))
+            .ok_or_else(gone)
     })
 }
 
@@ -557,9 +576,18 @@ pub extern "C" fn xcclE2ASendOutput(
 pub extern "C" fn xcclTokenBatchFree(batch: *mut xcclTokenBatch) -> xcclResult_t {
     guard("xcclTokenBatchFree", || {
         check_ptr(batch, "batch")?;
-        lock(&TOKEN_BATCHES)
-            .remove(&(batch as usize))
-            .map(drop)
-            .ok_or_else(|| Fail::usage("batch is not a live token batch (replied to or freed)"))
+        let key = batch as usize;
+        let gone = || Fail::usage("batch is not a live token batch (replied to or freed)");
+        let (owner, epoch) = lock(&TOKEN_BATCHES)
+            .get(&key)
+            .map(|b| (b.comm, b.batch.epoch()))
+            .ok_or_else(gone)?;
+        refuse_if_answerable(
+            owner,
+            "the token batch",
+            epoch,
+            "reply to it (xcclE2ASendTokens or xcclE2ASendOutput)",
+        )?;
+        lock(&TOKEN_BATCHES).remove(&key).map(drop).ok_or_else(gone)
     })
 }

@@ -331,3 +331,57 @@ fn queries_answer_while_a_call_blocks_and_other_calls_wait_for_it() {
         assert_eq!(st.total.calls, 2);
     });
 }
+
+#[test]
+fn a_live_handle_or_batch_cannot_be_freed_on_a_healthy_communicator_but_can_after_an_abort() {
+    let comms = pair();
+    let (attn, expert) = (comms[0], comms[1]);
+    let x = [1.0f32; 4];
+    let (idx, w) = ([0i32], [1.0f32]);
+    let mut h: *mut xcclA2EHandle = std::ptr::null_mut();
+    // SAFETY: one token of 4 f32, top-1 routing arrays of one entry; `h` is a valid out-pointer.
+    let code = unsafe { xcclA2ESend(attn, x.as_ptr().cast(), 1, idx.as_ptr(), w.as_ptr(), &mut h) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
+    // Freeing the live handle is refused, naming the epoch, and the handle stays valid.
+    assert_eq!(xcclA2EHandleFree(h), XCCL_INVALID_USAGE);
+    assert!(last_error(attn).contains("epoch 1"), "{}", last_error(attn));
+    let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let code = unsafe { xcclA2ERecv(expert, &mut b) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(expert));
+    assert_eq!(xcclExpertBatchFree(b), XCCL_INVALID_USAGE);
+    assert!(
+        last_error(expert).contains("still live"),
+        "{}",
+        last_error(expert)
+    );
+    // Both still complete the call: the reply goes out and the E2A lands.
+    let y = [2.0f32; 4];
+    // SAFETY: one row of 4 f32 for the batch's one row.
+    let code = unsafe { xcclE2ASend(expert, b, y.as_ptr().cast()) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(expert));
+    let mut out = [0.0f32; 4];
+    // SAFETY: `out` holds one token of 4 f32.
+    let code = unsafe { xcclE2ARecv(attn, h, out.as_mut_ptr().cast()) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
+    assert_eq!(out, [2.0f32; 4]);
+    // After an abort a live handle may be freed.
+    let mut h2: *mut xcclA2EHandle = std::ptr::null_mut();
+    // SAFETY: as above.
+    let code = unsafe {
+        xcclA2ESend(
+            attn,
+            x.as_ptr().cast(),
+            1,
+            idx.as_ptr(),
+            w.as_ptr(),
+            &mut h2,
+        )
+    };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
+    assert_eq!(xcclCommAbort(attn), XCCL_SUCCESS);
+    assert_eq!(xcclA2EHandleFree(h2), XCCL_SUCCESS);
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}
