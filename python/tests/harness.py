@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -85,14 +86,22 @@ def start(
         common["uid"] = str(xccl.UniqueId.new())
         common["uids"] = [str(xccl.UniqueId.new()) for _ in args.get("cases") or []]
     port = free_port()
+    # Launcher joins authenticate with a key every rank's environment holds (never argv).
+    key = secrets.token_hex(32)
     procs = []
     for rank in range(world):
         e = dict(env)
         e.update((rank_env or {}).get(rank, {}))
         if join == "env":
-            e.update(XCCL_RANK=str(rank), XCCL_SIZE=str(world), XCCL_ROOT=f"127.0.0.1:{port}")
+            e.update(
+                XCCL_RANK=str(rank),
+                XCCL_SIZE=str(world),
+                XCCL_ROOT=f"127.0.0.1:{port}",
+                XCCL_JOB_KEY=key,
+            )
         elif join in ("torchrun", "torch"):
             e.update(
+                XCCL_JOB_KEY=key,
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
