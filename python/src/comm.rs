@@ -100,6 +100,35 @@ pub struct PyComm {
     /// Cleared when the registered input handed out last may no longer be exported.
     input_live: Mutex<Option<Arc<AtomicBool>>>,
     info: Info,
+    /// Batches Python has let go of, reused by the next receive so that steady-state receives
+    /// do not allocate (as the C ABI does).
+    spares: Arc<Spares>,
+}
+
+/// At most this many spare batches of each layout are kept.
+const MAX_SPARES: usize = 4;
+
+/// Batches returned by dropped [`PyExpertBatch`] and [`PyTokenBatch`] objects.
+#[derive(Default)]
+struct Spares {
+    expert: Mutex<Vec<ExpertBatch>>,
+    token: Mutex<Vec<TokenBatch>>,
+}
+
+impl Spares {
+    fn take<B: Default>(pool: &Mutex<Vec<B>>) -> B {
+        pool.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+
+    fn give<B>(pool: &Mutex<Vec<B>>, batch: B) {
+        let mut pool = pool.lock().unwrap_or_else(|p| p.into_inner());
+        if pool.len() < MAX_SPARES {
+            pool.push(batch);
+        }
+    }
 }
 
 impl Drop for PyComm {
@@ -139,6 +168,7 @@ impl PyComm {
             shared: Mutex::new(Some(Shared::new(comm))),
             input_live: Mutex::new(None),
             info,
+            spares: Arc::default(),
         }
     }
 
@@ -647,10 +677,11 @@ impl PyComm {
     /// A2E receive on an expert rank, expert-major: waits for this call's rows from every
     /// attention rank and returns them grouped by local expert (:class:`ExpertBatch`).
     fn a2e_recv(&self, py: Python<'_>) -> PyResult<PyExpertBatch> {
-        let mut batch = ExpertBatch::new();
+        let mut batch = Spares::take(&self.spares.expert);
         self.run(py, |c| c.a2e_recv(&mut batch))?;
         Ok(PyExpertBatch {
             inner: batch,
+            spares: self.spares.clone(),
             elem: self.elem(),
             keep_int8: self.info.keep_int8,
         })
@@ -659,10 +690,11 @@ impl PyComm {
     /// A2E receive on an expert rank, token-major: one row per received token, with its local
     /// experts and weights (:class:`TokenBatch`).
     fn a2e_recv_tokens(&self, py: Python<'_>) -> PyResult<PyTokenBatch> {
-        let mut batch = TokenBatch::new();
+        let mut batch = Spares::take(&self.spares.token);
         self.run(py, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))?;
         Ok(PyTokenBatch {
             inner: batch,
+            spares: self.spares.clone(),
             elem: self.elem(),
             hidden: self.info.hidden,
             topk: self.info.topk,
@@ -967,8 +999,16 @@ fn sources_list<'py>(
 #[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
 pub struct PyExpertBatch {
     inner: ExpertBatch,
+    /// Where the batch's memory goes once Python drops it (after every buffer viewing it).
+    spares: Arc<Spares>,
     elem: Elem,
     keep_int8: bool,
+}
+
+impl Drop for PyExpertBatch {
+    fn drop(&mut self) {
+        Spares::give(&self.spares.expert, std::mem::take(&mut self.inner));
+    }
 }
 
 #[pymethods]
@@ -1157,10 +1197,18 @@ impl PyExpertBatch {
 #[pyclass(frozen, module = "xccl", name = "TokenBatch")]
 pub struct PyTokenBatch {
     inner: TokenBatch,
+    /// As [`PyExpertBatch::spares`].
+    spares: Arc<Spares>,
     elem: Elem,
     hidden: usize,
     topk: usize,
     keep_int8: bool,
+}
+
+impl Drop for PyTokenBatch {
+    fn drop(&mut self) {
+        Spares::give(&self.spares.token, std::mem::take(&mut self.inner));
+    }
 }
 
 #[pymethods]
