@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use xccl::bootstrap::{LaunchEnv, RootConfig, UniqueId};
+use xccl::testing::netns::Hosts;
 use xccl_tests::{shm_entries, unique_job_id};
 
 /// One job at a time: the machine may have 2 cores.
@@ -467,77 +468,10 @@ fn c11_engine_program_shrinks_past_a_sigkilled_expert_rank_over_shm() {
     );
 }
 
-/// Two network namespaces joined by a veth pair (the ofi tests' setup, for C programs).
-struct Netns {
-    names: [String; 2],
-    addrs: [String; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("running ip: {e}"))?;
-    out.status
-        .success()
-        .then_some(())
-        .ok_or_else(|| String::from_utf8_lossy(&out.stderr).trim().to_string())
-}
-
-impl Netns {
-    fn create() -> Result<Netns, String> {
-        let pid = std::process::id();
-        let ns = Netns {
-            names: [format!("xccl-c{pid}-a"), format!("xccl-c{pid}-b")],
-            addrs: [
-                format!("10.78.{}.1", pid % 250),
-                format!("10.78.{}.2", pid % 250),
-            ],
-        };
-        let veth = [
-            format!("xc{}a", pid % 10_000_000),
-            format!("xc{}b", pid % 10_000_000),
-        ];
-        ip(&["netns", "add", &ns.names[0]])?;
-        ip(&["netns", "add", &ns.names[1]])?;
-        let link = [
-            "link",
-            "add",
-            &veth[0],
-            "netns",
-            &ns.names[0],
-            "type",
-            "veth",
-        ];
-        let peer = ["peer", "name", &veth[1], "netns", &ns.names[1]];
-        ip(&[&link[..], &peer[..]].concat())?;
-        for (i, dev) in veth.iter().enumerate() {
-            let (n, addr) = (&ns.names[i], format!("{}/24", ns.addrs[i]));
-            ip(&["-n", n, "addr", "add", &addr, "dev", dev])?;
-            ip(&["-n", n, "link", "set", dev, "up"])?;
-            ip(&["-n", n, "link", "set", "lo", "up"])?;
-        }
-        Ok(ns)
-    }
-
-    fn fd(&self, i: usize) -> File {
-        File::open(format!("/run/netns/{}", self.names[i])).expect("opening the netns")
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = ip(&["netns", "del", n]);
-        }
-    }
-}
-
 #[test]
 fn c11_engine_program_over_ofi_across_two_network_namespaces() {
-    use std::os::fd::AsRawFd;
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let ns = match Netns::create() {
+    let ns = match Hosts::create(2) {
         Ok(ns) => ns,
         Err(why) => {
             eprintln!(
@@ -550,37 +484,18 @@ fn c11_engine_program_over_ofi_across_two_network_namespaces() {
         &repo().join("tests/capi/capi_engine.c"),
         "capi_engine_c_ofi",
     );
-    // A job's root, bound in namespace 0 (on a thread that enters it).
+    // A job's root, bound in host 0.
     let root = || {
-        let (fd0, addr0, job_id) = (ns.fd(0), ns.addrs[0].clone(), unique_job_id());
-        std::thread::spawn(move || {
-            // SAFETY: setns on this thread only, with an fd of a network namespace we own.
-            let rc = unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "entering the root's namespace");
-            let bind: SocketAddr = format!("{addr0}:0").parse().expect("socket address");
-            UniqueId::start_root(bind, RootConfig::new(job_id))
-        })
-        .join()
-        .expect("root thread")
-        .expect("bootstrap root in the namespace")
+        ns.start_root(unique_job_id())
+            .expect("bootstrap root in host 0")
     };
     let customize = |rank: usize, cmd: &mut Command| {
-        let side = rank % 2;
-        let fd = ns.fd(side);
+        let host = ns.host_of(rank);
         cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
-            .env("ENGINE_OFI_INTERFACE", &ns.addrs[side])
+            .env("ENGINE_OFI_INTERFACE", ns.addr(host))
             .env_remove("XCCL_OFI_ADDR")
             .env_remove("XCCL_OFI_PROVIDER");
-        // SAFETY: runs in the forked child before exec and only calls setns(2)
-        // (async-signal-safe); `fd` is moved in and stays open until then.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
+        ns.enter(host, cmd).expect("placing the rank in its host");
     };
     for (n, args) in [
         (2, &["--fabric", "ofi"][..]),

@@ -15,6 +15,7 @@ use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::ofi::{OfiFabric, OfiOptions, SignalOrdering};
 use xccl::fabric::{deadline_after, Fabric};
 use xccl::testing::harness::{attention_round_with, expert_round, Buffers, Workload};
+use xccl::testing::netns::Hosts;
 use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
 use xccl_tests::{announce, child_main, mixed_round, ChildCtx, Job};
 
@@ -443,152 +444,28 @@ fn ofi_sigkilled_rank_is_reported_by_rank() {
     );
 }
 
-// ---- multi-host: ranks in separate network namespaces joined by a veth pair ----
+// ---- multi-host: ranks in separate network namespaces (xccl::testing::netns) ----
 
-/// Two network namespaces of this test, joined by a veth pair with a /24 of 10.77.x inside them
-/// only; deleted on drop (which also deletes the veth ends), even when the test fails.
-struct Netns {
-    names: [String; 2],
-    addrs: [String; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = std::process::Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("running ip {}: {e}", args.join(" ")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl Netns {
-    fn create() -> Result<Netns, String> {
-        let pid = std::process::id();
-        let ns = Netns {
-            names: [format!("xccl-{pid}-a"), format!("xccl-{pid}-b")],
-            // A subnet picked from the pid, so that concurrent test runs do not collide.
-            addrs: [
-                format!("10.77.{}.1", pid % 250),
-                format!("10.77.{}.2", pid % 250),
-            ],
-        };
-        let veth = [
-            format!("xv{}a", pid % 10_000_000),
-            format!("xv{}b", pid % 10_000_000),
-        ];
-        ip(&["netns", "add", &ns.names[0]])?;
-        // From here on `ns` drops (deletes) whatever was made.
-        ip(&["netns", "add", &ns.names[1]])?;
-        ip(&[
-            "link",
-            "add",
-            &veth[0],
-            "netns",
-            &ns.names[0],
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &veth[1],
-            "netns",
-            &ns.names[1],
-        ])?;
-        for (i, dev) in veth.iter().enumerate() {
-            let n = &ns.names[i];
-            ip(&[
-                "-n",
-                n,
-                "addr",
-                "add",
-                &format!("{}/24", ns.addrs[i]),
-                "dev",
-                dev,
-            ])?;
-            ip(&["-n", n, "link", "set", dev, "up"])?;
-            ip(&["-n", n, "link", "set", "lo", "up"])?;
-        }
-        Ok(ns)
-    }
-
-    /// An open fd of namespace `i` (for `setns`).
-    fn fd(&self, i: usize) -> std::fs::File {
-        std::fs::File::open(format!("/run/netns/{}", self.names[i]))
-            .unwrap_or_else(|e| panic!("opening netns {}: {e}", self.names[i]))
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = ip(&["netns", "del", n]);
-        }
-    }
-}
-
-/// Starts the bootstrap root bound to `addr` inside namespace `fd` (on a thread that enters
-/// it: the listening socket stays in that namespace).
-fn root_in_netns(
-    fd: std::fs::File,
-    addr: String,
-    job_id: u64,
-) -> xccl::Result<(xccl::bootstrap::UniqueId, xccl::bootstrap::RootHandle)> {
-    use std::os::fd::AsRawFd;
-    std::thread::spawn(move || {
-        // SAFETY: setns on this thread only, with an fd of a network namespace we own.
-        let rc = unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc != 0 {
-            return Err(Error::os(
-                "entering the root's network namespace",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        let bind: std::net::SocketAddr = format!("{addr}:0").parse().expect("socket address");
-        xccl::bootstrap::UniqueId::start_root(bind, xccl::bootstrap::RootConfig::new(job_id))
-    })
-    .join()
-    .expect("root thread")
-}
-
-/// Runs `scenario` with `size` ranks, rank `r` in namespace `r % 2`, the root in namespace 0.
-fn run_across_netns(ns: &Netns, scenario: &str, size: usize, timeout: Duration) {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
+/// Runs `scenario` with `size` ranks, rank `r` in host `r % 2`, the root in host 0.
+fn run_across_netns(ns: &Hosts, scenario: &str, size: usize, timeout: Duration) {
     let start = Instant::now();
     let mut job = Job::spawn_with(
         ENTRY,
         scenario,
         size,
-        &|job_id| root_in_netns(ns.fd(0), ns.addrs[0].clone(), job_id),
+        &|job_id| ns.start_root(job_id),
         &|rank, cmd| {
-            let side = rank % 2;
-            let fd = ns.fd(side);
-            cmd.env(ADDR_ENV, &ns.addrs[side]);
-            // SAFETY: the closure runs in the forked child before exec and only calls setns(2),
-            // which is async-signal-safe; `fd` is moved in and stays open until then.
-            unsafe {
-                cmd.pre_exec(move || {
-                    if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+            ns.place(ns.host_of(rank), cmd)
+                .expect("placing the rank in its host")
         },
     );
     job.expect_success(timeout);
     println!(
         "{scenario} with {size} processes across namespaces {} ({}) and {} ({}): {:?}",
-        ns.names[0],
-        ns.addrs[0],
-        ns.names[1],
-        ns.addrs[1],
+        ns.name(0),
+        ns.addr(0),
+        ns.name(1),
+        ns.addr(1),
         start.elapsed()
     );
     // Rank 0 logs the provider and the interface it opened: the namespace's veth, not lo.
@@ -596,14 +473,14 @@ fn run_across_netns(ns: &Netns, scenario: &str, size: usize, timeout: Duration) 
     let line = log.lines().find(|l| l.contains("xccl ofi: provider"));
     println!("  rank 0: {}", line.unwrap_or("(no provider line)"));
     assert!(
-        line.is_some_and(|l| l.contains(&format!("domain xv{}a", std::process::id() % 10_000_000))),
+        line.is_some_and(|l| l.contains(&format!("domain {}", ns.interface(0)))),
         "rank 0 did not open its endpoint on the namespace's veth:\n{log}"
     );
 }
 
 #[test]
 fn ofi_across_network_namespaces_conformance_and_moe() {
-    let ns = match Netns::create() {
+    let ns = match Hosts::create(2) {
         Ok(ns) => ns,
         Err(why) => {
             eprintln!(

@@ -98,12 +98,14 @@ pub fn launcher_rank(env: &LaunchEnv, timeout: Duration) -> Result<RankEnv, Stri
 pub fn spawn_ranks(
     size: usize,
     limit: Duration,
-    hosts: Option<&crate::netns::Hosts>,
+    hosts: Option<&xccl::testing::netns::Hosts>,
 ) -> Result<i32, String> {
     let (id, _root) = match hosts {
         Some(h) => {
             let job = u64::from(std::process::id()) << 32 ^ u64::from(rand_word());
-            let (id, root) = h.start_root(job)?;
+            let (id, root) = h
+                .start_root(job)
+                .map_err(|e| format!("starting the bootstrap root in host 0: {e}"))?;
             (id, Some(root))
         }
         None => (

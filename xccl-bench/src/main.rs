@@ -17,7 +17,6 @@ mod launch;
 mod limit;
 mod memory;
 mod model;
-mod netns;
 mod pingpong;
 mod plan;
 mod plot;
@@ -139,7 +138,7 @@ fn real_main(args: &Args) -> Result<i32, String> {
     let limit = timeout.mul_f64(2.0 + args.points() as f64);
     let hosts = match args.netns {
         Some(k) => {
-            let h = netns::Hosts::create(k)?;
+            let h = xccl::testing::netns::Hosts::create(k)?;
             println!(
                 "# netns: {k} hosts {} ({}) joined by veth pairs through a bridge; rank r in \
                  host r mod {k}",

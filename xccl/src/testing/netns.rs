@@ -1,17 +1,18 @@
-//! `--netns K`: the rank processes spread over K network namespaces ("hosts"), each with one
-//! veth interface whose other end is on a bridge in a further namespace (the "switch"), one /24
-//! for all of them: the hosts reach each other only through their veth pairs. Rank `r` runs in
-//! host `r mod K` and opens its ofi endpoint on that host's address (`XCCL_OFI_ADDR`); the
-//! bootstrap root listens in host 0.
+//! Network namespaces as hosts, for the multi-host tests over libfabric's `tcp` provider and
+//! `xccl-bench --netns K`: K namespaces ("hosts"), each with one veth interface whose other end
+//! is on a bridge in a further namespace (the "switch"), one /24 for all of them: the hosts
+//! reach each other only through their veth pairs. A process placed in host `i`
+//! ([`Hosts::place`]) opens its ofi endpoint on that host's address (`XCCL_OFI_ADDR`); the
+//! bootstrap root can listen in any host ([`Hosts::start_root`]).
 //!
 //! Every namespace is named `xccl-<pid>-...` and deleted when [`Hosts`] drops (deleting a
 //! namespace deletes its veth ends and the bridge), also when the job fails. Needs root
-//! (CAP_NET_ADMIN) and iproute2.
+//! (CAP_NET_ADMIN) and iproute2: [`Hosts::create`] says so in its error.
 
 use std::os::fd::AsRawFd;
 use std::process::Command;
 
-use xccl::bootstrap::{RootConfig, RootHandle, UniqueId};
+use crate::bootstrap::{RootConfig, RootHandle, UniqueId};
 
 /// The namespaces of one job.
 pub struct Hosts {
@@ -101,6 +102,11 @@ impl Hosts {
         self.names.len()
     }
 
+    /// Whether no host was made (never, once [`Hosts::create`] returned).
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+
     /// The host of rank `rank`.
     pub fn host_of(&self, rank: usize) -> usize {
         rank % self.len()
@@ -122,28 +128,39 @@ impl Hosts {
         std::fs::File::open(&path).map_err(|e| format!("opening {path}: {e}"))
     }
 
-    /// Starts the bootstrap root inside host 0, listening on its address (on a thread that
-    /// enters the namespace: the listening socket stays in it).
-    pub fn start_root(&self, job_id: u64) -> Result<(UniqueId, RootHandle), String> {
-        let fd = self.fd(0)?;
-        let addr = self.addrs[0].clone();
-        std::thread::spawn(move || {
-            nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|e| format!("entering host 0's network namespace: {e}"))?;
-            let bind: std::net::SocketAddr = format!("{addr}:0")
-                .parse()
-                .map_err(|e| format!("{addr}: {e}"))?;
-            UniqueId::start_root(bind, RootConfig::new(job_id)).map_err(|e| e.to_string())
-        })
-        .join()
-        .map_err(|_| "the root thread panicked".to_string())?
+    /// The name of host `i`'s veth interface (the domain libfabric's `tcp` provider opens
+    /// there).
+    pub fn interface(&self, i: usize) -> String {
+        format!("xb{}h{i}", std::process::id() % 10_000_000)
     }
 
-    /// Makes `cmd` start inside host `i` with its ofi endpoint on the host's address.
-    pub fn place(&self, i: usize, cmd: &mut Command) -> Result<(), String> {
+    /// Starts the bootstrap root of job `job_id` inside host 0, listening on its address (on a
+    /// thread that enters the namespace: the listening socket stays in it).
+    pub fn start_root(&self, job_id: u64) -> crate::Result<(UniqueId, RootHandle)> {
+        let fd = self.fd(0).map_err(crate::Error::Bootstrap)?;
+        let addr = self.addrs[0].clone();
+        std::thread::spawn(move || {
+            // SAFETY: setns(2) on this thread only, with an open fd of a network namespace this
+            // process made; it changes nothing but this thread's network namespace.
+            if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(crate::Error::os(
+                    "entering host 0's network namespace",
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            let bind: std::net::SocketAddr = format!("{addr}:0")
+                .parse()
+                .map_err(|e| crate::Error::invalid(format!("{addr}: {e}")))?;
+            UniqueId::start_root(bind, RootConfig::new(job_id))
+        })
+        .join()
+        .map_err(|_| crate::Error::Bootstrap("the root thread panicked".into()))?
+    }
+
+    /// Makes `cmd` start inside host `i` (nothing else).
+    pub fn enter(&self, i: usize, cmd: &mut Command) -> Result<(), String> {
         use std::os::unix::process::CommandExt;
         let fd = self.fd(i)?;
-        cmd.env(xccl::fabric::ofi::ADDR_ENV, &self.addrs[i]);
         // SAFETY: the closure runs in the forked child before exec and only calls setns(2),
         // which is async-signal-safe; `fd` is moved in and stays open until then.
         unsafe {
@@ -155,6 +172,12 @@ impl Hosts {
             });
         }
         Ok(())
+    }
+
+    /// Makes `cmd` start inside host `i` with its ofi endpoint on the host's address.
+    pub fn place(&self, i: usize, cmd: &mut Command) -> Result<(), String> {
+        cmd.env(crate::fabric::ofi::ADDR_ENV, &self.addrs[i]);
+        self.enter(i, cmd)
     }
 }
 
