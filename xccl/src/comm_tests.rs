@@ -455,6 +455,23 @@ proptest! {
     }
 }
 
+/// Tokens routed to several expert ranks are summed from rows read where they landed (mapped
+/// windows) or copied out (no load/store): both give the reference's bits, in the dtype and
+/// with INT8 replies, push and pull.
+#[test]
+fn e2a_sums_over_several_expert_ranks_read_in_place_match_the_reference_bit_for_bit() {
+    let topo = Topology::contiguous(2, 3, 12).unwrap();
+    for e2a_quant in [Quant::None, Quant::Int8] {
+        for load_store in [true, false] {
+            let mut c = cfg(40, DType::BF16, 6, 16);
+            c.e2a_quant = e2a_quant;
+            let w = wl(23, 16, true);
+            run_local_caps::<bf16>(&topo, &c, &w, 4, BOTH, load_store)
+                .unwrap_or_else(|e| panic!("{e2a_quant:?}, load/store {load_store}: {e}"));
+        }
+    }
+}
+
 #[test]
 fn two_microbatches_in_flight_come_back_right() {
     // a2e(1), a2e(2), e2a(1), e2a(2) on every rank: both buffers in use at once.

@@ -639,14 +639,24 @@ impl CombineReceiver {
                         ctx.get(rank, at, row)?;
                         dequantize_to(row, dtype, &mut self.acc, out_row);
                     }
-                    // Otherwise sum in f32 (INT8 rows dequantized inside the sum).
+                    // Otherwise sum in f32 (INT8 rows dequantized inside the sum), reading each
+                    // row where it landed when the window is mapped here (no staging copy).
                     _ => {
                         for (c, &(j, i)) in self.contributions.iter().enumerate() {
                             let (rec, mode) = recs[j].expect("delivered rows have a record");
                             let (rank, at) = row_at(j, &rec, mode, i);
                             let len = if rec.int8() { int8_payload(hidden) } else { p };
-                            let row = &mut self.row[..len];
-                            ctx.get(rank, at, row)?;
+                            // SAFETY: the row is below the watermark, so its expert rank's progress
+                            // signal covers it, and that rank writes this buffer again only after
+                            // this call's credit, which goes out after this receive returns (or is
+                            // implied by this rank's next A2E, sent after it returns).
+                            let row = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
+                                Some(row) => row,
+                                None => {
+                                    ctx.get(rank, at, &mut self.row[..len])?;
+                                    &self.row[..len]
+                                }
+                            };
                             match (c, rec.int8()) {
                                 (0, false) => dtype.to_f32(row, &mut self.acc),
                                 (0, true) => dequantize(row, hidden, &mut self.acc),

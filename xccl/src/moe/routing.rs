@@ -33,10 +33,29 @@ use crate::{Error, Result};
 /// One routed (destination, local expert, weight) choice of a token, before grouping.
 #[derive(Clone, Copy, Debug, Default)]
 struct Slot {
-    dst: usize,
-    local: usize,
+    /// `dst << 32 | local` ([`slot_key`]): one compare orders by (dst, local).
+    key: u64,
     weight: f32,
 }
+
+impl Slot {
+    fn dst(&self) -> u64 {
+        self.key >> 32
+    }
+
+    fn local(&self) -> usize {
+        (self.key & u64::from(u32::MAX)) as usize
+    }
+}
+
+/// The sort key of a (destination rank, local expert) pair; both fit in 32 bits (ranks and
+/// local experts are counted in `u32` on the wire).
+fn slot_key((dst, local): (usize, usize)) -> u64 {
+    ((dst as u64) << 32) | local as u64
+}
+
+/// Route-table entry of an expert without a replica ([`Topology::is_orphaned`]).
+const ORPHANED: u64 = u64::MAX;
 
 /// One attention rank's routing for one call, grouped by destination rank.
 ///
@@ -64,8 +83,11 @@ pub struct DispatchLayout {
     slots: Vec<Slot>,
     /// Scratch: token `t`'s slots are `slots[slot_start[t]..slot_start[t + 1]]`.
     slot_start: Vec<usize>,
-    /// Scratch: next free entry per destination while filling.
+    /// Scratch: entries per destination while counting (at `d + 1`), then the next free entry
+    /// per destination while filling.
     cursor: Vec<usize>,
+    /// Scratch: per expert, its [`slot_key`] from the call's source (or [`ORPHANED`]).
+    routes: Vec<u64>,
     /// Slots that selected an expert without a replica ([`Topology::is_orphaned`]), dropped.
     dropped: usize,
 }
@@ -135,91 +157,94 @@ impl DispatchLayout {
                 "dispatch layout: num_tokens {num_tokens} does not fit in u32"
             )));
         }
+        // Pass 1, which also validates: route, sort and merge each token's slots and count
+        // entries per destination (into `cursor`, scratch). `self`'s results are untouched until
+        // every slot has passed, so an error leaves them as they were.
         let num_experts = topo.num_experts();
-        for (i, (&id, &w)) in topk_idx.iter().zip(topk_weights).enumerate() {
-            if id != -1 && usize::try_from(id).map_or(true, |e| e >= num_experts) {
-                return Err(Error::invalid(format!(
-                    "dispatch layout: token {} slot {} selects expert {id}, outside 0..{num_experts} (use -1 for none)",
-                    i / k,
-                    i % k
-                )));
-            }
-            if id != -1 && !w.is_finite() {
-                return Err(Error::invalid(format!(
-                    "dispatch layout: token {} slot {} (expert {id}) has gating weight {w}; weights must be finite",
-                    i / k,
-                    i % k
-                )));
-            }
+        let world = topo.world_size();
+        // Per expert, its (dst, local) key from this source, or `ORPHANED`: one table per call
+        // when the call routes at least as many slots as there are experts.
+        self.routes.clear();
+        if n >= num_experts {
+            self.routes.extend((0..num_experts).map(|e| {
+                if topo.is_orphaned(e) {
+                    ORPHANED
+                } else {
+                    slot_key(topo.route_from_index(attention_index, e))
+                }
+            }));
         }
-        // Duplicates are merged by summing their weights in slot order (pass 1 below); the sum
-        // must be finite too: two finite weights near f32::MAX add up to infinity.
+        let routes = &self.routes;
+        let route = |e: usize| -> u64 {
+            match routes.get(e) {
+                Some(&key) => key,
+                None if topo.is_orphaned(e) => ORPHANED,
+                None => slot_key(topo.route_from_index(attention_index, e)),
+            }
+        };
+        self.slots.clear();
+        self.slot_start.clear();
+        self.slot_start.push(0);
+        self.cursor.clear();
+        self.cursor.resize(world + 1, 0);
+        let mut dropped = 0;
+        let mut valid = true;
         if k > 0 {
             let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
-            for (t, (ids, ws)) in rows.enumerate() {
-                for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
-                    if id == -1 || ids[..s].contains(&id) {
+            for (ids, ws) in rows {
+                let base = self.slots.len();
+                for (&id, &w) in ids.iter().zip(ws) {
+                    if id == -1 {
                         continue;
                     }
-                    let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
-                    let sum = later
-                        .filter(|(&i, _)| i == id)
-                        .fold(w, |acc, (_, &x)| acc + x);
-                    if !sum.is_finite() {
-                        return Err(Error::invalid(format!(
-                            "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
-                        )));
+                    // A negative id other than -1 is out of range too (huge as usize).
+                    let e = id as usize;
+                    if e >= num_experts || !w.is_finite() {
+                        valid = false;
+                        continue;
+                    }
+                    let key = route(e);
+                    if key == ORPHANED {
+                        dropped += 1;
+                        continue;
+                    }
+                    self.slots.push(Slot { key, weight: w });
+                }
+                let row = &mut self.slots[base..];
+                sort_slots(row);
+                let merged = merge_slots(row);
+                self.slots.truncate(base + merged);
+                let mut prev = u64::MAX;
+                for slot in &self.slots[base..] {
+                    // A merged weight is finite unless an expert's weights summed to infinity.
+                    valid &= slot.weight.is_finite();
+                    let dst = slot.dst();
+                    if dst != prev {
+                        self.cursor[dst as usize + 1] += 1;
+                        prev = dst;
                     }
                 }
+                self.slot_start.push(self.slots.len());
             }
+        } else {
+            self.slot_start.resize(num_tokens + 1, 0);
+        }
+        if !valid {
+            // Rare: the slow checks name the first offending token and slot.
+            validate(topk_idx, topk_weights, k, num_experts)?;
+            return Err(Error::invalid(
+                "dispatch layout: invalid routing (an expert id or a gating weight)",
+            ));
         }
 
         // Everything is valid: from here on nothing fails.
-        let world = topo.world_size();
         let mask_words = topo.mask_words();
         self.mask_words = mask_words;
         self.k = k;
         self.num_tokens = num_tokens;
-        self.dropped = 0;
-
-        // Pass 1: route, sort and merge each token's slots; count entries per destination
-        // (counts land in dest_start[d + 1] for the prefix sum).
-        self.slots.clear();
-        self.slot_start.clear();
-        self.slot_start.push(0);
+        self.dropped = dropped;
         self.dest_start.clear();
-        self.dest_start.resize(world + 1, 0);
-        for t in 0..num_tokens {
-            let base = self.slots.len();
-            for s in 0..k {
-                let id = topk_idx[t * k + s];
-                if id == -1 {
-                    continue;
-                }
-                if topo.is_orphaned(id as usize) {
-                    self.dropped += 1;
-                    continue;
-                }
-                let (dst, local) = topo.route_from_index(attention_index, id as usize);
-                self.slots.push(Slot {
-                    dst,
-                    local,
-                    weight: topk_weights[t * k + s],
-                });
-            }
-            let row = &mut self.slots[base..];
-            sort_slots(row);
-            let merged = merge_slots(row);
-            self.slots.truncate(base + merged);
-            let mut prev = usize::MAX;
-            for slot in &self.slots[base..] {
-                if slot.dst != prev {
-                    self.dest_start[slot.dst + 1] += 1;
-                    prev = slot.dst;
-                }
-            }
-            self.slot_start.push(self.slots.len());
-        }
+        self.dest_start.extend_from_slice(&self.cursor);
         for d in 0..world {
             self.dest_start[d + 1] += self.dest_start[d];
         }
@@ -238,15 +263,15 @@ impl DispatchLayout {
             let row = &self.slots[self.slot_start[t]..self.slot_start[t + 1]];
             let mut i = 0;
             while i < row.len() {
-                let dst = row[i].dst;
-                let entry = self.cursor[dst];
-                self.cursor[dst] += 1;
+                let dst = row[i].dst();
+                let entry = self.cursor[dst as usize];
+                self.cursor[dst as usize] += 1;
                 self.tokens[entry] = t as u32;
                 let mask = &mut self.masks[entry * mask_words..][..mask_words];
                 let weights = &mut self.weights[entry * k..][..k];
                 let mut n = 0;
-                while i < row.len() && row[i].dst == dst {
-                    let j = row[i].local;
+                while i < row.len() && row[i].dst() == dst {
+                    let j = row[i].local();
                     mask[j / 64] |= 1u64 << (j % 64);
                     weights[n] = row[i].weight;
                     n += 1;
@@ -317,11 +342,13 @@ impl DispatchLayout {
 /// so duplicate weights are summed in slot order.
 fn sort_slots(row: &mut [Slot]) {
     for i in 1..row.len() {
+        let cur = row[i];
         let mut j = i;
-        while j > 0 && (row[j - 1].dst, row[j - 1].local) > (row[j].dst, row[j].local) {
-            row.swap(j - 1, j);
+        while j > 0 && row[j - 1].key > cur.key {
+            row[j] = row[j - 1];
             j -= 1;
         }
+        row[j] = cur;
     }
 }
 
@@ -329,7 +356,7 @@ fn sort_slots(row: &mut [Slot]) {
 fn merge_slots(row: &mut [Slot]) -> usize {
     let mut out = 0;
     for i in 0..row.len() {
-        if out > 0 && row[out - 1].dst == row[i].dst && row[out - 1].local == row[i].local {
+        if out > 0 && row[out - 1].key == row[i].key {
             row[out - 1].weight += row[i].weight;
         } else {
             row[out] = row[i];
@@ -337,6 +364,49 @@ fn merge_slots(row: &mut [Slot]) -> usize {
         }
     }
     out
+}
+
+/// The checks of [`DispatchLayout::build_into`] one slot at a time, for the error message: the
+/// first expert id outside `0..num_experts`, non-finite weight of a selected expert, or expert
+/// selected in several slots whose weights (summed in slot order) are not finite.
+fn validate(topk_idx: &[i32], topk_weights: &[f32], k: usize, num_experts: usize) -> Result<()> {
+    for (i, (&id, &w)) in topk_idx.iter().zip(topk_weights).enumerate() {
+        if id != -1 && usize::try_from(id).map_or(true, |e| e >= num_experts) {
+            return Err(Error::invalid(format!(
+                "dispatch layout: token {} slot {} selects expert {id}, outside 0..{num_experts} (use -1 for none)",
+                i / k,
+                i % k
+            )));
+        }
+        if id != -1 && !w.is_finite() {
+            return Err(Error::invalid(format!(
+                "dispatch layout: token {} slot {} (expert {id}) has gating weight {w}; weights must be finite",
+                i / k,
+                i % k
+            )));
+        }
+    }
+    if k == 0 {
+        return Ok(());
+    }
+    let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
+    for (t, (ids, ws)) in rows.enumerate() {
+        for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
+            if id == -1 || ids[..s].contains(&id) {
+                continue;
+            }
+            let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
+            let sum = later
+                .filter(|(&i, _)| i == id)
+                .fold(w, |acc, (_, &x)| acc + x);
+            if !sum.is_finite() {
+                return Err(Error::invalid(format!(
+                    "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Positions of the set bits of a multi-word mask, ascending (bit `j` is bit `j % 64` of word
@@ -611,6 +681,69 @@ mod tests {
         let from1 = DispatchLayout::build(&t, 1, 1, &[0], &[1.0], 1).unwrap();
         assert_eq!(dump(&from0), vec![(0, 2, vec![0], vec![1.0])]);
         assert_eq!(dump(&from1), vec![(0, 3, vec![0], vec![1.0])]);
+    }
+
+    /// Calls routing at least as many slots as there are experts route through a per-call table;
+    /// smaller ones ask the topology per slot. Both must give every token the same entries,
+    /// replicas and orphaned experts included.
+    #[test]
+    fn routes_through_the_per_call_table_match_routes_asked_per_slot() {
+        // Attention ranks 0, 1; expert ranks 2, 3, 4; experts 0 and 1 on 2 and 3, experts 4 and 5
+        // on 4 only (orphaned once 4 has left).
+        let t = TopologyBuilder::contiguous(2, 3, 6)
+            .placement(vec![
+                vec![2, 3],
+                vec![3, 2],
+                vec![2],
+                vec![3],
+                vec![4],
+                vec![4],
+            ])
+            .build()
+            .unwrap()
+            .shrink(&[4], true)
+            .unwrap()
+            .topology;
+        let (idx, w) = random_routing(3, 40, 3, 6, None);
+        for src in [0, 1] {
+            let all = DispatchLayout::build(&t, src, 40, &idx, &w, 3).unwrap();
+            assert!(
+                all.dropped() > 0,
+                "the routing selects the orphaned experts"
+            );
+            let mut per_token = Vec::new();
+            let mut dropped = 0;
+            for tok in 0..40 {
+                // 3 slots < 6 experts: no table.
+                let one =
+                    &DispatchLayout::build(&t, src, 1, &idx[tok * 3..][..3], &w[tok * 3..][..3], 3)
+                        .unwrap();
+                dropped += one.dropped();
+                per_token.extend(dump(one).into_iter().map(|(_, d, m, ws)| (tok, d, m, ws)));
+            }
+            per_token.sort_by_key(|e| (e.1, e.0));
+            assert_eq!(dump(&all), per_token, "source {src}");
+            assert_eq!(all.dropped(), dropped);
+        }
+    }
+
+    /// Range and finiteness of every slot are checked before sums of duplicates, whatever token
+    /// comes first: the error names the same slot as the one-slot-at-a-time checks.
+    #[test]
+    fn a_bad_slot_of_a_later_token_is_named_before_an_earlier_tokens_overflowing_sum() {
+        let t = small();
+        let m = invalid_msg(DispatchLayout::build(
+            &t,
+            0,
+            2,
+            &[1, 1, 0, 7],
+            &[f32::MAX, f32::MAX, 0.5, 0.5],
+            2,
+        ));
+        assert!(
+            m.contains("token 1") && m.contains("slot 1") && m.contains("expert 7"),
+            "{m}"
+        );
     }
 
     #[test]
