@@ -523,6 +523,44 @@ impl Netns {
     fn fd(&self, i: usize) -> File {
         File::open(format!("/run/netns/{}", self.names[i])).expect("opening the netns")
     }
+
+    /// A job's root, bound in namespace 0 (on a thread that enters it).
+    fn root(&self) -> (UniqueId, xccl::bootstrap::RootHandle) {
+        use std::os::fd::AsRawFd;
+        let (fd0, addr0, job_id) = (self.fd(0), self.addrs[0].clone(), unique_job_id());
+        std::thread::spawn(move || {
+            // SAFETY: setns on this thread only, with an fd of a network namespace we own.
+            let rc = unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0, "entering the root's namespace");
+            let bind: SocketAddr = format!("{addr0}:0").parse().expect("socket address");
+            UniqueId::start_root(bind, RootConfig::new(job_id))
+        })
+        .join()
+        .expect("root thread")
+        .expect("bootstrap root in the namespace")
+    }
+
+    /// Runs rank `rank`'s command in namespace `rank % 2`, over libfabric's tcp provider on
+    /// that namespace's address (through the test programs' `ENGINE_OFI_*` variables).
+    fn enter(&self, rank: usize, cmd: &mut Command) {
+        use std::os::fd::AsRawFd;
+        let side = rank % 2;
+        let fd = self.fd(side);
+        cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
+            .env("ENGINE_OFI_INTERFACE", &self.addrs[side])
+            .env_remove("XCCL_OFI_ADDR")
+            .env_remove("XCCL_OFI_PROVIDER");
+        // SAFETY: runs in the forked child before exec and only calls setns(2)
+        // (async-signal-safe); `fd` is moved in and stays open until then.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
 }
 
 impl Drop for Netns {
@@ -535,7 +573,6 @@ impl Drop for Netns {
 
 #[test]
 fn c11_engine_program_over_ofi_across_two_network_namespaces() {
-    use std::os::fd::AsRawFd;
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let ns = match Netns::create() {
         Ok(ns) => ns,
@@ -550,44 +587,13 @@ fn c11_engine_program_over_ofi_across_two_network_namespaces() {
         &repo().join("tests/capi/capi_engine.c"),
         "capi_engine_c_ofi",
     );
-    // A job's root, bound in namespace 0 (on a thread that enters it).
-    let root = || {
-        let (fd0, addr0, job_id) = (ns.fd(0), ns.addrs[0].clone(), unique_job_id());
-        std::thread::spawn(move || {
-            // SAFETY: setns on this thread only, with an fd of a network namespace we own.
-            let rc = unsafe { libc::setns(fd0.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "entering the root's namespace");
-            let bind: SocketAddr = format!("{addr0}:0").parse().expect("socket address");
-            UniqueId::start_root(bind, RootConfig::new(job_id))
-        })
-        .join()
-        .expect("root thread")
-        .expect("bootstrap root in the namespace")
-    };
-    let customize = |rank: usize, cmd: &mut Command| {
-        let side = rank % 2;
-        let fd = ns.fd(side);
-        cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
-            .env("ENGINE_OFI_INTERFACE", &ns.addrs[side])
-            .env_remove("XCCL_OFI_ADDR")
-            .env_remove("XCCL_OFI_PROVIDER");
-        // SAFETY: runs in the forked child before exec and only calls setns(2)
-        // (async-signal-safe); `fd` is moved in and stays open until then.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    };
+    let customize = |rank: usize, cmd: &mut Command| ns.enter(rank, cmd);
     for (n, args) in [
         (2, &["--fabric", "ofi"][..]),
         (4, &["--fabric", "ofi"][..]),
         (4, &["--fabric", "ofi", "--kill", "2"][..]),
     ] {
-        let (id, _root) = root();
+        let (id, _root) = ns.root();
         let logs = run_ranks_allowing_kill(&exe, n, args, &id, &customize);
         for (r, l) in logs.iter().enumerate() {
             if args.contains(&"--kill") && r == 2 {
@@ -750,4 +756,102 @@ fn c11_one_ranks_bad_or_different_config_fails_every_rank_at_once_naming_it() {
             );
         }
     }
+}
+
+/// Runs `capi_life --leave` for each `(leaver, open)`: 2 ranks (0 attention, 1 expert) with
+/// `args`, roots from `root`, commands adjusted by `customize`; returns the survivors' logs.
+fn run_leave_cases(
+    exe: &Path,
+    cases: &[(usize, bool)],
+    args: &[&str],
+    root: &dyn Fn() -> (UniqueId, xccl::bootstrap::RootHandle),
+    customize: &dyn Fn(usize, &mut Command),
+) -> Vec<String> {
+    let mut survivors = Vec::new();
+    for &(leaver, open) in cases {
+        let stamp = out_dir().join(format!("life.{}.{leaver}.{open}.stamp", std::process::id()));
+        let _ = std::fs::remove_file(&stamp);
+        let (id, _root) = root();
+        let (l, s) = (leaver.to_string(), stamp.to_string_lossy().into_owned());
+        let mut all = vec!["--leave", &l, "--stamp", &s];
+        all.extend_from_slice(args);
+        if open {
+            all.push("--open");
+        }
+        let logs = run_ranks(exe, 2, &all, &id, customize);
+        let _ = std::fs::remove_file(&stamp);
+        for (r, log) in logs.iter().enumerate() {
+            assert!(log.contains(&format!("rank {r}: ok")), "rank {r}: {log}");
+        }
+        let survivor = logs[1 - leaver].clone();
+        let want = if open {
+            "async error after"
+        } else {
+            "no async error after the peer's normal end"
+        };
+        assert!(
+            survivor.contains(want),
+            "case ({leaver}, {open}): {survivor}"
+        );
+        eprintln!("case (leaver {leaver}, open {open}):\n{survivor}");
+        survivors.push(survivor);
+    }
+    survivors
+}
+
+/// Issue 18: a peer that destroyed its communicator and exited while this rank's open call
+/// needs it is reported by `xcclCommGetAsyncError` (`xcclRemoteError` naming it, at the first
+/// look after its destroy returned) and fails that call at once; at the normal end of a job
+/// (nothing open) no async error appears, and only a further call that needs the peer fails,
+/// naming it. Both directions (attention and expert rank leaving).
+#[test]
+fn c11_a_peer_that_left_is_an_async_error_only_while_an_open_call_needs_it_over_shm() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_life.c"), "capi_life_c");
+    let root = || {
+        let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+        UniqueId::start_root(bind, RootConfig::new(unique_job_id())).expect("bootstrap root")
+    };
+    let cases = [(1, true), (0, true), (1, false), (0, false)];
+    run_leave_cases(&exe, &cases, &[], &root, &|_, _| {});
+}
+
+/// The same over libfabric's tcp provider across two network namespaces: the departure
+/// travels as a message, reported within 5 s.
+#[test]
+fn c11_a_peer_that_left_is_an_async_error_only_while_an_open_call_needs_it_over_ofi() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ns = match Netns::create() {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!(
+                "\n!!!! c11 departure over ofi NOT RUN: cannot create network namespaces ({why})\n"
+            );
+            return;
+        }
+    };
+    let exe = compile(&repo().join("tests/capi/capi_life.c"), "capi_life_c_ofi");
+    let cases = [(1, true), (0, false)];
+    let root = || ns.root();
+    let customize = |rank: usize, cmd: &mut Command| ns.enter(rank, cmd);
+    run_leave_cases(&exe, &cases, &["--fabric", "ofi"], &root, &customize);
+}
+
+/// Issue 18: `xcclCommDestroy` from another thread while a call blocks (an A2E receive, an E2A
+/// receive, each for a peer that never sends) interrupts that call and returns only after it
+/// returned (`xcclInvalidUsage` naming the destroy), so the caller's buffer can be freed at
+/// once; repeated to catch races. `xcclCommAbort` from another thread still ends the blocked
+/// call with `xcclAborted`.
+#[test]
+fn c11_destroy_from_another_thread_returns_after_the_blocked_call_and_abort_still_ends_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(
+        &repo().join("tests/capi/capi_life.c"),
+        "capi_life_c_destroy",
+    );
+    let mut cmd = Command::new(&exe);
+    cmd.args(["--destroy-blocked", "24"]);
+    let logs = Ranks::spawn("capi_life_destroy", vec![cmd]).expect_success(TIMEOUT);
+    assert!(logs[0].contains("destroy-blocked: ok"), "{}", logs[0]);
+    eprintln!("{}", logs[0]);
 }

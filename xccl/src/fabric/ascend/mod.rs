@@ -1079,15 +1079,19 @@ impl Fabric for AscendFabric {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let p = self.peer(peer)?;
-        match p.liveness.check(peer, p.pid) {
-            Err(Error::PeerFailed { peer, detail }) if self.has_departed(peer) => {
-                Err(Error::PeerFailed {
-                    peer,
-                    detail: format!("{detail} after leaving the job (its fabric was dropped)"),
-                })
-            }
-            other => other,
+        let alive = p.liveness.check(peer, p.pid);
+        if peer == self.rank || !self.has_departed(peer) {
+            return alive;
         }
+        // Gone for good, whether its process still runs or not (as on shm).
+        let since = match alive {
+            Err(Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
+            _ => String::new(),
+        };
+        Err(Error::PeerFailed {
+            peer,
+            detail: format!("left the job (its communicator was destroyed){since}"),
+        })
     }
 
     fn aborted(&self) -> Option<(usize, String)> {
