@@ -774,6 +774,11 @@ impl Fabric for ShmFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let liveness = |awaited: usize| {
+            // An out-of-band abort first: a rank that aborted and then left the job is
+            // reported by its abort, not as gone.
+            if let Some((by, reason)) = self.exchange.poll_abort() {
+                return Err(Error::Aborted { by, reason });
+            }
             self.check_peer(awaited)?;
             self.check_peers()
         };

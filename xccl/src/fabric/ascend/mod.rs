@@ -1030,12 +1030,16 @@ impl Fabric for AscendFabric {
                 if let Some(e) = self.interrupted(&waiting) {
                     return Err(e);
                 }
-                // The awaited peer first (the likeliest culprit), then every other one and the
-                // bootstrap's abort channel: a dead rank anywhere stalls the job.
+                // The bootstrap's abort channel (a rank that aborted and then left is reported
+                // by its abort), the awaited peer (the likeliest culprit), then every other
+                // one: a dead rank anywhere stalls the job.
                 last_check = Some(now);
-                let live = self
-                    .check_peer(waiting.peer)
-                    .and_then(|()| self.check_peers());
+                let live = match self.exchange.poll_abort() {
+                    Some((by, reason)) => Err(Error::Aborted { by, reason }),
+                    None => self
+                        .check_peer(waiting.peer)
+                        .and_then(|()| self.check_peers()),
+                };
                 if let Err(e) = live {
                     match ControlArea::settle(poll, waiting.peer, e) {
                         Some(end) => return end,
