@@ -770,7 +770,9 @@ fn run_leave_cases(
     let mut survivors = Vec::new();
     for &(leaver, open) in cases {
         let stamp = out_dir().join(format!("life.{}.{leaver}.{open}.stamp", std::process::id()));
+        let ready = stamp.with_extension("stamp.ready");
         let _ = std::fs::remove_file(&stamp);
+        let _ = std::fs::remove_file(&ready);
         let (id, _root) = root();
         let (l, s) = (leaver.to_string(), stamp.to_string_lossy().into_owned());
         let mut all = vec!["--leave", &l, "--stamp", &s];
@@ -780,6 +782,7 @@ fn run_leave_cases(
         }
         let logs = run_ranks(exe, 2, &all, &id, customize);
         let _ = std::fs::remove_file(&stamp);
+        let _ = std::fs::remove_file(&ready);
         for (r, log) in logs.iter().enumerate() {
             assert!(log.contains(&format!("rank {r}: ok")), "rank {r}: {log}");
         }
