@@ -22,6 +22,12 @@
 //! communicator, which holds the communicator's lock. So the communicator is built on a
 //! `SharedFabric` whose fabric this module also keeps: abort raises the fabric's abort flag
 //! directly, the blocked wait sees it within milliseconds and returns `Aborted`.
+//!
+//! `xcclCommDestroy` from another thread must not leave a call running on a destroyed
+//! communicator (it would go on writing the caller's buffers): every communicator is built with
+//! an interrupt check reading its `destroyed` flag, so destroy unregisters it, raises the flag,
+//! and takes the communicator's lock, which it gets once the interrupted call has returned;
+//! only then are its handles, batches and fabric released.
 
 #![allow(non_camel_case_types, non_snake_case)]
 
