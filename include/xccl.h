@@ -397,7 +397,8 @@ xcclResult_t xcclCommAbort(xcclComm_t comm);
  *    whose call that attention rank took part in. Such a call can never complete; it fails
  *    too when called (xcclRemoteError naming the peer, within milliseconds, not at its
  *    timeout). On shm and ascend the departure is seen by the first look after the peer's
- *    xcclCommDestroy returned; on ofi when its departure message arrives (milliseconds).
+ *    xcclCommDestroy returned (a query another thread of that peer runs at that moment delays
+ *    it until the query returns); on ofi when its departure message arrives (milliseconds).
  *  A peer that left after answering everything this rank has open is the normal end of a job
  *  and is not an error: xcclSuccess. (Each rank needs the other role: an attention rank's calls
  *  wait for the expert ranks, an expert rank's for the attention ranks; a rank that has
