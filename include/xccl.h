@@ -28,7 +28,8 @@
  * - Thread safety: calls on different communicators are independent. Calls on one communicator
  *   are serialised by a lock (two threads calling at once is safe, the second waits until the
  *   first returns), except xcclCommAbort, xcclCommGetAsyncError, xcclGetLastError and the
- *   queries, which never wait for a call in progress. In particular an xcclA2ESend of
+ *   queries, which never wait for a call in progress, and xcclCommDestroy, which interrupts
+ *   it and waits until it has returned. In particular an xcclA2ESend of
  *   microbatch 2 on one thread waits while another thread is blocked in xcclE2ARecv of
  *   microbatch 1: the two share the communicator's protocol state (epochs, buffers, the
  *   failure state), and a call blocked in a wait holds it. To overlap microbatches, do not
@@ -95,7 +96,8 @@ typedef enum {
    *  it). Nothing was sent to any peer: fix it and call again. */
   xcclInvalidArgument = 1,
   /** The call is not allowed now: wrong role for this rank (A2E send on an expert rank), a
-   *  destroyed or unknown communicator, handle or batch. Nothing was sent. */
+   *  destroyed or unknown communicator, handle or batch (also a call that xcclCommDestroy on
+   *  another thread interrupted). Nothing was sent. */
   xcclInvalidUsage = 2,
   /** The operating system, a native runtime (an Ascend runtime call's error code) or the
    *  rendezvous failed (shared memory, sockets, a rank that never joined). At init: nothing to
@@ -348,11 +350,26 @@ xcclResult_t xcclCommInitRankConfig(xcclComm_t* comm, int nranks, xcclUniqueId c
 xcclResult_t xcclCommInitFromEnv(xcclComm_t* comm, const xcclConfig_t* config);
 
 /** Releases `comm`, its shared memory, and every A2E handle and batch still open on it
- *  (pointers into them become invalid). Not collective and never blocks: if another thread is
- *  inside a call on `comm`, that call finishes (call xcclCommAbort first to make it return)
- *  and the resources go when it returns. Destroying a communicator whose peers still expect
- *  calls makes them fail (xcclRemoteError) once they notice. Works on aborted and poisoned
- *  communicators. Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (already destroyed). */
+ *  (pointers into them become invalid), and leaves the job: this rank's peers see it gone at
+ *  once (see xcclCommGetAsyncError). Not collective. Works on aborted and poisoned
+ *  communicators.
+ *  From another thread while a call on `comm` is in progress: that call is interrupted (its
+ *  wait stops within about 40 ms; a call that is not waiting finishes its step) and returns
+ *  xcclInvalidUsage ("destroyed by xcclCommDestroy on another thread"), or its own result if
+ *  it completed first; calls queued behind it return xcclInvalidUsage. xcclCommDestroy returns
+ *  only after that call is done with `comm` and with the caller's buffers, so they may be
+ *  freed as soon as it returns (the call's thread may still be on its way out of the
+ *  function). Nothing is published by the interruption itself: the job is not aborted (a call
+ *  interrupted after it had published poisons as any such failure does, and its peers are
+ *  told). Why not refuse while a call runs: the thread tearing an engine down (a watchdog, a
+ *  shutdown hook) must not have to retry against a call that may block for config.timeoutMs,
+ *  and a blocked call that could outlive the communicator is what made the earlier behaviour
+ *  unsafe. To stop the whole job instead, call xcclCommAbort first. Not from an arrival
+ *  callback of `comm` (xcclInvalidUsage: the receive is still running; `comm` stays valid);
+ *  not during xcclCommShrink of `comm` on another thread (the shrink owns the old
+ *  communicator and is not waited for).
+ *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (already destroyed, also by a racing
+ *  xcclCommDestroy; from an arrival callback). */
 xcclResult_t xcclCommDestroy(xcclComm_t comm);
 
 /** Aborts the job: returns promptly (no waiting for a call in progress), callable from any
@@ -368,9 +385,30 @@ xcclResult_t xcclCommDestroy(xcclComm_t comm);
 xcclResult_t xcclCommAbort(xcclComm_t comm);
 
 /** Writes to `*asyncError` the failure that poisoned `comm`, or one raised since outside any
- *  call (an abort by a peer, a peer process that died), or xcclSuccess. The message is then in
- *  xcclGetLastError(comm). A peer that exited or destroyed its communicator counts as failed
- *  (xcclRemoteError), also at the normal end of a job. Never waits for a call in progress;
+ *  call, or xcclSuccess; the message (naming the rank) is then in xcclGetLastError(comm):
+ *  - an abort by a peer or here: xcclAborted;
+ *  - a peer process that died without destroying its communicator: xcclRemoteError, whatever
+ *    this rank has open;
+ *  - a peer that left the job (destroyed its communicator; its process may still run or have
+ *    exited) while an open call of this rank still needs it: xcclRemoteError ("rank P failed:
+ *    left the job ...; the E2A receive of call epoch E needs it"). Open calls are: on an
+ *    attention rank, an A2E handle whose E2A has not been received and to which that expert
+ *    rank (or its relay) has not contributed yet; on an expert rank, a batch not replied to
+ *    whose call that attention rank took part in. Such a call can never complete; it fails
+ *    too when called (xcclRemoteError naming the peer, within milliseconds, not at its
+ *    timeout). On shm and ascend the departure is seen by the first look after the peer's
+ *    xcclCommDestroy returned (a query another thread of that peer runs at that moment delays
+ *    it until the query returns); on ofi when its departure message arrives (milliseconds).
+ *  A peer that left after answering everything this rank has open is the normal end of a job
+ *  and is not an error: xcclSuccess. (Each rank needs the other role: an attention rank's calls
+ *  wait for the expert ranks, an expert rank's for the attention ranks; a rank that has
+ *  received its last E2A, or replied to its last batch, needs nobody.) If this rank then makes
+ *  a call that needs the departed peer, that call fails with xcclRemoteError naming it, within
+ *  milliseconds, and poisons the communicator as any peer failure does (the job is aborted).
+ *  This function only looks: it never poisons the communicator nor aborts the job (call
+ *  xcclCommAbort to tell the other ranks, or xcclCommDestroy); the same answer stays until then.
+ *  Never waits for a call in progress (while another thread's call holds `comm`, the open-call
+ *  look is skipped: that call fails on such a peer itself, and the poisoning is reported);
  *  works on aborted communicators.
  *  Errors: xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed). */
 xcclResult_t xcclCommGetAsyncError(xcclComm_t comm, xcclResult_t* asyncError);

@@ -157,7 +157,8 @@ fn checked_rounds(
 }
 
 /// Rank 2 drops its fabric and exits cleanly; rank 0's wait for rank 1 (which signals later)
-/// must not take that for a crash, while a check of rank 2 itself reports it gone.
+/// must not take that for a crash, while a check of rank 2 itself reports it gone (left the
+/// job, whether its process still runs or not).
 fn departed(ctx: &ChildCtx) -> xccl::Result<()> {
     let f = join(ctx)?;
     f.barrier(CONNECT)?;
@@ -178,7 +179,9 @@ fn departed(ctx: &ChildCtx) -> xccl::Result<()> {
             let start = Instant::now();
             loop {
                 match f.check_peer(2) {
-                    Err(Error::PeerFailed { peer: 2, detail }) if detail.contains("leaving") => {
+                    Err(Error::PeerFailed { peer: 2, detail })
+                        if detail.contains("left the job") =>
+                    {
                         announce(&format!("rank 2: {detail}"));
                         return Ok(());
                     }

@@ -468,6 +468,23 @@ fn c11_engine_program_shrinks_past_a_sigkilled_expert_rank_over_shm() {
     );
 }
 
+/// A job's root, bound in host 0 of two network namespaces (`xccl::testing::netns`).
+fn root_in_host_0(ns: &Hosts) -> (UniqueId, xccl::bootstrap::RootHandle) {
+    ns.start_root(unique_job_id())
+        .expect("bootstrap root in host 0")
+}
+
+/// Runs rank `rank`'s command in host `rank % 2`, over libfabric's tcp provider on that host's
+/// address (through the test programs' `ENGINE_OFI_*` variables).
+fn run_in_host(ns: &Hosts, rank: usize, cmd: &mut Command) {
+    let host = ns.host_of(rank);
+    cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
+        .env("ENGINE_OFI_INTERFACE", ns.addr(host))
+        .env_remove("XCCL_OFI_ADDR")
+        .env_remove("XCCL_OFI_PROVIDER");
+    ns.enter(host, cmd).expect("placing the rank in its host");
+}
+
 #[test]
 fn c11_engine_program_over_ofi_across_two_network_namespaces() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -484,25 +501,13 @@ fn c11_engine_program_over_ofi_across_two_network_namespaces() {
         &repo().join("tests/capi/capi_engine.c"),
         "capi_engine_c_ofi",
     );
-    // A job's root, bound in host 0.
-    let root = || {
-        ns.start_root(unique_job_id())
-            .expect("bootstrap root in host 0")
-    };
-    let customize = |rank: usize, cmd: &mut Command| {
-        let host = ns.host_of(rank);
-        cmd.env("ENGINE_OFI_PROVIDER", "tcp;ofi_rxm")
-            .env("ENGINE_OFI_INTERFACE", ns.addr(host))
-            .env_remove("XCCL_OFI_ADDR")
-            .env_remove("XCCL_OFI_PROVIDER");
-        ns.enter(host, cmd).expect("placing the rank in its host");
-    };
+    let customize = |rank: usize, cmd: &mut Command| run_in_host(&ns, rank, cmd);
     for (n, args) in [
         (2, &["--fabric", "ofi"][..]),
         (4, &["--fabric", "ofi"][..]),
         (4, &["--fabric", "ofi", "--kill", "2"][..]),
     ] {
-        let (id, _root) = root();
+        let (id, _root) = root_in_host_0(&ns);
         let logs = run_ranks_allowing_kill(&exe, n, args, &id, &customize);
         for (r, l) in logs.iter().enumerate() {
             if args.contains(&"--kill") && r == 2 {
@@ -665,4 +670,105 @@ fn c11_one_ranks_bad_or_different_config_fails_every_rank_at_once_naming_it() {
             );
         }
     }
+}
+
+/// Runs `capi_life --leave` for each `(leaver, open)`: 2 ranks (0 attention, 1 expert) with
+/// `args`, roots from `root`, commands adjusted by `customize`; returns the survivors' logs.
+fn run_leave_cases(
+    exe: &Path,
+    cases: &[(usize, bool)],
+    args: &[&str],
+    root: &dyn Fn() -> (UniqueId, xccl::bootstrap::RootHandle),
+    customize: &dyn Fn(usize, &mut Command),
+) -> Vec<String> {
+    let mut survivors = Vec::new();
+    for &(leaver, open) in cases {
+        let stamp = out_dir().join(format!("life.{}.{leaver}.{open}.stamp", std::process::id()));
+        let ready = stamp.with_extension("stamp.ready");
+        let _ = std::fs::remove_file(&stamp);
+        let _ = std::fs::remove_file(&ready);
+        let (id, _root) = root();
+        let (l, s) = (leaver.to_string(), stamp.to_string_lossy().into_owned());
+        let mut all = vec!["--leave", &l, "--stamp", &s];
+        all.extend_from_slice(args);
+        if open {
+            all.push("--open");
+        }
+        let logs = run_ranks(exe, 2, &all, &id, customize);
+        let _ = std::fs::remove_file(&stamp);
+        let _ = std::fs::remove_file(&ready);
+        for (r, log) in logs.iter().enumerate() {
+            assert!(log.contains(&format!("rank {r}: ok")), "rank {r}: {log}");
+        }
+        let survivor = logs[1 - leaver].clone();
+        let want = if open {
+            "async error after"
+        } else {
+            "no async error after the peer's normal end"
+        };
+        assert!(
+            survivor.contains(want),
+            "case ({leaver}, {open}): {survivor}"
+        );
+        eprintln!("case (leaver {leaver}, open {open}):\n{survivor}");
+        survivors.push(survivor);
+    }
+    survivors
+}
+
+/// Issue 18: a peer that destroyed its communicator and exited while this rank's open call
+/// needs it is reported by `xcclCommGetAsyncError` (`xcclRemoteError` naming it, at the first
+/// look after its destroy returned) and fails that call at once; at the normal end of a job
+/// (nothing open) no async error appears, and only a further call that needs the peer fails,
+/// naming it. Both directions (attention and expert rank leaving).
+#[test]
+fn c11_a_peer_that_left_is_an_async_error_only_while_an_open_call_needs_it_over_shm() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(&repo().join("tests/capi/capi_life.c"), "capi_life_c");
+    let root = || {
+        let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+        UniqueId::start_root(bind, RootConfig::new(unique_job_id())).expect("bootstrap root")
+    };
+    let cases = [(1, true), (0, true), (1, false), (0, false)];
+    run_leave_cases(&exe, &cases, &[], &root, &|_, _| {});
+}
+
+/// The same over libfabric's tcp provider across two network namespaces: the departure
+/// travels as a message, reported within 5 s.
+#[test]
+fn c11_a_peer_that_left_is_an_async_error_only_while_an_open_call_needs_it_over_ofi() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let ns = match Hosts::create(2) {
+        Ok(ns) => ns,
+        Err(why) => {
+            eprintln!(
+                "\n!!!! c11 departure over ofi NOT RUN: cannot create network namespaces ({why})\n"
+            );
+            return;
+        }
+    };
+    let exe = compile(&repo().join("tests/capi/capi_life.c"), "capi_life_c_ofi");
+    let cases = [(1, true), (0, false)];
+    let root = || root_in_host_0(&ns);
+    let customize = |rank: usize, cmd: &mut Command| run_in_host(&ns, rank, cmd);
+    run_leave_cases(&exe, &cases, &["--fabric", "ofi"], &root, &customize);
+}
+
+/// Issue 18: `xcclCommDestroy` from another thread while a call blocks (an A2E receive, an E2A
+/// receive, each for a peer that never sends) interrupts that call and returns only after it
+/// returned (`xcclInvalidUsage` naming the destroy), so the caller's buffer can be freed at
+/// once; repeated to catch races. `xcclCommAbort` from another thread still ends the blocked
+/// call with `xcclAborted`.
+#[test]
+fn c11_destroy_from_another_thread_returns_after_the_blocked_call_and_abort_still_ends_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = compile(
+        &repo().join("tests/capi/capi_life.c"),
+        "capi_life_c_destroy",
+    );
+    let mut cmd = Command::new(&exe);
+    cmd.args(["--destroy-blocked", "24"]);
+    let logs = Ranks::spawn("capi_life_destroy", vec![cmd]).expect_success(TIMEOUT);
+    assert!(logs[0].contains("destroy-blocked: ok"), "{}", logs[0]);
+    eprintln!("{}", logs[0]);
 }

@@ -973,6 +973,40 @@ impl Communicator {
         }
     }
 
+    /// Checks, without waiting and without changing any state (no poisoning, no abort), that
+    /// no peer an unanswered call of this rank still needs is gone (died, or left the job by
+    /// dropping its communicator): on an attention rank, every expert rank (or relay) whose
+    /// E2A contribution to a call in flight has not landed; on an expert rank, every attention
+    /// rank of a received call not yet replied to. The error names that peer and the call's
+    /// epoch. A peer that left after answering every call this rank has open is not an error
+    /// (the normal end of a job); the next call that needs it fails naming it. The C ABI's
+    /// `xcclCommGetAsyncError` reports what this finds.
+    pub fn check_open_calls(&self) -> Result<()> {
+        let with_epoch = |e: Error, epoch: u64, what: &str| match e {
+            Error::PeerFailed { peer, detail } => Error::PeerFailed {
+                peer,
+                detail: format!("{detail}; {what} of call epoch {epoch} needs it"),
+            },
+            e => e,
+        };
+        match &self.side {
+            Side::Attention { dispatch, .. } => dispatch.unanswered().try_for_each(|sent| {
+                CombineReceiver::ready(&self.ctx, sent)
+                    .map(drop)
+                    .map_err(|e| with_epoch(e, sent.epoch, "the E2A receive"))
+            }),
+            Side::Expert { dispatch, .. } => dispatch.unreplied().try_for_each(|epoch| {
+                let all = self.ctx.attention();
+                self.ctx.call_sources(epoch).iter().try_for_each(|&i| {
+                    self.ctx
+                        .fabric
+                        .check_peer(all[i])
+                        .map_err(|e| with_epoch(e, epoch, "the E2A reply"))
+                })
+            }),
+        }
+    }
+
     /// A2E receive on an expert rank: fills `batch` with this call's rows, grouped by local
     /// expert. Collective with every attention rank's A2E send.
     pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {

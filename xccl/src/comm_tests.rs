@@ -1865,3 +1865,46 @@ fn an_interrupted_e2a_receive_is_retryable_and_an_interrupt_after_publishing_poi
     let err = expert.a2e_recv(&mut batch).unwrap_err();
     assert!(matches!(err, Error::Aborted { by: 0, .. }), "{err}");
 }
+
+/// `check_open_calls` (what `xcclCommGetAsyncError` reports): a peer that left is an error
+/// only while an unanswered call of this rank needs it, naming the peer and the epoch.
+#[test]
+fn a_peer_that_left_fails_the_open_call_check_only_while_a_call_needs_it() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let c = cfg(8, DType::F32, 2, 4);
+    // Attention rank holding an unanswered handle; the expert rank leaves.
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let (x, idx, w) = (vec![1.0f32; 8], vec![0i32, 1], vec![0.5f32, 0.5]);
+    let h = attn.a2e_send(&x, &idx, &w).unwrap();
+    let mut b = ExpertBatch::new();
+    expert.a2e_recv(&mut b).unwrap();
+    attn.check_open_calls().unwrap();
+    expert.check_open_calls().unwrap();
+    drop(expert);
+    match attn.check_open_calls() {
+        Err(Error::PeerFailed { peer: 1, detail }) => {
+            assert!(detail.contains(&format!("epoch {}", h.epoch())), "{detail}")
+        }
+        other => panic!("expected the expert rank named, got {other:?}"),
+    }
+    assert!(attn.poisoned().is_none(), "the check changes nothing");
+    // Expert rank holding an unreplied batch; the attention rank leaves.
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let _h = attn.a2e_send(&x, &idx, &w).unwrap();
+    expert.a2e_recv(&mut b).unwrap();
+    drop(attn);
+    assert!(matches!(
+        expert.check_open_calls(),
+        Err(Error::PeerFailed { peer: 0, .. })
+    ));
+    // Nothing open: a peer that left is the normal end, not an error.
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let expert = comms.pop().unwrap();
+    let attn = comms.pop().unwrap();
+    drop(expert);
+    attn.check_open_calls().unwrap();
+}

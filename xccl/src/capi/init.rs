@@ -246,16 +246,40 @@ pub unsafe extern "C" fn xcclCommInitFromEnv(
     })
 }
 
-/// `xcclCommDestroy`: releases `comm` and every handle and batch still open on it.
+/// `xcclCommDestroy`: releases `comm` and every handle and batch still open on it. A call in
+/// progress on another thread is interrupted (its next wait stops, within about 40 ms) and
+/// this returns only once that call has returned, so nothing of the caller's (buffers, the
+/// handle) is touched after it.
 #[no_mangle]
 pub extern "C" fn xcclCommDestroy(comm: *mut xcclComm) -> xcclResult_t {
     guard("xcclCommDestroy", || {
         let (id, _) = lookup(comm)?;
-        let c = lock(&COMMS).remove(&id);
+        if IN_CALLBACK.with(|cb| cb.get()) == id {
+            return Err(Fail::usage(
+                "called from an arrival callback of this communicator (the receive is still \
+                 running): destroy it after the receive returns; it stays valid",
+            ));
+        }
+        // 1. No later call finds it (a racing second destroy is refused here).
+        let c = lock(&COMMS).remove(&id).ok_or_else(|| {
+            Fail::usage(format!(
+                "comm {id:#x} is already destroyed (xcclCommDestroy)"
+            ))
+        })?;
+        // 2. A call in progress stops at its next wait; calls queued for the lock are refused.
+        c.destroyed.store(true, Ordering::Release);
+        // 3. Wait for the call in progress to return (a panic inside one poisoned the lock:
+        //    the communicator is still taken and dropped).
+        let inner = c.comm.lock().unwrap_or_else(|e| e.into_inner()).take();
+        // 4. Its handles and batches (a retryable failure of the interrupted call put its
+        //    handle or batch back before returning), then the communicator: this rank leaves
+        //    the job (its peers see the departure mark).
         lock(&HANDLES).retain(|_, (owner, _)| *owner != id);
         lock(&EXPERT_BATCHES).retain(|_, b| b.comm != id);
         lock(&TOKEN_BATCHES).retain(|_, b| b.comm != id);
-        // The communicator (and its shared memory) goes when the last call using it returns.
+        drop(inner);
+        // The fabric goes with the last reference (this one, unless a query on another thread
+        // still holds it for a moment).
         drop(c);
         Ok(())
     })
@@ -297,10 +321,15 @@ pub unsafe extern "C" fn xcclCommGetAsyncError(
             if let Some((by, reason)) = c.fabric.aborted() {
                 return Some((XCCL_ABORTED, format!("aborted by rank {by}: {reason}")));
             }
-            c.fabric
-                .check_peers()
-                .err()
-                .map(|e| (code_of(&e), e.to_string()))
+            // A dead peer (not one that left cleanly), then a peer that left the job while
+            // an open call of this rank still needs it. The second look needs the
+            // communicator: when a call holds it, that call itself fails on such a peer within
+            // milliseconds (and poisons), so skipping the look here loses nothing.
+            let gone = c.fabric.check_peers().err().or_else(|| {
+                let inner = c.comm.try_lock().ok()?;
+                inner.as_ref()?.check_open_calls().err()
+            });
+            gone.map(|e| (code_of(&e), e.to_string()))
         });
         let code = match found {
             Some((code, msg)) => {

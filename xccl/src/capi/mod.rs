@@ -22,6 +22,12 @@
 //! communicator, which holds the communicator's lock. So the communicator is built on a
 //! `SharedFabric` whose fabric this module also keeps: abort raises the fabric's abort flag
 //! directly, the blocked wait sees it within milliseconds and returns `Aborted`.
+//!
+//! `xcclCommDestroy` from another thread must not leave a call running on a destroyed
+//! communicator (it would go on writing the caller's buffers): every communicator is built with
+//! an interrupt check reading its `destroyed` flag, so destroy unregisters it, raises the flag,
+//! and takes the communicator's lock, which it gets once the interrupted call has returned;
+//! only then are its handles, batches and fabric released.
 
 #![allow(non_camel_case_types, non_snake_case)]
 
@@ -118,6 +124,8 @@ fn code_of(e: &Error) -> xcclResult_t {
             XCCL_REMOTE_ERROR
         }
         Error::Aborted { .. } => XCCL_ABORTED,
+        // The only interrupt the C ABI installs: xcclCommDestroy from another thread.
+        Error::Interrupted { .. } => XCCL_INVALID_USAGE,
         Error::Bootstrap(_) | Error::Os { .. } | Error::Native { .. } => XCCL_SYSTEM_ERROR,
         Error::FabricUnavailable { .. } => XCCL_UNAVAILABLE,
         Error::OutOfWindow { .. } => XCCL_INTERNAL_ERROR,
@@ -300,6 +308,9 @@ struct Comm {
     rebuilt: Arc<Mutex<Option<Arc<dyn Fabric>>>>,
     /// Set by `xcclCommAbort`.
     aborted: AtomicBool,
+    /// Set by `xcclCommDestroy`: a call in progress stops at its next wait (the
+    /// communicator's interrupt check reads it) and later calls are refused.
+    destroyed: Arc<AtomicBool>,
     /// The first error that poisoned the communicator (code and message).
     first_error: Mutex<Option<(xcclResult_t, String)>>,
     /// Batches whose reply went out, reused by the next receive (their buffers keep their
@@ -313,11 +324,14 @@ impl Comm {
     /// The C side of `comm`, whose fabric is `fabric` (shared, so that abort reaches it while a
     /// call holds the communicator), for a caller of config version `version`.
     fn new(
-        comm: Communicator,
+        mut comm: Communicator,
         fabric: Arc<dyn Fabric>,
         version: std::ffi::c_uint,
         rebuilt: Arc<Mutex<Option<Arc<dyn Fabric>>>>,
     ) -> Comm {
+        let destroyed = Arc::new(AtomicBool::new(false));
+        let flag = destroyed.clone();
+        comm.set_interrupt_check(Some(Arc::new(move || flag.load(Ordering::Acquire))));
         let (topo, cfg, rank) = (comm.topology(), comm.config(), comm.rank());
         Comm {
             rank,
@@ -335,6 +349,7 @@ impl Comm {
             version,
             rebuilt,
             aborted: AtomicBool::new(false),
+            destroyed,
             first_error: Mutex::new(None),
             spare_expert: Mutex::new(Vec::new()),
             spare_token: Mutex::new(Vec::new()),
@@ -595,13 +610,22 @@ fn with_comm(
                 "the communicator was poisoned by an internal error (panic) in an earlier call",
             )
         })?;
+        if c.destroyed.load(Ordering::Acquire) {
+            return Err(Fail::usage(destroyed_during(id)));
+        }
         let Some(inner) = guard.as_mut() else {
             return Err(Fail::usage(
                 "this communicator was shrunk into a new one (xcclCommShrink): use that one, \
                  and destroy this one",
             ));
         };
-        let res = f(id, &c, inner);
+        let mut res = f(id, &c, inner);
+        if c.destroyed.load(Ordering::Acquire) {
+            // Interrupted (or finished) while xcclCommDestroy waited for it: whatever it
+            // failed with, the communicator is gone.
+            res =
+                res.map_err(|fail| Fail::usage(format!("{} ({})", destroyed_during(id), fail.msg)));
+        }
         if let Some(e) = inner.poisoned() {
             lock(&c.first_error).get_or_insert_with(|| (code_of(e), e.to_string()));
         }
@@ -625,6 +649,14 @@ fn with_comm(
     };
     set_thread_error(&format!("{name}: {}", fail.msg));
     fail.code
+}
+
+/// The message of a call that `xcclCommDestroy` (on another thread) ended or refused.
+fn destroyed_during(id: usize) -> String {
+    format!(
+        "comm {id:#x} was destroyed by xcclCommDestroy on another thread during this call \
+         (a wait in progress stops within about 40 ms; nothing is used after it returns)"
+    )
 }
 
 /// Like [`with_comm`] for queries: no lock, answers from what init cached.

@@ -774,6 +774,11 @@ impl Fabric for ShmFabric {
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
         let liveness = |awaited: usize| {
+            // An out-of-band abort first: a rank that aborted and then left the job is
+            // reported by its abort, not as gone.
+            if let Some((by, reason)) = self.exchange.poll_abort() {
+                return Err(Error::Aborted { by, reason });
+            }
             self.check_peer(awaited)?;
             self.check_peers()
         };
@@ -804,17 +809,20 @@ impl Fabric for ShmFabric {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let s = self.segment(peer)?;
-        match s.liveness.check(peer, s.pid) {
-            Err(Error::PeerFailed { peer, detail }) if s.control.departed() => {
-                Err(Error::PeerFailed {
-                    peer,
-                    detail: format!(
-                        "{detail} after leaving the job (its communicator was dropped)"
-                    ),
-                })
-            }
-            other => other,
+        let alive = s.liveness.check(peer, s.pid);
+        if peer == self.rank || !s.control.departed() {
+            return alive;
         }
+        // Gone for good, whether its process still runs or not: a wait for it can never end
+        // (waits look once more before reporting it, so what it sent before leaving counts).
+        let since = match alive {
+            Err(Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
+            _ => String::new(),
+        };
+        Err(Error::PeerFailed {
+            peer,
+            detail: format!("left the job (its communicator was destroyed){since}"),
+        })
     }
 
     fn check_peers(&self) -> Result<()> {

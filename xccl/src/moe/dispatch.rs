@@ -621,6 +621,11 @@ impl DispatchSender {
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
+
+    /// The calls waiting for their E2A, oldest first.
+    pub(crate) fn unanswered(&self) -> impl Iterator<Item = &Sent> {
+        self.in_flight.iter()
+    }
 }
 
 /// One source's message of one call, as its validated record describes it.
@@ -935,6 +940,11 @@ impl DispatchReceiver {
             row_experts: Vec::new(),
             relay: Box::default(),
         }
+    }
+
+    /// Epochs of the received calls whose E2A has not been sent, oldest first.
+    pub(crate) fn unreplied(&self) -> impl Iterator<Item = u64> + '_ {
+        self.unreplied.iter().copied()
     }
 
     /// Fails at once when `max_in_flight` received calls wait for their reply.

@@ -1030,12 +1030,16 @@ impl Fabric for AscendFabric {
                 if let Some(e) = self.interrupted(&waiting) {
                     return Err(e);
                 }
-                // The awaited peer first (the likeliest culprit), then every other one and the
-                // bootstrap's abort channel: a dead rank anywhere stalls the job.
+                // The bootstrap's abort channel (a rank that aborted and then left is reported
+                // by its abort), the awaited peer (the likeliest culprit), then every other
+                // one: a dead rank anywhere stalls the job.
                 last_check = Some(now);
-                let live = self
-                    .check_peer(waiting.peer)
-                    .and_then(|()| self.check_peers());
+                let live = match self.exchange.poll_abort() {
+                    Some((by, reason)) => Err(Error::Aborted { by, reason }),
+                    None => self
+                        .check_peer(waiting.peer)
+                        .and_then(|()| self.check_peers()),
+                };
                 if let Err(e) = live {
                     match ControlArea::settle(poll, waiting.peer, e) {
                         Some(end) => return end,
@@ -1079,15 +1083,19 @@ impl Fabric for AscendFabric {
 
     fn check_peer(&self, peer: usize) -> Result<()> {
         let p = self.peer(peer)?;
-        match p.liveness.check(peer, p.pid) {
-            Err(Error::PeerFailed { peer, detail }) if self.has_departed(peer) => {
-                Err(Error::PeerFailed {
-                    peer,
-                    detail: format!("{detail} after leaving the job (its fabric was dropped)"),
-                })
-            }
-            other => other,
+        let alive = p.liveness.check(peer, p.pid);
+        if peer == self.rank || !self.has_departed(peer) {
+            return alive;
         }
+        // Gone for good, whether its process still runs or not (as on shm).
+        let since = match alive {
+            Err(Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
+            _ => String::new(),
+        };
+        Err(Error::PeerFailed {
+            peer,
+            detail: format!("left the job (its communicator was destroyed){since}"),
+        })
     }
 
     fn aborted(&self) -> Option<(usize, String)> {
