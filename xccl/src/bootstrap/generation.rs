@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Exchange, JobKey, Survivors};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// The survivors of a job after a shrink; implements [`Exchange`] on top of the job's own.
 pub struct Generation {
@@ -178,11 +178,14 @@ impl Exchange for Generation {
         self.members_round(&[], timeout, "barrier").map(|_| ())
     }
 
-    fn broadcast_abort(&self, reason: &str) -> Result<()> {
-        self.parent.broadcast_abort(reason)
+    /// The dead member is sent by its parent rank (a number outside the generation stays out
+    /// of range, for the receivers' check to name this rank).
+    fn broadcast_abort_reporting(&self, dead: Option<usize>, reason: &str) -> Result<()> {
+        let dead = dead.map(|d| self.members.get(d).copied().unwrap_or(usize::MAX));
+        self.parent.broadcast_abort_reporting(dead, reason)
     }
 
-    fn poll_abort(&self) -> Option<(usize, String)> {
+    fn poll_abort(&self) -> Option<AbortNotice> {
         self.poll_abort_since(0)
     }
 
@@ -195,14 +198,19 @@ impl Exchange for Generation {
         self.members_gather(blob, timeout, ignore_aborts)
     }
 
-    /// The `first`-th abort raised since this generation began, its rank renumbered (an abort
-    /// from a rank outside the generation keeps its parent rank).
-    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
-        let (by, reason) = self
+    /// The `first`-th abort raised since this generation began, its ranks renumbered (an abort
+    /// from a rank outside the generation keeps its parent rank; a dead rank outside it becomes
+    /// out of range, so the receiver's check names the sender).
+    fn poll_abort_since(&self, first: usize) -> Option<AbortNotice> {
+        let a = self
             .parent
             .poll_abort_since(self.horizon.saturating_add(first))?;
-        let by = self.members.iter().position(|&m| m == by).unwrap_or(by);
-        Some((by, reason))
+        let new = |old: usize| self.members.iter().position(|&m| m == old);
+        Some(AbortNotice {
+            by: new(a.by).unwrap_or(a.by),
+            dead: a.dead.map(|d| new(d).unwrap_or(usize::MAX)),
+            reason: a.reason,
+        })
     }
 }
 
