@@ -709,9 +709,16 @@ impl Communicator {
         if fatal || self.ctx.has_published() {
             tracing::error!(rank = self.ctx.rank, error = %e, "xccl: call failed; communicator poisoned, job aborted");
             let me = self.ctx.rank;
-            self.ctx
-                .fabric
-                .abort_reporting(e.dead_rank(me), &e.abort_reason(me));
+            // An abort that reached this rank through the fabric was written to every rank by
+            // its sender: the first abort wins, so an echo could only race it to the ranks it
+            // has not reached yet and replace its sender and record there. One heard only out
+            // of band (or none) is raised here, through the fabric too.
+            let told = self.ctx.fabric.aborted().is_some_and(|n| n.by != me);
+            if !told {
+                self.ctx
+                    .fabric
+                    .abort_reporting(e.dead_rank(me), &e.abort_reason(me));
+            }
             self.poisoned = Some(e.duplicate());
         } else if matches!(e, Error::Timeout { .. }) {
             tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
