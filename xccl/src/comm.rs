@@ -709,15 +709,23 @@ impl Communicator {
         if fatal || self.ctx.has_published() {
             tracing::error!(rank = self.ctx.rank, error = %e, "xccl: call failed; communicator poisoned, job aborted");
             let me = self.ctx.rank;
-            // An abort that reached this rank through the fabric was written to every rank by
-            // its sender: the first abort wins, so an echo could only race it to the ranks it
-            // has not reached yet and replace its sender and record there. One heard only out
-            // of band (or none) is raised here, through the fabric too.
-            let told = self.ctx.fabric.aborted().is_some_and(|n| n.by != me);
-            if !told {
-                self.ctx
+            // An abort another rank raised is passed on as it is (its sender, death report and
+            // reason), so that a rank its sender has not reached yet (or never will, having
+            // heard of it only out of band) hears the same record first, never this rank's
+            // account of it. Any other failure is this rank's own abort.
+            let received = match (self.ctx.fabric.aborted(), &e) {
+                (Some(n), _) if n.by != me => Some(n),
+                (None, Error::Aborted { by, reason }) if *by != me => {
+                    Some(crate::AbortNotice::raised_by(*by, reason.clone()))
+                }
+                _ => None,
+            };
+            match received {
+                Some(notice) => self.ctx.fabric.forward_abort(&notice),
+                None => self
+                    .ctx
                     .fabric
-                    .abort_reporting(e.dead_rank(me), &e.abort_reason(me));
+                    .abort_reporting(e.dead_rank(me), &e.abort_reason(me)),
             }
             self.poisoned = Some(e.duplicate());
         } else if matches!(e, Error::Timeout { .. }) {

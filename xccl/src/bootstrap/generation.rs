@@ -143,6 +143,11 @@ impl Generation {
                 peer: new(peer),
                 detail,
             },
+            // A malformed abort record names its sender.
+            Error::Protocol { peer, detail } => Error::Protocol {
+                peer: new(peer),
+                detail,
+            },
             Error::Timeout { peer, what, waited } => Error::Timeout {
                 peer: new(peer),
                 what: format!("{what} (ranks before the shrink)"),
@@ -351,6 +356,33 @@ mod tests {
             assert_eq!((rank, size, job_id), (i, 3, job));
             assert_eq!(all, vec![vec![10], vec![11], vec![12]]);
         }
+    }
+
+    #[test]
+    fn a_generations_death_report_names_the_dead_member_by_its_new_rank() {
+        let (id, _root) = start_job();
+        let mut ranks = connect_all(&id, 4);
+        drop(ranks.remove(1));
+        let gens: Vec<Generation> = ranks
+            .iter()
+            .map(|b| Generation::new(b.clone(), vec![0, 2, 3], 1, 0).unwrap())
+            .collect();
+        // New rank 0 reports the death of new rank 2 (rank 3 before the shrink), then one of
+        // new rank 7, which does not exist.
+        gens[0]
+            .broadcast_abort_reporting(Some(2), "process 42 exited")
+            .unwrap();
+        gens[0].broadcast_abort_reporting(Some(7), "x").unwrap();
+        wait_for_abort(&gens[1], 1);
+        let first = gens[1].poll_abort().unwrap();
+        assert_eq!((first.by, first.dead), (0, Some(2)));
+        let err = gens[1].barrier(LONG).unwrap_err();
+        assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+        let bad = gens[1]
+            .poll_abort_since(1)
+            .unwrap()
+            .to_error(gens[1].size());
+        assert!(matches!(bad, Error::Protocol { peer: 0, .. }), "{bad}");
     }
 
     #[test]

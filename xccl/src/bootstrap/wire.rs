@@ -378,7 +378,8 @@ pub(crate) fn encode_rank_text(rank: usize, text: &str) -> Vec<u8> {
 pub(crate) const NO_DEAD: u64 = u64::MAX;
 
 fn dead_word(dead: Option<usize>) -> u64 {
-    dead.map_or(NO_DEAD, |d| d as u64)
+    // An out-of-range rank stays out of range (never [`NO_DEAD`]).
+    dead.map_or(NO_DEAD, |d| (d as u64).min(NO_DEAD - 1))
 }
 
 fn dead_of(word: u64) -> Option<usize> {
@@ -636,6 +637,8 @@ mod tests {
             let r = decode_relayed_abort(&encode_relayed_abort(2, dead, "why")).unwrap();
             assert_eq!((r.by, r.dead, r.reason.as_str()), (2, dead, "why"));
         }
+        let (far, _) = decode_abort(&encode_abort(Some(usize::MAX), "")).unwrap();
+        assert!(far.is_some_and(|d| d > 1 << 32), "{far:?}");
         assert_eq!(decode_abort(&[1, 2, 3]), None);
         assert_eq!(decode_relayed_abort(&[0u8; 15]), None);
         // The reason is bounded like every text on the wire.

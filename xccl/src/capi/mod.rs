@@ -256,6 +256,9 @@ impl Fabric for SharedFabric {
     fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
         self.0.abort_reporting(dead, reason)
     }
+    fn forward_abort(&self, notice: &crate::AbortNotice) {
+        self.0.forward_abort(notice)
+    }
     fn check_peer(&self, peer: usize) -> crate::Result<()> {
         self.0.check_peer(peer)
     }

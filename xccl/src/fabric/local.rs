@@ -266,6 +266,12 @@ impl Fabric for LocalFabric {
         }
     }
 
+    fn forward_abort(&self, notice: &AbortNotice) {
+        for r in &self.world.ranks {
+            r.control.set_abort(notice.by, notice.dead, &notice.reason);
+        }
+    }
+
     fn aborted(&self) -> Option<AbortNotice> {
         self.world.ranks[self.rank].control.aborted_by()
     }

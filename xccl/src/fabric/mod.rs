@@ -114,6 +114,12 @@ pub trait Fabric: Send + Sync {
     /// record, in its memory and on the bootstrap's out-of-band abort alike.
     fn abort_reporting(&self, dead: Option<usize>, reason: &str);
 
+    /// Passes on another rank's abort record unchanged (its `by`, `dead` and reason) to every
+    /// rank that holds no abort yet, through the fabric only (the bootstrap relays the
+    /// original): a rank that poisons on an abort it received makes sure every rank hears of
+    /// it, and, the first abort winning, no rank hears another account of it first.
+    fn forward_abort(&self, notice: &AbortNotice);
+
     /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead or has
     /// left the job (a wait for it can never end).
     fn check_peer(&self, peer: usize) -> Result<()>;

@@ -807,6 +807,12 @@ impl Fabric for ShmFabric {
         let _ = self.exchange.broadcast_abort_reporting(dead, reason);
     }
 
+    fn forward_abort(&self, notice: &AbortNotice) {
+        for s in &self.segments {
+            s.control.set_abort(notice.by, notice.dead, &notice.reason);
+        }
+    }
+
     fn aborted(&self) -> Option<AbortNotice> {
         self.segments[self.rank].control.aborted_by()
     }

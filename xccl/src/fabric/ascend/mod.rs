@@ -354,7 +354,7 @@ pub struct AscendFabric {
     /// Set once this rank told its peers it left the job (drop or `close`).
     departed: AtomicBool,
     /// The reason this rank gave.
-    abort_reason: Mutex<(Option<usize>, String)>,
+    abort_reason: Mutex<AbortNotice>,
     /// The first runtime error seen where none can be returned (`signal_value`).
     sticky: Mutex<Option<Error>>,
     /// Released last (fields drop in declaration order).
@@ -539,7 +539,7 @@ impl AscendFabric {
             staging,
             aborted: AtomicBool::new(false),
             departed: AtomicBool::new(false),
-            abort_reason: Mutex::new((None, String::new())),
+            abort_reason: Mutex::new(AbortNotice::raised_by(rank, "")),
             sticky: Mutex::new(None),
             owned,
         })
@@ -731,16 +731,10 @@ impl AscendFabric {
     /// This rank's own abort, once it raised one.
     fn own_abort(&self) -> Option<AbortNotice> {
         self.aborted.load(Ordering::Acquire).then(|| {
-            let (dead, reason) = self
-                .abort_reason
+            self.abort_reason
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            AbortNotice {
-                by: self.rank,
-                dead,
-                reason,
-            }
+                .clone()
         })
     }
 
@@ -1075,21 +1069,18 @@ impl Fabric for AscendFabric {
     }
 
     fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
-        // The first abort wins: a rank that already saw one (its own or a peer's) stays quiet.
-        if self.aborted.swap(true, Ordering::AcqRel) {
-            return;
+        let notice = AbortNotice {
+            by: self.rank,
+            dead,
+            reason: reason.to_string(),
+        };
+        if self.raise_once(&notice) {
+            let _ = self.exchange.broadcast_abort_reporting(dead, reason);
         }
-        *self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()) = (dead, reason.to_string());
-        let rt = &self.owned.rt;
-        let seen = rt
-            .bind_thread()
-            .and_then(|()| self.aborted_in_device())
-            .ok()
-            .flatten();
-        if seen.is_none() {
-            let _ = self.raise_abort(dead, reason);
-        }
-        let _ = self.exchange.broadcast_abort_reporting(dead, reason);
+    }
+
+    fn forward_abort(&self, notice: &AbortNotice) {
+        self.raise_once(notice);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -1189,9 +1180,30 @@ impl Drop for AscendFabric {
 }
 
 impl AscendFabric {
-    /// Writes `reason`, the dead word and then the abort word into every rank's control area
-    /// (best effort: a dead peer's memory may be gone), on the stream, in that order.
-    fn raise_abort(&self, dead: Option<usize>, reason: &str) -> Result<()> {
+    /// Raises `notice` unless this rank already raised or saw an abort (the first abort wins,
+    /// as far as a rank can tell without a remote compare-and-swap); whether it did.
+    fn raise_once(&self, notice: &AbortNotice) -> bool {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        *self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()) = notice.clone();
+        let rt = &self.owned.rt;
+        let seen = rt
+            .bind_thread()
+            .and_then(|()| self.aborted_in_device())
+            .ok()
+            .flatten();
+        if seen.is_none() {
+            let _ = self.raise_abort(notice);
+        }
+        true
+    }
+
+    /// Writes the reason, the dead word and then the abort word (`by + 1`) of `notice` into
+    /// every rank's control area (best effort: a dead peer's memory may be gone), on the
+    /// stream, in that order.
+    fn raise_abort(&self, notice: &AbortNotice) -> Result<()> {
+        let (by, dead, reason) = (notice.by, notice.dead, notice.reason.as_str());
         let rt = &self.owned.rt;
         let mut text = [0u8; REASON_BYTES];
         let cut = floor_char_boundary(reason, REASON_BYTES - 1);
@@ -1221,12 +1233,9 @@ impl AscendFabric {
                     )
                 })
                 .and_then(|()| {
-                    rt.write_value_async(
-                        &st.stream,
-                        p.base.add(ABORT_OFF),
-                        self.rank as u64 + 1,
-                        || format!("abort to rank {peer}"),
-                    )
+                    rt.write_value_async(&st.stream, p.base.add(ABORT_OFF), by as u64 + 1, || {
+                        format!("abort to rank {peer}")
+                    })
                 })
             };
             if queued.is_ok() {

@@ -12,7 +12,7 @@
 //! |---|---|
 //! | 0 | the rank's [`ControlArea`] (header, doorbell, abort word, signal slots) |
 //! | `mailbox_off` | one 64-bit mailbox per (sender rank, slot), plus one heartbeat word per sender |
-//! | `abort_off` | one abort record per sender ([`ABORT_RECORD_BYTES`]): the dead word (0, or 1 + the rank whose death the abort reports), then up to 256 bytes of reason |
+//! | `abort_off` | one abort record per sender ([`ABORT_RECORD_BYTES`]): the by word (0: the sender's own abort, or 1 + the rank whose abort it passes on), the dead word (0, or 1 + the rank whose death the abort reports), then up to 256 bytes of reason |
 //! | `window_off` (page-aligned) | the data window, `window_len` bytes |
 //!
 //! Addresses (`fi_getname`), keys and base addresses are allgathered through the bootstrap.
@@ -156,9 +156,9 @@ const HEARTBEAT_EVERY: Duration = Duration::from_millis(250);
 
 /// Tag at the start of each rank's advert ("XCCLOFI1").
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLOFI2");
-/// One sender's abort record at a peer: the dead word, then the reason (its length travels in
-/// the CQ data).
-const ABORT_RECORD_BYTES: usize = 8 + ABORT_REASON_BYTES;
+/// One sender's abort record at a peer: the by word (0: the sender raised it; else 1 + the rank
+/// whose abort it passes on), the dead word, then the reason (its length travels in the CQ data).
+const ABORT_RECORD_BYTES: usize = 16 + ABORT_REASON_BYTES;
 const ADVERT_WORDS: usize = 10;
 
 /// Remote CQ data (32 bits, so that 4-byte providers work): kind (2) | sender (14) | slot (16).
@@ -847,24 +847,35 @@ impl Shared {
             KIND_ABORT => {
                 let len = slot.min(ABORT_REASON_BYTES);
                 let off = self.abort_off + sender * ABORT_RECORD_BYTES;
-                let mut record = vec![0u8; 8 + len];
+                let mut record = vec![0u8; 16 + len];
                 // SAFETY: the sender's abort record lies inside the region; the provider placed
                 // the write before reporting its completion, and only that sender writes it.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         self.region.ptr().as_ptr().add(off),
                         record.as_mut_ptr(),
-                        8 + len,
+                        16 + len,
                     )
+                };
+                let word = |i: usize| {
+                    u64::from_le_bytes(record[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+                };
+                // A rank outside the job cannot have raised it: then it is the sender's.
+                let by = match word(0) {
+                    0 => sender,
+                    b => usize::try_from(b - 1)
+                        .ok()
+                        .filter(|&b| b < self.peers.len())
+                        .unwrap_or(sender),
                 };
                 // Checked against the job where it is turned into an error
                 // (`AbortNotice::to_error`).
-                let dead = match u64::from_le_bytes(record[..8].try_into().expect("8 bytes")) {
+                let dead = match word(1) {
                     0 => None,
                     d => Some(usize::try_from(d - 1).unwrap_or(usize::MAX)),
                 };
                 self.control
-                    .set_abort(sender, dead, &String::from_utf8_lossy(&record[8..]));
+                    .set_abort(by, dead, &String::from_utf8_lossy(&record[16..]));
             }
             _ => {}
         }
@@ -1297,14 +1308,44 @@ impl Fabric for OfiFabric {
 
     fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
         let s = &self.shared;
-        s.control.set_abort(s.rank, dead, reason);
+        self.raise_abort(s.rank, dead, reason);
+        // Ranks that lost their connection to us, or wait on the bootstrap, hear it out of band.
+        let _ = s.exchange.broadcast_abort_reporting(dead, reason);
+    }
+
+    fn forward_abort(&self, notice: &AbortNotice) {
+        self.raise_abort(notice.by, notice.dead, &notice.reason);
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        self.shared.check_peer(peer)
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        self.shared.check_peers()
+    }
+
+    fn aborted(&self) -> Option<AbortNotice> {
+        self.shared.control.aborted_by()
+    }
+}
+
+impl OfiFabric {
+    /// Sets the abort record `{by, dead, reason}` in this rank's control area and writes it to
+    /// every peer not known failed, then waits (bounded) for the writes.
+    fn raise_abort(&self, by: usize, dead: Option<usize>, reason: &str) {
+        let s = &self.shared;
+        s.control.set_abort(by, dead, reason);
         let mut cut = reason.len().min(ABORT_REASON_BYTES);
         while !reason.is_char_boundary(cut) {
             cut -= 1;
         }
-        // The record: the dead word, then the reason (its length travels in the CQ data).
+        // The record: the by and dead words, then the reason (its length travels in the CQ
+        // data). `by` is 0 when the sender raised the abort itself.
+        let by_word = if by == s.rank { 0 } else { by as u64 + 1 };
         let dead_word = dead.map_or(0, |d| (d as u64).saturating_add(1));
-        let mut record = Vec::with_capacity(8 + cut);
+        let mut record = Vec::with_capacity(16 + cut);
+        record.extend_from_slice(&by_word.to_le_bytes());
         record.extend_from_slice(&dead_word.to_le_bytes());
         record.extend_from_slice(&reason.as_bytes()[..cut]);
         let bytes: Box<[u8]> = record.into();
@@ -1318,20 +1359,6 @@ impl Fabric for OfiFabric {
         }
         // Bounded: a peer that cannot be reached is dead anyway.
         let _ = s.flush(Instant::now() + Duration::from_secs(2));
-        // Ranks that lost their connection to us, or wait on the bootstrap, hear it out of band.
-        let _ = s.exchange.broadcast_abort_reporting(dead, reason);
-    }
-
-    fn check_peer(&self, peer: usize) -> Result<()> {
-        self.shared.check_peer(peer)
-    }
-
-    fn check_peers(&self) -> Result<()> {
-        self.shared.check_peers()
-    }
-
-    fn aborted(&self) -> Option<AbortNotice> {
-        self.shared.control.aborted_by()
     }
 }
 
