@@ -12,7 +12,7 @@
 //! |---|---|
 //! | 0 | the rank's [`ControlArea`] (header, doorbell, abort word, signal slots) |
 //! | `mailbox_off` | one 64-bit mailbox per (sender rank, slot), plus one heartbeat word per sender |
-//! | `abort_off` | one abort record per sender ([`ABORT_RECORD_BYTES`]): the by word (0: the sender's own abort, or 1 + the rank whose abort it passes on), the dead word (0, or 1 + the rank whose death the abort reports), then up to 256 bytes of reason |
+//! | `abort_off` | one abort record per sender (272 bytes): the by word (0: the sender's own abort, or 1 + the rank whose abort it passes on), the dead word (0, or 1 + the rank whose death the abort reports), then up to 256 bytes of reason |
 //! | `window_off` (page-aligned) | the data window, `window_len` bytes |
 //!
 //! Addresses (`fi_getname`), keys and base addresses are allgathered through the bootstrap.
