@@ -416,7 +416,7 @@ fn wait_for_warning(job: u64, text: &str) {
 /// magic, version 2, kind, round, payload length.
 fn header(magic: &[u8; 4], kind: u16, round: u64, len: u64) -> Vec<u8> {
     let mut h = magic.to_vec();
-    h.extend_from_slice(&2u16.to_le_bytes());
+    h.extend_from_slice(&3u16.to_le_bytes());
     h.extend_from_slice(&kind.to_le_bytes());
     h.extend_from_slice(&round.to_le_bytes());
     h.extend_from_slice(&len.to_le_bytes());

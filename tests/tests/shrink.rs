@@ -44,6 +44,11 @@ fn child_rank_entry() {
 /// when its shrink reaches step `when` (`poison`, `agree`, `plan`, `release` or `rebuild`), or
 /// (`again`) inside a call on the shrunk communicator.
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
+    match scenario {
+        "user_abort" => return user_abort_scenario(ctx, false),
+        "user_abort_oob" => return user_abort_scenario(ctx, true),
+        _ => {}
+    }
     let parts: Vec<&str> = scenario.split(':').collect();
     let ofi = parts.first() == Some(&"shrink_ofi");
     let (victims, replicas, orphans, late) = match parts.as_slice() {
@@ -348,6 +353,94 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     }
 }
 
+/// What rank 1's user abort says: it reads like a death report of rank 0, which is alive.
+const DEATH_LIKE: &str = "rank 0 died: process 4242 exited (noticed by rank 1)";
+
+/// Scenario `user_abort` (shm, replicated): rank 1 calls `Communicator::abort` with
+/// [`DEATH_LIKE`] instead of its call of round [`KILL_ROUND`]. Every rank's failure is
+/// `Aborted` by rank 1 with that reason (rank 0 included), and the shrink that follows drops no
+/// rank: every rank keeps its number and the job runs [`AFTER`] checked rounds.
+///
+/// `user_abort_oob`: rank 1 sends the same text only through the bootstrap's out-of-band abort
+/// (as a launcher's error path does, `Exchange::broadcast_abort`), not through the fabric. The
+/// ranks that hear it there report `Aborted` by rank 1; a rank may hear first of the abort of a
+/// rank that poisoned on it, which names rank 1's abort in its reason. No rank reports a failure
+/// of rank 0, and the shrink drops no one.
+fn user_abort_scenario(ctx: &ChildCtx, out_of_band: bool) -> Result<(), String> {
+    let s = |e: Error| e.to_string();
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 24);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(Duration::from_secs(30)).map_err(s)?;
+    let topo = topology(true).map_err(s)?;
+    let mut comm = Communicator::init_shm(ex.clone(), Arc::new(topo), cfg).map_err(s)?;
+    let wl = Workload {
+        seed: 0x5422,
+        tokens: 24,
+        vary: true,
+        skew: None,
+        shared_experts: 0,
+    };
+    let (mut batch, mut tokens) = (ExpertBatch::new(), TokenBatch::new());
+    let me = ctx.rank;
+    let mut failure = None;
+    for round in 0..KILL_ROUND + 3 {
+        if me == 1 && round == KILL_ROUND {
+            if out_of_band {
+                // Then it waits in a barrier the others never enter: their waits for its rows
+                // sleep and hear the abort from the bootstrap; they poison and abort through
+                // the fabric, which ends its barrier.
+                ex.broadcast_abort(DEATH_LIKE).map_err(s)?;
+                failure = comm.barrier().err();
+                break;
+            }
+            comm.abort(DEATH_LIKE);
+        }
+        match mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens) {
+            Ok(Ok(())) => {}
+            Ok(Err(mismatch)) => return Err(mismatch),
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    match failure {
+        Some(Error::Aborted { by: 1, reason }) if reason.starts_with(DEATH_LIKE) => {}
+        Some(Error::Aborted { by, reason })
+            if out_of_band && reason.contains(&format!("aborted by rank 1: {DEATH_LIKE}")) =>
+        {
+            announce(&format!(
+                "rank {me} heard of rank 1's abort through rank {by}'s"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "expected Aborted by rank 1 with its text, got {other:?}"
+            ))
+        }
+    }
+    let opts = ShrinkOptions {
+        timeout: Duration::from_secs(30),
+        ..ShrinkOptions::default()
+    };
+    let mut comm = comm.shrink(&opts).map_err(s)?;
+    if !comm.shrunk_past().is_empty() || comm.rank() != me || comm.rank_after_shrink(0) != Some(0) {
+        return Err(format!(
+            "the shrink after a user abort dropped {:?}; rank {me} became rank {}",
+            comm.shrunk_past(),
+            comm.rank()
+        ));
+    }
+    for round in 0..AFTER {
+        mixed_round(&mut comm, &wl, round, true, &mut batch, &mut tokens)
+            .map_err(s)?
+            .map_err(|m| format!("after the shrink: {m}"))?;
+    }
+    comm.barrier().map_err(s)?;
+    announce(&format!("rank {me} kept every rank after rank 1's abort"));
+    Ok(())
+}
+
 /// A second failure on the shrunk communicator: `victim` (old rank) dies inside a call, the
 /// others see it named by its new rank, shrink again and go on.
 fn shrink_again(
@@ -452,6 +545,20 @@ fn survivors_shrink_past_a_killed_expert_rank_over_ofi_and_match_the_reference()
         "{}",
         out.lines().find(|l| l.contains("shrank")).unwrap_or("")
     );
+}
+
+#[test]
+fn a_user_abort_whose_text_names_a_dead_rank_is_an_abort_at_every_rank_and_a_shrink_drops_no_one() {
+    for scenario in ["user_abort", "user_abort_oob"] {
+        let job = run(scenario, &[]);
+        for r in 0..M + N {
+            assert!(
+                job.output(r)
+                    .contains(&format!("rank {r} kept every rank after rank 1's abort")),
+                "{scenario}: rank {r}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -325,12 +325,12 @@ impl Communicator {
                 Ok(comm)
             }
             Err(e) => {
-                // A death seen during init is reported as that death (every survivor names the
-                // dead rank, whichever noticed first). A failure of this rank's own (its fabric
-                // could not open, a system error) is news to the peers; a protocol error, a
-                // timeout or a bootstrap failure they see too, and an abort received needs no
-                // echo.
-                let e = e.naming_the_dead();
+                // A death seen during init is reported as that death, with the dead rank in the
+                // abort record (every survivor names it, whichever noticed first; a death
+                // reported by a peer's abort arrives here as that death already). A failure of
+                // this rank's own (its fabric could not open, a system error) is news to the
+                // peers; a protocol error, a timeout or a bootstrap failure they see too, and an
+                // abort received needs no echo.
                 let reason = match &e {
                     Error::PeerFailed { .. } => Some(e.abort_reason(rank)),
                     Error::Aborted { .. }
@@ -340,7 +340,7 @@ impl Communicator {
                     other => Some(format!("rank {rank}'s init failed: {other}")),
                 };
                 if let Some(reason) = reason {
-                    let _ = exchange.broadcast_abort(&reason);
+                    let _ = exchange.broadcast_abort_reporting(e.dead_rank(rank), &reason);
                 }
                 Err(e)
             }
@@ -647,10 +647,12 @@ impl Communicator {
 
     /// Aborts the job with `reason`: every rank's current and future waits fail with
     /// [`Error::Aborted`] naming this rank and carrying the reason; this communicator is
-    /// poisoned. Returns promptly; callable while another thread of the job is blocked.
+    /// poisoned. Returns promptly; callable while another thread of the job is blocked. The
+    /// abort reports no death, whatever `reason` says: no rank takes it for a failure of
+    /// another ([`crate::AbortNotice`]).
     pub fn abort(&mut self, reason: &str) {
         tracing::warn!(rank = self.ctx.rank, reason, "xccl: aborting the job");
-        self.ctx.fabric.abort(reason);
+        self.ctx.fabric.abort_reporting(None, reason);
         self.poisoned.get_or_insert(Error::Aborted {
             by: self.ctx.rank,
             reason: reason.to_string(),
@@ -663,8 +665,8 @@ impl Communicator {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
-        if let Some((by, reason)) = self.ctx.fabric.aborted() {
-            return Err(self.fail(Error::Aborted { by, reason }));
+        if let Some(notice) = self.ctx.fabric.aborted() {
+            return Err(self.fail(notice.to_error(self.ctx.topo.world_size())));
         }
         self.ctx.begin_call();
         let result = f(&self.ctx, &mut self.side);
@@ -684,8 +686,8 @@ impl Communicator {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
-        if let Some((by, reason)) = self.ctx.fabric.aborted() {
-            return Err(self.fail(Error::Aborted { by, reason }));
+        if let Some(notice) = self.ctx.fabric.aborted() {
+            return Err(self.fail(notice.to_error(self.ctx.topo.world_size())));
         }
         // Nothing of this look is a call: the last call's counters were copied already.
         self.ctx.begin_call();
@@ -706,7 +708,25 @@ impl Communicator {
         );
         if fatal || self.ctx.has_published() {
             tracing::error!(rank = self.ctx.rank, error = %e, "xccl: call failed; communicator poisoned, job aborted");
-            self.ctx.fabric.abort(&e.abort_reason(self.ctx.rank));
+            let me = self.ctx.rank;
+            // An abort another rank raised is passed on as it is (its sender, death report and
+            // reason), so that a rank its sender has not reached yet (or never will, having
+            // heard of it only out of band) hears the same record first, never this rank's
+            // account of it. Any other failure is this rank's own abort.
+            let received = match (self.ctx.fabric.aborted(), &e) {
+                (Some(n), _) if n.by != me => Some(n),
+                (None, Error::Aborted { by, reason }) if *by != me => {
+                    Some(crate::AbortNotice::raised_by(*by, reason.clone()))
+                }
+                _ => None,
+            };
+            match received {
+                Some(notice) => self.ctx.fabric.forward_abort(&notice),
+                None => self
+                    .ctx
+                    .fabric
+                    .abort_reporting(e.dead_rank(me), &e.abort_reason(me)),
+            }
             self.poisoned = Some(e.duplicate());
         } else if matches!(e, Error::Timeout { .. }) {
             tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
@@ -714,20 +734,21 @@ impl Communicator {
         e
     }
 
-    /// The failure to report for a call that failed with `e`: a dead peer named by another
-    /// rank's abort (see [`Error::naming_the_dead`]), and a peer failure or timeout seen after
-    /// another rank aborted the job reported as that abort. The aborting rank may have left the
-    /// job since, and a wait that finds it gone must not blame it: every rank names the first
+    /// The failure to report for a call that failed with `e`: a peer failure or timeout seen
+    /// after another rank aborted the job is reported as that abort, or as the death its record
+    /// reports ([`crate::AbortNotice::to_error`]). The aborting rank may have left the job
+    /// since, and a wait that finds it gone must not blame it: every rank names the first
     /// failure.
     pub(crate) fn first_failure(&self, e: Error) -> Error {
-        let e = e.naming_the_dead();
-        let Some((by, reason)) = self.ctx.fabric.aborted() else {
+        let Some(notice) = self.ctx.fabric.aborted() else {
             return e;
         };
-        if by == self.ctx.rank || !matches!(e, Error::PeerFailed { .. } | Error::Timeout { .. }) {
+        if notice.by == self.ctx.rank
+            || !matches!(e, Error::PeerFailed { .. } | Error::Timeout { .. })
+        {
             return e;
         }
-        match (Error::Aborted { by, reason }).naming_the_dead() {
+        match notice.to_error(self.ctx.topo.world_size()) {
             // This rank saw the same death itself: keep its own account of it.
             Error::PeerFailed { peer, .. } if matches!(e, Error::PeerFailed { peer: p, .. } if p == peer) => {
                 e

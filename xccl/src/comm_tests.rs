@@ -818,16 +818,19 @@ fn a_dead_peer_is_reported_while_waiting_for_another() {
 
 #[test]
 fn a_peer_gone_after_another_ranks_abort_is_reported_as_that_abort() {
-    // Rank 1 noticed that rank 2 died, aborted saying so, and left: a wait of rank 0 that then
-    // finds rank 1 gone (or times out on it) reports rank 2, as every other survivor does.
+    // Rank 1 noticed that rank 2 died, aborted with a death report naming it (what its poison
+    // path sends), and left: a wait of rank 0 that then finds rank 1 gone (or times out on it)
+    // reports rank 2, as every other survivor does.
     let topo = Topology::contiguous(1, 2, 4).unwrap();
-    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
     let dead = Error::PeerFailed {
         peer: 2,
         detail: "process 42 exited".into(),
     };
-    let reason = dead.abort_reason(1);
-    comms[1].abort(&reason);
+    comms[1]
+        .ctx()
+        .fabric
+        .abort_reporting(dead.dead_rank(1), &dead.abort_reason(1));
     let attn = &comms[0];
     let left = Error::PeerFailed {
         peer: 1,
@@ -866,6 +869,43 @@ fn a_peer_gone_after_another_ranks_abort_is_reported_as_that_abort() {
         waited: Duration::from_secs(1),
     });
     assert!(matches!(t, Error::Timeout { peer: 1, .. }));
+}
+
+#[test]
+fn a_user_abort_whose_text_reads_like_a_death_is_reported_as_that_abort_by_every_rank() {
+    // Rank 1's user abort says "rank 0 died: ..." while rank 0 is alive: every rank, rank 0
+    // included, reports an abort by rank 1 with that reason, never rank 0's failure, also for a
+    // peer failure or timeout seen after it.
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 2, 4)).unwrap();
+    let text = "rank 0 died: process 42 exited (noticed by rank 1)";
+    comms[1].abort(text);
+    let timeout = Error::Timeout {
+        peer: 1,
+        what: "E2A rows".into(),
+        waited: Duration::from_secs(1),
+    };
+    let after = comms[2].first_failure(timeout);
+    assert!(
+        matches!(&after, Error::Aborted { by: 1, reason } if reason == text),
+        "{after}"
+    );
+    let input = wl(34, 4, false).input(&topo, 2, 0, 0);
+    let err = comms[0]
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason == text),
+        "{err}"
+    );
+    let mut b = TokenBatch::new();
+    let err = comms[2]
+        .a2e_recv_tokens(&mut b, &mut |_, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason == text),
+        "{err}"
+    );
 }
 
 #[test]

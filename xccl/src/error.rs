@@ -232,39 +232,84 @@ impl Error {
     }
 }
 
-/// How an abort reason names a dead rank: a rank that poisons its communicator because a peer
-/// failed publishes `"rank D died: …"`, and every rank that receives that abort reports
-/// [`Error::PeerFailed`] naming D, whichever rank noticed the death first.
-const DEAD_RANK_PREFIX: &str = "rank ";
-const DEAD_RANK_MARK: &str = " died: ";
+/// An abort as a rank receives it: who raised it, which rank's death it reports, and why.
+///
+/// `dead` is set only by the liveness machinery: a rank that poisons its communicator because it
+/// saw a peer die (a dead process, a lost connection) sends the dead rank as its own field of the
+/// abort record, so every survivor reports [`Error::PeerFailed`] naming the same rank, whichever
+/// noticed first. It is never derived from the reason text: an abort raised by a user
+/// ([`crate::Communicator::abort`], `xcclCommAbort`, Python) carries no dead rank, whatever its
+/// text says. A peer wrote the record, so it is input: [`AbortNotice::to_error`] checks it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AbortNotice {
+    /// The rank that raised the abort.
+    pub by: usize,
+    /// The rank whose death the abort reports, if it reports one (unchecked: see
+    /// [`AbortNotice::to_error`]).
+    pub dead: Option<usize>,
+    /// Why (free text, bounded by the carrier: 256 bytes in fabric memory, 4 KiB on the
+    /// bootstrap's wire).
+    pub reason: String,
+}
+
+impl AbortNotice {
+    /// An abort raised by `by` that reports no death.
+    pub fn raised_by(by: usize, reason: impl Into<String>) -> Self {
+        AbortNotice {
+            by,
+            dead: None,
+            reason: reason.into(),
+        }
+    }
+
+    /// The error this abort means to a rank of a job of `world` ranks: [`Error::PeerFailed`]
+    /// naming the dead rank for a death report, else [`Error::Aborted`] naming the aborting
+    /// rank. A death report naming a rank outside the job, or its own sender, is
+    /// [`Error::Protocol`] naming the sender.
+    pub fn to_error(&self, world: usize) -> Error {
+        let (by, reason) = (self.by, &self.reason);
+        match self.dead {
+            None => Error::Aborted {
+                by,
+                reason: reason.clone(),
+            },
+            Some(d) if d >= world || d == by => Error::Protocol {
+                peer: by,
+                detail: format!(
+                    "its abort reports rank {d} dead, {}; reason: {reason}",
+                    if d == by {
+                        "itself".to_string()
+                    } else {
+                        format!("outside the job of {world} ranks")
+                    }
+                ),
+            },
+            Some(peer) => Error::PeerFailed {
+                peer,
+                detail: format!("{reason}; reported through rank {by}'s abort"),
+            },
+        }
+    }
+}
 
 impl Error {
-    /// The reason rank `me` publishes when it aborts the job because of `self`.
+    /// The reason rank `me` publishes when it aborts the job because of `self` (text for
+    /// people; the dead rank travels apart, see [`Error::dead_rank`]).
     pub(crate) fn abort_reason(&self, me: usize) -> String {
         match self {
             Error::PeerFailed { peer, detail } => {
-                format!("{DEAD_RANK_PREFIX}{peer}{DEAD_RANK_MARK}{detail} (noticed by rank {me})")
+                format!("rank {peer} died: {detail} (noticed by rank {me})")
             }
             other => format!("rank {me} failed: {other}"),
         }
     }
 
-    /// An abort raised because a peer died becomes [`Error::PeerFailed`] naming the dead rank
-    /// (so every survivor reports the same rank); any other error is returned unchanged.
-    pub(crate) fn naming_the_dead(self) -> Self {
-        let Error::Aborted { by, reason } = &self else {
-            return self;
-        };
-        let dead = reason
-            .strip_prefix(DEAD_RANK_PREFIX)
-            .and_then(|rest| rest.split_once(DEAD_RANK_MARK))
-            .and_then(|(rank, detail)| Some((rank.parse::<usize>().ok()?, detail)));
-        match dead {
-            Some((peer, detail)) => Error::PeerFailed {
-                peer,
-                detail: format!("{detail}; reported through rank {by}'s abort"),
-            },
-            None => self,
+    /// The rank whose death rank `me` reports when it aborts the job because of `self`: the
+    /// failed peer of an [`Error::PeerFailed`] (the liveness machinery's finding), never `me`.
+    pub(crate) fn dead_rank(&self, me: usize) -> Option<usize> {
+        match self {
+            Error::PeerFailed { peer, .. } if *peer != me => Some(*peer),
+            _ => None,
         }
     }
 }
@@ -283,13 +328,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_abort_for_a_dead_peer_names_the_dead_rank_at_every_receiver() {
+    fn a_death_report_names_the_dead_rank_at_every_receiver() {
         let died = Error::PeerFailed {
             peer: 7,
             detail: "process 42 exited".into(),
         };
-        let reason = died.abort_reason(3);
-        match (Error::Aborted { by: 3, reason }).naming_the_dead() {
+        let notice = AbortNotice {
+            by: 3,
+            dead: died.dead_rank(3),
+            reason: died.abort_reason(3),
+        };
+        match notice.to_error(8) {
             Error::PeerFailed { peer: 7, detail } => {
                 assert!(detail.contains("process 42 exited") && detail.contains("rank 3"))
             }
@@ -298,15 +347,36 @@ mod tests {
     }
 
     #[test]
-    fn other_aborts_stay_aborts() {
+    fn an_abort_whose_text_reads_like_a_death_stays_an_abort() {
+        let notice =
+            AbortNotice::raised_by(1, "rank 0 died: process 42 exited (noticed by rank 1)");
+        match notice.to_error(3) {
+            Error::Aborted { by: 1, reason } => assert!(reason.starts_with("rank 0 died: ")),
+            other => panic!("expected Aborted by rank 1, got {other:?}"),
+        }
         let t = Error::Protocol {
             peer: 2,
             detail: "bad record".into(),
         };
-        let reason = t.abort_reason(1);
-        assert!(matches!(
-            (Error::Aborted { by: 1, reason }).naming_the_dead(),
-            Error::Aborted { by: 1, .. }
-        ));
+        assert_eq!(t.dead_rank(1), None);
+    }
+
+    #[test]
+    fn a_death_report_outside_the_job_or_of_its_sender_is_a_protocol_error_naming_the_sender() {
+        for dead in [3, usize::MAX, 1] {
+            let notice = AbortNotice {
+                by: 1,
+                dead: Some(dead),
+                reason: "x".into(),
+            };
+            let e = notice.to_error(3);
+            assert!(matches!(e, Error::Protocol { peer: 1, .. }), "{e}");
+        }
+        // A rank never reports its own death.
+        let own = Error::PeerFailed {
+            peer: 2,
+            detail: "x".into(),
+        };
+        assert_eq!(own.dead_rank(2), None);
     }
 }

@@ -212,6 +212,22 @@ fn payload_decoders(p: &[u8], size: usize) {
             assert_eq!(wire::encode_rank_text(rank, &text), p);
         }
     }
+    let exact = |text: &[u8]| text.len() <= wire::MAX_TEXT && std::str::from_utf8(text).is_ok();
+    if let Some((dead, text)) = wire::decode_abort(p) {
+        if exact(&p[8..]) {
+            assert_eq!(wire::encode_abort(dead, &text), p);
+        }
+    }
+    if let Some(notice) = wire::decode_relayed_abort(p) {
+        // Whatever a peer claims, the record becomes an error, never a panic.
+        let _ = notice.to_error(size);
+        if exact(&p[16..]) {
+            assert_eq!(
+                wire::encode_relayed_abort(notice.by, notice.dead, &notice.reason),
+                p
+            );
+        }
+    }
 }
 
 /// A metadata record (raw, or with its check word recomputed so it reaches the later checks)
@@ -634,7 +650,7 @@ mod tests {
                 Kind::Status,
                 wire::encode_missing(&[(1, wire::Absence::Late)]),
             ),
-            (Kind::Abort, wire::encode_rank_text(1, "gone")),
+            (Kind::Abort, wire::encode_relayed_abort(1, Some(0), "gone")),
         ] {
             data.extend_from_slice(&wire::MAGIC);
             data.extend_from_slice(&wire::PROTOCOL_VERSION.to_le_bytes());

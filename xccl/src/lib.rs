@@ -47,7 +47,7 @@ mod api_tests;
 mod comm_tests;
 
 pub use comm::{Communicator, ShrinkOptions, ShrinkStep};
-pub use error::{Error, Result};
+pub use error::{AbortNotice, Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
 pub use moe::dtype::{DType, Element};

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Exchange, JobKey, Survivors};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// The survivors of a job after a shrink; implements [`Exchange`] on top of the job's own.
 pub struct Generation {
@@ -143,6 +143,11 @@ impl Generation {
                 peer: new(peer),
                 detail,
             },
+            // A malformed abort record names its sender.
+            Error::Protocol { peer, detail } => Error::Protocol {
+                peer: new(peer),
+                detail,
+            },
             Error::Timeout { peer, what, waited } => Error::Timeout {
                 peer: new(peer),
                 what: format!("{what} (ranks before the shrink)"),
@@ -178,11 +183,14 @@ impl Exchange for Generation {
         self.members_round(&[], timeout, "barrier").map(|_| ())
     }
 
-    fn broadcast_abort(&self, reason: &str) -> Result<()> {
-        self.parent.broadcast_abort(reason)
+    /// The dead member is sent by its parent rank (a number outside the generation stays out
+    /// of range, for the receivers' check to name this rank).
+    fn broadcast_abort_reporting(&self, dead: Option<usize>, reason: &str) -> Result<()> {
+        let dead = dead.map(|d| self.members.get(d).copied().unwrap_or(usize::MAX));
+        self.parent.broadcast_abort_reporting(dead, reason)
     }
 
-    fn poll_abort(&self) -> Option<(usize, String)> {
+    fn poll_abort(&self) -> Option<AbortNotice> {
         self.poll_abort_since(0)
     }
 
@@ -195,14 +203,19 @@ impl Exchange for Generation {
         self.members_gather(blob, timeout, ignore_aborts)
     }
 
-    /// The `first`-th abort raised since this generation began, its rank renumbered (an abort
-    /// from a rank outside the generation keeps its parent rank).
-    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
-        let (by, reason) = self
+    /// The `first`-th abort raised since this generation began, its ranks renumbered (an abort
+    /// from a rank outside the generation keeps its parent rank; a dead rank outside it becomes
+    /// out of range, so the receiver's check names the sender).
+    fn poll_abort_since(&self, first: usize) -> Option<AbortNotice> {
+        let a = self
             .parent
             .poll_abort_since(self.horizon.saturating_add(first))?;
-        let by = self.members.iter().position(|&m| m == by).unwrap_or(by);
-        Some((by, reason))
+        let new = |old: usize| self.members.iter().position(|&m| m == old);
+        Some(AbortNotice {
+            by: new(a.by).unwrap_or(a.by),
+            dead: a.dead.map(|d| new(d).unwrap_or(usize::MAX)),
+            reason: a.reason,
+        })
     }
 }
 
@@ -343,6 +356,33 @@ mod tests {
             assert_eq!((rank, size, job_id), (i, 3, job));
             assert_eq!(all, vec![vec![10], vec![11], vec![12]]);
         }
+    }
+
+    #[test]
+    fn a_generations_death_report_names_the_dead_member_by_its_new_rank() {
+        let (id, _root) = start_job();
+        let mut ranks = connect_all(&id, 4);
+        drop(ranks.remove(1));
+        let gens: Vec<Generation> = ranks
+            .iter()
+            .map(|b| Generation::new(b.clone(), vec![0, 2, 3], 1, 0).unwrap())
+            .collect();
+        // New rank 0 reports the death of new rank 2 (rank 3 before the shrink), then one of
+        // new rank 7, which does not exist.
+        gens[0]
+            .broadcast_abort_reporting(Some(2), "process 42 exited")
+            .unwrap();
+        gens[0].broadcast_abort_reporting(Some(7), "x").unwrap();
+        wait_for_abort(&gens[1], 1);
+        let first = gens[1].poll_abort().unwrap();
+        assert_eq!((first.by, first.dead), (0, Some(2)));
+        let err = gens[1].barrier(LONG).unwrap_err();
+        assert!(matches!(err, Error::PeerFailed { peer: 2, .. }), "{err}");
+        let bad = gens[1]
+            .poll_abort_since(1)
+            .unwrap()
+            .to_error(gens[1].size());
+        assert!(matches!(bad, Error::Protocol { peer: 0, .. }), "{bad}");
     }
 
     #[test]

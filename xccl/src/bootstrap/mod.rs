@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use crate::Result;
+use crate::{AbortNotice, Result};
 
 pub mod env;
 mod generation;
@@ -60,10 +60,18 @@ pub trait Exchange: Send + Sync {
     fn allgather(&self, blob: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>>;
     /// Returns once every rank has entered the barrier; fails naming the missing ranks on timeout.
     fn barrier(&self, timeout: Duration) -> Result<()>;
-    /// Tells every other rank, out of band, that this rank aborts the job.
-    fn broadcast_abort(&self, reason: &str) -> Result<()>;
-    /// An abort raised by some rank (`(rank, reason)`), if one has arrived.
-    fn poll_abort(&self) -> Option<(usize, String)>;
+    /// Tells every other rank, out of band, that this rank aborts the job (reporting no death,
+    /// whatever `reason` says).
+    fn broadcast_abort(&self, reason: &str) -> Result<()> {
+        self.broadcast_abort_reporting(None, reason)
+    }
+    /// [`Exchange::broadcast_abort`] carrying the abort record `{by: this rank, dead, reason}`:
+    /// `dead` (set only by the liveness machinery) is the rank whose death the abort reports,
+    /// a field of its own on the wire, never read from the text.
+    fn broadcast_abort_reporting(&self, dead: Option<usize>, reason: &str) -> Result<()>;
+    /// The first abort raised by another rank, if one has arrived (the record as received:
+    /// check it with [`AbortNotice::to_error`]).
+    fn poll_abort(&self) -> Option<AbortNotice>;
 
     /// A **survivors' round**: like [`Exchange::allgather`], but it completes once every rank
     /// has either contributed or left the job (its process died or it said goodbye), and the
@@ -88,7 +96,7 @@ pub trait Exchange: Send + Sync {
     /// The `first`-th abort (in arrival order, from 0) raised by another rank, if that many
     /// have arrived: a communicator built after a shrink ignores the aborts of the job it
     /// replaced. The default knows only the first abort.
-    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
+    fn poll_abort_since(&self, first: usize) -> Option<AbortNotice> {
         if first == 0 {
             self.poll_abort()
         } else {

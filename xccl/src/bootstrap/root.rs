@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
 use super::wire::{self, Absence, Frame, Kind, ReadError, READ_TICK};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// Settings of a root service.
 #[derive(Debug, Clone)]
@@ -626,7 +626,9 @@ struct Coordinator {
     survivors: bool,
     /// Contributors of the current round already told that it failed.
     told_failed: Vec<bool>,
-    aborts: Vec<(usize, String)>,
+    /// Aborts raised, with the death each reports: the first [`MAX_KEPT_ABORTS`], replayed to
+    /// ranks that join later.
+    aborts: Vec<AbortNotice>,
     connected: usize,
     idle_since: Instant,
     report: RootReport,
@@ -769,9 +771,9 @@ impl Coordinator {
         self.conns.insert(conn, rank);
         self.connected += 1;
         self.report.joined += 1;
-        let earlier: Vec<(usize, String)> = self.aborts.clone();
-        for (from, reason) in earlier {
-            let payload = wire::encode_rank_text(from, &reason);
+        let earlier: Vec<AbortNotice> = self.aborts.clone();
+        for a in earlier {
+            let payload = wire::encode_relayed_abort(a.by, a.dead, &a.reason);
             self.send(rank, Kind::Abort, 0, &payload);
         }
     }
@@ -832,11 +834,20 @@ impl Coordinator {
                 self.send(rank, Kind::Status, frame.round, &payload);
             }
             Kind::Abort => {
-                let reason = String::from_utf8_lossy(wire::clip_bytes(&frame.payload)).into_owned();
+                // The record is relayed as sent; every rank checks the dead rank against its job
+                // (`AbortNotice::to_error`). A payload too short for the dead word still aborts.
+                let (dead, reason) = wire::decode_abort(&frame.payload).unwrap_or_else(|| {
+                    let n = frame.payload.len();
+                    (None, format!("malformed abort frame of {n} bytes"))
+                });
                 if self.aborts.len() < MAX_KEPT_ABORTS {
-                    self.aborts.push((rank, reason.clone()));
+                    self.aborts.push(AbortNotice {
+                        by: rank,
+                        dead,
+                        reason: reason.clone(),
+                    });
                 }
-                let payload = wire::encode_rank_text(rank, &reason);
+                let payload = wire::encode_relayed_abort(rank, dead, &reason);
                 for other in 0..self.ranks.len() {
                     if other != rank {
                         self.send(other, Kind::Abort, 0, &payload);

@@ -21,7 +21,7 @@ use super::root::{RootHandle, MAX_KEPT_ABORTS};
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
 use super::{Exchange, Survivors};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// How long a rank whose round timed out waits for the root to say who is missing.
 pub const QUERY_GRACE: Duration = Duration::from_secs(1);
@@ -80,8 +80,8 @@ struct Inbox {
     status: Option<(u64, Vec<(usize, Absence)>)>,
     /// A round that cannot complete: `(round, gone rank, detail)`.
     failed: Option<(u64, usize, String)>,
-    /// Aborts raised by other ranks, in arrival order: the first [`MAX_KEPT_ABORTS`].
-    aborts: Vec<(usize, String)>,
+    /// Abort records raised by other ranks, in arrival order: the first [`MAX_KEPT_ABORTS`].
+    aborts: Vec<AbortNotice>,
     /// Aborts received in all (later ones are counted, not kept).
     abort_count: usize,
     /// Why the connection to the root ended, once it has.
@@ -92,7 +92,7 @@ struct Inbox {
 impl Inbox {
     /// The `i`-th abort received; past the kept ones, the last kept one (so an abort is never
     /// missed, only its text).
-    fn abort_at(&self, i: usize) -> Option<&(usize, String)> {
+    fn abort_at(&self, i: usize) -> Option<&AbortNotice> {
         if i < self.aborts.len() {
             self.aborts.get(i)
         } else if i < self.abort_count {
@@ -364,11 +364,8 @@ impl TcpBootstrap {
             RoundKind::All => 0,
             RoundKind::Survivors { horizon } => horizon,
         };
-        if let Some((by, reason)) = inbox.abort_at(ignored) {
-            return Some(Error::Aborted {
-                by: *by,
-                reason: reason.clone(),
-            });
+        if let Some(notice) = inbox.abort_at(ignored) {
+            return Some(notice.to_error(self.size));
         }
         if let Some((r, peer, detail)) = &inbox.failed {
             if *r == round {
@@ -535,17 +532,17 @@ impl Exchange for TcpBootstrap {
         })
     }
 
-    fn poll_abort_since(&self, first: usize) -> Option<(usize, String)> {
+    fn poll_abort_since(&self, first: usize) -> Option<AbortNotice> {
         lock(&self.shared.inbox).abort_at(first).cloned()
     }
 
-    /// Sends an abort to the root, which forwards it to every other rank (and to ranks that
-    /// join later). The reason is truncated to 4 KiB.
+    /// Sends an abort record (`dead`, then the reason truncated to 4 KiB) to the root, which
+    /// forwards it to every other rank (and to ranks that join later).
     ///
     /// Bounded: waits at most 0.25 s for another thread's write on the connection (a
     /// collective's blob) to finish and 0.5 s for its own write; past
     /// that it fails (the fabrics' own abort paths have already told the peers they reach).
-    fn broadcast_abort(&self, reason: &str) -> Result<()> {
+    fn broadcast_abort_reporting(&self, dead: Option<usize>, reason: &str) -> Result<()> {
         let until = Instant::now() + ABORT_LOCK_WAIT;
         let mut w = loop {
             match self.writer.try_lock() {
@@ -563,12 +560,15 @@ impl Exchange for TcpBootstrap {
             }
         };
         w.set_write_timeout(Some(ABORT_WRITE_TIMEOUT))
-            .and_then(|()| wire::write_frame(&mut w, Kind::Abort, 0, wire::clip(reason).as_bytes()))
+            .and_then(|()| {
+                let record = wire::encode_abort(dead, reason);
+                wire::write_frame(&mut w, Kind::Abort, 0, &record)
+            })
             .map_err(|e| Error::os(format!("sending an abort to the root at {}", self.root), e))
     }
 
     /// The first abort raised by another rank, if any has arrived (it stays there).
-    fn poll_abort(&self) -> Option<(usize, String)> {
+    fn poll_abort(&self) -> Option<AbortNotice> {
         lock(&self.shared.inbox).aborts.first().cloned()
     }
 }
@@ -770,7 +770,7 @@ fn reader_loop(mut stream: TcpStream, shared: Arc<Shared>, result_max: u64) {
                         }
                     }
                     Kind::Abort => {
-                        if let Some(a) = wire::decode_rank_text(&f.payload) {
+                        if let Some(a) = wire::decode_relayed_abort(&f.payload) {
                             inbox.abort_count += 1;
                             if inbox.aborts.len() < MAX_KEPT_ABORTS {
                                 inbox.aborts.push(a);
@@ -1129,12 +1129,7 @@ mod tests {
     #[test]
     fn abort_broadcast_is_seen_by_idle_and_waiting_ranks() {
         let (id, _root) = start_job();
-        let ranks: Vec<TcpBootstrap> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..4)
-                .map(|r| s.spawn(move || TcpBootstrap::connect(&id, r, 4, LONG).unwrap()))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let ranks = connect_all(&id, 4);
         std::thread::scope(|s| {
             let waiting: Vec<_> = ranks[1..3]
                 .iter()
@@ -1161,7 +1156,7 @@ mod tests {
         }
         assert_eq!(
             ranks[3].poll_abort(),
-            Some((0, "expert 7 lost its device".to_string()))
+            Some(AbortNotice::raised_by(0, "expert 7 lost its device"))
         );
         assert_eq!(ranks[0].poll_abort(), None);
     }
@@ -1176,7 +1171,77 @@ mod tests {
         while late.poll_abort().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert_eq!(late.poll_abort(), Some((0, "early".to_string())));
+        assert_eq!(late.poll_abort(), Some(AbortNotice::raised_by(0, "early")));
+    }
+
+    /// Ranks `0..n` of the job `id`, connected at once.
+    fn connect_all(id: &UniqueId, n: usize) -> Vec<TcpBootstrap> {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = (0..n)
+                .map(|r| s.spawn(move || TcpBootstrap::connect(id, r, n, LONG).unwrap()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    /// Waits until `b` has received an abort, and returns it.
+    fn first_abort(b: &TcpBootstrap) -> AbortNotice {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(a) = b.poll_abort() {
+                return a;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no abort reached rank {}",
+                b.rank()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn an_out_of_band_abort_whose_text_reads_like_a_death_is_an_abort_by_its_sender() {
+        let (id, _root) = start_job();
+        let ranks = connect_all(&id, 3);
+        let text = "rank 0 died: process 42 exited (noticed by rank 1)";
+        ranks[1].broadcast_abort(text).unwrap();
+        for r in [0, 2] {
+            assert_eq!(first_abort(&ranks[r]), AbortNotice::raised_by(1, text));
+            let err = ranks[r].barrier(LONG).unwrap_err();
+            assert!(
+                matches!(&err, Error::Aborted { by: 1, reason } if reason == text),
+                "rank {r}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_out_of_band_death_report_names_the_dead_rank_also_when_replayed_to_a_late_rank() {
+        let (id, _root) = start_job();
+        let first = TcpBootstrap::connect(&id, 1, 3, LONG).unwrap();
+        first
+            .broadcast_abort_reporting(Some(0), "process 42 exited")
+            .unwrap();
+        // Out of range: a protocol error naming the sender, not a panic.
+        first
+            .broadcast_abort_reporting(Some(9), "nonsense")
+            .unwrap();
+        let late = TcpBootstrap::connect(&id, 2, 3, LONG).unwrap();
+        let got = first_abort(&late);
+        assert_eq!((got.by, got.dead), (1, Some(0)));
+        let err = late.barrier(LONG).unwrap_err();
+        assert!(
+            matches!(&err, Error::PeerFailed { peer: 0, detail } if detail.contains("rank 1's abort")),
+            "{err}"
+        );
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while late.poll_abort_since(1).is_none() {
+            assert!(Instant::now() < deadline, "the second abort never arrived");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let bad = late.poll_abort_since(1).unwrap().to_error(3);
+        assert!(matches!(bad, Error::Protocol { peer: 1, .. }), "{bad}");
     }
 
     #[test]

@@ -9,9 +9,10 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::root::MAX_KEPT_ABORTS;
 use super::unique_id::random_job_id;
-use super::{Exchange, JobKey};
-use crate::{Error, Result};
+use super::{wire, Exchange, JobKey};
+use crate::{AbortNotice, Error, Result};
 
 /// One rank of an in-process group; implements [`Exchange`].
 ///
@@ -42,7 +43,8 @@ struct GroupState {
     contributed: usize,
     /// The last completed round and its result; a rank is never more than one round behind.
     last: Option<(u64, Arc<Vec<Vec<u8>>>)>,
-    aborts: Vec<(usize, String)>,
+    /// Abort records raised, in order: the first [`MAX_KEPT_ABORTS`].
+    aborts: Vec<AbortNotice>,
     left: Vec<bool>,
     /// Ranks that contributed to the current round and withdrew after their own deadline: they
     /// did arrive, so other ranks' timeouts do not blame them.
@@ -175,11 +177,8 @@ impl ThreadExchange {
     fn abort_error(&self, st: &GroupState) -> Option<Error> {
         st.aborts
             .iter()
-            .find(|(by, _)| *by != self.rank)
-            .map(|(by, reason)| Error::Aborted {
-                by: *by,
-                reason: reason.clone(),
-            })
+            .find(|a| a.by != self.rank)
+            .map(|a| a.to_error(self.size))
     }
 }
 
@@ -212,21 +211,29 @@ impl Exchange for ThreadExchange {
         self.round(&[], timeout, "barrier").map(|_| ())
     }
 
-    /// Records the abort for every other rank and wakes their waits.
-    fn broadcast_abort(&self, reason: &str) -> Result<()> {
-        lock(&self.group.state)
-            .aborts
-            .push((self.rank, reason.to_string()));
+    /// Records the abort for every other rank and wakes their waits (the reason cut to 4 KiB
+    /// as on the wire; past [`MAX_KEPT_ABORTS`] records, later ones are dropped: the first
+    /// ones already abort every wait).
+    fn broadcast_abort_reporting(&self, dead: Option<usize>, reason: &str) -> Result<()> {
+        let mut st = lock(&self.group.state);
+        if st.aborts.len() < MAX_KEPT_ABORTS {
+            st.aborts.push(AbortNotice {
+                by: self.rank,
+                dead,
+                reason: wire::clip(reason).to_string(),
+            });
+        }
+        drop(st);
         self.group.cv.notify_all();
         Ok(())
     }
 
     /// The first abort raised by another rank, if any (it stays there).
-    fn poll_abort(&self) -> Option<(usize, String)> {
+    fn poll_abort(&self) -> Option<AbortNotice> {
         lock(&self.group.state)
             .aborts
             .iter()
-            .find(|(by, _)| *by != self.rank)
+            .find(|a| a.by != self.rank)
             .cloned()
     }
 }
@@ -344,8 +351,31 @@ mod tests {
                 "{err}"
             );
         });
-        assert_eq!(group[2].poll_abort(), Some((0, "bad routing table".into())));
+        assert_eq!(
+            group[2].poll_abort(),
+            Some(AbortNotice::raised_by(0, "bad routing table"))
+        );
         assert_eq!(group[0].poll_abort(), None);
+    }
+
+    #[test]
+    fn a_death_report_fails_rounds_naming_the_dead_rank_and_death_like_text_does_not() {
+        let group = ThreadExchange::group(3);
+        group[1]
+            .broadcast_abort("rank 0 died: process 42 exited")
+            .unwrap();
+        let err = group[2].barrier(LONG).unwrap_err();
+        assert!(matches!(err, Error::Aborted { by: 1, .. }), "{err}");
+        let group = ThreadExchange::group(3);
+        group[1]
+            .broadcast_abort_reporting(Some(0), "process 42 exited")
+            .unwrap();
+        let err = group[2].barrier(LONG).unwrap_err();
+        assert!(matches!(err, Error::PeerFailed { peer: 0, .. }), "{err}");
+        let group = ThreadExchange::group(3);
+        group[1].broadcast_abort_reporting(Some(7), "x").unwrap();
+        let err = group[2].barrier(LONG).unwrap_err();
+        assert!(matches!(err, Error::Protocol { peer: 1, .. }), "{err}");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use super::key::{MAC_LEN, NONCE_LEN};
 /// Frame magic: "XCBT" (xccl bootstrap transport).
 pub(crate) const MAGIC: [u8; 4] = *b"XCBT";
 /// Version of the frame protocol; a peer speaking another version is rejected.
-pub(crate) const PROTOCOL_VERSION: u16 = 2;
+pub(crate) const PROTOCOL_VERSION: u16 = 3;
 /// Size of a frame header in bytes.
 pub(crate) const HEADER_LEN: usize = 24;
 /// Largest blob one rank may contribute to one allgather round (16 MiB).
@@ -63,7 +63,9 @@ pub(crate) enum Kind {
     Query = 6,
     /// root -> rank: answer to a query, see [`encode_missing`].
     Status = 7,
-    /// rank -> root: UTF-8 reason. root -> rank: `{from: u64}` then the UTF-8 reason.
+    /// rank -> root: `{dead: u64}` then the UTF-8 reason ([`encode_abort`]). root -> rank:
+    /// `{from: u64, dead: u64}` then the UTF-8 reason ([`encode_relayed_abort`]). `dead` is the
+    /// rank whose death the abort reports, [`NO_DEAD`] for none.
     Abort = 8,
     /// root -> rank: round `round` cannot complete: `{rank: u64}` then UTF-8 detail.
     Failed = 9,
@@ -372,6 +374,60 @@ pub(crate) fn encode_rank_text(rank: usize, text: &str) -> Vec<u8> {
     v
 }
 
+/// The `dead` word of an ABORT that reports no death.
+pub(crate) const NO_DEAD: u64 = u64::MAX;
+
+fn dead_word(dead: Option<usize>) -> u64 {
+    // An out-of-range rank stays out of range (never [`NO_DEAD`]).
+    dead.map_or(NO_DEAD, |d| (d as u64).min(NO_DEAD - 1))
+}
+
+fn dead_of(word: u64) -> Option<usize> {
+    // A value past `usize` stays out of range: the receiver's check names the sender.
+    (word != NO_DEAD).then(|| usize::try_from(word).unwrap_or(usize::MAX))
+}
+
+/// ABORT rank -> root: `{dead: u64}` then the reason (cut to [`MAX_TEXT`]).
+pub(crate) fn encode_abort(dead: Option<usize>, reason: &str) -> Vec<u8> {
+    let text = clip(reason);
+    let mut v = Vec::with_capacity(8 + text.len());
+    v.extend_from_slice(&dead_word(dead).to_le_bytes());
+    v.extend_from_slice(text.as_bytes());
+    v
+}
+
+/// Parses [`encode_abort`]; `None` if the payload is too short for the dead word.
+pub(crate) fn decode_abort(p: &[u8]) -> Option<(Option<usize>, String)> {
+    if p.len() < 8 {
+        return None;
+    }
+    let text = String::from_utf8_lossy(clip_bytes(&p[8..])).into_owned();
+    Some((dead_of(u64_at(p, 0)), text))
+}
+
+/// ABORT root -> rank: `{from: u64, dead: u64}` then the reason (cut to [`MAX_TEXT`]).
+pub(crate) fn encode_relayed_abort(from: usize, dead: Option<usize>, reason: &str) -> Vec<u8> {
+    let text = clip(reason);
+    let mut v = Vec::with_capacity(16 + text.len());
+    v.extend_from_slice(&(from as u64).to_le_bytes());
+    v.extend_from_slice(&dead_word(dead).to_le_bytes());
+    v.extend_from_slice(text.as_bytes());
+    v
+}
+
+/// Parses [`encode_relayed_abort`] into the record as received (checked by the receiver
+/// against its job, [`crate::AbortNotice::to_error`]).
+pub(crate) fn decode_relayed_abort(p: &[u8]) -> Option<crate::AbortNotice> {
+    if p.len() < 16 {
+        return None;
+    }
+    Some(crate::AbortNotice {
+        by: usize::try_from(u64_at(p, 0)).ok()?,
+        dead: dead_of(u64_at(p, 8)),
+        reason: String::from_utf8_lossy(clip_bytes(&p[16..])).into_owned(),
+    })
+}
+
 /// Parses [`encode_rank_text`].
 pub(crate) fn decode_rank_text(p: &[u8]) -> Option<(usize, String)> {
     if p.len() < 8 {
@@ -571,6 +627,25 @@ mod tests {
         ];
         assert_eq!(decode_missing(&encode_missing(&m)).unwrap(), m);
         assert!(decode_missing(&[0u8; 15]).is_none());
+    }
+
+    #[test]
+    fn abort_records_round_trip_with_and_without_a_dead_rank() {
+        for dead in [None, Some(0), Some(5)] {
+            let p = encode_abort(dead, "why");
+            assert_eq!(decode_abort(&p), Some((dead, "why".to_string())));
+            let r = decode_relayed_abort(&encode_relayed_abort(2, dead, "why")).unwrap();
+            assert_eq!((r.by, r.dead, r.reason.as_str()), (2, dead, "why"));
+        }
+        let (far, _) = decode_abort(&encode_abort(Some(usize::MAX), "")).unwrap();
+        assert!(far.is_some_and(|d| d > 1 << 32), "{far:?}");
+        assert_eq!(decode_abort(&[1, 2, 3]), None);
+        assert_eq!(decode_relayed_abort(&[0u8; 15]), None);
+        // The reason is bounded like every text on the wire.
+        let long = "x".repeat(3 * MAX_TEXT);
+        assert_eq!(encode_abort(None, &long).len(), 8 + MAX_TEXT);
+        let (_, text) = decode_abort(&[&[0u8; 8][..], long.as_bytes()].concat()).unwrap();
+        assert_eq!(text.len(), MAX_TEXT);
     }
 
     #[test]

@@ -318,8 +318,11 @@ pub unsafe extern "C" fn xcclCommGetAsyncError(
     let code = guard("xcclCommGetAsyncError", || {
         let (_, c) = lookup(comm)?;
         let found = lock(&c.first_error).clone().or_else(|| {
-            if let Some((by, reason)) = c.fabric.aborted() {
-                return Some((XCCL_ABORTED, format!("aborted by rank {by}: {reason}")));
+            if let Some(notice) = c.fabric.aborted() {
+                // A death report is that death (the code of a failed peer), any other abort
+                // an abort.
+                let e = notice.to_error(c.fabric.world_size());
+                return Some((code_of(&e), e.to_string()));
             }
             // A dead peer (not one that left cleanly), then a peer that left the job while
             // an open call of this rank still needs it. The second look needs the

@@ -261,13 +261,16 @@ impl Fabric for SharedFabric {
     fn barrier(&self, timeout: Duration) -> crate::Result<()> {
         self.0.barrier(timeout)
     }
-    fn abort(&self, reason: &str) {
-        self.0.abort(reason)
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
+        self.0.abort_reporting(dead, reason)
+    }
+    fn forward_abort(&self, notice: &crate::AbortNotice) {
+        self.0.forward_abort(notice)
     }
     fn check_peer(&self, peer: usize) -> crate::Result<()> {
         self.0.check_peer(peer)
     }
-    fn aborted(&self) -> Option<(usize, String)> {
+    fn aborted(&self) -> Option<crate::AbortNotice> {
         self.0.aborted()
     }
     fn check_peers(&self) -> crate::Result<()> {

@@ -175,28 +175,47 @@ pub fn bad_access_is_rejected(f: &dyn Fabric) -> Result<()> {
     f.barrier(TIMEOUT)
 }
 
-/// Rank 0 aborts while every other rank waits; the others fail with `Aborted` naming rank 0
-/// and carrying its reason. Leaves the fabric aborted: run it last.
+/// Rank 0 aborts while every other rank waits. With 2 ranks its abort is a plain one whose text
+/// reads like a death report ("rank 1 died: ..."): rank 1 fails with `Aborted` naming rank 0 and
+/// carrying the text, never with a failure of its own. With 3 or more, the abort record reports
+/// the death of the last rank ([`Fabric::abort_reporting`]): every waiter fails with
+/// `PeerFailed` naming it, through rank 0's abort and with its reason. Leaves the fabric aborted:
+/// run it last.
 pub fn abort_wakes_every_waiter(f: &dyn Fabric) -> Result<()> {
     let (me, n) = (f.rank(), f.world_size());
+    let dead = (n >= 3).then_some(n - 1);
     f.barrier(TIMEOUT)?;
     if me == 0 {
         std::thread::sleep(Duration::from_millis(50));
-        f.abort("conformance: rank 0 gives up");
+        match dead {
+            Some(d) => f.abort_reporting(Some(d), "conformance: rank 0 gives up"),
+            None => f.abort("rank 1 died: conformance: rank 0 gives up"),
+        }
         return Ok(());
     }
     let start = Instant::now();
-    match f.wait_signal(n + 1, 0, "an abort", deadline_after(TIMEOUT), &|v| {
+    let got = f.wait_signal(n + 1, 0, "an abort", deadline_after(TIMEOUT), &|v| {
         v == u64::MAX
-    }) {
-        Err(Error::Aborted { by: 0, reason })
-            if start.elapsed() < Duration::from_secs(5)
-                && reason.contains("conformance: rank 0 gives up") =>
+    });
+    let prompt = start.elapsed() < Duration::from_secs(5);
+    let reason_of = |text: &str| text.contains("conformance: rank 0 gives up");
+    match (got, dead) {
+        (Err(Error::Aborted { by: 0, reason }), None)
+            if prompt && reason.starts_with("rank 1 died: ") && reason_of(&reason) =>
         {
             Ok(())
         }
-        other => Err(fail(format!(
-            "rank {me}: expected Aborted by rank 0, got {other:?}"
+        (Err(Error::PeerFailed { peer, detail }), Some(d))
+            if prompt && peer == d && reason_of(&detail) && detail.contains("rank 0's abort") =>
+        {
+            Ok(())
+        }
+        (other, _) => Err(fail(format!(
+            "rank {me}: expected {} through rank 0's abort, got {other:?}",
+            match dead {
+                Some(d) => format!("PeerFailed naming rank {d}"),
+                None => "Aborted by rank 0".into(),
+            }
         ))),
     }
 }

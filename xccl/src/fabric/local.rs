@@ -13,7 +13,7 @@ use super::{
     AlignedBuf, Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting,
     Window,
 };
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 struct RankMemory {
     /// Owns the memory that `control` views.
@@ -78,7 +78,9 @@ impl LocalFabric {
             let control_buf = AlignedBuf::zeroed(ControlArea::bytes_for(num_slots))?;
             // SAFETY: freshly zeroed, page-aligned, sized by `bytes_for`, and kept alive in
             // `RankMemory` next to the view for as long as the world exists.
-            let control = unsafe { ControlArea::init(control_buf.ptr(), num_slots, rank, pid) };
+            let control = unsafe {
+                ControlArea::init(control_buf.ptr(), num_slots, rank, window_lens.len(), pid)
+            };
             ranks.push(RankMemory {
                 _control_mem: control_buf,
                 control,
@@ -258,13 +260,19 @@ impl Fabric for LocalFabric {
         Ok(())
     }
 
-    fn abort(&self, reason: &str) {
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
         for r in &self.world.ranks {
-            r.control.set_abort(self.rank, reason);
+            r.control.set_abort(self.rank, dead, reason);
         }
     }
 
-    fn aborted(&self) -> Option<(usize, String)> {
+    fn forward_abort(&self, notice: &AbortNotice) {
+        for r in &self.world.ranks {
+            r.control.set_abort(notice.by, notice.dead, &notice.reason);
+        }
+    }
+
+    fn aborted(&self) -> Option<AbortNotice> {
         self.world.ranks[self.rank].control.aborted_by()
     }
 

@@ -18,7 +18,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::Result;
+use crate::{AbortNotice, Result};
 
 pub mod ascend;
 pub mod conformance;
@@ -99,10 +99,26 @@ pub trait Fabric: Send + Sync {
     /// Returns once every rank has called `barrier`; fails naming missing ranks on timeout.
     fn barrier(&self, timeout: Duration) -> Result<()>;
 
-    /// Raises the abort flag on every rank, with `reason`: their current and later waits fail
-    /// with [`crate::Error::Aborted`] naming this rank and carrying the reason. The first abort
-    /// wins; the call returns promptly and never fails (a peer it cannot reach is dead anyway).
-    fn abort(&self, reason: &str);
+    /// Raises the abort flag on every rank, with `reason` and no death report: their current
+    /// and later waits fail with [`crate::Error::Aborted`] naming this rank and carrying the
+    /// reason. The first abort wins; the call returns promptly and never fails (a peer it cannot
+    /// reach is dead anyway). Whatever the text says, no rank takes it for a death.
+    fn abort(&self, reason: &str) {
+        self.abort_reporting(None, reason)
+    }
+
+    /// [`Fabric::abort`] carrying the abort record `{by: this rank, dead, reason}`: with
+    /// `dead = Some(d)` (set only by the liveness machinery, for a rank that poisons because it
+    /// saw `d` die) every receiver reports [`crate::Error::PeerFailed`] naming `d`
+    /// ([`crate::AbortNotice::to_error`]). Every fabric carries `dead` as its own field of the
+    /// record, in its memory and on the bootstrap's out-of-band abort alike.
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str);
+
+    /// Passes on another rank's abort record unchanged (its `by`, `dead` and reason) to every
+    /// rank that holds no abort yet, through the fabric only (the bootstrap relays the
+    /// original): a rank that poisons on an abort it received makes sure every rank hears of
+    /// it, and, the first abort winning, no rank hears another account of it first.
+    fn forward_abort(&self, notice: &AbortNotice);
 
     /// Ok if `peer` is believed alive; [`crate::Error::PeerFailed`] if it is known dead or has
     /// left the job (a wait for it can never end).
@@ -114,9 +130,10 @@ pub trait Fabric: Send + Sync {
         WaitCounters::default()
     }
 
-    /// The rank that aborted the job and its reason, if an abort has reached this rank (calls
-    /// check it before they start, so a rank that never waits still learns of the abort).
-    fn aborted(&self) -> Option<(usize, String)> {
+    /// The abort record (the rank that aborted the job, the death it reports, its reason), if
+    /// an abort has reached this rank (calls check it before they start, so a rank that never
+    /// waits still learns of the abort).
+    fn aborted(&self) -> Option<AbortNotice> {
         None
     }
 

@@ -50,7 +50,7 @@ use super::{
     Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting, Window,
 };
 use crate::bootstrap::{Exchange, JobKey};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// How long [`ShmFabric::new`] waits for the other ranks at each rendezvous step.
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -402,6 +402,7 @@ fn create_own(
     segment_len: usize,
     num_slots: usize,
     rank: usize,
+    world: usize,
 ) -> Result<(Unlinker, Mapping, ControlArea)> {
     let shown = name.to_string_lossy();
     let fd = shm_open(
@@ -429,12 +430,19 @@ fn create_own(
     // SAFETY: the mapping is page-aligned (hence 64-aligned), freshly truncated (zeroed), at
     // least `bytes_for(num_slots)` long (the window offset is past it), and owned by the
     // `Segment` that keeps the view, so it stays mapped while the view is used.
-    let control = unsafe { ControlArea::init(map.base, num_slots, rank, std::process::id()) };
+    let control =
+        unsafe { ControlArea::init(map.base, num_slots, rank, world, std::process::id()) };
     Ok((unlinker, map, control))
 }
 
 /// Opens, maps and checks `peer`'s segment against what it advertised.
-fn attach_peer(name: &str, peer: usize, ad: &Advert, mine: &Advert) -> Result<Segment> {
+fn attach_peer(
+    name: &str,
+    peer: usize,
+    world: usize,
+    ad: &Advert,
+    mine: &Advert,
+) -> Result<Segment> {
     let proto = |detail: String| Error::Protocol { peer, detail };
     if ad.num_slots != mine.num_slots {
         return Err(proto(format!(
@@ -483,7 +491,7 @@ fn attach_peer(name: &str, peer: usize, ad: &Advert, mine: &Advert) -> Result<Se
     })?;
     // SAFETY: page-aligned mapping of `segment_len >= window_offset` bytes, owned by the
     // `Segment` built below together with the view.
-    let control = unsafe { ControlArea::attach(map.base, ad.window_offset, peer) }?;
+    let control = unsafe { ControlArea::attach(map.base, ad.window_offset, peer, world) }?;
     if control.num_slots() != ad.num_slots {
         return Err(proto(format!(
             "control area of {name} has {} slots, rank {peer} advertised {}",
@@ -562,7 +570,8 @@ impl ShmFabric {
         let name =
             CString::new(segment_name(key, job_id, rank)).expect("segment names have no NUL");
 
-        let (mut unlinker, own_map, own_control) = create_own(&name, segment_len, num_slots, rank)?;
+        let (mut unlinker, own_map, own_control) =
+            create_own(&name, segment_len, num_slots, rank, size)?;
         before_publish(&own_map);
         fault_point!("init.shm.created");
         let mine = Advert {
@@ -606,7 +615,7 @@ impl ShmFabric {
                     return Ok(own.take().expect("own segment is taken once"));
                 }
                 let name = segment_name(key, job_id, peer);
-                attach_peer(&name, peer, &Advert::decode(blob, peer)?, &mine)
+                attach_peer(&name, peer, size, &Advert::decode(blob, peer)?, &mine)
             })
             .collect();
 
@@ -795,15 +804,21 @@ impl Fabric for ShmFabric {
         self.exchange.barrier(timeout)
     }
 
-    fn abort(&self, reason: &str) {
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
         for s in &self.segments {
-            s.control.set_abort(self.rank, reason);
+            s.control.set_abort(self.rank, dead, reason);
         }
         // Ranks that lost their mapping of us (or wait on the bootstrap) hear it out of band.
-        let _ = self.exchange.broadcast_abort(reason);
+        let _ = self.exchange.broadcast_abort_reporting(dead, reason);
     }
 
-    fn aborted(&self) -> Option<(usize, String)> {
+    fn forward_abort(&self, notice: &AbortNotice) {
+        for s in &self.segments {
+            s.control.set_abort(notice.by, notice.dead, &notice.reason);
+        }
+    }
+
+    fn aborted(&self) -> Option<AbortNotice> {
         self.segments[self.rank].control.aborted_by()
     }
 
@@ -826,8 +841,8 @@ impl Fabric for ShmFabric {
     }
 
     fn check_peers(&self) -> Result<()> {
-        if let Some((by, reason)) = self.exchange.poll_abort() {
-            return Err(Error::Aborted { by, reason });
+        if let Some(notice) = self.exchange.poll_abort() {
+            return Err(notice.to_error(self.segments.len()));
         }
         Liveness::check_all(&self.segments, self.rank)
     }
@@ -999,7 +1014,7 @@ mod tests {
                 let _ = shm_unlink(name.as_str());
                 continue; // Not root: cannot give the segment away.
             }
-            let got = attach_peer(&name, 1, &mine, &mine);
+            let got = attach_peer(&name, 1, 2, &mine, &mine);
             let _ = shm_unlink(name.as_str());
             match got {
                 Err(Error::Protocol { peer: 1, detail }) => {
@@ -1020,7 +1035,7 @@ mod tests {
                 // Creates its segment like `new`, then "dies": never unlinks it, never joins.
                 let full = segment_name(ex.key(), job_id, 1);
                 let name = CString::new(full.clone()).unwrap();
-                let (unlinker, _map, _control) = create_own(&name, 1 << 16, 4, 1).unwrap();
+                let (unlinker, _map, _control) = create_own(&name, 1 << 16, 4, 1, 2).unwrap();
                 std::mem::forget(unlinker);
                 let own = full[1..].to_string();
                 assert!(leftovers(job_id).contains(&own), "rank 1's segment exists");

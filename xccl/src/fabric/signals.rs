@@ -8,7 +8,7 @@
 //! |---|---|
 //! | 0 | header: magic, layout version, slot count, owner pid; at 64 the departed word |
 //! | 128 | doorbell: a 32-bit futex word bumped by every signal, a count of sleepers, and at 136 the `CLOCK_MONOTONIC` time (ns) at which a signaller last woke a sleeper |
-//! | 256 | abort: the abort word (0, or 1 + the rank that aborted), the claim word, the reason length |
+//! | 256 | abort: the abort word (0, or 1 + the rank that aborted), the claim word, the reason length, the dead word (0, or 1 + the rank whose death the abort reports) |
 //! | 384 | abort reason: up to [`ABORT_REASON_BYTES`] bytes of UTF-8 |
 //! | 640 + 128*i | signal slot `i`, a 64-bit value alone on a 128-byte line pair |
 //!
@@ -28,12 +28,12 @@ use std::ptr::NonNull;
 use std::time::{Duration, Instant};
 
 use crate::sync::{self, fence, AtomicU32, AtomicU64, Mutant, Ordering};
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// Magic at the start of every control area ("XCCLCTRL").
 pub const CONTROL_MAGIC: u64 = u64::from_le_bytes(*b"XCCLCTRL");
 /// Layout version of the control area; bumped on any change of the table above.
-pub const CONTROL_VERSION: u32 = 3;
+pub const CONTROL_VERSION: u32 = 4;
 /// Longest abort reason a control area carries (longer ones are cut at a character boundary).
 pub const ABORT_REASON_BYTES: usize = 256;
 
@@ -54,6 +54,8 @@ const WOKEN_AT_OFF: usize = DOORBELL_OFF + 8;
 const ABORT_OFF: usize = 2 * LINE;
 const ABORT_CLAIM_OFF: usize = ABORT_OFF + 8;
 const ABORT_LEN_OFF: usize = ABORT_OFF + 16;
+/// The dead rank of the abort record (0: it reports no death), written with the reason.
+const ABORT_DEAD_OFF: usize = ABORT_OFF + 24;
 const REASON_OFF: usize = 3 * LINE;
 const SLOTS_OFF: usize = REASON_OFF + ABORT_REASON_BYTES;
 
@@ -71,6 +73,8 @@ pub struct Waiting {
 pub struct ControlArea {
     base: NonNull<u8>,
     num_slots: usize,
+    /// Ranks of the job (not read from the area: abort records are checked against it).
+    world: usize,
 }
 
 // SAFETY: the area holds only atomics; all access goes through atomic operations.
@@ -84,13 +88,24 @@ impl ControlArea {
         SLOTS_OFF + LINE * num_slots
     }
 
-    /// Formats zeroed memory as a control area owned by `rank` (process `pid`).
+    /// Formats zeroed memory as a control area owned by `rank` (process `pid`) of a job of
+    /// `world` ranks.
     ///
     /// # Safety
     /// `base` must be 64-byte aligned, zeroed, and `bytes_for(num_slots)` bytes long, and stay
     /// mapped while any returned view is used.
-    pub unsafe fn init(base: NonNull<u8>, num_slots: usize, rank: usize, pid: u32) -> Self {
-        let area = ControlArea { base, num_slots };
+    pub unsafe fn init(
+        base: NonNull<u8>,
+        num_slots: usize,
+        rank: usize,
+        world: usize,
+        pid: u32,
+    ) -> Self {
+        let area = ControlArea {
+            base,
+            num_slots,
+            world,
+        };
         area.atomic_u32(VERSION_OFF)
             .store(CONTROL_VERSION, Ordering::Relaxed);
         area.atomic_u32(NUM_SLOTS_OFF)
@@ -104,18 +119,23 @@ impl ControlArea {
         area
     }
 
-    /// Views an area that another rank formatted, checking magic, version and size.
+    /// Views an area that rank `peer` of a job of `world` ranks formatted, checking magic,
+    /// version and size.
     ///
     /// # Safety
     /// `base` must be 64-byte aligned and `len` bytes long, and stay mapped while the view is used.
-    pub unsafe fn attach(base: NonNull<u8>, len: usize, peer: usize) -> Result<Self> {
+    pub unsafe fn attach(base: NonNull<u8>, len: usize, peer: usize, world: usize) -> Result<Self> {
         if len < SLOTS_OFF {
             return Err(Error::Protocol {
                 peer,
                 detail: format!("control area of {len} bytes is too small"),
             });
         }
-        let probe = ControlArea { base, num_slots: 0 };
+        let probe = ControlArea {
+            base,
+            num_slots: 0,
+            world,
+        };
         // SYNC POINT: pairs with the Release store of magic in `init`.
         let magic = probe.atomic_u64(MAGIC_OFF).load(Ordering::Acquire);
         if magic != CONTROL_MAGIC {
@@ -140,7 +160,11 @@ impl ControlArea {
                 detail: format!("control area claims {num_slots} slots but is only {len} bytes"),
             });
         }
-        Ok(ControlArea { base, num_slots })
+        Ok(ControlArea {
+            base,
+            num_slots,
+            world,
+        })
     }
 
     fn atomic_u64(&self, off: usize) -> &AtomicU64 {
@@ -234,9 +258,9 @@ impl ControlArea {
         self.atomic_u64(DEPARTED_OFF).load(Ordering::Acquire) != 0
     }
 
-    /// Marks the area aborted by `by` for `reason` and wakes sleepers. The first abort wins:
-    /// later ones (from any rank) change nothing.
-    pub fn set_abort(&self, by: usize, reason: &str) {
+    /// Marks the area aborted by `by` for `reason`, reporting the death of `dead` if set, and
+    /// wakes sleepers. The first abort wins: later ones (from any rank) change nothing.
+    pub fn set_abort(&self, by: usize, dead: Option<usize>, reason: &str) {
         // SYNC POINT: the claim serialises aborters; only the winner writes the reason.
         let won = self
             .atomic_u64(ABORT_CLAIM_OFF)
@@ -256,7 +280,11 @@ impl ControlArea {
             }
             self.atomic_u64(ABORT_LEN_OFF)
                 .store(cut as u64, Ordering::Relaxed);
-            // SYNC POINT: Release publishes the reason words above to `aborted_by` (Acquire).
+            let dead = dead.map_or(0, |d| (d as u64).saturating_add(1));
+            self.atomic_u64(ABORT_DEAD_OFF)
+                .store(dead, Ordering::Relaxed);
+            // SYNC POINT: Release publishes the reason and dead words above to `aborted_by`
+            // (Acquire).
             self.atomic_u64(ABORT_OFF).store(
                 by as u64 + 1,
                 sync::weakened(Ordering::Release, Mutant::AbortStore),
@@ -265,8 +293,9 @@ impl ControlArea {
         self.wake();
     }
 
-    /// The rank that aborted this area and its reason, if any.
-    pub fn aborted_by(&self) -> Option<(usize, String)> {
+    /// The abort record of this area (the rank that aborted it, the death it reports, the
+    /// reason), if any. Peers wrote it: check it with [`AbortNotice::to_error`].
+    pub fn aborted_by(&self) -> Option<AbortNotice> {
         // SYNC POINT: pairs with the Release store of the abort word in `set_abort`.
         let by = match self.atomic_u64(ABORT_OFF).load(Ordering::Acquire) {
             0 => return None,
@@ -280,7 +309,15 @@ impl ControlArea {
             bytes.extend_from_slice(&w.to_le_bytes());
         }
         bytes.truncate(len);
-        Some((by, String::from_utf8_lossy(&bytes).into_owned()))
+        let dead = match self.atomic_u64(ABORT_DEAD_OFF).load(Ordering::Relaxed) {
+            0 => None,
+            d => Some(usize::try_from(d - 1).unwrap_or(usize::MAX)),
+        };
+        Some(AbortNotice {
+            by,
+            dead,
+            reason: String::from_utf8_lossy(&bytes).into_owned(),
+        })
     }
 
     /// Wakes every sleeper on this area's doorbell (they re-poll).
@@ -361,11 +398,12 @@ impl ControlArea {
                 None => break Ok(()),
                 Some(w) => w,
             };
-            if let Some((by, reason)) = self.aborted_by() {
-                break Err(Error::Aborted {
-                    by,
-                    reason: format!("{reason} (seen while waiting for rank {})", waiting.peer),
-                });
+            if let Some(mut notice) = self.aborted_by() {
+                notice.reason = format!(
+                    "{} (seen while waiting for rank {})",
+                    notice.reason, waiting.peer
+                );
+                break Err(notice.to_error(self.world));
             }
             if spinning {
                 tally.polls += 1;
@@ -671,6 +709,7 @@ impl ControlArea {
             ABORT_OFF,
             ABORT_CLAIM_OFF,
             ABORT_LEN_OFF,
+            ABORT_DEAD_OFF,
         ];
         u64s.extend((0..ABORT_REASON_BYTES / 8).map(|i| REASON_OFF + 8 * i));
         u64s.extend((0..num_slots).map(|i| SLOTS_OFF + LINE * i));
@@ -870,7 +909,7 @@ mod policy_tests {
         // A wait whose signal never comes returns Timeout near its deadline under every policy.
         let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
         // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
-        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
         for policy in [
             WaitPolicy::DEDICATED,
             WaitPolicy::SHARED,
@@ -913,7 +952,7 @@ mod liveness_tests {
         let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
         // SAFETY: zeroed, page-aligned, sized by `bytes_for`; the caller keeps `buf` alive
         // with the area (the buffer's heap block does not move when the tuple does).
-        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, std::process::id()) };
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
         (buf, area)
     }
 

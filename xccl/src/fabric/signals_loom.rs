@@ -48,7 +48,7 @@ impl Rank {
         let memory = Box::new(ControlArea::model_memory(num_slots));
         // SAFETY: the model memory was built for `num_slots` slots and is owned by the returned
         // `Rank` next to the area, so it outlives every use of the area.
-        let area = unsafe { ControlArea::init(memory.base(), num_slots, rank, 1) };
+        let area = unsafe { ControlArea::init(memory.base(), num_slots, rank, 8, 1) };
         Arc::new(Rank {
             area,
             _memory: memory,
@@ -260,7 +260,7 @@ fn loom_a_waiter_always_sees_a_concurrent_abort_with_its_whole_reason() {
         let waiter = Rank::new(RECEIVER, 1);
         let abort = {
             let waiter = waiter.clone();
-            thread::spawn(move || waiter.area.set_abort(2, REASON))
+            thread::spawn(move || waiter.area.set_abort(2, None, REASON))
         };
         let never = || {
             Some(Waiting {
@@ -281,31 +281,37 @@ fn loom_of_two_concurrent_aborts_the_first_wins_and_its_reason_is_seen_whole() {
     const OTHER: &str = "ranks 4 and 5 disagree";
     loom::model(|| {
         let area = Rank::new(RECEIVER, 1);
-        let aborters: Vec<_> = [(2, REASON), (3, OTHER)]
+        // Rank 3's abort reports rank 1's death: the dead word travels with its reason.
+        let aborters: Vec<_> = [(2, None, REASON), (3, Some(1), OTHER)]
             .into_iter()
-            .map(|(by, reason)| {
+            .map(|(by, dead, reason)| {
                 let area = area.clone();
-                thread::spawn(move || area.area.set_abort(by, reason))
+                thread::spawn(move || area.area.set_abort(by, dead, reason))
             })
             .collect();
-        let (by, reason) = loop {
+        let first = loop {
             if let Some(seen) = area.area.aborted_by() {
                 break seen;
             }
             thread::yield_now();
         };
+        let by = first.by;
         let whole = match by {
-            2 => REASON,
-            3 => OTHER,
+            2 => (None, REASON),
+            3 => (Some(1), OTHER),
             _ => panic!("abort by rank {by}, which never aborted"),
         };
-        assert_eq!(reason, whole, "the reason of rank {by}'s abort");
+        assert_eq!(
+            (first.dead, first.reason.as_str()),
+            whole,
+            "the record of rank {by}'s abort"
+        );
         for a in aborters {
             a.join().expect("aborter");
         }
         assert_eq!(
             area.area.aborted_by(),
-            Some((by, reason)),
+            Some(first),
             "a later abort changed the first"
         );
     });

@@ -12,6 +12,7 @@
 //! | offset | what |
 //! |---|---|
 //! | 0 | abort word: 0, or 1 + the rank that aborted |
+//! | 8 | dead word: 0, or 1 + the rank whose death the abort reports |
 //! | 64 | abort reason: up to 256 bytes of UTF-8, NUL-padded |
 //! | 384 + 128*i | signal slot `i`, a 64-bit value alone on its 128-byte line |
 //! | 384 + 128*slots + 8*r | departure mark of rank `r`: 1 once it left the job cleanly |
@@ -46,9 +47,10 @@
 //!   out-of-band abort ([`Exchange::poll_abort`]). Every wait has a deadline. A rank that drops
 //!   its fabric writes its departure mark into every peer's control area first, so its exit is
 //!   reported only by a wait for that rank itself, not taken for a crash by waits on others.
-//! - `abort(reason)`: the reason goes into every rank's reason area (staged, device-to-device),
-//!   then `by + 1` into its abort word with a value write on the same stream, so a rank that
-//!   sees the word reads the reason; the bootstrap carries it out of band too. A rank that has
+//! - `abort(reason)`: the reason goes into every rank's reason area (staged, device-to-device)
+//!   and the dead rank it reports (if any) into its dead word, then `by + 1` into its abort word
+//!   with a value write on the same stream, so a rank that sees the word reads the whole record;
+//!   the bootstrap carries it out of band too. A rank that has
 //!   already seen an abort does not raise another (the first abort wins, as far as a rank can
 //!   tell without a remote compare-and-swap).
 //!
@@ -98,7 +100,7 @@ use super::shm::{host_id, Liveness};
 use super::signals::ControlArea;
 use super::{Capabilities, Fabric, Waiting, Window};
 use crate::bootstrap::Exchange;
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 use runtime::{DevPtr, Runtime, Stream};
 
 pub use runtime::finalize_runtime;
@@ -125,14 +127,16 @@ const LINE: usize = 64;
 /// Distance between signal slots (two 64-byte lines: no false sharing with prefetch).
 const SLOT_STRIDE: usize = 128;
 const ABORT_OFF: usize = 0;
+/// The dead rank of the abort record (0: it reports no death), written before the abort word.
+const DEAD_OFF: usize = 8;
 const REASON_OFF: usize = 64;
 /// Longest abort reason carried in device memory (longer ones are cut).
 const REASON_BYTES: usize = 256;
 const SLOTS_OFF: usize = 384;
 // The abort word, the reason and the slots do not overlap, and no two slots share a line.
-const _: () = assert!(REASON_OFF >= 8 && REASON_OFF + REASON_BYTES <= SLOTS_OFF);
+const _: () = assert!(REASON_OFF >= DEAD_OFF + 8 && REASON_OFF + REASON_BYTES <= SLOTS_OFF);
 const _: () = assert!(SLOTS_OFF.is_multiple_of(SLOT_STRIDE) && SLOT_STRIDE >= 2 * LINE);
-const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL1");
+const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL2");
 /// Tag of the round-1 blob of a rank that failed its local setup (its error text follows).
 const FAILED_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACLX");
 const ADVERT_WORDS: usize = 8;
@@ -350,7 +354,7 @@ pub struct AscendFabric {
     /// Set once this rank told its peers it left the job (drop or `close`).
     departed: AtomicBool,
     /// The reason this rank gave.
-    abort_reason: Mutex<String>,
+    abort_reason: Mutex<AbortNotice>,
     /// The first runtime error seen where none can be returned (`signal_value`).
     sticky: Mutex<Option<Error>>,
     /// Released last (fields drop in declaration order).
@@ -535,7 +539,7 @@ impl AscendFabric {
             staging,
             aborted: AtomicBool::new(false),
             departed: AtomicBool::new(false),
-            abort_reason: Mutex::new(String::new()),
+            abort_reason: Mutex::new(AbortNotice::raised_by(rank, "")),
             sticky: Mutex::new(None),
             owned,
         })
@@ -718,29 +722,33 @@ impl AscendFabric {
         // The device's record first: it names the first rank that aborted.
         match self.aborted_in_device() {
             Ok(None) => {}
-            Ok(Some((by, reason))) => return Some(Error::Aborted { by, reason }),
+            Ok(Some(notice)) => return Some(notice.to_error(self.peers.len())),
             Err(e) => return Some(e),
         }
-        if self.aborted.load(Ordering::Acquire) {
-            let reason = self
-                .abort_reason
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            return Some(Error::Aborted {
-                by: self.rank,
-                reason,
-            });
-        }
-        None
+        self.own_abort().map(|n| n.to_error(self.peers.len()))
     }
 
-    /// The abort recorded in this rank's own control area, if any: `(by, reason)`.
-    fn aborted_in_device(&self) -> Result<Option<(usize, String)>> {
+    /// This rank's own abort, once it raised one.
+    fn own_abort(&self) -> Option<AbortNotice> {
+        self.aborted.load(Ordering::Acquire).then(|| {
+            self.abort_reason
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        })
+    }
+
+    /// The abort record in this rank's own control area, if any (peers wrote it: checked by
+    /// [`AbortNotice::to_error`]).
+    fn aborted_in_device(&self) -> Result<Option<AbortNotice>> {
         let word = self.read_own_word(ABORT_OFF)?;
         if word == 0 {
             return Ok(None);
         }
+        let dead = match self.read_own_word(DEAD_OFF)? {
+            0 => None,
+            d => Some(usize::try_from(d - 1).unwrap_or(usize::MAX)),
+        };
         let mut reason = vec![0u8; REASON_BYTES];
         self.owned.rt.copy_to_host(
             &mut reason,
@@ -749,10 +757,11 @@ impl AscendFabric {
         )?;
         let end = reason.iter().position(|&b| b == 0).unwrap_or(reason.len());
         let by = usize::try_from(word - 1).unwrap_or(usize::MAX);
-        Ok(Some((
+        Ok(Some(AbortNotice {
             by,
-            String::from_utf8_lossy(&reason[..end]).into_owned(),
-        )))
+            dead,
+            reason: String::from_utf8_lossy(&reason[..end]).into_owned(),
+        }))
     }
 
     fn remember(&self, e: Error) {
@@ -1063,22 +1072,19 @@ impl Fabric for AscendFabric {
         self.exchange.barrier(timeout)
     }
 
-    fn abort(&self, reason: &str) {
-        // The first abort wins: a rank that already saw one (its own or a peer's) stays quiet.
-        if self.aborted.swap(true, Ordering::AcqRel) {
-            return;
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
+        let notice = AbortNotice {
+            by: self.rank,
+            dead,
+            reason: reason.to_string(),
+        };
+        if self.raise_once(&notice) {
+            let _ = self.exchange.broadcast_abort_reporting(dead, reason);
         }
-        *self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()) = reason.to_string();
-        let rt = &self.owned.rt;
-        let seen = rt
-            .bind_thread()
-            .and_then(|()| self.aborted_in_device())
-            .ok()
-            .flatten();
-        if seen.is_none() {
-            let _ = self.raise_abort(reason);
-        }
-        let _ = self.exchange.broadcast_abort(reason);
+    }
+
+    fn forward_abort(&self, notice: &AbortNotice) {
+        self.raise_once(notice);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -1098,7 +1104,7 @@ impl Fabric for AscendFabric {
         })
     }
 
-    fn aborted(&self) -> Option<(usize, String)> {
+    fn aborted(&self) -> Option<AbortNotice> {
         let seen = self
             .owned
             .rt
@@ -1109,15 +1115,12 @@ impl Fabric for AscendFabric {
             Ok(None) => {}
             Err(e) => self.remember(e),
         }
-        self.aborted.load(Ordering::Acquire).then(|| {
-            let reason = self.abort_reason.lock().unwrap_or_else(|e| e.into_inner());
-            (self.rank, reason.clone())
-        })
+        self.own_abort()
     }
 
     fn check_peers(&self) -> Result<()> {
-        if let Some((by, reason)) = self.exchange.poll_abort() {
-            return Err(Error::Aborted { by, reason });
+        if let Some(notice) = self.exchange.poll_abort() {
+            return Err(notice.to_error(self.peers.len()));
         }
         for (peer, p) in self.peers.iter().enumerate() {
             if peer == self.rank {
@@ -1185,9 +1188,30 @@ impl Drop for AscendFabric {
 }
 
 impl AscendFabric {
-    /// Writes `reason` and then the abort word into every rank's control area (best effort: a
-    /// dead peer's memory may be gone), on the stream, in that order.
-    fn raise_abort(&self, reason: &str) -> Result<()> {
+    /// Raises `notice` unless this rank already raised or saw an abort (the first abort wins,
+    /// as far as a rank can tell without a remote compare-and-swap); whether it did.
+    fn raise_once(&self, notice: &AbortNotice) -> bool {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        *self.abort_reason.lock().unwrap_or_else(|e| e.into_inner()) = notice.clone();
+        let rt = &self.owned.rt;
+        let seen = rt
+            .bind_thread()
+            .and_then(|()| self.aborted_in_device())
+            .ok()
+            .flatten();
+        if seen.is_none() {
+            let _ = self.raise_abort(notice);
+        }
+        true
+    }
+
+    /// Writes the reason, the dead word and then the abort word (`by + 1`) of `notice` into
+    /// every rank's control area (best effort: a dead peer's memory may be gone), on the
+    /// stream, in that order.
+    fn raise_abort(&self, notice: &AbortNotice) -> Result<()> {
+        let (by, dead, reason) = (notice.by, notice.dead, notice.reason.as_str());
         let rt = &self.owned.rt;
         let mut text = [0u8; REASON_BYTES];
         let cut = floor_char_boundary(reason, REASON_BYTES - 1);
@@ -1211,10 +1235,15 @@ impl AscendFabric {
                 .and_then(|()| {
                     rt.write_value_async(
                         &st.stream,
-                        p.base.add(ABORT_OFF),
-                        self.rank as u64 + 1,
-                        || format!("abort to rank {peer}"),
+                        p.base.add(DEAD_OFF),
+                        dead.map_or(0, |d| (d as u64).saturating_add(1)),
+                        || format!("abort record to rank {peer}"),
                     )
+                })
+                .and_then(|()| {
+                    rt.write_value_async(&st.stream, p.base.add(ABORT_OFF), by as u64 + 1, || {
+                        format!("abort to rank {peer}")
+                    })
                 })
             };
             if queued.is_ok() {

@@ -12,7 +12,7 @@
 //! |---|---|
 //! | 0 | the rank's [`ControlArea`] (header, doorbell, abort word, signal slots) |
 //! | `mailbox_off` | one 64-bit mailbox per (sender rank, slot), plus one heartbeat word per sender |
-//! | `abort_off` | one abort-reason buffer (256 bytes) per sender |
+//! | `abort_off` | one abort record per sender (272 bytes): the by word (0: the sender's own abort, or 1 + the rank whose abort it passes on), the dead word (0, or 1 + the rank whose death the abort reports), then up to 256 bytes of reason |
 //! | `window_off` (page-aligned) | the data window, `window_len` bytes |
 //!
 //! Addresses (`fi_getname`), keys and base addresses are allgathered through the bootstrap.
@@ -121,7 +121,7 @@ use super::{
     Window,
 };
 use crate::bootstrap::Exchange;
-use crate::{Error, Result};
+use crate::{AbortNotice, Error, Result};
 
 /// Provider used when neither the options nor `XCCL_OFI_PROVIDER` name one.
 pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
@@ -155,7 +155,10 @@ const POLL_WHILE_WAITED: u32 = 512;
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(250);
 
 /// Tag at the start of each rank's advert ("XCCLOFI1").
-const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLOFI1");
+const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLOFI2");
+/// One sender's abort record at a peer: the by word (0: the sender raised it; else 1 + the rank
+/// whose abort it passes on), the dead word, then the reason (its length travels in the CQ data).
+const ABORT_RECORD_BYTES: usize = 16 + ABORT_REASON_BYTES;
 const ADVERT_WORDS: usize = 10;
 
 /// Remote CQ data (32 bits, so that 4-byte providers work): kind (2) | sender (14) | slot (16).
@@ -321,7 +324,7 @@ struct Shared {
     rank: usize,
     num_slots: usize,
     mailbox_off: usize,
-    /// One abort-reason buffer of `ABORT_REASON_BYTES` per sender.
+    /// One abort record of `ABORT_RECORD_BYTES` per sender.
     abort_off: usize,
     window_off: usize,
     window_len: usize,
@@ -460,13 +463,13 @@ impl OfiFabric {
         let mailbox_len = size * (num_slots + 1) * 8;
         let abort_off = mailbox_off + mailbox_len;
         let window_off =
-            round_up(abort_off + size * ABORT_REASON_BYTES, page).ok_or_else(too_large)?;
+            round_up(abort_off + size * ABORT_RECORD_BYTES, page).ok_or_else(too_large)?;
         let region_len = window_off.checked_add(window_len).ok_or_else(too_large)?;
         let region = AlignedBuf::zeroed(region_len)?;
         // SAFETY: the buffer is page-aligned, zeroed and at least bytes_for(num_slots) long;
         // `Shared` keeps it alive as long as the view.
         let control =
-            unsafe { ControlArea::init(region.ptr(), num_slots, rank, std::process::id()) };
+            unsafe { ControlArea::init(region.ptr(), num_slots, rank, size, std::process::id()) };
 
         let ep = Endpoint::open(&provider, addr.as_deref(), region.ptr(), region_len)?;
         let wanted = match opts.ordering {
@@ -704,8 +707,8 @@ impl Shared {
     /// Out-of-band abort, then every peer that has not left the job cleanly (see
     /// [`Fabric::check_peers`]).
     fn check_peers(&self) -> Result<()> {
-        if let Some((by, reason)) = self.exchange.poll_abort() {
-            return Err(Error::Aborted { by, reason });
+        if let Some(notice) = self.exchange.poll_abort() {
+            return Err(notice.to_error(self.peers.len()));
         }
         (0..self.peers.len())
             .filter(|&p| !self.departed[p].load(Ordering::Acquire))
@@ -843,19 +846,36 @@ impl Shared {
             }
             KIND_ABORT => {
                 let len = slot.min(ABORT_REASON_BYTES);
-                let off = self.abort_off + sender * ABORT_REASON_BYTES;
-                let mut bytes = vec![0u8; len];
-                // SAFETY: the sender's reason buffer lies inside the region; the provider placed
+                let off = self.abort_off + sender * ABORT_RECORD_BYTES;
+                let mut record = vec![0u8; 16 + len];
+                // SAFETY: the sender's abort record lies inside the region; the provider placed
                 // the write before reporting its completion, and only that sender writes it.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         self.region.ptr().as_ptr().add(off),
-                        bytes.as_mut_ptr(),
-                        len,
+                        record.as_mut_ptr(),
+                        16 + len,
                     )
                 };
+                let word = |i: usize| {
+                    u64::from_le_bytes(record[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+                };
+                // A rank outside the job cannot have raised it: then it is the sender's.
+                let by = match word(0) {
+                    0 => sender,
+                    b => usize::try_from(b - 1)
+                        .ok()
+                        .filter(|&b| b < self.peers.len())
+                        .unwrap_or(sender),
+                };
+                // Checked against the job where it is turned into an error
+                // (`AbortNotice::to_error`).
+                let dead = match word(1) {
+                    0 => None,
+                    d => Some(usize::try_from(d - 1).unwrap_or(usize::MAX)),
+                };
                 self.control
-                    .set_abort(sender, &String::from_utf8_lossy(&bytes));
+                    .set_abort(by, dead, &String::from_utf8_lossy(&record[16..]));
             }
             _ => {}
         }
@@ -1286,31 +1306,15 @@ impl Fabric for OfiFabric {
         self.shared.exchange.barrier(timeout)
     }
 
-    fn abort(&self, reason: &str) {
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
         let s = &self.shared;
-        s.control.set_abort(s.rank, reason);
-        let mut cut = reason.len().min(ABORT_REASON_BYTES);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        // At least one byte on the wire (the length travels in the CQ data).
-        let bytes: Box<[u8]> = if cut == 0 {
-            Box::new([0u8])
-        } else {
-            reason.as_bytes()[..cut].into()
-        };
-        for (peer, p) in s.peers.iter().enumerate() {
-            if peer == s.rank || s.failed[peer].get().is_some() {
-                continue;
-            }
-            let remote = p.remote_base + (p.abort_off + s.rank * ABORT_REASON_BYTES) as u64;
-            let data = encode(KIND_ABORT, s.rank, cut);
-            let _ = s.write(peer, remote, bytes.clone(), Some(data), false);
-        }
-        // Bounded: a peer that cannot be reached is dead anyway.
-        let _ = s.flush(Instant::now() + Duration::from_secs(2));
+        self.raise_abort(s.rank, dead, reason);
         // Ranks that lost their connection to us, or wait on the bootstrap, hear it out of band.
-        let _ = s.exchange.broadcast_abort(reason);
+        let _ = s.exchange.broadcast_abort_reporting(dead, reason);
+    }
+
+    fn forward_abort(&self, notice: &AbortNotice) {
+        self.raise_abort(notice.by, notice.dead, &notice.reason);
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
@@ -1321,8 +1325,40 @@ impl Fabric for OfiFabric {
         self.shared.check_peers()
     }
 
-    fn aborted(&self) -> Option<(usize, String)> {
+    fn aborted(&self) -> Option<AbortNotice> {
         self.shared.control.aborted_by()
+    }
+}
+
+impl OfiFabric {
+    /// Sets the abort record `{by, dead, reason}` in this rank's control area and writes it to
+    /// every peer not known failed, then waits (bounded) for the writes.
+    fn raise_abort(&self, by: usize, dead: Option<usize>, reason: &str) {
+        let s = &self.shared;
+        s.control.set_abort(by, dead, reason);
+        let mut cut = reason.len().min(ABORT_REASON_BYTES);
+        while !reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        // The record: the by and dead words, then the reason (its length travels in the CQ
+        // data). `by` is 0 when the sender raised the abort itself.
+        let by_word = if by == s.rank { 0 } else { by as u64 + 1 };
+        let dead_word = dead.map_or(0, |d| (d as u64).saturating_add(1));
+        let mut record = Vec::with_capacity(16 + cut);
+        record.extend_from_slice(&by_word.to_le_bytes());
+        record.extend_from_slice(&dead_word.to_le_bytes());
+        record.extend_from_slice(&reason.as_bytes()[..cut]);
+        let bytes: Box<[u8]> = record.into();
+        for (peer, p) in s.peers.iter().enumerate() {
+            if peer == s.rank || s.failed[peer].get().is_some() {
+                continue;
+            }
+            let remote = p.remote_base + (p.abort_off + s.rank * ABORT_RECORD_BYTES) as u64;
+            let data = encode(KIND_ABORT, s.rank, cut);
+            let _ = s.write(peer, remote, bytes.clone(), Some(data), false);
+        }
+        // Bounded: a peer that cannot be reached is dead anyway.
+        let _ = s.flush(Instant::now() + Duration::from_secs(2));
     }
 }
 
