@@ -785,8 +785,8 @@ impl Fabric for ShmFabric {
         let liveness = |awaited: usize| {
             // An out-of-band abort first: a rank that aborted and then left the job is
             // reported by its abort, not as gone.
-            if let Some((by, reason)) = self.exchange.poll_abort() {
-                return Err(Error::Aborted { by, reason });
+            if let Some(notice) = self.exchange.poll_abort() {
+                return Err(notice.to_error(self.segments.len()));
             }
             self.check_peer(awaited)?;
             self.check_peers()

@@ -1044,7 +1044,7 @@ impl Fabric for AscendFabric {
                 // one: a dead rank anywhere stalls the job.
                 last_check = Some(now);
                 let live = match self.exchange.poll_abort() {
-                    Some((by, reason)) => Err(Error::Aborted { by, reason }),
+                    Some(notice) => Err(notice.to_error(self.peers.len())),
                     None => self
                         .check_peer(waiting.peer)
                         .and_then(|()| self.check_peers()),
