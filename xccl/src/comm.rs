@@ -562,8 +562,7 @@ impl Communicator {
         self.ctx.layout.window_len(self.ctx.rank)
     }
 
-    /// The protocol context, for the crate's own tests.
-    #[cfg(test)]
+    /// The protocol context (views read their rows through it; the crate's tests look inside).
     pub(crate) fn ctx(&self) -> &Context {
         &self.ctx
     }
@@ -789,7 +788,9 @@ impl Communicator {
         })
     }
 
-    fn expert<R>(
+    /// Runs an expert rank's call `call` with its failure state (see the module docs); a view
+    /// replies through it.
+    pub(crate) fn expert<R>(
         &mut self,
         call: &str,
         f: impl FnOnce(&Context, &mut DispatchReceiver, &mut CombineSender) -> Result<R>,
@@ -922,6 +923,7 @@ impl Communicator {
             check_len("out", out.len(), sent.num_tokens, ctx.layout.e2a_stride)?;
             combine.recv(ctx, sent, out, ctx.call_deadline())?;
             dispatch.retire();
+            handle.answered();
             Ok(())
         })
     }
@@ -1001,10 +1003,7 @@ impl Communicator {
             through_relays(ctx, "the A2E view")?;
             ViewParts::receive(ctx, dispatch, ctx.call_deadline())
         })?;
-        let Side::Expert { dispatch, combine } = &mut self.side else {
-            unreachable!("checked by `expert`")
-        };
-        Ok(TokenView::new(&self.ctx, dispatch, combine, parts))
+        Ok(TokenView::new(self, parts))
     }
 
     /// E2A on an expert rank: `expert_out` holds one output row per row of `batch` (same

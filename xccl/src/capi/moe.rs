@@ -16,7 +16,11 @@ fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
     Ok(num_tokens as usize)
 }
 
+/// Registers `h`. The C ABI refuses to free a live handle on a healthy communicator
+/// (`xcclA2EHandleFree`) and releases a destroyed communicator's handles quietly, so the handle
+/// is detached: the registry dropping it never aborts the job.
 fn new_handle(comm: usize, h: A2eHandle) -> *mut xcclA2EHandle {
+    h.detach();
     let id = next_id();
     lock(&HANDLES).insert(id, (comm, h));
     id as *mut xcclA2EHandle

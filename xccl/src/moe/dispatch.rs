@@ -317,12 +317,7 @@ impl DispatchSender {
         self.write_all(ctx, &sent, epoch, payloads, mode)?;
         self.tag = 0;
         self.last_epoch = epoch;
-        let handle = A2eHandle {
-            comm: ctx.id,
-            epoch,
-            num_tokens: sent.num_tokens,
-            total_rows: sent.layout.total_entries(),
-        };
+        let handle = A2eHandle::new(ctx, epoch, sent.num_tokens, sent.layout.total_entries());
         let sent = Sent { epoch, ..sent };
         self.in_flight.push_back(sent);
         Ok(handle)
