@@ -677,6 +677,15 @@ impl Communicator {
         }
     }
 
+    /// Fails a call that had published something with `e`, as the protocol does (for tests of
+    /// what a poisoning looks like from outside, such as the C ABI's result codes).
+    #[cfg(test)]
+    pub(crate) fn fail_after_publishing(&mut self, e: Error) -> Error {
+        self.ctx.begin_call();
+        self.ctx.note_written(self.ctx.rank, 0);
+        self.fail(e)
+    }
+
     /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
     /// publishes nothing and counts nothing in the stats.
     fn probe<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
