@@ -1042,7 +1042,9 @@ impl Communicator {
             )?;
             let replies = Replies::Reduce { batch, out };
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
-            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+            batch.recv.answered();
+            Ok(())
         })
     }
 
@@ -1077,7 +1079,9 @@ impl Communicator {
             )?;
             let replies = Replies::Tokens(reduced);
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
-            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+            batch.recv.answered();
+            Ok(())
         })
     }
 
@@ -1136,6 +1140,7 @@ impl Communicator {
                 deadline,
             )?;
             dispatch.replied();
+            batch.recv.answered();
             Ok(())
         })
     }

@@ -2035,4 +2035,42 @@ mod reply_holes {
         );
         assert!(attn.poisoned().is_some());
     }
+
+    #[test]
+    fn the_last_batch_of_a_call_dropped_before_its_reply_aborts_every_peer_at_once() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let c = cfg(H, DType::F32, 1, 4);
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut expert = comms.pop().unwrap();
+        let mut attn = comms.pop().unwrap();
+        let x = x_of(0);
+        let h1 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+        let mut b = TokenBatch::new();
+        expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap();
+        // A clone holds the call too: dropping the original is harmless, the clone replies.
+        let mut kept = b.clone();
+        drop(b);
+        let rows = kept.rows::<f32>().unwrap().to_vec();
+        expert.e2a_send_tokens(&kept, &rows).unwrap();
+        let mut out = vec![0f32; 3 * H];
+        attn.e2a_recv(&h1, &mut out).unwrap();
+        assert_eq!(out, x);
+        // Refilled after its reply: harmless. Then dropped before the reply of call 2.
+        let h2 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+        expert.a2e_recv_tokens(&mut kept, &mut |_, _| {}).unwrap();
+        drop(kept);
+        let start = std::time::Instant::now();
+        let err = attn.e2a_recv(&h2, &mut out).unwrap_err();
+        assert!(
+            matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("expert rank 1") && reason.contains("epoch 2")),
+            "{err}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "seen at once, not at the 20 s deadline"
+        );
+        let err = expert.a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {});
+        assert!(matches!(err, Err(Error::Aborted { by: 1, .. })), "{err:?}");
+        assert!(expert.poisoned().is_some());
+    }
 }

@@ -178,6 +178,8 @@ pub unsafe extern "C" fn xcclA2ERecv(
         let counts: Vec<usize> = (0..n).map(|j| b.expert_rows(j).len()).collect();
         let mut offsets = vec![0usize];
         offsets.extend((0..n).map(|j| b.expert_rows(j).end));
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&EXPERT_BATCHES).insert(
@@ -340,6 +342,8 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
         check_ptr(batch, "batch")?;
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&TOKEN_BATCHES).insert(
@@ -473,6 +477,8 @@ pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
             // points into `info`, which points into `tb`, untouched while the callback runs.
             unsafe { on_arrival(userData, at, range.start, range.len()) };
         })?;
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&TOKEN_BATCHES).insert(

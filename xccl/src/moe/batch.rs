@@ -112,9 +112,73 @@ pub(crate) struct Received {
     pub(crate) int8: bool,
     /// The call's tag: (attention index, tag) of its lowest source seen so far.
     pub(crate) tag: Option<(usize, u64)>,
+    /// The received call, shared by the batch's clones: the last of them gone before the
+    /// reply aborts the job ([`LiveCall`]).
+    pub(crate) live: Option<Arc<LiveCall>>,
+}
+
+/// A received call waiting for its E2A reply, as the batches that can reply to it hold it
+/// (clones share it). When the last of them is dropped or refilled by another receive before
+/// the reply went out, the call can no longer be answered: the communicator is poisoned and
+/// the job aborted at once, naming this rank and the epoch (otherwise every later reply would
+/// fail, "the next reply is for epoch N", and the attention ranks would wait until their
+/// deadline).
+pub(crate) struct LiveCall {
+    epoch: u64,
+    answered: AtomicBool,
+    link: AbortLink,
+}
+
+impl LiveCall {
+    /// Replied to (or handed to the C ABI, which refuses to free a live batch): dropping it
+    /// does nothing.
+    pub(crate) fn answered(&self) {
+        self.answered.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for LiveCall {
+    fn drop(&mut self) {
+        if !self.answered.load(Ordering::Acquire) {
+            self.link.abort(|| {
+                format!(
+                    "expert rank {} dropped (or refilled) its batch of A2E epoch {} without \
+                     replying",
+                    self.link.rank, self.epoch
+                )
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for LiveCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveCall")
+            .field("epoch", &self.epoch)
+            .field("answered", &self.answered.load(Ordering::Relaxed))
+            .finish()
+    }
 }
 
 impl Received {
+    /// The batch now holds call `epoch` of `ctx`, waiting for its reply.
+    pub(crate) fn received(&mut self, ctx: &Context, epoch: u64) {
+        self.epoch = epoch;
+        self.live = Some(Arc::new(LiveCall {
+            epoch,
+            answered: AtomicBool::new(false),
+            link: AbortLink::of(ctx),
+        }));
+    }
+
+    /// The call was replied to (or the batch handed to the C ABI): no batch holding it aborts
+    /// the job when dropped.
+    pub(crate) fn answered(&self) {
+        if let Some(live) = &self.live {
+            live.answered();
+        }
+    }
+
     /// The tag of the call's first source (lowest attention rank taking part); 0 while empty.
     pub(crate) fn call_tag(&self) -> u64 {
         self.tag.map_or(0, |(_, t)| t)
@@ -125,6 +189,14 @@ impl Received {
 ///
 /// Within a local expert, rows are ordered by source rank, then by source token index. Reuse one
 /// batch across calls: its buffers keep their capacity.
+///
+/// # A batch dropped before its reply aborts the job
+/// The reply ([`crate::Communicator::e2a_send`]) needs the batch. When the last batch holding
+/// a received call (the batch and its clones) is dropped, or refilled by another receive,
+/// before the reply went out, on a communicator that has not failed, the communicator is
+/// poisoned and the job aborted at once, naming this rank and the epoch: every peer's waits
+/// fail with [`crate::Error::Aborted`], and this rank's next call returns that error. The
+/// same holds for [`TokenBatch`].
 #[derive(Clone, Debug, Default)]
 pub struct ExpertBatch {
     pub(crate) recv: Received,
@@ -242,6 +314,9 @@ impl ExpertBatch {
 
 /// The tokens an expert rank received in one A2E call, one row each, in arrival order of their
 /// sources (each source's tokens consecutive, in wire order).
+///
+/// Dropped (with its clones) or refilled before its reply, on a communicator that has not
+/// failed, it aborts the job naming this rank and the epoch, as [`ExpertBatch`] does.
 #[derive(Clone, Debug, Default)]
 pub struct TokenBatch {
     pub(crate) recv: Received,
@@ -338,6 +413,7 @@ impl TokenBatch {
             arrival_order: std::mem::take(&mut self.recv.arrival_order),
             int8: false,
             tag: None,
+            live: None,
         };
         self.recv.sources.clear();
         self.recv.arrival_order.clear();

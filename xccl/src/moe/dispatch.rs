@@ -865,6 +865,7 @@ impl Received {
     fn begin(&mut self, comm: u64, ranks: &[usize]) {
         self.comm = comm;
         self.epoch = 0;
+        self.live = None;
         self.sources.clear();
         self.sources.extend(ranks.iter().map(|&rank| SourceInfo {
             rank,
@@ -1292,7 +1293,7 @@ impl DispatchReceiver {
         self.arrange_expert_major(ctx, batch)?;
         self.credit(ctx, epoch)?;
         self.received(epoch);
-        batch.recv.epoch = epoch;
+        batch.recv.received(ctx, epoch);
         Ok(())
     }
 
@@ -1449,7 +1450,7 @@ impl DispatchReceiver {
         })?;
         self.credit(ctx, epoch)?;
         self.received(epoch);
-        batch.recv.epoch = epoch;
+        batch.recv.received(ctx, epoch);
         Ok(())
     }
 
@@ -1496,7 +1497,7 @@ impl DispatchReceiver {
             first += msg.count();
         }
         self.received(epoch);
-        meta.recv.epoch = epoch;
+        meta.recv.received(ctx, epoch);
         Ok((epoch, messages))
     }
 }

@@ -84,12 +84,22 @@ impl ViewParts {
     ) -> Result<Self> {
         let mut meta = TokenBatch::new();
         let (epoch, messages) = receiver.recv_view(ctx, &mut meta, deadline)?;
-        let p = ctx.layout.a2e.payload;
         let mut rows = ViewRows {
             fetched: vec![None; messages.len()],
             messages,
             landing: Vec::new(),
         };
+        if let Err(e) = Self::fetch(ctx, &meta, &mut rows) {
+            // The call fails (and poisons) with `e`: not with the drop of its metadata.
+            meta.recv.answered();
+            return Err(e);
+        }
+        Ok(ViewParts { epoch, rows, meta })
+    }
+
+    /// Fetches the rows of the sources whose windows are not mapped here (or are INT8).
+    fn fetch(ctx: &Context, meta: &TokenBatch, rows: &mut ViewRows) -> Result<()> {
+        let p = ctx.layout.a2e.payload;
         for (s, info) in meta.sources().iter().enumerate() {
             let msg = rows.messages[s];
             if msg.count() == 0 || (!msg.int8 && ctx.mapped(msg.payload_at(ctx, 0, 0).0)) {
@@ -113,7 +123,7 @@ impl ViewParts {
             }
             rows.fetched[s] = Some(at);
         }
-        Ok(ViewParts { epoch, rows, meta })
+        Ok(())
     }
 }
 
@@ -280,6 +290,7 @@ impl<'c> TokenView<'c> {
                 sender.send(ctx, epoch, meta.sources(), mode, replies, deadline)?;
             }
             *replied = true;
+            meta.recv.answered();
             receiver.replied();
             receiver.credit(ctx, epoch)
         })
