@@ -397,6 +397,7 @@ fn recv_tokens(expert: *mut xcclComm) -> (*mut xcclTokenBatch, Vec<f32>) {
     // SAFETY: a valid out-pointer.
     let code = unsafe { xcclA2ERecvTokens(expert, &mut b) };
     assert_eq!(code, XCCL_SUCCESS, "{}", last_error(expert));
+    // SAFETY: an all-zero xcclTokenBatchInfo_t is valid (integers and NULL pointers).
     let mut info: xcclTokenBatchInfo_t = unsafe { std::mem::zeroed() };
     info.size = std::mem::size_of::<xcclTokenBatchInfo_t>();
     // SAFETY: `info` is a valid, sized out-struct.
@@ -435,10 +436,8 @@ fn a_nan_int8_reply_is_invalid_argument_with_nothing_sent_and_a_retry_with_finit
     // Nothing was sent: no async error, nothing arrived, the batch stays valid.
     let mut async_err = -1;
     // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { xcclCommGetAsyncError(expert, &mut async_err) },
-        XCCL_SUCCESS
-    );
+    let code = unsafe { xcclCommGetAsyncError(expert, &mut async_err) };
+    assert_eq!(code, XCCL_SUCCESS);
     assert_eq!(async_err, XCCL_SUCCESS, "{}", last_error(expert));
     let mut done = -1;
     // SAFETY: a valid out-pointer.
@@ -477,10 +476,8 @@ fn a_call_that_poisons_after_sending_never_returns_invalid_argument() {
     assert_eq!(code, XCCL_ABORTED, "{}", last_error(expert));
     let mut async_err = -1;
     // SAFETY: a valid out-pointer.
-    assert_eq!(
-        unsafe { xcclCommGetAsyncError(expert, &mut async_err) },
-        XCCL_SUCCESS
-    );
+    let code = unsafe { xcclCommGetAsyncError(expert, &mut async_err) };
+    assert_eq!(code, XCCL_SUCCESS);
     assert_eq!(async_err, XCCL_ABORTED);
     // Later calls return the first error again, with the same code.
     let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
