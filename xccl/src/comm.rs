@@ -35,6 +35,12 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A call's E2A is checked whole before its first write: an E2A reply with a NaN or an
+//!   infinity under INT8 is rejected with nothing sent (call again with finite rows).
+//! - A live call given up on from outside (an [`A2eHandle`] dropped before its E2A receive, the
+//!   last [`ExpertBatch`] or [`TokenBatch`] of a call dropped or refilled before its reply, a
+//!   [`TokenView`] dropped unreplied) poisons the communicator and aborts the job at once, naming
+//!   this rank and the epoch: the peers would otherwise wait for it until their deadline.
 //!
 //! # Shrink
 //! After a peer failure the survivors can go on without restarting: every survivor calls
