@@ -109,8 +109,10 @@ typedef enum {
   /** A wait passed the call's deadline (config.timeoutMs), naming the awaited peer. Before
    *  anything was published this is retryable; after, the communicator is poisoned. */
   xcclTimeout = 5,
-  /** The job was aborted: xcclCommAbort here or on a peer, or a peer's poisoning failure.
-   *  The message names the aborting rank and its reason. */
+  /** The job was aborted: xcclCommAbort here or on a peer, a peer's poisoning failure, or a
+   *  failure of this rank's own after data went out that is neither a peer's nor a timeout
+   *  (the communicator is then poisoned; xcclInvalidArgument and xcclInvalidUsage are only
+   *  for calls that sent nothing). The message names the aborting rank and its reason. */
   xcclAborted = 6,
   /** The fabric asked for (config.fabric) is not available in this build or on this host. */
   xcclUnavailable = 7,

@@ -158,7 +158,11 @@ fn die_mid_call(comm: &mut Communicator, wl: &Workload, round: u64, batch: &mut 
             let (k, hidden) = (comm.config().topk, comm.config().hidden);
             let input = wl.input(&topo, k, comm.rank(), round);
             let x: Vec<bf16> = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
-            let _ = comm.a2e_send(&x, &input.topk_idx, &input.topk_weights);
+            // It dies holding the live handle: dropping it first would abort the job (the
+            // survivors are to see a death, not an abort).
+            if let Ok(live) = comm.a2e_send(&x, &input.topk_idx, &input.topk_weights) {
+                std::mem::forget(live);
+            }
         }
         Role::Expert => {
             let _ = comm.a2e_recv(batch);

@@ -35,6 +35,12 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A call's E2A is checked whole before its first write: an E2A reply with a NaN or an
+//!   infinity under INT8 is rejected with nothing sent (call again with finite rows).
+//! - A live call given up on from outside (an [`A2eHandle`] dropped before its E2A receive, the
+//!   last [`ExpertBatch`] or [`TokenBatch`] of a call dropped or refilled before its reply, a
+//!   [`TokenView`] dropped unreplied) poisons the communicator and aborts the job at once, naming
+//!   this rank and the epoch: the peers would otherwise wait for it until their deadline.
 //!
 //! # Shrink
 //! After a peer failure the survivors can go on without restarting: every survivor calls
@@ -562,8 +568,7 @@ impl Communicator {
         self.ctx.layout.window_len(self.ctx.rank)
     }
 
-    /// The protocol context, for the crate's own tests.
-    #[cfg(test)]
+    /// The protocol context (views read their rows through it; the crate's tests look inside).
     pub(crate) fn ctx(&self) -> &Context {
         &self.ctx
     }
@@ -678,6 +683,15 @@ impl Communicator {
             Ok(r) => Ok(r),
             Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Fails a call that had published something with `e`, as the protocol does (for tests of
+    /// what a poisoning looks like from outside, such as the C ABI's result codes).
+    #[cfg(test)]
+    pub(crate) fn fail_after_publishing(&mut self, e: Error) -> Error {
+        self.ctx.begin_call();
+        self.ctx.note_written(self.ctx.rank, 0);
+        self.fail(e)
     }
 
     /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
@@ -810,7 +824,9 @@ impl Communicator {
         })
     }
 
-    fn expert<R>(
+    /// Runs an expert rank's call `call` with its failure state (see the module docs); a view
+    /// replies through it.
+    pub(crate) fn expert<R>(
         &mut self,
         call: &str,
         f: impl FnOnce(&Context, &mut DispatchReceiver, &mut CombineSender) -> Result<R>,
@@ -943,6 +959,7 @@ impl Communicator {
             check_len("out", out.len(), sent.num_tokens, ctx.layout.e2a_stride)?;
             combine.recv(ctx, sent, out, ctx.call_deadline())?;
             dispatch.retire();
+            handle.answered();
             Ok(())
         })
     }
@@ -1056,10 +1073,7 @@ impl Communicator {
             through_relays(ctx, "the A2E view")?;
             ViewParts::receive(ctx, dispatch, ctx.call_deadline())
         })?;
-        let Side::Expert { dispatch, combine } = &mut self.side else {
-            unreachable!("checked by `expert`")
-        };
-        Ok(TokenView::new(&self.ctx, dispatch, combine, parts))
+        Ok(TokenView::new(self, parts))
     }
 
     /// E2A on an expert rank: `expert_out` holds one output row per row of `batch` (same
@@ -1089,7 +1103,9 @@ impl Communicator {
             )?;
             let replies = Replies::Reduce { batch, out };
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
-            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+            batch.recv.answered();
+            Ok(())
         })
     }
 
@@ -1124,7 +1140,9 @@ impl Communicator {
             )?;
             let replies = Replies::Tokens(reduced);
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
-            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+            batch.recv.answered();
+            Ok(())
         })
     }
 
@@ -1183,6 +1201,7 @@ impl Communicator {
                 deadline,
             )?;
             dispatch.replied();
+            batch.recv.answered();
             Ok(())
         })
     }

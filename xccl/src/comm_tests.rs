@@ -1948,3 +1948,229 @@ fn a_peer_that_left_fails_the_open_call_check_only_while_a_call_needs_it() {
     drop(expert);
     attn.check_open_calls().unwrap();
 }
+
+/// Failure-state holes of E2A replies and dropped handles (issue 18): a 2A:1E job over the
+/// local fabric with INT8 replies, each attention rank sending 3 tokens of `hidden` 8 f32.
+mod reply_holes {
+    use super::*;
+    use crate::testing::reference::quantize_int8;
+
+    const H: usize = 8;
+
+    fn job() -> Vec<Communicator> {
+        let topo = Topology::contiguous(2, 1, 4).unwrap();
+        let mut c = cfg(H, DType::F32, 1, 4);
+        c.e2a_quant = Quant::Int8;
+        Communicator::local_group(&topo, &c).unwrap()
+    }
+
+    /// Attention rank `a`'s hidden states (3 tokens).
+    fn x_of(a: usize) -> Vec<f32> {
+        (0..3 * H)
+            .map(|i| (a * 100 + i) as f32 * 0.37 - 5.0)
+            .collect()
+    }
+
+    /// The expert's reply to a hidden state row.
+    fn reply(x: &[f32], out: &mut [f32]) {
+        for (o, v) in out.iter_mut().zip(x) {
+            *o = v * 0.5 + 1.0;
+        }
+    }
+
+    /// What attention rank `a` must get: each token's reply quantized and dequantized (one
+    /// contribution, f32: no rounding after the dequantization).
+    fn expected(a: usize) -> Vec<f32> {
+        let x = x_of(a);
+        let mut out = Vec::new();
+        for row in x.chunks(H) {
+            let mut r = [0f32; H];
+            reply(row, &mut r);
+            let (q, scale) = quantize_int8(&r);
+            out.extend(q.iter().map(|&v| v as f32 * scale));
+        }
+        out
+    }
+
+    /// Both attention ranks send; returns their handles.
+    fn send(comms: &mut [Communicator]) -> Vec<crate::A2eHandle> {
+        (0..2)
+            .map(|a| comms[a].a2e_send(&x_of(a), &[0, 1, 2], &[1.0; 3]).unwrap())
+            .collect()
+    }
+
+    /// Nothing of the E2A reached either attention rank, and neither is poisoned.
+    fn nothing_arrived(comms: &mut [Communicator], handles: &[crate::A2eHandle]) {
+        for a in 0..2 {
+            assert!(
+                !comms[a].e2a_ready(&handles[a]).unwrap(),
+                "attention rank {a} already has rows of the failed reply"
+            );
+            assert!(comms[a].poisoned().is_none());
+        }
+    }
+
+    /// Both attention ranks receive the reference bit for bit.
+    fn both_receive(comms: &mut [Communicator], handles: &[crate::A2eHandle]) {
+        for a in 0..2 {
+            let mut out = vec![0f32; 3 * H];
+            comms[a].e2a_recv(&handles[a], &mut out).unwrap();
+            assert_eq!(first_difference(&out, &expected(a), H), None, "rank {a}");
+        }
+    }
+
+    fn is_non_finite_error(e: &Error) -> bool {
+        matches!(e, Error::InvalidArgument(m) if m.contains("non-finite") && m.contains("nothing was sent"))
+    }
+
+    #[test]
+    fn a_nan_row_in_an_int8_view_reply_sends_nothing_and_a_retry_with_finite_rows_succeeds() {
+        let mut comms = job();
+        let handles = send(&mut comms);
+        let (attn, expert) = comms.split_at_mut(2);
+        let mut view = expert[0].a2e_recv_view().unwrap();
+        let src: Vec<u32> = view.meta().src_rank().to_vec();
+        // The last attention rank's rows are NaN: the first is served first (rotation from
+        // expert index 0), so a reply that quantizes as it sends would have served it.
+        let err = view
+            .e2a_send::<f32>(TransferMode::Push, |i, x, out| {
+                reply(x, out);
+                if src[i] == 1 {
+                    out[2] = f32::NAN;
+                }
+            })
+            .unwrap_err();
+        assert!(is_non_finite_error(&err), "{err}");
+        nothing_arrived(attn, &handles);
+        view.e2a_send::<f32>(TransferMode::Push, |_, x, out| reply(x, out))
+            .unwrap();
+        drop(view);
+        assert!(expert[0].poisoned().is_none());
+        both_receive(attn, &handles);
+    }
+
+    #[test]
+    fn a_nan_row_in_an_int8_token_or_expert_major_reply_sends_nothing_and_a_retry_succeeds() {
+        let mut comms = job();
+        // Token-major.
+        let handles = send(&mut comms);
+        let mut b = TokenBatch::new();
+        comms[2].a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap();
+        let rows: &[f32] = b.rows().unwrap();
+        let mut reduced = vec![0f32; rows.len()];
+        for (x, out) in rows.chunks(H).zip(reduced.chunks_mut(H)) {
+            reply(x, out);
+        }
+        let mut bad = reduced.clone();
+        bad[(b.num_tokens() - 1) * H + 5] = f32::INFINITY;
+        let err = comms[2].e2a_send_tokens(&b, &bad).unwrap_err();
+        assert!(is_non_finite_error(&err), "{err}");
+        assert!(comms[2].poisoned().is_none(), "nothing was sent: retryable");
+        nothing_arrived(&mut comms, &handles);
+        comms[2].e2a_send_tokens(&b, &reduced).unwrap();
+        both_receive(&mut comms, &handles);
+        // Expert-major (weights 1: the reduction is the expert output itself).
+        let handles = send(&mut comms);
+        let mut e = ExpertBatch::new();
+        comms[2].a2e_recv(&mut e).unwrap();
+        let rows: &[f32] = e.rows().unwrap();
+        let mut out = vec![0f32; rows.len()];
+        for (x, o) in rows.chunks(H).zip(out.chunks_mut(H)) {
+            reply(x, o);
+        }
+        let mut bad = out.clone();
+        bad[(e.num_rows() - 1) * H] = f32::NAN;
+        let err = comms[2].e2a_send(&e, &bad).unwrap_err();
+        assert!(is_non_finite_error(&err), "{err}");
+        assert!(comms[2].poisoned().is_none(), "nothing was sent: retryable");
+        nothing_arrived(&mut comms, &handles);
+        comms[2].e2a_send(&e, &out).unwrap();
+        both_receive(&mut comms, &handles);
+    }
+
+    #[test]
+    fn a_live_a2e_handle_dropped_poisons_its_communicator_and_aborts_every_peer_at_once() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let c = cfg(H, DType::F32, 1, 4);
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut expert = comms.pop().unwrap();
+        let mut attn = comms.pop().unwrap();
+        let x = x_of(0);
+        std::thread::scope(|s| {
+            let e = s.spawn(move || {
+                let mut b = TokenBatch::new();
+                for _ in 0..2 {
+                    expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap();
+                    let rows = b.rows::<f32>().unwrap().to_vec();
+                    expert.e2a_send_tokens(&b, &rows).unwrap();
+                }
+                // Blocks for call 3, which never comes: the abort ends the wait.
+                let start = std::time::Instant::now();
+                let err = expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap_err();
+                (err, start.elapsed())
+            });
+            // A handle dropped after its E2A does nothing.
+            let h1 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+            let mut out = vec![0f32; 3 * H];
+            attn.e2a_recv(&h1, &mut out).unwrap();
+            assert_eq!(out, x);
+            drop(h1);
+            let h2 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            drop(h2);
+            let (err, waited) = e.join().unwrap();
+            assert!(
+                matches!(&err, Error::Aborted { by: 0, reason } if reason.contains("rank 0 dropped its A2E handle of epoch 2")),
+                "{err}"
+            );
+            assert!(
+                waited < Duration::from_secs(5),
+                "seen at once ({waited:?}), not at the 20 s deadline"
+            );
+        });
+        let err = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap_err();
+        assert!(
+            matches!(&err, Error::Aborted { by: 0, reason } if reason.contains("epoch 2")),
+            "{err}"
+        );
+        assert!(attn.poisoned().is_some());
+    }
+
+    #[test]
+    fn the_last_batch_of_a_call_dropped_before_its_reply_aborts_every_peer_at_once() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let c = cfg(H, DType::F32, 1, 4);
+        let mut comms = Communicator::local_group(&topo, &c).unwrap();
+        let mut expert = comms.pop().unwrap();
+        let mut attn = comms.pop().unwrap();
+        let x = x_of(0);
+        let h1 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+        let mut b = TokenBatch::new();
+        expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap();
+        // A clone holds the call too: dropping the original is harmless, the clone replies.
+        let mut kept = b.clone();
+        drop(b);
+        let rows = kept.rows::<f32>().unwrap().to_vec();
+        expert.e2a_send_tokens(&kept, &rows).unwrap();
+        let mut out = vec![0f32; 3 * H];
+        attn.e2a_recv(&h1, &mut out).unwrap();
+        assert_eq!(out, x);
+        // Refilled after its reply: harmless. Then dropped before the reply of call 2.
+        let h2 = attn.a2e_send(&x, &[0, 1, 2], &[1.0; 3]).unwrap();
+        expert.a2e_recv_tokens(&mut kept, &mut |_, _| {}).unwrap();
+        drop(kept);
+        let start = std::time::Instant::now();
+        let err = attn.e2a_recv(&h2, &mut out).unwrap_err();
+        assert!(
+            matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("expert rank 1") && reason.contains("epoch 2")),
+            "{err}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "seen at once, not at the 20 s deadline"
+        );
+        let err = expert.a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {});
+        assert!(matches!(err, Err(Error::Aborted { by: 1, .. })), "{err:?}");
+        assert!(expert.poisoned().is_some());
+    }
+}

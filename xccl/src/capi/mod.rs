@@ -80,6 +80,9 @@ pub const XCCL_INTERNAL_ERROR: xcclResult_t = 8;
 pub(crate) struct Fail {
     code: xcclResult_t,
     msg: String,
+    /// An error of the library (not a check of this module's): on a poisoned communicator it
+    /// gets the code of the poisoning ([`poisoned_code`]).
+    from_error: bool,
 }
 
 impl Fail {
@@ -87,6 +90,7 @@ impl Fail {
         Fail {
             code,
             msg: msg.into(),
+            from_error: false,
         }
     }
 
@@ -99,7 +103,10 @@ impl Fail {
     }
 
     fn from_error(e: &Error) -> Self {
-        Fail::new(code_of(e), e.to_string())
+        Fail {
+            from_error: true,
+            ..Fail::new(code_of(e), e.to_string())
+        }
     }
 
     fn prefixed(mut self, what: &str) -> Self {
@@ -131,6 +138,17 @@ fn code_of(e: &Error) -> xcclResult_t {
         Error::OutOfWindow { .. } => XCCL_INTERNAL_ERROR,
         #[allow(unreachable_patterns)]
         _ => XCCL_INTERNAL_ERROR,
+    }
+}
+
+/// The result code `code` becomes when its error poisoned a communicator. xcclInvalidArgument
+/// and xcclInvalidUsage promise that nothing was sent; a failure that poisoned came after data
+/// went out (a failure of this rank's own, such as a non-finite INT8 sum on a relay), and the
+/// job is aborted: xcclAborted.
+fn poisoned_code(code: xcclResult_t) -> xcclResult_t {
+    match code {
+        XCCL_INVALID_ARGUMENT | XCCL_INVALID_USAGE => XCCL_ABORTED,
+        code => code,
     }
 }
 
@@ -630,7 +648,14 @@ fn with_comm(
                 res.map_err(|fail| Fail::usage(format!("{} ({})", destroyed_during(id), fail.msg)));
         }
         if let Some(e) = inner.poisoned() {
-            lock(&c.first_error).get_or_insert_with(|| (code_of(e), e.to_string()));
+            let code = poisoned_code(code_of(e));
+            lock(&c.first_error).get_or_insert_with(|| (code, e.to_string()));
+            // The library's error on a poisoned communicator is the poisoning (or it again).
+            if let Err(fail) = &mut res {
+                if fail.from_error {
+                    fail.code = poisoned_code(fail.code);
+                }
+            }
         }
         res
     }));

@@ -16,7 +16,11 @@ fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
     Ok(num_tokens as usize)
 }
 
+/// Registers `h`. The C ABI refuses to free a live handle on a healthy communicator
+/// (`xcclA2EHandleFree`) and releases a destroyed communicator's handles quietly, so the handle
+/// is detached: the registry dropping it never aborts the job.
 fn new_handle(comm: usize, h: A2eHandle) -> *mut xcclA2EHandle {
+    h.detach();
     let id = next_id();
     lock(&HANDLES).insert(id, (comm, h));
     id as *mut xcclA2EHandle
@@ -174,6 +178,8 @@ pub unsafe extern "C" fn xcclA2ERecv(
         let counts: Vec<usize> = (0..n).map(|j| b.expert_rows(j).len()).collect();
         let mut offsets = vec![0usize];
         offsets.extend((0..n).map(|j| b.expert_rows(j).end));
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&EXPERT_BATCHES).insert(
@@ -336,6 +342,8 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
         check_ptr(batch, "batch")?;
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&TOKEN_BATCHES).insert(
@@ -469,6 +477,8 @@ pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
             // points into `info`, which points into `tb`, untouched while the callback runs.
             unsafe { on_arrival(userData, at, range.start, range.len()) };
         })?;
+        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
+        b.recv.answered();
         let bid = next_id();
         let sources = Sources::of(b.sources());
         lock(&TOKEN_BATCHES).insert(

@@ -9,9 +9,14 @@ use crate::{MoeConfig, Topology};
 
 /// Two registered communicators (rank 0 attention, rank 1 expert) over a local fabric.
 fn pair() -> Vec<*mut xcclComm> {
-    let topo = Topology::contiguous(1, 1, 2).unwrap();
     let mut cfg = MoeConfig::new(4, DType::F32, 1, 2);
     cfg.timeout = Duration::from_secs(5);
+    pair_with(cfg)
+}
+
+/// [`pair`] with `cfg` (hidden 4, f32, top-1 of 2 experts).
+fn pair_with(cfg: MoeConfig) -> Vec<*mut xcclComm> {
+    let topo = Topology::contiguous(1, 1, 2).unwrap();
     let lens = Communicator::window_lens(&topo, &cfg).unwrap();
     let fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
     let topo = Arc::new(topo);
@@ -381,6 +386,127 @@ fn a_live_handle_or_batch_cannot_be_freed_on_a_healthy_communicator_but_can_afte
     assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
     assert_eq!(xcclCommAbort(attn), XCCL_SUCCESS);
     assert_eq!(xcclA2EHandleFree(h2), XCCL_SUCCESS);
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}
+
+/// A token-major receive on `expert`, its batch's rows and the batch.
+fn recv_tokens(expert: *mut xcclComm) -> (*mut xcclTokenBatch, Vec<f32>) {
+    let mut b: *mut xcclTokenBatch = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let code = unsafe { xcclA2ERecvTokens(expert, &mut b) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(expert));
+    // SAFETY: an all-zero xcclTokenBatchInfo_t is valid (integers and NULL pointers).
+    let mut info: xcclTokenBatchInfo_t = unsafe { std::mem::zeroed() };
+    info.size = std::mem::size_of::<xcclTokenBatchInfo_t>();
+    // SAFETY: `info` is a valid, sized out-struct.
+    assert_eq!(unsafe { xcclTokenBatchGetInfo(b, &mut info) }, XCCL_SUCCESS);
+    // SAFETY: `rows` points at `numTokens` rows of 4 f32 in the live batch.
+    let rows = unsafe { std::slice::from_raw_parts(info.rows.cast::<f32>(), info.numTokens * 4) };
+    (b, rows.to_vec())
+}
+
+#[test]
+fn a_nan_int8_reply_is_invalid_argument_with_nothing_sent_and_a_retry_with_finite_rows_succeeds() {
+    use crate::testing::reference::quantize_int8;
+    let mut cfg = MoeConfig::new(4, DType::F32, 1, 2);
+    cfg.timeout = Duration::from_secs(5);
+    cfg.e2a_quant = crate::Quant::Int8;
+    let comms = pair_with(cfg);
+    let (attn, expert) = (comms[0], comms[1]);
+    let x = [1.5f32, -2.0, 0.25, 3.0, 4.0, 5.0, -6.0, 7.5];
+    let (idx, w) = ([0i32, 1], [1.0f32, 1.0]);
+    let mut h: *mut xcclA2EHandle = std::ptr::null_mut();
+    // SAFETY: two tokens of 4 f32, top-1 routing arrays of two entries; `h` is valid.
+    let code = unsafe { xcclA2ESend(attn, x.as_ptr().cast(), 2, idx.as_ptr(), w.as_ptr(), &mut h) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
+    let (b, rows) = recv_tokens(expert);
+    let reduced: Vec<f32> = rows.iter().map(|v| v * 2.0).collect();
+    let mut bad = reduced.clone();
+    bad[6] = f32::NAN;
+    // SAFETY: two rows of 4 f32 for the batch's two tokens.
+    let code = unsafe { xcclE2ASendTokens(expert, b, bad.as_ptr().cast()) };
+    assert_eq!(code, XCCL_INVALID_ARGUMENT, "{}", last_error(expert));
+    assert!(
+        last_error(expert).contains("non-finite"),
+        "{}",
+        last_error(expert)
+    );
+    // Nothing was sent: no async error, nothing arrived, the batch stays valid.
+    let mut async_err = -1;
+    // SAFETY: a valid out-pointer.
+    let code = unsafe { xcclCommGetAsyncError(expert, &mut async_err) };
+    assert_eq!(code, XCCL_SUCCESS);
+    assert_eq!(async_err, XCCL_SUCCESS, "{}", last_error(expert));
+    let mut done = -1;
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { xcclE2ATest(attn, h, &mut done) }, XCCL_SUCCESS);
+    assert_eq!(done, 0, "the failed reply reached the attention rank");
+    // SAFETY: as above.
+    let code = unsafe { xcclE2ASendTokens(expert, b, reduced.as_ptr().cast()) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(expert));
+    let mut out = [0f32; 8];
+    // SAFETY: `out` holds two tokens of 4 f32.
+    let code = unsafe { xcclE2ARecv(attn, h, out.as_mut_ptr().cast()) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(attn));
+    // Token t's row back from the batch (rows in arrival order: one source, so in order).
+    for t in 0..2 {
+        let r: Vec<f32> = x[t * 4..(t + 1) * 4].iter().map(|v| v * 2.0).collect();
+        let (q, scale) = quantize_int8(&r);
+        for j in 0..4 {
+            assert_eq!(out[t * 4 + j].to_bits(), (q[j] as f32 * scale).to_bits());
+        }
+    }
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}
+
+#[test]
+fn a_call_that_poisons_after_sending_never_returns_invalid_argument() {
+    let comms = pair();
+    let (attn, expert) = (comms[0], comms[1]);
+    // A failure of this rank's own after data went out, through the communicator's failure
+    // path (its kind says "invalid argument", which alone would promise nothing was sent).
+    let code = with_comm("xcclTestPoison", expert, |_, _, inner| {
+        let e = inner.fail_after_publishing(Error::invalid("a row went bad mid-send"));
+        Err(Fail::from(e))
+    });
+    assert_eq!(code, XCCL_ABORTED, "{}", last_error(expert));
+    let mut async_err = -1;
+    // SAFETY: a valid out-pointer.
+    let code = unsafe { xcclCommGetAsyncError(expert, &mut async_err) };
+    assert_eq!(code, XCCL_SUCCESS);
+    assert_eq!(async_err, XCCL_ABORTED);
+    // Later calls return the first error again, with the same code.
+    let mut b: *mut xcclExpertBatch = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let code = unsafe { xcclA2ERecv(expert, &mut b) };
+    assert_eq!(code, XCCL_ABORTED, "{}", last_error(expert));
+    assert!(
+        last_error(expert).contains("mid-send"),
+        "{}",
+        last_error(expert)
+    );
+    // A check of this module's on the poisoned communicator still says what it is.
+    // SAFETY: a NULL out-pointer, rejected before anything is read.
+    let code = unsafe { xcclA2ERecv(expert, std::ptr::null_mut()) };
+    assert_eq!(code, XCCL_INVALID_ARGUMENT);
+    // The peer was told.
+    let mut h: *mut xcclA2EHandle = std::ptr::null_mut();
+    // SAFETY: 0 tokens (no buffers read); `h` is a valid out-pointer.
+    let code = unsafe {
+        xcclA2ESend(
+            attn,
+            std::ptr::null(),
+            0,
+            std::ptr::null(),
+            std::ptr::null(),
+            &mut h,
+        )
+    };
+    assert_eq!(code, XCCL_ABORTED, "{}", last_error(attn));
     for c in comms {
         assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
     }

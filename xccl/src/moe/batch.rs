@@ -4,9 +4,13 @@
 //! Every field that steers where the protocol writes (a source's reply offset, the epoch a batch
 //! answers) is private: callers read them through accessors, and only the protocol fills them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use super::context::Context;
 use super::dtype::{DType, Element};
+use crate::fabric::Fabric;
 use crate::{Error, Result};
 
 /// A byte buffer aligned for any element type xccl moves (backed by `u64`s).
@@ -108,9 +112,73 @@ pub(crate) struct Received {
     pub(crate) int8: bool,
     /// The call's tag: (attention index, tag) of its lowest source seen so far.
     pub(crate) tag: Option<(usize, u64)>,
+    /// The received call, shared by the batch's clones: the last of them gone before the
+    /// reply aborts the job ([`LiveCall`]).
+    pub(crate) live: Option<Arc<LiveCall>>,
+}
+
+/// A received call waiting for its E2A reply, as the batches that can reply to it hold it
+/// (clones share it). When the last of them is dropped or refilled by another receive before
+/// the reply went out, the call can no longer be answered: the communicator is poisoned and
+/// the job aborted at once, naming this rank and the epoch (otherwise every later reply would
+/// fail, "the next reply is for epoch N", and the attention ranks would wait until their
+/// deadline).
+pub(crate) struct LiveCall {
+    epoch: u64,
+    answered: AtomicBool,
+    link: AbortLink,
+}
+
+impl LiveCall {
+    /// Replied to (or handed to the C ABI, which refuses to free a live batch): dropping it
+    /// does nothing.
+    pub(crate) fn answered(&self) {
+        self.answered.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for LiveCall {
+    fn drop(&mut self) {
+        if !self.answered.load(Ordering::Acquire) {
+            self.link.abort(|| {
+                format!(
+                    "expert rank {} dropped (or refilled) its batch of A2E epoch {} without \
+                     replying",
+                    self.link.rank, self.epoch
+                )
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for LiveCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveCall")
+            .field("epoch", &self.epoch)
+            .field("answered", &self.answered.load(Ordering::Relaxed))
+            .finish()
+    }
 }
 
 impl Received {
+    /// The batch now holds call `epoch` of `ctx`, waiting for its reply.
+    pub(crate) fn received(&mut self, ctx: &Context, epoch: u64) {
+        self.epoch = epoch;
+        self.live = Some(Arc::new(LiveCall {
+            epoch,
+            answered: AtomicBool::new(false),
+            link: AbortLink::of(ctx),
+        }));
+    }
+
+    /// The call was replied to (or the batch handed to the C ABI): no batch holding it aborts
+    /// the job when dropped.
+    pub(crate) fn answered(&self) {
+        if let Some(live) = &self.live {
+            live.answered();
+        }
+    }
+
     /// The tag of the call's first source (lowest attention rank taking part); 0 while empty.
     pub(crate) fn call_tag(&self) -> u64 {
         self.tag.map_or(0, |(_, t)| t)
@@ -121,6 +189,14 @@ impl Received {
 ///
 /// Within a local expert, rows are ordered by source rank, then by source token index. Reuse one
 /// batch across calls: its buffers keep their capacity.
+///
+/// # A batch dropped before its reply aborts the job
+/// The reply ([`crate::Communicator::e2a_send`]) needs the batch. When the last batch holding
+/// a received call (the batch and its clones) is dropped, or refilled by another receive,
+/// before the reply went out, on a communicator that has not failed, the communicator is
+/// poisoned and the job aborted at once, naming this rank and the epoch: every peer's waits
+/// fail with [`crate::Error::Aborted`], and this rank's next call returns that error. The
+/// same holds for [`TokenBatch`].
 #[derive(Clone, Debug, Default)]
 pub struct ExpertBatch {
     pub(crate) recv: Received,
@@ -238,6 +314,9 @@ impl ExpertBatch {
 
 /// The tokens an expert rank received in one A2E call, one row each, in arrival order of their
 /// sources (each source's tokens consecutive, in wire order).
+///
+/// Dropped (with its clones) or refilled before its reply, on a communicator that has not
+/// failed, it aborts the job naming this rank and the epoch, as [`ExpertBatch`] does.
 #[derive(Clone, Debug, Default)]
 pub struct TokenBatch {
     pub(crate) recv: Received,
@@ -334,6 +413,7 @@ impl TokenBatch {
             arrival_order: std::mem::take(&mut self.recv.arrival_order),
             int8: false,
             tag: None,
+            live: None,
         };
         self.recv.sources.clear();
         self.recv.arrival_order.clear();
@@ -380,16 +460,98 @@ impl TokenBatch {
 /// Pass it to `e2a_recv` once; the E2A calls of a communicator complete in A2E order, and a
 /// handle of another call, of another communicator or one already used is rejected with an
 /// error naming both epochs (the handle stays valid for a retry after a rejected call).
-#[must_use = "every A2E call must be matched by its E2A receive"]
-#[derive(Debug, PartialEq, Eq)]
+///
+/// # Dropping a live handle aborts the job
+/// A handle dropped before its E2A was received, on a communicator that has not failed, poisons
+/// the communicator and aborts the job at once, with a reason naming this rank and the epoch:
+/// every peer's waits fail with [`crate::Error::Aborted`] within milliseconds, and this rank's
+/// next call returns that error. Without it, every later E2A of this communicator would fail
+/// ("the next E2A is for epoch N") and the expert ranks would wait for its credits until their
+/// deadline. Dropping it after its E2A, after the communicator failed, or after the
+/// communicator itself was dropped does nothing.
+#[must_use = "every A2E call must be matched by its E2A receive (a live handle dropped aborts the job)"]
 pub struct A2eHandle {
     pub(crate) comm: u64,
     pub(crate) epoch: u64,
     pub(crate) num_tokens: usize,
     pub(crate) total_rows: usize,
+    /// Set once the call's E2A was received (or the handle was detached): dropping it then
+    /// does nothing.
+    answered: AtomicBool,
+    /// The abort path of the communicator's job.
+    link: AbortLink,
+}
+
+impl std::fmt::Debug for A2eHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("A2eHandle")
+            .field("epoch", &self.epoch)
+            .field("num_tokens", &self.num_tokens)
+            .field("total_rows", &self.total_rows)
+            .field("answered", &self.answered.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// How something a call handed out aborts its communicator's job when it is dropped on a live
+/// call: the fabric's abort path (which any thread may take, also while a call of the
+/// communicator blocks), held weakly, so a communicator dropped first is not kept alive and
+/// needs nothing.
+#[derive(Clone)]
+pub(crate) struct AbortLink {
+    fabric: Weak<dyn Fabric>,
+    /// This rank.
+    pub(crate) rank: usize,
+}
+
+impl AbortLink {
+    /// The abort path of `ctx`'s job.
+    pub(crate) fn of(ctx: &Context) -> Self {
+        AbortLink {
+            fabric: Arc::downgrade(&ctx.fabric),
+            rank: ctx.rank,
+        }
+    }
+
+    /// Aborts the job with `reason()`, unless the communicator is gone or its job has already
+    /// been aborted (by this rank's failure or by a peer's).
+    pub(crate) fn abort(&self, reason: impl FnOnce() -> String) {
+        let Some(fabric) = self.fabric.upgrade() else {
+            return;
+        };
+        if fabric.aborted().is_some() {
+            return;
+        }
+        let reason = reason();
+        tracing::error!(reason, "xccl: aborting the job");
+        fabric.abort(&reason);
+    }
 }
 
 impl A2eHandle {
+    /// The handle of this rank's A2E call `epoch` on `ctx`.
+    pub(crate) fn new(ctx: &Context, epoch: u64, num_tokens: usize, total_rows: usize) -> Self {
+        A2eHandle {
+            comm: ctx.id,
+            epoch,
+            num_tokens,
+            total_rows,
+            answered: AtomicBool::new(false),
+            link: AbortLink::of(ctx),
+        }
+    }
+
+    /// The call's E2A was received: dropping the handle now does nothing.
+    pub(crate) fn answered(&self) {
+        self.answered.store(true, Ordering::Release);
+    }
+
+    /// Dropping the handle will not abort the job (for the C ABI, which refuses to free a live
+    /// handle instead and releases the handles of a destroyed communicator quietly).
+    pub(crate) fn detach(&self) {
+        self.answered();
+    }
+
     /// Tokens sent in that A2E call.
     pub fn num_tokens(&self) -> usize {
         self.num_tokens
@@ -403,6 +565,22 @@ impl A2eHandle {
     /// Rows sent (one per (token, destination rank)).
     pub fn total_rows(&self) -> usize {
         self.total_rows
+    }
+}
+
+impl Drop for A2eHandle {
+    /// Live (its E2A not received): poisons the communicator and aborts the job, naming this
+    /// rank and the epoch (see the type's docs).
+    fn drop(&mut self) {
+        if self.answered.load(Ordering::Acquire) {
+            return;
+        }
+        self.link.abort(|| {
+            format!(
+                "rank {} dropped its A2E handle of epoch {} before receiving its E2A",
+                self.link.rank, self.epoch
+            )
+        });
     }
 }
 

@@ -56,8 +56,11 @@ pub(crate) enum Replies<'a> {
     Tokens(&'a [u8]),
     /// Already written into this rank's staging (registered output): records and signals only.
     Staged,
-    /// Written by a callback where each goes (a view).
+    /// Written by a callback where each goes (a view's reply in the dtype).
     Fill(&'a mut FillRow<'a>),
+    /// INT8 rows quantized (and so checked) by the caller before the send, one per token of the
+    /// call (`[num_tokens, int8 stride]` bytes; a view's INT8 reply): put as they are.
+    Quantized(&'a [u8]),
 }
 
 /// The expert side of E2A.
@@ -65,7 +68,8 @@ pub(crate) enum Replies<'a> {
 pub(crate) struct CombineSender {
     acc: Vec<f32>,
     row: Vec<u8>,
-    /// One chunk of reply rows computed here, put at once.
+    /// Reply rows computed here: one chunk in the dtype, put at once; with INT8 replies every
+    /// token's quantized row, computed (and checked) before the first put.
     stage: Vec<u8>,
     quant: Quantizer,
     /// The epoch whose registered output `prepare_output` handed out.
@@ -115,6 +119,17 @@ impl CombineSender {
         unsafe { super::regions::exclusive(ctx, ctx.rank, at, len) }
     }
 
+    /// The staging buffer, lent to a view that quantizes its INT8 reply itself
+    /// ([`Replies::Quantized`]); [`CombineSender::give_stage`] returns it, keeping its capacity.
+    pub(crate) fn take_stage(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.stage)
+    }
+
+    /// Returns the buffer [`CombineSender::take_stage`] lent.
+    pub(crate) fn give_stage(&mut self, stage: Vec<u8>) {
+        self.stage = stage;
+    }
+
     /// Whether the registered output of call `epoch` was prepared (and so may be sent).
     pub(crate) fn take_output(&mut self, epoch: u64) -> bool {
         if self.output_for == Some(epoch) {
@@ -141,6 +156,13 @@ impl CombineSender {
             return Err(Error::invalid("batch does not come from this communicator"));
         }
         let buf = ctx.layout.buffer(epoch);
+        let staged = matches!(replies, Replies::Staged);
+        let int8 = !staged && ctx.cfg.e2a_quant == Quant::Int8;
+        let p = ctx.layout.e2a_stride;
+        self.acc.resize(ctx.cfg.hidden, 0.0);
+        self.row.resize(p, 0);
+        // The whole reply is quantized (so checked) before anything is written.
+        self.quantize_all(ctx, &replies, int8, sources)?;
         ctx.wait_credits(
             epoch,
             &ctx.previous_sources(epoch),
@@ -149,15 +171,10 @@ impl CombineSender {
             deadline,
         )?;
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
-        let staged = matches!(replies, Replies::Staged);
-        let int8 = !staged && ctx.cfg.e2a_quant == Quant::Int8;
-        let p = ctx.layout.e2a_stride;
         let stride = ctx.layout.e2a_stride_for(int8);
         let mode = if staged { TransferMode::Pull } else { mode };
         let slot = ctx.slots.e2a_ready(ctx.rank);
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
-        self.acc.resize(ctx.cfg.hidden, 0.0);
-        self.row.resize(p, 0);
         let n = ranks.len();
         let part = ctx.call_sources(epoch);
         for step in 0..n {
@@ -208,8 +225,50 @@ impl CombineSender {
         Ok(())
     }
 
+    /// With INT8 replies, quantizes the reply row of every token of the call (`sources` in
+    /// rank order) into the staging, before anything is written: a non-finite row is an
+    /// [`Error::InvalidArgument`] naming the token, and the call has published nothing.
+    /// [`CombineSender::fill_rows`] then puts the staged rows. Nothing to do in the dtype (no
+    /// reply row can fail there) or for rows the caller quantized or staged itself.
+    fn quantize_all(
+        &mut self,
+        ctx: &Context,
+        replies: &Replies<'_>,
+        int8: bool,
+        sources: &[SourceInfo],
+    ) -> Result<()> {
+        if !int8 {
+            return Ok(());
+        }
+        let tokens = call_tokens(sources);
+        let (p, stride) = (ctx.layout.e2a_stride, ctx.layout.e2a_stride_for(true));
+        let mut stage = std::mem::take(&mut self.stage);
+        stage.resize(tokens * stride, 0);
+        let rows = stage.chunks_exact_mut(stride).enumerate();
+        let staged = match replies {
+            Replies::Reduce { batch, out } => rows.into_iter().try_for_each(|(t, slot)| {
+                self.reduce(ctx, batch, out, t);
+                quantize_reply(&mut self.quant, ctx, &self.row, t, slot)
+            }),
+            Replies::Tokens(reduced) => rows.into_iter().try_for_each(|(t, slot)| {
+                quantize_reply(&mut self.quant, ctx, &reduced[t * p..(t + 1) * p], t, slot)
+            }),
+            Replies::Quantized(q) if q.len() != tokens * stride => Err(Error::invalid(format!(
+                "{} bytes of INT8 replies for {tokens} tokens of {stride} bytes",
+                q.len()
+            ))),
+            Replies::Fill(_) => Err(Error::invalid(
+                "INT8 replies are quantized before the send, not filled in place",
+            )),
+            Replies::Quantized(_) | Replies::Staged => Ok(()),
+        };
+        self.stage = stage;
+        staged
+    }
+
     /// Writes the replies of batch tokens `first..first + n` at `(dst, at)`, one row after the
-    /// other; rows computed here are staged and put at once.
+    /// other; rows computed here are staged and put at once. INT8 rows were all quantized
+    /// before the send ([`CombineSender::quantize_all`]): one put of the chunk's.
     #[allow(clippy::too_many_arguments)]
     fn fill_rows(
         &mut self,
@@ -223,38 +282,24 @@ impl CombineSender {
     ) -> Result<()> {
         let p = ctx.layout.e2a_stride;
         let stride = ctx.layout.e2a_stride_for(int8);
+        if int8 {
+            let staged = match replies {
+                Replies::Quantized(q) => q,
+                _ => &self.stage[..],
+            };
+            return ctx.put(dst, at, &staged[first * stride..(first + n) * stride]);
+        }
         match replies {
             // Rows computed here are staged for the chunk, then one put: one RDMA write
             // per chunk on fabrics without load/store access.
             Replies::Reduce { batch, out } => {
                 let mut stage = std::mem::take(&mut self.stage);
                 stage.resize(n * stride, 0);
-                let staged = (0..n).try_for_each(|k| {
+                for k in 0..n {
                     self.reduce(ctx, batch, out, first + k);
-                    let slot = &mut stage[k * stride..(k + 1) * stride];
-                    if int8 {
-                        let row = std::mem::take(&mut self.row);
-                        let q = self.quantize_into(ctx, &row, first + k, slot);
-                        self.row = row;
-                        q
-                    } else {
-                        slot[..p].copy_from_slice(&self.row);
-                        Ok(())
-                    }
-                });
-                let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
-                self.stage = stage;
-                sent?;
-            }
-            Replies::Tokens(reduced) if int8 => {
-                let mut stage = std::mem::take(&mut self.stage);
-                stage.resize(n * stride, 0);
-                let staged = (0..n).try_for_each(|k| {
-                    let t = first + k;
-                    let slot = &mut stage[k * stride..(k + 1) * stride];
-                    self.quantize_into(ctx, &reduced[t * p..(t + 1) * p], t, slot)
-                });
-                let sent = staged.and_then(|()| ctx.put(dst, at, &stage));
+                    stage[k * stride..k * stride + p].copy_from_slice(&self.row);
+                }
+                let sent = ctx.put(dst, at, &stage);
                 self.stage = stage;
                 sent?;
             }
@@ -266,6 +311,11 @@ impl CombineSender {
                 for k in 0..n {
                     fill(ctx, first + k, dst, at + k * stride)?;
                 }
+            }
+            Replies::Quantized(_) => {
+                return Err(Error::invalid(
+                    "INT8 replies on a communicator whose E2A replies are not INT8",
+                ))
             }
             Replies::Staged => unreachable!("staged replies write no rows"),
         }
@@ -290,6 +340,12 @@ impl CombineSender {
         if sources.len() != ranks.len() || sources.iter().zip(ranks).any(|(s, &r)| s.rank != r) {
             return Err(Error::invalid("batch does not come from this communicator"));
         }
+        let l = &ctx.layout;
+        let int8 = ctx.cfg.e2a_quant == Quant::Int8;
+        self.acc.resize(ctx.cfg.hidden, 0.0);
+        self.row.resize(l.e2a_stride, 0);
+        // The whole reply is quantized (so checked) before anything is written.
+        self.quantize_all(ctx, &replies, int8, sources)?;
         ctx.wait_credits(
             epoch,
             plan.relays(),
@@ -297,14 +353,9 @@ impl CombineSender {
             "E2A credit (relay has not consumed an earlier combine)",
             deadline,
         )?;
-        let l = &ctx.layout;
         let buf = l.buffer(epoch);
         let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
-        let p = l.e2a_stride;
-        let int8 = ctx.cfg.e2a_quant == Quant::Int8;
         let stride = l.e2a_stride_for(int8);
-        self.acc.resize(ctx.cfg.hidden, 0.0);
-        self.row.resize(p, 0);
         let r_count = plan.count();
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
         let slot = ctx.slots.e2a_ready(ctx.rank);
@@ -344,18 +395,6 @@ impl CombineSender {
         Ok(())
     }
 
-    /// Quantizes `row` (token `t`'s reply in the dtype) in one pass into `out` (an INT8 row).
-    fn quantize_into(&mut self, ctx: &Context, row: &[u8], t: usize, out: &mut [u8]) -> Result<()> {
-        let amax = self.quant.amax(ctx.cfg.dtype, row).map_err(|i| {
-            Error::invalid(format!(
-                "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows"
-            ))
-        })?;
-        let q = &mut out[..int8_payload(ctx.cfg.hidden)];
-        self.quant.quantize_amax(ctx.cfg.dtype, row, amax, q);
-        Ok(())
-    }
-
     /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
     /// then one rounding to the wire dtype.
     fn reduce(&mut self, ctx: &Context, batch: &ExpertBatch, out: &[u8], t: usize) {
@@ -368,6 +407,36 @@ impl CombineSender {
         }
         dtype.from_f32(&self.acc, &mut self.row);
     }
+}
+
+/// Tokens of one call whose sources are `sources` (each source's tokens consecutive).
+fn call_tokens(sources: &[SourceInfo]) -> usize {
+    sources
+        .iter()
+        .map(|s| s.first_token + s.count)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Quantizes `row` (token `t`'s reply in the dtype) into `out` (an INT8 row): the row's amax
+/// pass checks it is finite (else an [`Error::InvalidArgument`] naming the token and the
+/// element), then one quantizing pass.
+pub(crate) fn quantize_reply(
+    quant: &mut Quantizer,
+    ctx: &Context,
+    row: &[u8],
+    t: usize,
+    out: &mut [u8],
+) -> Result<()> {
+    let amax = quant.amax(ctx.cfg.dtype, row).map_err(|i| {
+        Error::invalid(format!(
+            "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows \
+             (nothing was sent)"
+        ))
+    })?;
+    let q = &mut out[..int8_payload(ctx.cfg.hidden)];
+    quant.quantize_amax(ctx.cfg.dtype, row, amax, q);
+    Ok(())
 }
 
 /// The attention side of E2A.

@@ -317,12 +317,7 @@ impl DispatchSender {
         self.write_all(ctx, &sent, epoch, payloads, mode)?;
         self.tag = 0;
         self.last_epoch = epoch;
-        let handle = A2eHandle {
-            comm: ctx.id,
-            epoch,
-            num_tokens: sent.num_tokens,
-            total_rows: sent.layout.total_entries(),
-        };
+        let handle = A2eHandle::new(ctx, epoch, sent.num_tokens, sent.layout.total_entries());
         let sent = Sent { epoch, ..sent };
         self.in_flight.push_back(sent);
         Ok(handle)
@@ -875,6 +870,7 @@ impl Received {
     fn begin(&mut self, comm: u64, ranks: &[usize]) {
         self.comm = comm;
         self.epoch = 0;
+        self.live = None;
         self.sources.clear();
         self.sources.extend(ranks.iter().map(|&rank| SourceInfo {
             rank,
@@ -1307,7 +1303,7 @@ impl DispatchReceiver {
         self.arrange_expert_major(ctx, batch)?;
         self.credit(ctx, epoch)?;
         self.received(epoch);
-        batch.recv.epoch = epoch;
+        batch.recv.received(ctx, epoch);
         Ok(())
     }
 
@@ -1464,7 +1460,7 @@ impl DispatchReceiver {
         })?;
         self.credit(ctx, epoch)?;
         self.received(epoch);
-        batch.recv.epoch = epoch;
+        batch.recv.received(ctx, epoch);
         Ok(())
     }
 
@@ -1511,7 +1507,7 @@ impl DispatchReceiver {
             first += msg.count();
         }
         self.received(epoch);
-        meta.recv.epoch = epoch;
+        meta.recv.received(ctx, epoch);
         Ok((epoch, messages))
     }
 }

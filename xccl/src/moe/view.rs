@@ -8,25 +8,32 @@
 //! the output row where the reply goes (the attention rank's window when it is mapped here), so
 //! an identity expert costs one copy for the whole E2A.
 //!
-//! A view dropped without a successful reply aborts the job with a reason naming this rank and
-//! the epoch: the attention ranks wait for that reply, and a silent drop would leave them to time
-//! out without knowing why.
+//! A view dropped without a successful reply poisons its communicator and aborts the job with a
+//! reason naming this rank and the epoch: the attention ranks wait for that reply, and a silent
+//! drop would leave them to time out without knowing why.
+//!
+//! The reply is a call of the communicator, with its failure state: it is checked whole before
+//! anything is written (with INT8 replies every row is computed and quantized first, so a
+//! non-finite row fails with nothing sent and the view stays as it was), and a failure after the
+//! first write poisons the communicator and aborts the job.
 
 use super::batch::{SourceInfo, TokenBatch};
-use super::combine::{CombineSender, Replies};
+use super::combine::{quantize_reply, Replies};
 use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::{DispatchReceiver, Message};
 use super::dtype::Element;
 use super::quant::{dequantize_to, Quant, Quantizer};
 use super::regions;
-use crate::{Error, Result};
+use crate::{Communicator, Error, Result};
 
 /// One A2E call's tokens, read in place; answered by [`TokenView::e2a_send`].
+///
+/// It borrows its communicator until it is dropped. Dropped without a successful reply, it
+/// poisons the communicator and aborts the job at once, naming this rank and the epoch (every
+/// peer's wait fails with [`Error::Aborted`]): the attention ranks wait for that reply.
 pub struct TokenView<'c> {
-    ctx: &'c Context,
-    receiver: &'c mut DispatchReceiver,
-    sender: &'c mut CombineSender,
+    comm: &'c mut Communicator,
     epoch: u64,
     rows: ViewRows,
     /// Per token: metadata (source, token index, local experts, weights); no rows.
@@ -77,12 +84,22 @@ impl ViewParts {
     ) -> Result<Self> {
         let mut meta = TokenBatch::new();
         let (epoch, messages) = receiver.recv_view(ctx, &mut meta, deadline)?;
-        let p = ctx.layout.a2e.payload;
         let mut rows = ViewRows {
             fetched: vec![None; messages.len()],
             messages,
             landing: Vec::new(),
         };
+        if let Err(e) = Self::fetch(ctx, &meta, &mut rows) {
+            // The call fails (and poisons) with `e`: not with the drop of its metadata.
+            meta.recv.answered();
+            return Err(e);
+        }
+        Ok(ViewParts { epoch, rows, meta })
+    }
+
+    /// Fetches the rows of the sources whose windows are not mapped here (or are INT8).
+    fn fetch(ctx: &Context, meta: &TokenBatch, rows: &mut ViewRows) -> Result<()> {
+        let p = ctx.layout.a2e.payload;
         for (s, info) in meta.sources().iter().enumerate() {
             let msg = rows.messages[s];
             if msg.count() == 0 || (!msg.int8 && ctx.mapped(msg.payload_at(ctx, 0, 0).0)) {
@@ -106,22 +123,15 @@ impl ViewParts {
             }
             rows.fetched[s] = Some(at);
         }
-        Ok(ViewParts { epoch, rows, meta })
+        Ok(())
     }
 }
 
 impl<'c> TokenView<'c> {
-    /// The view of a received call.
-    pub(crate) fn new(
-        ctx: &'c Context,
-        receiver: &'c mut DispatchReceiver,
-        sender: &'c mut CombineSender,
-        parts: ViewParts,
-    ) -> Self {
+    /// The view of a call `comm` received.
+    pub(crate) fn new(comm: &'c mut Communicator, parts: ViewParts) -> Self {
         TokenView {
-            ctx,
-            receiver,
-            sender,
+            comm,
             epoch: parts.epoch,
             rows: parts.rows,
             meta: parts.meta,
@@ -182,7 +192,7 @@ impl<'c> TokenView<'c> {
                 self.epoch
             )));
         }
-        row_of(self.ctx, &self.rows, &self.meta, i)
+        row_of(self.comm.ctx(), &self.rows, &self.meta, i)
     }
 
     /// E2A reply: `fill(i, input, output)` writes token `i`'s reply (its local experts' outputs,
@@ -190,82 +200,100 @@ impl<'c> TokenView<'c> {
     /// hidden state in place. Then the records and signals go out, and the senders' A2E buffers
     /// are released. Replies go in A2E order, like every E2A send.
     ///
-    /// A call rejected before anything was sent (wrong dtype, an older batch not replied to yet,
-    /// a timeout waiting for credits) leaves the view as it was: call again.
+    /// The reply is checked whole before anything is written: a call rejected then (wrong
+    /// dtype, an older batch not replied to yet, with INT8 replies a row with a NaN or an
+    /// infinity, a timeout waiting for credits) leaves the view as it was and sends nothing:
+    /// call again. A failure after the first write poisons the communicator and aborts the job.
+    /// With INT8 replies `fill` writes into a private row, quantized before the first put.
     pub fn e2a_send<T: Element>(
         &mut self,
         mode: TransferMode,
         mut fill: impl FnMut(usize, &[T], &mut [T]),
     ) -> Result<()> {
-        let ctx = self.ctx;
-        if self.replied {
+        let TokenView {
+            comm,
+            epoch,
+            rows,
+            meta,
+            replied,
+        } = self;
+        let epoch = *epoch;
+        if *replied {
             return Err(Error::invalid(format!(
-                "the view of A2E epoch {} has already replied",
-                self.epoch
+                "the view of A2E epoch {epoch} has already replied"
             )));
         }
-        if T::DTYPE != ctx.cfg.dtype {
-            return Err(Error::invalid(format!(
-                "reply dtype {} does not match the communicator's {}",
-                T::DTYPE.name(),
-                ctx.cfg.dtype.name()
-            )));
-        }
-        self.receiver.check_reply(ctx, ctx.id, self.epoch)?;
-        let deadline = ctx.call_deadline();
-        let (rows, meta) = (&self.rows, &self.meta);
-        let mut scratch: Vec<T> = vec![T::from_f32(0.0); ctx.cfg.hidden];
-        let int8 = ctx.cfg.e2a_quant == Quant::Int8;
-        let mut quant = Quantizer::default();
-        let mut qrow = vec![0u8; super::quant::int8_payload(ctx.cfg.hidden)];
-        let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
-            let input = row_of::<T>(ctx, rows, meta, t)?;
-            let p = ctx.layout.e2a_stride;
-            if int8 {
-                // Written into a private row, quantized, then put: INT8 rows are not the dtype.
-                fill(t, input, &mut scratch);
-                let bytes: &[u8] = bytemuck::cast_slice(&scratch);
-                let amax = quant.amax(ctx.cfg.dtype, bytes).map_err(|i| {
-                    Error::invalid(format!(
-                        "the reply of token {t} has a non-finite element at {i}: INT8 needs \
-                         finite rows"
-                    ))
-                })?;
-                quant.quantize_amax(ctx.cfg.dtype, bytes, amax, &mut qrow);
-                return ctx.put(dst, at, &qrow);
+        let (rows, meta) = (&*rows, &*meta);
+        comm.expert("E2A send", |ctx, receiver, sender| {
+            if T::DTYPE != ctx.cfg.dtype {
+                return Err(Error::invalid(format!(
+                    "reply dtype {} does not match the communicator's {}",
+                    T::DTYPE.name(),
+                    ctx.cfg.dtype.name()
+                )));
             }
-            // SAFETY: the sender waited for the credit of this buffer's previous use from every
-            // attention rank before writing anything, and signals the progress covering this
-            // row only after this closure returns; until then nobody reads or writes the row,
-            // and the slice does not outlive this call.
-            match unsafe { regions::exclusive(ctx, dst, at, p)? } {
-                Some(out) => {
-                    let out: &mut [T] = bytemuck::try_cast_slice_mut(out).map_err(|e| {
-                        Error::invalid(format!(
-                            "reply row is not aligned for {}: {e}",
-                            T::DTYPE.name()
-                        ))
-                    })?;
-                    fill(t, input, out);
+            receiver.check_reply(ctx, ctx.id, epoch)?;
+            let deadline = ctx.call_deadline();
+            let n = meta.num_tokens();
+            let mut scratch: Vec<T> = vec![T::from_f32(0.0); ctx.cfg.hidden];
+            if ctx.cfg.e2a_quant == Quant::Int8 {
+                // Every row computed and quantized before anything is written: a non-finite
+                // row fails here, with nothing sent.
+                let stride = ctx.layout.e2a_stride_for(true);
+                let mut stage = sender.take_stage();
+                stage.resize(n * stride, 0);
+                let mut quant = Quantizer::default();
+                let staged =
+                    stage
+                        .chunks_exact_mut(stride)
+                        .enumerate()
+                        .try_for_each(|(t, slot)| {
+                            fill(t, row_of::<T>(ctx, rows, meta, t)?, &mut scratch);
+                            quantize_reply(&mut quant, ctx, bytemuck::cast_slice(&scratch), t, slot)
+                        });
+                let sources = meta.sources();
+                let sent = staged.and_then(|()| {
+                    let replies = Replies::Quantized(&stage);
+                    sender.send(ctx, epoch, sources, mode, replies, deadline)
+                });
+                sender.give_stage(stage);
+                sent?;
+            } else {
+                // Every row is found before anything is written (none can fail later).
+                for t in 0..n {
+                    row_of::<T>(ctx, rows, meta, t)?;
                 }
-                None => {
-                    fill(t, input, &mut scratch);
-                    ctx.put(dst, at, bytemuck::cast_slice(&scratch))?;
-                }
+                let p = ctx.layout.e2a_stride;
+                let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
+                    let input = row_of::<T>(ctx, rows, meta, t)?;
+                    // SAFETY: the sender waited for the credit of this buffer's previous use
+                    // from every attention rank before writing anything, and signals the
+                    // progress covering this row only after this closure returns; until then
+                    // nobody reads or writes the row, and the slice does not outlive this call.
+                    match unsafe { regions::exclusive(ctx, dst, at, p)? } {
+                        Some(out) => match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+                            Ok(out) => fill(t, input, out),
+                            // Not aligned for `T` (never on the fabrics xccl has): via a row.
+                            Err(_) => {
+                                fill(t, input, &mut scratch);
+                                out.copy_from_slice(bytemuck::cast_slice(&scratch));
+                            }
+                        },
+                        None => {
+                            fill(t, input, &mut scratch);
+                            ctx.put(dst, at, bytemuck::cast_slice(&scratch))?;
+                        }
+                    }
+                    Ok(())
+                };
+                let replies = Replies::Fill(&mut write);
+                sender.send(ctx, epoch, meta.sources(), mode, replies, deadline)?;
             }
-            Ok(())
-        };
-        self.sender.send(
-            ctx,
-            self.epoch,
-            meta.sources(),
-            mode,
-            Replies::Fill(&mut write),
-            deadline,
-        )?;
-        self.replied = true;
-        self.receiver.replied();
-        self.receiver.credit(ctx, self.epoch)
+            *replied = true;
+            meta.recv.answered();
+            receiver.replied();
+            receiver.credit(ctx, epoch)
+        })
     }
 }
 
@@ -303,14 +331,16 @@ fn row_of<'a, T: Element>(
 }
 
 impl Drop for TokenView<'_> {
+    /// Unreplied (and the communicator not failed already): poisons the communicator and
+    /// aborts the job, naming this rank and the epoch.
     fn drop(&mut self) {
-        if !self.replied {
+        if !self.replied && self.comm.poisoned().is_none() {
             let reason = format!(
                 "expert rank {} dropped its view of A2E epoch {} without replying",
-                self.ctx.rank, self.epoch
+                self.comm.rank(),
+                self.epoch
             );
-            tracing::warn!("{reason}: aborting the job");
-            self.ctx.fabric.abort(&reason);
+            self.comm.abort(&reason);
         }
     }
 }
