@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
-use xccl::{Communicator, DType, Element, ExpertBatch, Role, TokenBatch, Topology};
+use xccl::{Communicator, DType, ExpertBatch, Role, TokenBatch, Topology};
 
 use crate::buffer::{Buffer, HostBytes, Owner};
 use crate::errors::{invalid, to_py};
@@ -315,15 +315,6 @@ fn join(
     }
 }
 
-/// Calls `f` with `bytes` as elements of `T`, copying them first if they are not aligned for
-/// `T`.
-fn typed<T: Element, R>(bytes: &[u8], f: impl FnOnce(&[T]) -> R) -> R {
-    match bytemuck::try_cast_slice::<u8, T>(bytes) {
-        Ok(s) => f(s),
-        Err(_) => f(&bytemuck::pod_collect_to_vec::<u8, T>(bytes)),
-    }
-}
-
 /// Stats as a dict.
 fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -542,12 +533,13 @@ impl PyComm {
         self.require(py, Role::Attention, "A2E send")?;
         let xt = Tensor::import(py, x, "x")?;
         let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
-        let (ids, w) = self.routing(py, topk_idx, topk_weights, t)?;
         let xb = xt.bytes();
-        let handle = self.run(py, |c| {
-            let mode = c.config().mode;
-            c.set_next_a2e_tag(tag);
-            c.a2e_send_bytes(xb, &ids, &w, mode)
+        let handle = self.with_routing(py, topk_idx, topk_weights, t, |ids, w| {
+            self.run(py, |c| {
+                let mode = c.config().mode;
+                c.set_next_a2e_tag(tag);
+                c.a2e_send_bytes(xb, ids, w, mode)
+            })
         })?;
         Ok(PyA2eHandle { handle })
     }
@@ -602,11 +594,12 @@ impl PyComm {
         tag: u64,
     ) -> PyResult<PyA2eHandle> {
         self.require(py, Role::Attention, "A2E send")?;
-        let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
-        let result = self.run(py, |c| {
-            c.set_next_a2e_tag(tag);
-            c.a2e_send_input(num_tokens, &ids, &w)
-        });
+        let result = self.with_routing(py, topk_idx, topk_weights, num_tokens, |ids, w| {
+            Ok(self.run(py, |c| {
+                c.set_next_a2e_tag(tag);
+                c.a2e_send_input(num_tokens, ids, w)
+            }))
+        })?;
         match &result {
             Ok(_) => self.retire_input(),
             Err(e) => {
@@ -723,13 +716,20 @@ impl PyComm {
             Some(b.num_rows()),
             self.info.hidden,
         )?;
-        let bytes = ot.bytes();
-        let dtype = self.info.dtype;
-        self.run(py, |c| match dtype {
-            DType::F32 => typed::<f32, _>(bytes, |s| c.e2a_send(b, s)),
-            DType::F16 => typed::<f16, _>(bytes, |s| c.e2a_send(b, s)),
-            DType::BF16 => typed::<bf16, _>(bytes, |s| c.e2a_send(b, s)),
-        })
+        match self.info.dtype {
+            DType::F32 => {
+                let s = ot.elements::<f32>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::F16 => {
+                let s = ot.elements::<f16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::BF16 => {
+                let s = ot.elements::<bf16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+        }
     }
 
     /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
@@ -900,19 +900,21 @@ impl PyComm {
         ))
     }
 
-    /// `topk_idx` and `topk_weights` checked and converted for `tokens` tokens.
-    fn routing(
+    /// Calls `f` with `topk_idx` and `topk_weights` checked and converted for `tokens` tokens
+    /// (borrowed where they already are int32 and float32).
+    fn with_routing<'py, R>(
         &self,
-        py: Python<'_>,
-        topk_idx: &Bound<'_, PyAny>,
-        topk_weights: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
         tokens: usize,
-    ) -> PyResult<(Vec<i32>, Vec<f32>)> {
+        f: impl FnOnce(&[i32], &[f32]) -> PyResult<R>,
+    ) -> PyResult<R> {
         let it = Tensor::import(py, topk_idx, "topk_idx")?;
         let ids = topk_ids(py, &it, tokens, self.info.topk, self.info.num_experts)?;
         let wt = Tensor::import(py, topk_weights, "topk_weights")?;
         let w = crate::tensor::topk_weights(py, &wt, tokens, self.info.topk)?;
-        Ok((ids, w))
+        f(&ids, &w)
     }
 }
 
