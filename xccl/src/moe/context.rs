@@ -27,7 +27,8 @@ pub(crate) const AWAITED_CHECK_EVERY: std::time::Duration = std::time::Duration:
 
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
-    pub(crate) fabric: Box<dyn Fabric>,
+    /// Shared with the communicator's [`crate::AbortHandle`]s (which hold it weakly).
+    pub(crate) fabric: Arc<dyn Fabric>,
     pub(crate) topo: Arc<Topology>,
     pub(crate) cfg: MoeConfig,
     pub(crate) layout: WindowLayout,
@@ -84,7 +85,7 @@ impl Context {
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Context {
             rank: fabric.rank(),
-            fabric,
+            fabric: Arc::from(fabric),
             topo,
             cfg,
             layout,
