@@ -357,6 +357,20 @@ fn interruptible<R: Send + 'static>(
     }
 }
 
+/// What becomes of a communicator an interrupted `call` (init, shrink) still builds: it aborts
+/// its job, naming this rank, and is freed.
+fn abort_abandoned(call: &'static str) -> impl FnOnce(xccl::Result<Communicator>) + Send {
+    move |built| {
+        if let Ok(mut c) = built {
+            let reason = format!(
+                "rank {} left the job: its {call} was interrupted (KeyboardInterrupt)",
+                c.rank()
+            );
+            c.abort(&reason);
+        }
+    }
+}
+
 /// A join in progress, shared by the thread running it and the Python thread waiting for it:
 /// an interrupted join aborts the job through the bootstrap as soon as there is one.
 #[derive(Default)]
@@ -437,15 +451,7 @@ fn join_interruptible(
             )
         },
         move || Joining::cancel(&theirs),
-        |built| {
-            if let Ok(mut c) = built {
-                let reason = format!(
-                    "rank {} left the job: its init was interrupted (KeyboardInterrupt)",
-                    c.rank()
-                );
-                c.abort(&reason);
-            }
-        },
+        abort_abandoned("init"),
     )?;
     comm.map(PyComm::wrap).map_err(|e| to_py(py, &e, false))
 }
@@ -1032,15 +1038,7 @@ impl PyComm {
             "shrink",
             move || comm.shrink(&opts),
             || {},
-            |built| {
-                if let Ok(mut c) = built {
-                    let reason = format!(
-                        "rank {} left the job: its shrink was interrupted (KeyboardInterrupt)",
-                        c.rank()
-                    );
-                    c.abort(&reason);
-                }
-            },
+            abort_abandoned("shrink"),
         )?;
         new.map(PyComm::wrap).map_err(|e| to_py(py, &e, true))
     }
