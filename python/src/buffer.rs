@@ -145,7 +145,19 @@ impl Buffer {
         }
     }
 
-    fn check_live(&self, py: Python<'_>) -> PyResult<()> {
+    /// Start, length in bytes, shape, element type and read-only flag of the memory.
+    pub(crate) fn raw(&self) -> (*mut u8, usize, &[i64], Elem, bool) {
+        (
+            self.ptr as *mut u8,
+            self.len,
+            &self.shape,
+            self.elem,
+            self.read_only,
+        )
+    }
+
+    /// Fails once the memory may no longer be used (a registered input that was sent).
+    pub(crate) fn check_live(&self, py: Python<'_>) -> PyResult<()> {
         match &self.live {
             Some(live) if !live.load(Ordering::Acquire) => Err(invalid(
                 py,

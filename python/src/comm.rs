@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
-use xccl::{Communicator, DType, Element, ExpertBatch, Role, TokenBatch, Topology};
+use xccl::{Communicator, DType, ExpertBatch, Role, TokenBatch, Topology};
 
 use crate::buffer::{Buffer, HostBytes, Owner};
 use crate::errors::{invalid, to_py};
@@ -89,14 +89,17 @@ struct Info {
 /// published and retryable (``e.retryable``), or the communicator poisoned
 /// (``e.poisoned``, :attr:`poisoned`): the job is aborted and every later call raises the
 /// first error again. Blocking calls release the GIL; Ctrl-C raises ``KeyboardInterrupt`` within
-/// about 40 ms, with the same rule. One call at a time: a call while another thread is inside
-/// one raises ``XcclError``.
+/// about 40 ms, with the same rule (init and shrink: see there). One call at a time: a call
+/// while another thread is inside one raises ``XcclError``, except :meth:`abort`, which
+/// another thread may call to end a blocked call.
 ///
 /// Also a context manager: leaving the ``with`` block closes the communicator, and aborts the
 /// job first when the block raised.
 #[pyclass(frozen, module = "xccl", name = "Communicator")]
 pub struct PyComm {
     shared: Mutex<Option<Arc<Shared>>>,
+    /// Aborts the job from any thread, also while a call blocks on another one.
+    abort: xccl::AbortHandle,
     /// Cleared when the registered input handed out last may no longer be exported.
     input_live: Mutex<Option<Arc<AtomicBool>>>,
     info: Info,
@@ -165,6 +168,7 @@ impl PyComm {
             keep_int8: cfg.keep_int8,
         };
         PyComm {
+            abort: comm.abort_handle(),
             shared: Mutex::new(Some(Shared::new(comm))),
             input_live: Mutex::new(None),
             info,
@@ -271,10 +275,191 @@ impl PyComm {
     }
 }
 
-/// Joins a job on `fabric` over `boot`, with the topology built from gathered roles when
+/// How often a Python thread waiting for a helper thread ([`interruptible`]) runs Python's
+/// signal handlers.
+const SIGNAL_POLL: Duration = Duration::from_millis(20);
+
+/// Where a blocking step on a helper thread leaves its result for the waiting Python thread.
+enum Slot<R> {
+    Waiting,
+    Done(R),
+    /// The Python thread was interrupted and left: the helper hands its result to this.
+    Abandoned(Box<dyn FnOnce(R) + Send>),
+}
+
+/// Runs `work` on a helper thread while this thread waits with the GIL released, running
+/// Python's signal handlers every [`SIGNAL_POLL`], so that Ctrl-C reaches a wait the library
+/// cannot interrupt itself (the bootstrap's rounds in init and shrink). When a handler raises
+/// (KeyboardInterrupt), `interrupted` runs at once, the result `work` returns later goes to
+/// `abandon` (on whichever thread has it), and the exception is raised here.
+fn interruptible<R: Send + 'static>(
+    py: Python<'_>,
+    what: &str,
+    work: impl FnOnce() -> R + Send + 'static,
+    interrupted: impl FnOnce() + Send,
+    abandon: impl FnOnce(R) + Send + 'static,
+) -> PyResult<R> {
+    let hand = Arc::new((Mutex::new(Slot::<R>::Waiting), std::sync::Condvar::new()));
+    let helper = hand.clone();
+    std::thread::Builder::new()
+        .name(format!("xccl-{what}"))
+        .spawn(move || {
+            let r = work();
+            let (slot, cv) = &*helper;
+            let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+            match std::mem::replace(&mut *slot, Slot::Waiting) {
+                Slot::Abandoned(f) => {
+                    drop(slot);
+                    f(r);
+                }
+                _ => {
+                    *slot = Slot::Done(r);
+                    cv.notify_all();
+                }
+            }
+        })
+        .map_err(|e| {
+            to_py(
+                py,
+                &xccl::Error::os(format!("starting the {what} thread"), e),
+                false,
+            )
+        })?;
+    let take = |wait: Duration| {
+        let (slot, cv) = &*hand;
+        let slot = slot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = cv
+            .wait_timeout_while(slot, wait, |s| matches!(s, Slot::Waiting))
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        match std::mem::replace(&mut *slot, Slot::Waiting) {
+            Slot::Done(r) => Ok(r),
+            other => {
+                *slot = other;
+                Err(slot)
+            }
+        }
+    };
+    loop {
+        if let Some(r) = py.detach(|| take(SIGNAL_POLL).ok()) {
+            return Ok(r);
+        }
+        if let Err(e) = py.check_signals() {
+            py.detach(|| {
+                interrupted();
+                match take(Duration::ZERO) {
+                    Ok(r) => abandon(r),
+                    Err(mut slot) => *slot = Slot::Abandoned(Box::new(abandon)),
+                }
+            });
+            return Err(e);
+        }
+    }
+}
+
+/// What becomes of a communicator an interrupted `call` (init, shrink) still builds: it aborts
+/// its job, naming this rank, and is freed.
+fn abort_abandoned(call: &'static str) -> impl FnOnce(xccl::Result<Communicator>) + Send {
+    move |built| {
+        if let Ok(mut c) = built {
+            let reason = format!(
+                "rank {} left the job: its {call} was interrupted (KeyboardInterrupt)",
+                c.rank()
+            );
+            c.abort(&reason);
+        }
+    }
+}
+
+/// A join in progress, shared by the thread running it and the Python thread waiting for it:
+/// an interrupted join aborts the job through the bootstrap as soon as there is one.
+#[derive(Default)]
+struct Joining {
+    cancelled: bool,
+    exchange: Option<Arc<dyn Exchange>>,
+}
+
+impl Joining {
+    fn reason(exchange: &dyn Exchange) -> String {
+        format!(
+            "rank {} left the job: its init was interrupted (KeyboardInterrupt)",
+            exchange.rank()
+        )
+    }
+
+    /// The waiting thread was interrupted: tells the job if this rank has joined it.
+    fn cancel(me: &Mutex<Joining>) {
+        let exchange = {
+            let mut j = me.lock().unwrap_or_else(|p| p.into_inner());
+            j.cancelled = true;
+            j.exchange.clone()
+        };
+        if let Some(x) = exchange {
+            let _ = x.broadcast_abort(&Joining::reason(x.as_ref()));
+        }
+    }
+
+    /// The join has its bootstrap: kept for [`Joining::cancel`], or, if the wait was
+    /// interrupted already, the job is told and the join stops.
+    fn publish(me: &Mutex<Joining>, exchange: &Arc<dyn Exchange>) -> xccl::Result<()> {
+        let mut j = me.lock().unwrap_or_else(|p| p.into_inner());
+        if !j.cancelled {
+            j.exchange = Some(exchange.clone());
+            return Ok(());
+        }
+        drop(j);
+        let reason = Joining::reason(exchange.as_ref());
+        let _ = exchange.broadcast_abort(&reason);
+        Err(xccl::Error::Aborted {
+            by: exchange.rank(),
+            reason,
+        })
+    }
+}
+
+/// Joins the job on a helper thread ([`interruptible`]): `connect` makes the bootstrap, then
+/// [`join`]. An interrupted join aborts the job (peers that joined see `AbortedError` naming
+/// this rank) and a communicator it still builds is aborted and freed.
+#[allow(clippy::too_many_arguments)]
+fn join_interruptible(
+    py: Python<'_>,
+    connect: impl FnOnce() -> xccl::Result<TcpBootstrap> + Send + 'static,
+    topology: Py<PyTopology>,
+    cfg: xccl::MoeConfig,
+    fabric: String,
+    device: Option<i32>,
+    role: Option<Role>,
+    timeout: Duration,
+) -> PyResult<PyComm> {
+    let joining = Arc::new(Mutex::new(Joining::default()));
+    let (mine, theirs) = (joining.clone(), joining);
+    let comm = interruptible(
+        py,
+        "init",
+        move || {
+            let boot = connect()?;
+            let exchange: Arc<dyn Exchange> = Arc::new(boot);
+            Joining::publish(&mine, &exchange)?;
+            join(
+                exchange,
+                topology.get(),
+                cfg,
+                &fabric,
+                device,
+                role,
+                timeout,
+            )
+        },
+        move || Joining::cancel(&theirs),
+        abort_abandoned("init"),
+    )?;
+    comm.map(PyComm::wrap).map_err(|e| to_py(py, &e, false))
+}
+
+/// Joins a job on `fabric` over `exchange`, with the topology built from gathered roles when
 /// `role` is given.
 fn join(
-    boot: TcpBootstrap,
+    exchange: Arc<dyn Exchange>,
     topology: &PyTopology,
     cfg: xccl::MoeConfig,
     fabric: &str,
@@ -282,7 +467,6 @@ fn join(
     role: Option<Role>,
     timeout: Duration,
 ) -> xccl::Result<Communicator> {
-    let exchange: Arc<dyn Exchange> = Arc::new(boot);
     let topo: Arc<Topology> = match role {
         None => topology.built.clone(),
         Some(mine) => {
@@ -312,15 +496,6 @@ fn join(
         other => Err(xccl::Error::invalid(format!(
             "unknown fabric {other:?} (expected \"shm\", \"ofi\" or \"ascend\")"
         ))),
-    }
-}
-
-/// Calls `f` with `bytes` as elements of `T`, copying them first if they are not aligned for
-/// `T`.
-fn typed<T: Element, R>(bytes: &[u8], f: impl FnOnce(&[T]) -> R) -> R {
-    match bytemuck::try_cast_slice::<u8, T>(bytes) {
-        Ok(s) => f(s),
-        Err(_) => f(&bytemuck::pod_collect_to_vec::<u8, T>(bytes)),
     }
 }
 
@@ -369,6 +544,11 @@ impl PyComm {
     /// is not the launcher's: every rank states its own, and the topology is built from the
     /// gathered roles (its counts must match). ``timeout``: seconds to wait for the other ranks
     /// to join (default 60).
+    ///
+    /// Ctrl-C while it waits raises ``KeyboardInterrupt`` within about 20 ms and leaves no
+    /// communicator: the job is aborted (peers that joined, or join later, see
+    /// :class:`AbortedError` naming this rank, at their init or their first call); to retry,
+    /// every rank joins a new job (a new unique id).
     #[staticmethod]
     #[pyo3(signature = (topology, config, *, unique_id, rank, world_size, fabric = "shm", device = None, role = None, timeout = 60.0))]
     #[allow(clippy::too_many_arguments)]
@@ -387,21 +567,23 @@ impl PyComm {
         let id = crate::topo::unique_id(py, unique_id)?;
         let role = role.map(|r| parse_role(py, r)).transpose()?;
         let timeout = seconds(py, "timeout", timeout)?;
-        let topo = topology.get();
         let cfg = config.get().cfg.clone();
-        let comm = py
-            .detach(|| {
-                let boot = TcpBootstrap::connect(&id, rank, world_size, timeout)?;
-                join(boot, topo, cfg, fabric, device, role, timeout)
-            })
-            .map_err(|e| to_py(py, &e, false))?;
-        Ok(PyComm::wrap(comm))
+        join_interruptible(
+            py,
+            move || TcpBootstrap::connect(&id, rank, world_size, timeout),
+            topology.clone().unbind(),
+            cfg,
+            fabric.to_string(),
+            device,
+            role,
+            timeout,
+        )
     }
 
     /// Joins the job the launcher's environment describes: torchrun (``RANK``,
     /// ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), mpirun or srun (their rank variables
     /// plus ``XCCL_ROOT=host:port``), or ``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``; rank 0 hosts
-    /// the rendezvous on that port. Arguments as for :meth:`init`.
+    /// the rendezvous on that port. Arguments (and Ctrl-C) as for :meth:`init`.
     #[staticmethod]
     #[pyo3(signature = (topology, config, *, fabric = "shm", device = None, role = None, timeout = 60.0))]
     fn from_env(
@@ -415,22 +597,27 @@ impl PyComm {
     ) -> PyResult<PyComm> {
         let role = role.map(|r| parse_role(py, r)).transpose()?;
         let timeout = seconds(py, "timeout", timeout)?;
-        let topo = topology.get();
         let cfg = config.get().cfg.clone();
-        let comm = py
-            .detach(|| {
-                let env = LaunchEnv::detect()?.ok_or_else(|| {
-                    xccl::Error::Bootstrap(
-                        "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, or \
-                         launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
-                            .into(),
-                    )
-                })?;
-                let boot = env.connect(timeout)?;
-                join(boot, topo, cfg, fabric, device, role, timeout)
-            })
-            .map_err(|e| to_py(py, &e, false))?;
-        Ok(PyComm::wrap(comm))
+        let connect = move || {
+            let env = LaunchEnv::detect()?.ok_or_else(|| {
+                xccl::Error::Bootstrap(
+                    "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, or \
+                     launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
+                        .into(),
+                )
+            })?;
+            env.connect(timeout)
+        };
+        join_interruptible(
+            py,
+            connect,
+            topology.clone().unbind(),
+            cfg,
+            fabric.to_string(),
+            device,
+            role,
+            timeout,
+        )
     }
 
     /// This rank.
@@ -499,11 +686,14 @@ impl PyComm {
     #[getter]
     fn error(&self, py: Python<'_>) -> PyResult<Option<String>> {
         let shared = self.shared(py)?;
-        let comm = shared.comm.try_lock();
-        Ok(match comm {
-            Ok(c) => c.poisoned().map(|e| e.to_string()),
-            Err(_) => None,
-        })
+        if let Ok(c) = shared.comm.try_lock() {
+            if let Some(e) = c.poisoned() {
+                return Ok(Some(e.to_string()));
+            }
+        }
+        // An abort that reached this rank (its own from another thread, or a peer's) poisons
+        // the next call; say so already, also while a call runs on another thread.
+        Ok(self.abort.aborted().map(|e| e.to_string()))
     }
 
     /// Whether :meth:`close` was called.
@@ -542,12 +732,13 @@ impl PyComm {
         self.require(py, Role::Attention, "A2E send")?;
         let xt = Tensor::import(py, x, "x")?;
         let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
-        let (ids, w) = self.routing(py, topk_idx, topk_weights, t)?;
         let xb = xt.bytes();
-        let handle = self.run(py, |c| {
-            let mode = c.config().mode;
-            c.set_next_a2e_tag(tag);
-            c.a2e_send_bytes(xb, &ids, &w, mode)
+        let handle = self.with_routing(py, topk_idx, topk_weights, t, |ids, w| {
+            self.run(py, |c| {
+                let mode = c.config().mode;
+                c.set_next_a2e_tag(tag);
+                c.a2e_send_bytes(xb, ids, w, mode)
+            })
         })?;
         Ok(PyA2eHandle { handle })
     }
@@ -602,11 +793,12 @@ impl PyComm {
         tag: u64,
     ) -> PyResult<PyA2eHandle> {
         self.require(py, Role::Attention, "A2E send")?;
-        let (ids, w) = self.routing(py, topk_idx, topk_weights, num_tokens)?;
-        let result = self.run(py, |c| {
-            c.set_next_a2e_tag(tag);
-            c.a2e_send_input(num_tokens, &ids, &w)
-        });
+        let result = self.with_routing(py, topk_idx, topk_weights, num_tokens, |ids, w| {
+            Ok(self.run(py, |c| {
+                c.set_next_a2e_tag(tag);
+                c.a2e_send_input(num_tokens, ids, w)
+            }))
+        })?;
         match &result {
             Ok(_) => self.retire_input(),
             Err(e) => {
@@ -723,13 +915,20 @@ impl PyComm {
             Some(b.num_rows()),
             self.info.hidden,
         )?;
-        let bytes = ot.bytes();
-        let dtype = self.info.dtype;
-        self.run(py, |c| match dtype {
-            DType::F32 => typed::<f32, _>(bytes, |s| c.e2a_send(b, s)),
-            DType::F16 => typed::<f16, _>(bytes, |s| c.e2a_send(b, s)),
-            DType::BF16 => typed::<bf16, _>(bytes, |s| c.e2a_send(b, s)),
-        })
+        match self.info.dtype {
+            DType::F32 => {
+                let s = ot.elements::<f32>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::F16 => {
+                let s = ot.elements::<f16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::BF16 => {
+                let s = ot.elements::<bf16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+        }
     }
 
     /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
@@ -788,12 +987,21 @@ impl PyComm {
 
     /// Aborts the job with ``reason``: every rank's current and later waits fail with
     /// :class:`AbortedError` naming this rank and the reason; this communicator is poisoned.
-    /// Returns promptly (from another thread it raises while a call is running here).
+    /// Returns promptly. Callable from any thread, also while another thread is blocked in a
+    /// call on this communicator: that call raises :class:`AbortedError` (this rank, the
+    /// reason) within milliseconds, and the peers are told at once.
     fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
-        self.run(py, |c| {
-            c.abort(reason);
-            Ok(())
-        })
+        let shared = self.shared(py)?;
+        let handle = &self.abort;
+        py.detach(|| {
+            handle.abort(reason);
+            // A call running on another thread poisons the communicator itself when its wait
+            // sees the abort; with none running, record it here.
+            if let Ok(mut c) = shared.comm.try_lock() {
+                c.abort(reason);
+            }
+        });
+        Ok(())
     }
 
     /// After a peer failure: every survivor calls ``shrink()``, which agrees on the dead ranks
@@ -801,6 +1009,12 @@ impl PyComm {
     /// :meth:`rank_after_shrink`). This communicator is closed. ``drop_orphaned_experts``: drop
     /// the selections of experts left without a replica instead of raising
     /// :class:`ExpertLostError`. ``timeout``: seconds per agreement round (default 60).
+    ///
+    /// Ctrl-C while it waits raises ``KeyboardInterrupt`` within about 20 ms; this
+    /// communicator stays closed and no new one is returned. The survivors' agreement goes on
+    /// without this thread: if it completes, the communicator it builds aborts its job at once
+    /// (the survivors' calls on it raise :class:`AbortedError` naming this rank; they can
+    /// shrink again), and a process that exits instead is counted dead by the agreement.
     #[pyo3(signature = (*, drop_orphaned_experts = false, timeout = 60.0))]
     fn shrink(
         &self,
@@ -816,10 +1030,14 @@ impl PyComm {
             timeout,
             ..Default::default()
         };
-        let new = py
-            .detach(move || comm.shrink(&opts))
-            .map_err(|e| to_py(py, &e, true))?;
-        Ok(PyComm::wrap(new))
+        let new = interruptible(
+            py,
+            "shrink",
+            move || comm.shrink(&opts),
+            || {},
+            abort_abandoned("shrink"),
+        )?;
+        new.map(PyComm::wrap).map_err(|e| to_py(py, &e, true))
     }
 
     /// On a communicator made by :meth:`shrink`: the new rank of the rank numbered ``old``
@@ -900,19 +1118,21 @@ impl PyComm {
         ))
     }
 
-    /// `topk_idx` and `topk_weights` checked and converted for `tokens` tokens.
-    fn routing(
+    /// Calls `f` with `topk_idx` and `topk_weights` checked and converted for `tokens` tokens
+    /// (borrowed where they already are int32 and float32).
+    fn with_routing<'py, R>(
         &self,
-        py: Python<'_>,
-        topk_idx: &Bound<'_, PyAny>,
-        topk_weights: &Bound<'_, PyAny>,
+        py: Python<'py>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
         tokens: usize,
-    ) -> PyResult<(Vec<i32>, Vec<f32>)> {
+        f: impl FnOnce(&[i32], &[f32]) -> PyResult<R>,
+    ) -> PyResult<R> {
         let it = Tensor::import(py, topk_idx, "topk_idx")?;
         let ids = topk_ids(py, &it, tokens, self.info.topk, self.info.num_experts)?;
         let wt = Tensor::import(py, topk_weights, "topk_weights")?;
         let w = crate::tensor::topk_weights(py, &wt, tokens, self.info.topk)?;
-        Ok((ids, w))
+        f(&ids, &w)
     }
 }
 

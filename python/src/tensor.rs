@@ -3,12 +3,20 @@
 //! protocol. `Tensor::import` checks the device and the layout; the `expect_*` functions
 //! check dtype and shape against what a call needs, before anything is sent.
 
-use dlpark::ffi::{DLDataTypeCode, DLDevice, DLDeviceType};
-use dlpark::python::{ImportRequest, ImportedDlpack};
-use dlpark::DlpackFlags;
-use pyo3::prelude::*;
-use pyo3::types::PyString;
+use std::borrow::Cow;
 
+use dlpark::ffi::{
+    DLDataTypeCode, DLDevice, DLDeviceType, DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION,
+};
+use dlpark::python::consumer::exchange::ExchangeApi;
+use dlpark::python::{ImportRequest, ImportedDlpack};
+use dlpark::{DlpackFlags, TensorRef};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyString, PyType};
+
+use crate::buffer::Buffer;
 use crate::errors::invalid;
 
 /// Element type of a tensor, as far as xccl cares.
@@ -154,59 +162,95 @@ fn host_accessible(d: DLDevice) -> bool {
     d.device_type == DLDeviceType::CPU || matches!(d.device_type.0, 3 | 11)
 }
 
-/// A tensor handed in by the caller, imported through DLPack and checked to be in host memory
-/// and C-contiguous. It owns the DLPack managed tensor, so the producer keeps the memory alive
-/// until this value is dropped.
-pub(crate) struct Tensor {
-    /// Keeps the producer's memory alive (its deleter runs on drop).
-    _managed: Option<ImportedDlpack>,
+/// Dimensions kept inline up to this many (every tensor xccl takes has 1 or 2).
+const INLINE_DIMS: usize = 4;
+
+/// A tensor's shape, without a heap allocation for the shapes xccl takes.
+pub(crate) enum Shape {
+    Inline([usize; INLINE_DIMS], usize),
+    Heap(Vec<usize>),
+}
+
+impl Shape {
+    fn of(dims: &[i64]) -> Shape {
+        let size = |&d: &i64| usize::try_from(d).unwrap_or(0);
+        if dims.len() <= INLINE_DIMS {
+            let mut inline = [0; INLINE_DIMS];
+            for (slot, d) in inline.iter_mut().zip(dims) {
+                *slot = size(d);
+            }
+            Shape::Inline(inline, dims.len())
+        } else {
+            Shape::Heap(dims.iter().map(size).collect())
+        }
+    }
+
+    fn as_slice(&self) -> &[usize] {
+        match self {
+            Shape::Inline(dims, n) => &dims[..*n],
+            Shape::Heap(v) => v,
+        }
+    }
+}
+
+/// What keeps a tensor's memory alive while a call uses it.
+enum Keep<'py> {
+    /// An owning DLPack import: the producer keeps the memory alive until its deleter runs
+    /// (when this is dropped).
+    Managed(#[allow(dead_code)] ImportedDlpack),
+    /// The producer object itself, referenced for the call: a tensor viewed through the DLPack
+    /// C exchange API (DLPack 1.3: the view is valid until control returns to Python, which a
+    /// call of this binding does only after it is done with the data), or an `xccl.Buffer`
+    /// (which keeps its owner alive).
+    Object(#[allow(dead_code)] Bound<'py, PyAny>),
+}
+
+/// A tensor handed in by the caller, checked to be in host memory and C-contiguous, and held
+/// (see [`Keep`]) so that its memory stays valid while this value lives.
+///
+/// Imported by the fastest exact path its type has: an `xccl.Buffer` directly; a producer
+/// with the DLPack C exchange API (torch) through its borrowed view, with no allocation; a
+/// numpy array through `__dlpack__(max_version=...)`; anything else through dlpark's
+/// negotiated import (`__dlpack_device__`, `__dlpack__`) or the buffer protocol.
+pub(crate) struct Tensor<'py> {
+    _keep: Keep<'py>,
     /// Start of the data (byte offset applied); null only when the tensor is empty.
     ptr: *mut u8,
     len_bytes: usize,
-    shape: Vec<usize>,
+    shape: Shape,
     elem: Elem,
     read_only: bool,
 }
 
-impl Tensor {
-    /// Imports `obj` (`what` names it in errors: `"x"`, `"topk_idx"`...).
-    ///
-    /// Errors ([`crate::errors`]' `InvalidArgumentError`): no `__dlpack__` and no buffer protocol,
-    /// a device the CPU cannot address (named), a non-C-contiguous layout.
-    pub(crate) fn import(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Tensor> {
-        let (obj, bf16) = prepare(py, obj, what)?;
-        let req = ImportRequest::new(obj.as_borrowed())
-            .map_err(|e| invalid(py, format!("{what}: cannot take it through DLPack: {e}")))?;
-        if let Ok(device) = req.device() {
-            check_device(py, device, what)?;
-        }
-        let managed = req
-            .import(None, None)
-            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
-        let flags = managed.flags();
-        let t = managed
-            .validate()
-            .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
+/// The layout facts of a DLPack tensor, checked (host memory, C-contiguous).
+struct Layout {
+    ptr: *mut u8,
+    len_bytes: usize,
+    shape: Shape,
+    elem: Elem,
+}
+
+impl Layout {
+    /// Checks `t` and reads its layout; `bf16` says its 16-bit unsigned elements are bfloat16
+    /// bits (a numpy `ml_dtypes.bfloat16` array seen as `uint16`).
+    fn of(py: Python<'_>, t: &TensorRef<'_>, what: &str, bf16: bool) -> PyResult<Layout> {
         check_device(py, t.device(), what)?;
         let mut elem = Elem::of(t.dtype());
         if bf16 && elem == Elem::U16 {
             elem = Elem::BF16;
         }
-        let shape: Vec<usize> = t
-            .shape()
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(0))
-            .collect();
-        let numel: usize = shape.iter().product();
+        let shape = Shape::of(t.shape());
+        let dims = shape.as_slice();
+        let numel: usize = dims.iter().product();
         if numel > 0 {
             if let Some(strides) = t.strides() {
                 let mut expect: i64 = 1;
-                for (axis, (&n, &s)) in shape.iter().zip(strides).enumerate().rev() {
+                for (axis, (&n, &s)) in dims.iter().zip(strides).enumerate().rev() {
                     if n != 1 && s != expect {
                         return Err(invalid(
                             py,
                             format!(
-                                "{what} is not C-contiguous (shape {shape:?}, strides {strides:?} \
+                                "{what} is not C-contiguous (shape {dims:?}, strides {strides:?} \
                                  in elements; axis {axis} has stride {s}, expected {expect}): \
                                  pass x.contiguous() (torch) or np.ascontiguousarray(x)"
                             ),
@@ -216,7 +260,6 @@ impl Tensor {
                 }
             }
         }
-        let len_bytes = numel * elem.size();
         let ptr = if numel == 0 {
             std::ptr::null_mut()
         } else {
@@ -230,20 +273,158 @@ impl Tensor {
                 format!("{what}: DLPack tensor has no data pointer"),
             ));
         }
-        let read_only = flags.contains(DlpackFlags::READ_ONLY);
-        Ok(Tensor {
-            _managed: Some(managed),
+        Ok(Layout {
             ptr,
-            len_bytes,
+            len_bytes: numel * elem.size(),
             shape,
+            elem,
+        })
+    }
+}
+
+impl<'py> Tensor<'py> {
+    /// Imports `obj` (`what` names it in errors: `"x"`, `"topk_idx"`...).
+    ///
+    /// Errors ([`crate::errors`]' `InvalidArgumentError`): no `__dlpack__` and no buffer protocol,
+    /// a device the CPU cannot address (named), a non-C-contiguous layout.
+    pub(crate) fn import(
+        py: Python<'py>,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+    ) -> PyResult<Tensor<'py>> {
+        if let Ok(buf) = obj.cast_exact::<Buffer>() {
+            return Tensor::of_buffer(py, buf, what);
+        }
+        if is_ndarray(py, obj) {
+            if let Some(t) = Tensor::numpy(py, obj, what)? {
+                return Ok(t);
+            }
+        } else if let Some(t) = Tensor::exchange_view(py, obj, what)? {
+            return Ok(t);
+        }
+        Tensor::negotiated(py, obj, what)
+    }
+
+    /// An `xccl.Buffer`: its memory directly (its owner stays alive while `buf` is held).
+    fn of_buffer(py: Python<'py>, buf: &Bound<'py, Buffer>, what: &str) -> PyResult<Tensor<'py>> {
+        let b = buf.get();
+        b.check_live(py).map_err(|e| {
+            invalid(
+                py,
+                format!(
+                    "{what}: {}",
+                    e.value(py).str().map(|s| s.to_string()).unwrap_or_default()
+                ),
+            )
+        })?;
+        let (ptr, len_bytes, dims, elem, read_only) = b.raw();
+        Ok(Tensor {
+            _keep: Keep::Object(buf.clone().into_any()),
+            ptr: if len_bytes == 0 {
+                std::ptr::null_mut()
+            } else {
+                ptr
+            },
+            len_bytes,
+            shape: Shape::of(dims),
             elem,
             read_only,
         })
     }
 
+    /// A producer with the DLPack C exchange API and its borrowed view (torch): no allocation,
+    /// no Python call. `None` when `obj`'s type has no such API (or no borrowed view).
+    fn exchange_view(
+        py: Python<'py>,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+    ) -> PyResult<Option<Tensor<'py>>> {
+        let Ok(Some(api)) = ExchangeApi::from_object(obj.as_borrowed()) else {
+            return Ok(None);
+        };
+        let viewed = api.with_tensor_view_no_sync(obj.as_borrowed(), |raw, _stream| {
+            // SAFETY: the producer filled `raw` (its shape and strides arrays included) for
+            // `obj`, which is alive and not handed back to Python code during this closure.
+            let t = unsafe { TensorRef::from_raw(raw) }
+                .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
+            Layout::of(py, &t, what, false)
+        });
+        let layout = match viewed {
+            Ok(layout) => layout?,
+            // A producer that declines the borrowed view: take the negotiated path.
+            Err(_) => return Ok(None),
+        };
+        Ok(Some(Tensor::with(Keep::Object(obj.clone()), layout, false)))
+    }
+
+    /// A numpy array through `__dlpack__(max_version=...)` (a versioned capsule, read-only
+    /// flag included). `None` when numpy declines (an `ml_dtypes` dtype, a read-only array on
+    /// an old numpy): the negotiated path then says why or takes the array another way.
+    fn numpy(
+        py: Python<'py>,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+    ) -> PyResult<Option<Tensor<'py>>> {
+        static KWARGS: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
+        let kwargs = KWARGS.get_or_try_init(py, || -> PyResult<Py<PyDict>> {
+            let d = PyDict::new(py);
+            d.set_item("max_version", (DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION))?;
+            Ok(d.unbind())
+        })?;
+        let Ok(capsule) = obj.call_method(intern!(py, "__dlpack__"), (), Some(kwargs.bind(py)))
+        else {
+            return Ok(None);
+        };
+        let managed = ImportRequest::new(capsule.as_borrowed())
+            .and_then(|req| req.import(None, None))
+            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
+        Tensor::managed(py, managed, what, false).map(Some)
+    }
+
+    /// Any other producer: dlpark's negotiated import (C exchange API, `__dlpack_device__` and
+    /// `__dlpack__`, legacy `__dlpack__`), after [`prepare`].
+    fn negotiated(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Tensor<'py>> {
+        let (obj, bf16) = prepare(py, obj, what)?;
+        let req = ImportRequest::new(obj.as_borrowed())
+            .map_err(|e| invalid(py, format!("{what}: cannot take it through DLPack: {e}")))?;
+        if let Ok(device) = req.device() {
+            check_device(py, device, what)?;
+        }
+        let managed = req
+            .import(None, None)
+            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
+        Tensor::managed(py, managed, what, bf16)
+    }
+
+    /// A checked tensor over an owning import.
+    fn managed(
+        py: Python<'py>,
+        managed: ImportedDlpack,
+        what: &str,
+        bf16: bool,
+    ) -> PyResult<Tensor<'py>> {
+        let read_only = managed.flags().contains(DlpackFlags::READ_ONLY);
+        let t = managed
+            .validate()
+            .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
+        let layout = Layout::of(py, &t, what, bf16)?;
+        Ok(Tensor::with(Keep::Managed(managed), layout, read_only))
+    }
+
+    fn with(keep: Keep<'py>, layout: Layout, read_only: bool) -> Tensor<'py> {
+        Tensor {
+            _keep: keep,
+            ptr: layout.ptr,
+            len_bytes: layout.len_bytes,
+            shape: layout.shape,
+            elem: layout.elem,
+            read_only,
+        }
+    }
+
     /// Shape.
     pub(crate) fn shape(&self) -> &[usize] {
-        &self.shape
+        self.shape.as_slice()
     }
 
     /// Element type.
@@ -257,10 +438,19 @@ impl Tensor {
             return &[];
         }
         // SAFETY: `ptr` is the start of this C-contiguous tensor's `len_bytes` bytes of host
-        // memory (device checked, layout checked in `import`), which its producer keeps alive
-        // while `self._managed` lives, so for the borrow of `self`. The caller must not write
-        // the tensor from another thread while a call reads it (documented on every call).
+        // memory (device checked, layout checked in `import`), which stay valid while
+        // `self._keep` lives (the owning import's producer, or the object held for the call),
+        // so for the borrow of `self`. The caller must not write the tensor from another
+        // thread while a call reads it (documented on every call).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len_bytes) }
+    }
+
+    /// The data as elements of `T`: borrowed when the data is aligned for `T`, else a copy.
+    pub(crate) fn elements<T: bytemuck::Pod>(&self) -> Cow<'_, [T]> {
+        match bytemuck::try_cast_slice::<u8, T>(self.bytes()) {
+            Ok(s) => Cow::Borrowed(s),
+            Err(_) => Cow::Owned(bytemuck::pod_collect_to_vec(self.bytes())),
+        }
     }
 
     /// The data, writable; fails for a producer that marked it read-only.
@@ -277,6 +467,37 @@ impl Tensor {
         // SAFETY: as in `bytes`; the producer did not mark the memory read-only, and `&mut
         // self` makes this the only borrow of it through this value.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len_bytes) })
+    }
+}
+
+/// Whether `obj` is exactly a `numpy.ndarray` (numpy imported by someone already; this never
+/// imports it).
+fn is_ndarray(py: Python<'_>, obj: &Bound<'_, PyAny>) -> bool {
+    static NDARRAY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    if let Some(t) = NDARRAY.get(py) {
+        return obj.get_type().is(t.bind(py));
+    }
+    static MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let Ok(modules) = MODULES.get_or_try_init(py, || {
+        py.import("sys")
+            .and_then(|sys| sys.getattr("modules"))
+            .map(Bound::unbind)
+    }) else {
+        return false;
+    };
+    let found = modules
+        .bind(py)
+        .get_item("numpy")
+        .ok()
+        .and_then(|np| np.getattr("ndarray").ok())
+        .and_then(|t| t.cast_into::<PyType>().ok());
+    match found {
+        Some(t) => {
+            let same = obj.get_type().is(&t);
+            let _ = NDARRAY.set(py, t.unbind());
+            same
+        }
+        None => false,
     }
 }
 
@@ -347,7 +568,7 @@ fn prepare<'py>(
 /// returns the number of rows.
 pub(crate) fn expect_rows(
     py: Python<'_>,
-    t: &Tensor,
+    t: &Tensor<'_>,
     what: &str,
     elem: Elem,
     rows: Option<usize>,
@@ -383,18 +604,18 @@ pub(crate) fn expect_rows(
 
 /// `topk_idx` as the `i32` expert ids the Rust API takes: int32 as is, int64 converted exactly
 /// (a value outside int32 is an error naming its index and value). Shape `[tokens, topk]`.
-pub(crate) fn topk_ids(
+pub(crate) fn topk_ids<'t>(
     py: Python<'_>,
-    t: &Tensor,
+    t: &'t Tensor<'_>,
     tokens: usize,
     topk: usize,
     num_experts: usize,
-) -> PyResult<Vec<i32>> {
+) -> PyResult<Cow<'t, [i32]>> {
     check_routing_shape(py, t, "topk_idx", tokens, topk)?;
     match t.elem() {
-        Elem::I32 => Ok(bytemuck::pod_collect_to_vec(t.bytes())),
+        Elem::I32 => Ok(t.elements()),
         Elem::I64 => {
-            let wide: Vec<i64> = bytemuck::pod_collect_to_vec(t.bytes());
+            let wide = t.elements::<i64>();
             wide.iter()
                 .enumerate()
                 .map(|(i, &v)| {
@@ -410,7 +631,8 @@ pub(crate) fn topk_ids(
                         )
                     })
                 })
-                .collect()
+                .collect::<PyResult<Vec<i32>>>()
+                .map(Cow::Owned)
         }
         other => Err(invalid(
             py,
@@ -424,23 +646,25 @@ pub(crate) fn topk_ids(
 
 /// `topk_weights` as `f32`: float32 as is; float16 and bfloat16 converted exactly (every value
 /// of theirs is a float32); float64 is rejected, since rounding it would change the results.
-pub(crate) fn topk_weights(
+pub(crate) fn topk_weights<'t>(
     py: Python<'_>,
-    t: &Tensor,
+    t: &'t Tensor<'_>,
     tokens: usize,
     topk: usize,
-) -> PyResult<Vec<f32>> {
+) -> PyResult<Cow<'t, [f32]>> {
     check_routing_shape(py, t, "topk_weights", tokens, topk)?;
     match t.elem() {
-        Elem::F32 => Ok(bytemuck::pod_collect_to_vec(t.bytes())),
-        Elem::F16 => {
-            let h: Vec<half::f16> = bytemuck::pod_collect_to_vec(t.bytes());
-            Ok(h.iter().map(|v| v.to_f32()).collect())
-        }
-        Elem::BF16 => {
-            let h: Vec<half::bf16> = bytemuck::pod_collect_to_vec(t.bytes());
-            Ok(h.iter().map(|v| v.to_f32()).collect())
-        }
+        Elem::F32 => Ok(t.elements()),
+        Elem::F16 => Ok(t
+            .elements::<half::f16>()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()),
+        Elem::BF16 => Ok(t
+            .elements::<half::bf16>()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect()),
         Elem::F64 => Err(invalid(
             py,
             "topk_weights has dtype float64; xccl takes float32 weights (float16 and bfloat16 \
@@ -459,7 +683,7 @@ pub(crate) fn topk_weights(
 /// Checks that a routing tensor is `[tokens, topk]`.
 fn check_routing_shape(
     py: Python<'_>,
-    t: &Tensor,
+    t: &Tensor<'_>,
     what: &str,
     tokens: usize,
     topk: usize,

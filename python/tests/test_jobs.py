@@ -133,3 +133,46 @@ def test_ctrl_c_interrupts_a_blocked_call_within_the_bound(tmp_path):
     assert attention["caught_at"] - sent_attention < 0.5
     assert attention["poisoned"], attention
     assert expert["after_poison"] == "AbortedError" and expert["after_poison_by"] == 0, expert
+
+
+SMALL = {"m": 1, "n": 1, "H": 8, "topk": 2, "E": 4, "max_tokens": 4, "dtype": "f32"}
+
+
+def test_abort_from_another_thread_ends_the_blocked_call_and_tells_the_peers(tmp_path):
+    attention, expert = harness.run("abort_thread", 2, tmp_path, **SMALL)
+    assert expert["error"] == "AbortedError" and expert["by"] == 1, expert
+    assert expert["reason"].startswith("watchdog: the expert gives up"), expert
+    assert expert["poisoned"] and expert["comm_poisoned"], expert
+    # Prompt: the fabric's abort wakes the wait (allow for a busy machine).
+    assert expert["after_abort"] < 0.5, expert
+    assert attention["error"] == "AbortedError" and attention["by"] == 1, attention
+
+
+def interrupt_rank0(tmp_path, scenario, waiting_file):
+    """Starts ``scenario``, sends SIGINT to rank 0 once it waits; returns both results and the
+    time the signal was sent."""
+    import time
+
+    job = harness.start(scenario, 2, tmp_path, **SMALL)
+    job.wait_for_file(waiting_file)
+    time.sleep(0.3)  # inside the wait by now
+    sent = job.signal(0)
+    results = job.wait(240)
+    for r, res in enumerate(results):
+        assert res["exit"] == 0, (r, res)
+    return results, sent
+
+
+def test_ctrl_c_interrupts_a_blocked_init_and_the_job_is_aborted(tmp_path):
+    (first, second), sent = interrupt_rank0(tmp_path, "sigint_join", "joining")
+    assert first["first"] == "KeyboardInterrupt", first
+    assert first["caught_at"] - sent < 0.5, first["caught_at"] - sent
+    # The peer that joins later learns of it: at its init or at its first call.
+    assert second["error"] == "AbortedError" and second["by"] == 0, second
+
+
+def test_ctrl_c_interrupts_a_blocked_shrink_and_the_new_job_is_aborted(tmp_path):
+    (first, second), sent = interrupt_rank0(tmp_path, "sigint_shrink", "shrinking")
+    assert first["first"] == "KeyboardInterrupt" and first["closed"], first
+    assert first["caught_at"] - sent < 0.5, first["caught_at"] - sent
+    assert second["error"] == "AbortedError" and second["by"] == 0, second

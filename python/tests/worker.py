@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -665,6 +666,99 @@ def scenario_sigint():
         out["poisoned"] = comm.poisoned
         out["error"] = comm.error
     comm.close()
+    result(**out)
+
+
+def scenario_abort_thread():
+    """1A:1E. The expert blocks in a2e_recv; another thread of it calls ``comm.abort``: the
+    blocked call raises AbortedError (this rank, the reason); the attention rank, blocked in a
+    barrier, raises AbortedError naming the expert."""
+    comm = join()
+    out = {}
+    if comm.role == "expert":
+        aborted = {}
+
+        def watchdog():
+            time.sleep(0.3)
+            aborted["at"] = time.monotonic()
+            comm.abort("watchdog: the expert gives up")
+
+        t = threading.Thread(target=watchdog)
+        t.start()
+        try:
+            comm.a2e_recv()
+            out["error"] = "returned"
+        except xccl.XcclError as e:
+            out.update(error=type(e).__name__, by=getattr(e, "by", None), poisoned=e.poisoned)
+            out["reason"] = getattr(e, "reason", None)
+            out["after_abort"] = time.monotonic() - aborted["at"]
+        t.join()
+        out["comm_poisoned"] = comm.poisoned
+    else:
+        try:
+            comm.barrier()
+            out["error"] = "returned"
+        except xccl.XcclError as e:
+            out.update(error=type(e).__name__, by=getattr(e, "by", None))
+    comm.close()
+    result(**out)
+
+
+def scenario_sigint_join():
+    """2 ranks. Rank 0 waits in init for rank 1 until the test's SIGINT: KeyboardInterrupt.
+    Rank 1 joins after it: its init or its first call raises AbortedError naming rank 0."""
+    out = {}
+    if ARGS["rank"] == 0:
+        touch("joining")
+        try:
+            join()
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+            out["caught_at"] = time.monotonic()
+        touch("rank0-interrupted")
+        wait_file("rank1-done")
+    else:
+        wait_file("rank0-interrupted")
+        out.update(after_interrupt(join))
+        touch("rank1-done")
+    result(**out)
+
+
+def after_interrupt(make):
+    """What rank 1 sees after its peer was interrupted: the error of ``make()`` or of a barrier
+    on the communicator it made (``at`` says which)."""
+    at = "make"
+    try:
+        comm = make()
+        at = "barrier"
+        comm.barrier()
+        return {"error": "returned"}
+    except xccl.XcclError as e:
+        return {"error": type(e).__name__, "by": getattr(e, "by", None), "at": at}
+
+
+def scenario_sigint_shrink():
+    """1A:1E. Rank 0 waits in shrink for rank 1 until the test's SIGINT: KeyboardInterrupt, its
+    communicator closed. Rank 1 shrinks after it: its shrink or its first call on the new
+    communicator raises AbortedError naming rank 0."""
+    comm = join()
+    out = {}
+    if comm.rank == 0:
+        touch("shrinking")
+        try:
+            comm.shrink(timeout=30)
+            out["first"] = "returned"
+        except KeyboardInterrupt:
+            out["first"] = "KeyboardInterrupt"
+            out["caught_at"] = time.monotonic()
+        out["closed"] = comm.closed
+        touch("rank0-interrupted")
+        wait_file("rank1-done")
+    else:
+        wait_file("rank0-interrupted")
+        out.update(after_interrupt(lambda: comm.shrink(timeout=30)))
+        touch("rank1-done")
     result(**out)
 
 

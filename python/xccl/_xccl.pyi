@@ -224,7 +224,9 @@ class Communicator:
         device: int | None = None,
         role: str | None = None,
         timeout: float = 60.0,
-    ) -> Communicator: ...
+    ) -> Communicator:
+        """Joins the job named by ``unique_id`` (collective); Ctrl-C while it waits raises
+        KeyboardInterrupt and aborts the job."""
     @staticmethod
     def from_env(
         topology: Topology,
@@ -234,7 +236,8 @@ class Communicator:
         device: int | None = None,
         role: str | None = None,
         timeout: float = 60.0,
-    ) -> Communicator: ...
+    ) -> Communicator:
+        """Joins the job the launcher's environment describes (as :meth:`init`)."""
     @property
     def rank(self) -> int: ...
     @property
@@ -283,10 +286,12 @@ class Communicator:
     def stats(self) -> dict[str, Any]: ...
     def total_stats(self) -> dict[str, Any]: ...
     def reset_stats(self) -> None: ...
-    def abort(self, reason: str) -> None: ...
-    def shrink(
-        self, *, drop_orphaned_experts: bool = False, timeout: float = 60.0
-    ) -> Communicator: ...
+    def abort(self, reason: str) -> None:
+        """Aborts the job with ``reason`` (every rank's waits raise AbortedError naming this
+        rank); callable from any thread, also to end a call blocked on another thread."""
+    def shrink(self, *, drop_orphaned_experts: bool = False, timeout: float = 60.0) -> Communicator:
+        """A new communicator over the survivors (collective); Ctrl-C raises
+        KeyboardInterrupt and a communicator the shrink still builds aborts its job."""
     def rank_after_shrink(self, old: int) -> int | None: ...
     def shrunk_past(self) -> list[int]: ...
     def close(self) -> None: ...

@@ -15,6 +15,13 @@
 //! receives the combined rows (`e2a_recv`). Each iteration is timed on the attention rank from
 //! before `a2e_send` to after `e2a_recv` (CLOCK_MONOTONIC); after `warmup` unmeasured
 //! iterations it prints `ROUNDTRIP_NS tokens=T p50=.. min=.. iters=N` (see [`iterations`]).
+//!
+//! With `--per-call` first (`roundtrip --per-call ITERS TOKENS...`) each call is timed on its
+//! own, with no peer wait inside it: the attention rank times `a2e_send`, polls `e2a_ready`
+//! (untimed) and times `e2a_recv`; the expert polls `a2e_ready` (untimed) and times
+//! `a2e_recv` and `e2a_send` (polls sleep [`POLL_SLEEP`] apart). Each rank prints `PER_CALL_NS tokens=T call=NAME p50=.. min=..
+//! iters=N` per call: the Rust cost of exactly the calls the Python benchmark times the same
+//! way, so the difference is the binding's own cost per call.
 
 use std::process::{Command, ExitCode};
 use std::sync::Arc;
@@ -33,6 +40,10 @@ pub const EXPERTS: usize = 64;
 /// Tokens per call the communicator has room for.
 pub const MAX_TOKENS: usize = 128;
 
+/// Sleep between two untimed readiness polls of `--per-call` (a poller that spun would take
+/// a core from the peer it waits for).
+pub const POLL_SLEEP: Duration = Duration::from_micros(20);
+
 /// `(warmup, measured)` iterations at `tokens` tokens, from ITERS (the count at T=1): fewer
 /// for larger calls, at least 50.
 pub fn iterations(iters: usize, tokens: usize) -> (usize, usize) {
@@ -40,13 +51,36 @@ pub fn iterations(iters: usize, tokens: usize) -> (usize, usize) {
     (n.min(100), n)
 }
 
+const USAGE: &str = "arguments: [--per-call | --one-thread] ITERS TOKENS...";
+
 fn main() -> ExitCode {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse().expect("arguments: TOKENS ITERS"))
-        .collect();
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = args
+        .first()
+        .filter(|a| a.starts_with("--"))
+        .cloned()
+        .inspect(|_| {
+            args.remove(0);
+        });
+    let (per_call, one_thread) = match flag.as_deref() {
+        None => (false, false),
+        Some("--per-call") => (true, false),
+        Some("--one-thread") => (false, true),
+        Some(_) => {
+            eprintln!("{USAGE}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Ok(args) = args
+        .iter()
+        .map(|a| a.parse())
+        .collect::<Result<Vec<usize>, _>>()
+    else {
+        eprintln!("{USAGE}");
+        return ExitCode::FAILURE;
+    };
     let [iters, ref tokens @ ..] = args[..] else {
-        eprintln!("arguments: ITERS TOKENS...");
+        eprintln!("{USAGE}");
         return ExitCode::FAILURE;
     };
     if tokens.is_empty() || tokens.iter().any(|&t| t == 0 || t > MAX_TOKENS) {
@@ -54,8 +88,9 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let result = match std::env::var("RANK") {
-        Ok(rank) => rank_main(rank.parse().expect("RANK"), iters, tokens),
-        Err(_) => launch(&args),
+        _ if one_thread => one_thread_main(iters, tokens),
+        Ok(rank) => rank_main(rank.parse().expect("RANK"), iters, tokens, per_call),
+        Err(_) => launch(&args, per_call),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -67,11 +102,12 @@ fn main() -> ExitCode {
 }
 
 /// Starts both ranks as processes of this binary and waits for them.
-fn launch(args: &[usize]) -> Result<(), String> {
+fn launch(args: &[usize], per_call: bool) -> Result<(), String> {
     let id = UniqueId::new().map_err(|e| e.to_string())?;
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let spawn = |rank: usize| {
         Command::new(&exe)
+            .args(per_call.then(|| "--per-call".to_string()))
             .args(args.iter().map(|v| v.to_string()))
             .env("XCCL_ID", id.to_string())
             .env("RANK", rank.to_string())
@@ -105,28 +141,116 @@ pub fn routing(tokens: usize) -> Vec<i32> {
     idx
 }
 
+/// Joins the job named by `id` as `rank` of 2.
+fn join(id: &UniqueId, rank: usize) -> xccl::Result<Communicator> {
+    let boot = TcpBootstrap::connect(id, rank, 2, Duration::from_secs(60))?;
+    let topo = Arc::new(Topology::contiguous(1, 1, EXPERTS)?);
+    let cfg = MoeConfig::new(HIDDEN, DType::BF16, TOPK, MAX_TOKENS);
+    Communicator::init_shm(Arc::new(boot), topo, cfg)
+}
+
+/// The attention rank's input, routing and weights for `tokens` tokens, and room for the
+/// result.
+fn workload(tokens: usize) -> (Vec<bf16>, Vec<i32>, Vec<f32>, Vec<bf16>) {
+    let x: Vec<bf16> = (0..tokens * HIDDEN)
+        .map(|i| bf16::from_f32((i % 251) as f32 / 251.0))
+        .collect();
+    let w = vec![1.0f32 / TOPK as f32; tokens * TOPK];
+    let out = vec![bf16::ZERO; x.len()];
+    (x, routing(tokens), w, out)
+}
+
+/// `--one-thread`: both ranks in this process, joined on two threads; then one thread makes
+/// every call of both ranks in turn, so no call ever waits for a peer (each finds what the
+/// previous one published), and times each: the cost of the calls themselves, hot in cache,
+/// with no scheduling inside. Prints `PER_CALL_NS` lines as `--per-call`.
+fn one_thread_main(iters: usize, counts: &[usize]) -> Result<(), String> {
+    let id = UniqueId::new().map_err(|e| e.to_string())?;
+    let joins: Vec<_> = (0..2)
+        .map(|rank| std::thread::spawn(move || join(&id, rank)))
+        .collect();
+    let mut comms = Vec::new();
+    for (rank, j) in joins.into_iter().enumerate() {
+        let comm = j
+            .join()
+            .map_err(|_| format!("rank {rank}: init panicked"))?;
+        comms.push(comm.map_err(|e| format!("rank {rank}: {e}"))?);
+    }
+    let (mut expert, mut attention) = (comms.pop().expect("2"), comms.pop().expect("2"));
+    let e = |e: xccl::Error| e.to_string();
+    let mut batch = ExpertBatch::new();
+    for &tokens in counts {
+        let (warmup, measured) = iterations(iters, tokens);
+        let (x, idx, w, mut out) = workload(tokens);
+        let mut times: [Vec<u64>; 4] = Default::default();
+        for i in 0..warmup + measured {
+            let t0 = Instant::now();
+            let handle = attention.a2e_send(&x, &idx, &w).map_err(e)?;
+            let t1 = Instant::now();
+            expert.a2e_recv(&mut batch).map_err(e)?;
+            let t2 = Instant::now();
+            expert
+                .e2a_send(&batch, batch.rows::<bf16>().map_err(e)?)
+                .map_err(e)?;
+            let t3 = Instant::now();
+            attention.e2a_recv(&handle, &mut out).map_err(e)?;
+            let t4 = Instant::now();
+            if i >= warmup {
+                for (k, (a, b)) in [(t0, t1), (t1, t2), (t2, t3), (t3, t4)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    times[k].push((b - a).as_nanos() as u64);
+                }
+            }
+        }
+        let [send, recv, reply, combine] = times;
+        report_calls(
+            tokens,
+            &mut [
+                ("a2e_send", send),
+                ("a2e_recv", recv),
+                ("e2a_send", reply),
+                ("e2a_recv", combine),
+            ],
+        );
+    }
+    Ok(())
+}
+
 /// One rank of the job.
-fn rank_main(rank: usize, iters: usize, counts: &[usize]) -> Result<(), String> {
+fn rank_main(rank: usize, iters: usize, counts: &[usize], per_call: bool) -> Result<(), String> {
     let e = |e: xccl::Error| format!("rank {rank}: {e}");
     let id: UniqueId = std::env::var("XCCL_ID")
         .map_err(|_| "XCCL_ID is not set".to_string())?
         .parse()
         .map_err(e)?;
-    let boot = TcpBootstrap::connect(&id, rank, 2, Duration::from_secs(60)).map_err(e)?;
-    let topo = Arc::new(Topology::contiguous(1, 1, EXPERTS).map_err(e)?);
-    let cfg = MoeConfig::new(HIDDEN, DType::BF16, TOPK, MAX_TOKENS);
-    let mut comm = Communicator::init_shm(Arc::new(boot), topo, cfg).map_err(e)?;
+    let mut comm = join(&id, rank).map_err(e)?;
     let mut batch = ExpertBatch::new();
     for &tokens in counts {
         let (warmup, measured) = iterations(iters, tokens);
         match comm.role() {
             Role::Attention => {
-                let x: Vec<bf16> = (0..tokens * HIDDEN)
-                    .map(|i| bf16::from_f32((i % 251) as f32 / 251.0))
-                    .collect();
-                let idx = routing(tokens);
-                let w = vec![1.0f32 / TOPK as f32; tokens * TOPK];
-                let mut out = vec![bf16::ZERO; x.len()];
+                let (x, idx, w, mut out) = workload(tokens);
+                if per_call {
+                    let (mut send, mut recv) = (Vec::new(), Vec::new());
+                    for i in 0..warmup + measured {
+                        let start = Instant::now();
+                        let handle = comm.a2e_send(&x, &idx, &w).map_err(e)?;
+                        let sent = start.elapsed();
+                        while !comm.e2a_ready(&handle).map_err(e)? {
+                            std::thread::sleep(POLL_SLEEP);
+                        }
+                        let start = Instant::now();
+                        comm.e2a_recv(&handle, &mut out).map_err(e)?;
+                        if i >= warmup {
+                            send.push(sent.as_nanos() as u64);
+                            recv.push(start.elapsed().as_nanos() as u64);
+                        }
+                    }
+                    report_calls(tokens, &mut [("a2e_send", send), ("e2a_recv", recv)]);
+                    continue;
+                }
                 let mut times = Vec::with_capacity(measured);
                 for i in 0..warmup + measured {
                     let start = Instant::now();
@@ -143,6 +267,25 @@ fn rank_main(rank: usize, iters: usize, counts: &[usize]) -> Result<(), String> 
                     times[0]
                 );
             }
+            Role::Expert if per_call => {
+                let (mut recv, mut send) = (Vec::new(), Vec::new());
+                for i in 0..warmup + measured {
+                    while !comm.a2e_ready().map_err(e)? {
+                        std::thread::sleep(POLL_SLEEP);
+                    }
+                    let start = Instant::now();
+                    comm.a2e_recv(&mut batch).map_err(e)?;
+                    let received = start.elapsed();
+                    let start = Instant::now();
+                    comm.e2a_send(&batch, batch.rows::<bf16>().map_err(e)?)
+                        .map_err(e)?;
+                    if i >= warmup {
+                        recv.push(received.as_nanos() as u64);
+                        send.push(start.elapsed().as_nanos() as u64);
+                    }
+                }
+                report_calls(tokens, &mut [("a2e_recv", recv), ("e2a_send", send)]);
+            }
             Role::Expert => {
                 for _ in 0..warmup + measured {
                     comm.a2e_recv(&mut batch).map_err(e)?;
@@ -153,4 +296,17 @@ fn rank_main(rank: usize, iters: usize, counts: &[usize]) -> Result<(), String> 
         }
     }
     Ok(())
+}
+
+/// Prints `PER_CALL_NS` lines: p50 and min of each call's times.
+fn report_calls(tokens: usize, calls: &mut [(&str, Vec<u64>)]) {
+    for (name, times) in calls {
+        times.sort_unstable();
+        println!(
+            "PER_CALL_NS tokens={tokens} call={name} p50={} min={} iters={}",
+            times[times.len() / 2],
+            times[0],
+            times.len()
+        );
+    }
 }

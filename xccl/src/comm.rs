@@ -80,6 +80,56 @@ const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// agreed fields.
 const HANDSHAKE_WORDS: usize = 11;
 
+/// Aborts a communicator's job from any thread: `Send + Sync`, obtained with
+/// [`Communicator::abort_handle`], for a binding or a watchdog whose communicator is inside a
+/// blocking call on another thread ([`Communicator::abort`] needs `&mut`).
+///
+/// [`AbortHandle::abort`] raises the fabric's abort flag: every rank's current and later waits
+/// fail with [`Error::Aborted`] naming this rank and the reason, the blocked call on this rank
+/// included (it fails and poisons the communicator, as any abort does), and the next call on
+/// the communicator fails the same way. The handle does not keep the communicator's fabric
+/// alive: once the communicator is dropped (or shrunk) it does nothing.
+#[derive(Clone)]
+pub struct AbortHandle {
+    fabric: std::sync::Weak<dyn Fabric>,
+}
+
+impl AbortHandle {
+    /// Aborts the job with `reason` (the first abort wins); returns `false` when the
+    /// communicator is gone. Returns promptly (on libfabric after a bounded flush).
+    pub fn abort(&self, reason: &str) -> bool {
+        match self.fabric.upgrade() {
+            Some(fabric) => {
+                tracing::warn!(
+                    rank = fabric.rank(),
+                    reason,
+                    "xccl: aborting the job (abort handle)"
+                );
+                fabric.abort(reason);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The error the communicator's calls return once an abort (this rank's or a peer's) has
+    /// reached this rank: [`Error::Aborted`], or [`Error::PeerFailed`] for an abort that reports
+    /// a dead rank; `None` otherwise or when the communicator is gone.
+    pub fn aborted(&self) -> Option<Error> {
+        let fabric = self.fabric.upgrade()?;
+        let notice = fabric.aborted()?;
+        Some(notice.to_error(fabric.world_size()))
+    }
+}
+
+impl std::fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AbortHandle")
+            .field("live", &(self.fabric.strong_count() > 0))
+            .finish()
+    }
+}
+
 /// The protocol state of one rank, by role.
 enum Side {
     Attention {
@@ -662,6 +712,14 @@ impl Communicator {
             by: self.ctx.rank,
             reason: reason.to_string(),
         });
+    }
+
+    /// A handle that aborts this communicator's job from any thread, also while a call of this
+    /// communicator blocks on another thread (see [`AbortHandle`]).
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle {
+            fabric: Arc::downgrade(&self.ctx.fabric),
+        }
     }
 
     /// Runs one call: fails fast when poisoned, and gives a failed call its defined state (see

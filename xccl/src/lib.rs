@@ -46,7 +46,7 @@ mod api_tests;
 #[cfg(test)]
 mod comm_tests;
 
-pub use comm::{Communicator, ShrinkOptions, ShrinkStep};
+pub use comm::{AbortHandle, Communicator, ShrinkOptions, ShrinkStep};
 pub use error::{AbortNotice, Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};

@@ -27,7 +27,8 @@ pub(crate) const AWAITED_CHECK_EVERY: std::time::Duration = std::time::Duration:
 
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
-    /// Shared only weakly, with the handles of live calls (their abort path when dropped).
+    /// Shared only weakly: with the handles and batches of live calls (their abort path when
+    /// dropped) and with the communicator's [`crate::AbortHandle`]s.
     pub(crate) fabric: Arc<dyn Fabric>,
     pub(crate) topo: Arc<Topology>,
     pub(crate) cfg: MoeConfig,
