@@ -351,6 +351,7 @@ impl ControlArea {
         let mut tally = Tally::default();
         let mut spinning = policy.spin_iters > 0;
         let mut yielding = plan.yield_allowed;
+        let yield_for = plan.yield_for;
         // When the spin phase ended (the yield phase's clock starts there).
         let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
@@ -394,7 +395,7 @@ impl ControlArea {
                     waited: now - start,
                 });
             }
-            if yielding && now - spun < policy.yield_for {
+            if yielding && now - spun < yield_for {
                 sync::yield_now();
                 tally.yields += 1;
                 // A yield that kept the core away longer than a sleep and its wake-up would
@@ -479,6 +480,8 @@ struct Tally {
 struct Plan {
     /// Spin for at most this long (and at most `spin_iters` polls).
     spin_for: Duration,
+    /// Yield for at most this long after the spin phase.
+    yield_for: Duration,
     /// A yield that took longer ends the yield phase.
     slow_yield: Duration,
     /// Whether this wait may yield at all (not while backing off after slow yields).
@@ -491,6 +494,9 @@ const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
+/// Longest yield phase that ranks outnumbering cores add to a policy without one (or with a
+/// shorter one): one wake-up latency, at most this.
+const MAX_HANDOFF_YIELD_NS: u64 = 50_000;
 /// Shortest and longest time without a yield phase after a slow yield.
 const MIN_YIELD_BACKOFF_NS: u64 = 10_000_000;
 const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
@@ -512,9 +518,12 @@ pub struct WaitState {
     yield_off_until: std::sync::atomic::AtomicU64,
     yield_backoff: std::sync::atomic::AtomicU64,
     counts: [std::sync::atomic::AtomicU64; 6],
+    /// More ranks on this host than cores this process may run on.
+    oversubscribed: bool,
 }
 
 impl Default for WaitState {
+    /// The state of a rank with a core of its own.
     fn default() -> Self {
         WaitState {
             wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
@@ -522,6 +531,7 @@ impl Default for WaitState {
             yield_off_until: Default::default(),
             yield_backoff: Default::default(),
             counts: Default::default(),
+            oversubscribed: false,
         }
     }
 }
@@ -564,6 +574,22 @@ impl WaitCounters {
 }
 
 impl WaitState {
+    /// The state of a rank of a job with `ranks` ranks on this host: oversubscribed when they
+    /// outnumber the cores this process may run on (`sched_getaffinity`, as
+    /// [`std::thread::available_parallelism`] counts them).
+    pub fn for_ranks_on_host(ranks: usize) -> Self {
+        WaitState {
+            oversubscribed: ranks > cores_available(),
+            ..WaitState::default()
+        }
+    }
+
+    /// Whether this rank's host runs more ranks than it has cores for them (see
+    /// [`WaitPolicy`] for what that changes).
+    pub fn oversubscribed(&self) -> bool {
+        self.oversubscribed
+    }
+
     /// What the waits counted so far, and the current estimates.
     pub fn counters(&self) -> WaitCounters {
         use std::sync::atomic::Ordering::Relaxed;
@@ -580,12 +606,19 @@ impl WaitState {
         }
     }
 
+    /// The spin budget of the next wait, ns: at most the wake-up latency, and the shortest
+    /// budget when ranks outnumber cores.
     fn spin_budget(&self) -> u64 {
         use std::sync::atomic::Ordering::Relaxed;
         let wake = self.wake_ns.load(Relaxed);
-        match self.spin_ns.load(Relaxed) {
+        let budget = match self.spin_ns.load(Relaxed) {
             0 => wake,
             s => s.min(wake),
+        };
+        if self.oversubscribed {
+            budget.min(MIN_SPIN_NS)
+        } else {
+            budget
         }
     }
 
@@ -593,13 +626,24 @@ impl WaitState {
     fn plan(&self, policy: WaitPolicy) -> Plan {
         use std::sync::atomic::Ordering::Relaxed;
         let wake = self.wake_ns.load(Relaxed);
-        let yield_allowed = !policy.yield_for.is_zero()
+        // Ranks outnumbering cores: a busy poll keeps the core from the rank that owes the
+        // signal (the spin budget is the shortest, `spin_budget`), a yield hands it over, so
+        // yield for at least one wake-up latency (what a futex hand-off costs) before sleeping.
+        let yield_for = if self.oversubscribed {
+            policy
+                .yield_for
+                .max(Duration::from_nanos(wake.min(MAX_HANDOFF_YIELD_NS)))
+        } else {
+            policy.yield_for
+        };
+        let yield_allowed = !yield_for.is_zero()
             && match self.yield_off_until.load(Relaxed) {
                 0 => true,
                 until => now_ns() >= until,
             };
         Plan {
             spin_for: Duration::from_nanos(self.spin_budget()),
+            yield_for,
             slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
         }
@@ -712,7 +756,12 @@ mod loom_tests;
 /// With a core per rank, spinning gives the lowest latency. With more ranks than cores, a
 /// spinning waiter takes the core the rank it waits for needs; yielding hands the core over at
 /// once while staying runnable, so the signal is seen without a futex wake-up (a syscall for the
-/// signaller and a scheduler wake-up for the waiter).
+/// signaller and a scheduler wake-up for the waiter). So when the ranks on the host outnumber
+/// the cores this process may run on ([`WaitState::for_ranks_on_host`]), every policy, the ones
+/// a user picks included, spins for at most 0.5 us, and yields for at least one wake-up latency
+/// (at most 50 us; the policy's own cap when longer) before it sleeps: a policy without a yield
+/// phase (`sleep`) then pays at most twice what a futex hand-off costs before its sleep, and
+/// the yields stop as soon as one is slow (another task ran a slice), as above.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -787,13 +836,17 @@ impl WaitPolicy {
         {
             return p;
         }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if ranks > cores {
+        if ranks > cores_available() {
             WaitPolicy::OVERSUBSCRIBED
         } else {
             WaitPolicy::DEDICATED
         }
     }
+}
+
+/// Cores this process may run on (its `sched_getaffinity` mask, at least 1).
+fn cores_available() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
@@ -895,6 +948,68 @@ mod policy_tests {
             );
             assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod plan_tests {
+    use super::*;
+
+    #[test]
+    fn ranks_outnumbering_cores_cap_the_spin_and_give_every_policy_a_bounded_yield_phase() {
+        let over = WaitState {
+            oversubscribed: true,
+            ..WaitState::default()
+        };
+        let own = WaitState::default();
+        assert!(over.oversubscribed() && !own.oversubscribed());
+        let first_wake = Duration::from_nanos(FIRST_WAKE_NS);
+        let shortest = Duration::from_nanos(MIN_SPIN_NS);
+        for policy in [
+            WaitPolicy::DEDICATED,
+            WaitPolicy::SHARED,
+            WaitPolicy::OVERSUBSCRIBED,
+        ] {
+            let p = over.plan(policy);
+            assert_eq!(p.spin_for, shortest, "{policy:?}");
+            // One wake-up latency of yielding, or the policy's longer cap.
+            assert_eq!(p.yield_for, policy.yield_for.max(first_wake), "{policy:?}");
+            assert!(p.yield_allowed, "{policy:?}");
+            // With a core per rank the policy's caps stand.
+            let q = own.plan(policy);
+            assert_eq!(q.spin_for, first_wake, "{policy:?}");
+            assert_eq!(q.yield_for, policy.yield_for, "{policy:?}");
+            assert_eq!(q.yield_allowed, !policy.yield_for.is_zero(), "{policy:?}");
+        }
+        // The added yield phase is one wake-up latency, never more than 50 us.
+        over.wake_ns
+            .store(400_000, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            over.plan(WaitPolicy::SHARED).yield_for,
+            Duration::from_nanos(MAX_HANDOFF_YIELD_NS)
+        );
+        assert_eq!(over.counters().spin_ns, MIN_SPIN_NS);
+    }
+
+    #[test]
+    fn slow_yields_turn_the_yield_phase_off_even_where_ranks_outnumber_cores() {
+        let over = WaitState {
+            oversubscribed: true,
+            ..WaitState::default()
+        };
+        let plan = over.plan(WaitPolicy::SHARED);
+        let tally = Tally {
+            yields: 1,
+            slow_yields: 1,
+            ..Tally::default()
+        };
+        let before = now_ns();
+        over.finish(&plan, &tally, Duration::from_millis(2));
+        // No yield phase for the shortest back-off from the slow yield on (read from the state,
+        // not from the clock: the test holds however long it is descheduled).
+        use std::sync::atomic::Ordering::Relaxed;
+        assert_eq!(over.yield_backoff.load(Relaxed), MIN_YIELD_BACKOFF_NS);
+        assert!(over.yield_off_until.load(Relaxed) >= before + MIN_YIELD_BACKOFF_NS);
     }
 }
 
