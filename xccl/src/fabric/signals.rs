@@ -576,7 +576,8 @@ impl WaitCounters {
 impl WaitState {
     /// The state of a rank of a job with `ranks` ranks on this host: oversubscribed when they
     /// outnumber the cores this process may run on (`sched_getaffinity`, as
-    /// [`std::thread::available_parallelism`] counts them).
+    /// [`std::thread::available_parallelism`] counts them; a rank pinned to one CPU counts the
+    /// host's online CPUs, as its launcher gave each rank a core).
     pub fn for_ranks_on_host(ranks: usize) -> Self {
         WaitState {
             oversubscribed: ranks > cores_available(),
@@ -846,9 +847,17 @@ impl WaitPolicy {
     }
 }
 
-/// Cores this process may run on (its `sched_getaffinity` mask, at least 1).
+/// Cores the ranks of this host may run on: this process's `sched_getaffinity` mask, unless it
+/// holds a single CPU, where a launcher pinned each rank to a core of its own (`mpirun
+/// --bind-to core`, `xccl-bench --bind`), and the host's online CPUs count instead.
 fn cores_available() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    let mask = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if mask > 1 {
+        return mask;
+    }
+    // SAFETY: sysconf only reads a system value.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(online).unwrap_or(1).max(1)
 }
 
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
@@ -990,6 +999,29 @@ mod plan_tests {
             Duration::from_nanos(MAX_HANDOFF_YIELD_NS)
         );
         assert_eq!(over.counters().spin_ns, 0);
+    }
+
+    #[test]
+    fn a_rank_pinned_to_one_cpu_counts_the_hosts_cores() {
+        // As a launcher pins ranks (`--bind-to core`): one CPU in the mask, a core per rank.
+        std::thread::spawn(|| {
+            // SAFETY: plain libc calls on a zeroed cpu_set_t owned by this thread.
+            let pinned = unsafe {
+                let cpu = libc::sched_getcpu().max(0) as usize;
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+            };
+            assert!(pinned);
+            assert_eq!(std::thread::available_parallelism().unwrap().get(), 1);
+            // SAFETY: sysconf only reads a system value.
+            let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } as usize;
+            assert_eq!(cores_available(), online.max(1));
+            assert_eq!(WaitState::for_ranks_on_host(2).oversubscribed(), 2 > online);
+            assert!(WaitState::for_ranks_on_host(online + 1).oversubscribed());
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
