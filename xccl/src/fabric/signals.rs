@@ -349,7 +349,7 @@ impl ControlArea {
         let start = Instant::now();
         let plan = state.plan(policy);
         let mut tally = Tally::default();
-        let mut spinning = policy.spin_iters > 0 && !plan.spin_for.is_zero();
+        let mut spinning = plan.spin_iters > 0 && !plan.spin_for.is_zero();
         let mut yielding = plan.yield_allowed;
         let yield_for = plan.yield_for;
         // When the spin phase ended (the yield phase's clock starts there).
@@ -371,7 +371,7 @@ impl ControlArea {
             if spinning {
                 tally.polls += 1;
                 // The clock is read every 32 polls: a poll and a `pause` cost far less.
-                let over = tally.polls >= policy.spin_iters
+                let over = tally.polls >= plan.spin_iters
                     || (tally.polls % 32 == 0 && start.elapsed() >= plan.spin_for);
                 if !over {
                     sync::spin_loop();
@@ -478,8 +478,9 @@ struct Tally {
 
 /// How the next wait runs, from the policy and what earlier waits observed.
 struct Plan {
-    /// Spin for at most this long (and at most `spin_iters` polls).
+    /// Spin for at most this long and at most this many polls.
     spin_for: Duration,
+    spin_iters: u32,
     /// Yield for at most this long after the spin phase.
     yield_for: Duration,
     /// A yield that took longer ends the yield phase.
@@ -494,6 +495,10 @@ const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
+/// Polls of the spin phase that a rank with a core of its own gives a policy without one (at
+/// most the spin budget, one wake-up latency, as every spin phase). None in the loom models,
+/// which check the protocol, not the phases (each poll multiplies their interleavings).
+const OWN_CORE_POLLS: u32 = if cfg!(loom) { 0 } else { 64 };
 /// Longest yield phase that ranks outnumbering cores add to a policy without one (or with a
 /// shorter one): one wake-up latency, at most this.
 const MAX_HANDOFF_YIELD_NS: u64 = 50_000;
@@ -644,8 +649,17 @@ impl WaitState {
                 0 => true,
                 until => now_ns() >= until,
             };
+        // A core per rank: a short spin takes the core from nobody, and a signal that comes
+        // within it is seen without a yield or a wake-up (a policy without a spin phase, such
+        // as `yield`, gets one of `OWN_CORE_POLLS`, bounded by the budget as every spin is).
+        let spin_iters = if !self.oversubscribed && policy.spin_iters == 0 {
+            OWN_CORE_POLLS
+        } else {
+            policy.spin_iters
+        };
         Plan {
             spin_for: Duration::from_nanos(self.spin_budget()),
+            spin_iters,
             yield_for,
             slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
@@ -764,7 +778,9 @@ mod loom_tests;
 /// a user picks included, does not spin, and yields for at least one wake-up latency
 /// (at most 50 us; the policy's own cap when longer) before it sleeps: a policy without a yield
 /// phase (`sleep`) then pays at most twice what a futex hand-off costs before its sleep, and
-/// the yields stop as soon as one is slow (another task ran a slice), as above.
+/// the yields stop as soon as one is slow (another task ran a slice), as above. With a core per
+/// rank, a policy without a spin phase (`yield`) spins for up to 64 polls (and the spin budget)
+/// first: such a spin takes the core from nobody.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -985,9 +1001,11 @@ mod plan_tests {
             // One wake-up latency of yielding, or the policy's longer cap.
             assert_eq!(p.yield_for, policy.yield_for.max(first_wake), "{policy:?}");
             assert!(p.yield_allowed, "{policy:?}");
-            // With a core per rank the policy's caps stand.
+            // With a core per rank the policy's caps stand, and a policy without a spin phase
+            // gets a short one.
             let q = own.plan(policy);
             assert_eq!(q.spin_for, first_wake, "{policy:?}");
+            assert_eq!(q.spin_iters, policy.spin_iters.max(64), "{policy:?}");
             assert_eq!(q.yield_for, policy.yield_for, "{policy:?}");
             assert_eq!(q.yield_allowed, !policy.yield_for.is_zero(), "{policy:?}");
         }
