@@ -2,7 +2,7 @@
 # MPI baseline of xccl-bench. For each shape: xccl-bench writes the routing of the run
 # (--routing-only), Open MPI collectives replay it (benches/baselines/moe_alltoallv.c), then
 # xccl-bench runs the same routing with --mpi-baseline, so its table, JSON and plot hold xccl,
-# the memcpy, the cross-process streaming limit, the one-row ping-pong floor and MPI side by side.
+# the memcpy, the cross-process streaming limit, the one-row exchange floor and MPI side by side.
 # With REPEAT > 1 the MPI and xccl runs alternate and the summary gives medians and ranges.
 #
 # The baseline is built and launched as an MPI user would tune it:
@@ -72,7 +72,7 @@ runs = [json.load(open(f"{out}/xccl-{tag}-{r}.json")) for r in range(1, reps + 1
 lib = runs[0].get("mpi_baseline", {}).get("library")
 print(f"MPI: {lib}")
 f = [r["floor"]["p50_us"] for r in runs]
-print(f"floor (one-row ping-pong) p50 us: median {statistics.median(f):.2f} [{min(f):.2f}, {max(f):.2f}]")
+print(f"floor (one-row exchange, the T=1 call's graph) p50 us: median {statistics.median(f):.2f} [{min(f):.2f}, {max(f):.2f}]")
 def med(vals):
     vals = [v for v in vals if v is not None]
     if not vals:

@@ -28,8 +28,10 @@ LIMITS (same run, same fabric, same wait policy)
   limit(us): p50 of streaming the same bytes between processes: attention rank a writes them
   into expert rank M+a's window in --chunk-bytes chunks with a signal per chunk, the expert
   copies each chunk out, then streams them back the same way (min(M,N) pairs at once).
-  vs_limit = limit p50 / xccl p50 (1.0 = at the limit). floor: the same with one row each way
-  and one pair, a cross-process ping-pong, printed beside the T=1 round trip.
+  vs_limit = limit p50 / xccl p50 (1.0 = at the limit). floor: one row each way between every
+  attention and every expert rank (the graph of a T=1 call; at 1A:1E a ping-pong), fastest of
+  the wait policies, printed beside the T=1 round trip; pair floor: one row per pair, min(M,N)
+  independent pairs (the floor of earlier versions).
 
 LAUNCHING
   Without a launcher, xccl-bench starts M+N rank processes itself (--fabric shm) or runs the

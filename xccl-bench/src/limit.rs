@@ -10,11 +10,18 @@
 //!   the job moves as many bytes as the call. Timed like the calls: `a2e` = last expert done
 //!   reading - first attention start, `e2a` = last attention done - first expert start,
 //!   `roundtrip` = last attention done - first attention start.
-//! - **Latency floor**: the same with one row (H elements) each way and `min(M, N)` pairs at
-//!   once: a cross-process ping-pong of one row per pair. It runs once under the run's wait
-//!   policy and once under each policy a user can pick ([`FLOOR_POLICIES`]); the floor is the
-//!   fastest of them, so a policy is measured against the best this machine gave, not against
-//!   itself.
+//! - **Latency floor**: one row (H elements) each way over the communication graph of a T=1
+//!   call ([`Pattern::Exchange`]): every attention rank puts one row into every expert rank's
+//!   window and signals it; each expert waits for all M, copies the M rows out, puts one row back
+//!   into every attention rank's window and signals it; each attention rank waits for all N and
+//!   copies the N rows out. At 1A:1E that is a one-row ping-pong. It runs once under the run's
+//!   wait policy and once under each policy a user can pick ([`FLOOR_POLICIES`]); the floor is
+//!   the fastest of them, so a policy is measured against the best this machine gave, not
+//!   against itself.
+//! - **Pair floor**: the same one row per pair with `min(M, N)` independent pairs (the floor of
+//!   earlier versions, [`Pattern::Pairs`]), under the same policies. With more than one pair the
+//!   pairs need not wait for each other (with two cores, one pair per core), so it is lower than
+//!   what any call whose ranks all exchange can reach; it is printed beside the floor.
 //!
 //! Every iteration starts with a barrier through the fabric's own signals (as the calls'
 //! `Communicator::barrier` does), and every wait uses the fabric's wait policy, so the limit
@@ -35,22 +42,47 @@ const ARRIVE: usize = 1;
 
 /// Signal slots the limit fabric needs for `size` ranks.
 pub fn slots(size: usize) -> usize {
-    ARRIVE + size + 1
+    ARRIVE + 2 * size + 1
 }
 
 fn release_slot(size: usize) -> usize {
     ARRIVE + size
 }
 
-/// One measurement: `bytes` each way per pair, over `pairs` concurrent pairs.
+/// Slot where a rank receives the exchange signal of rank `from` (the round's epoch).
+fn exchange_slot(size: usize, from: usize) -> usize {
+    ARRIVE + size + 1 + from
+}
+
+/// Who moves bytes to whom in a measurement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pattern {
+    /// Attention rank `a` with expert rank `M + a`, for `a` below the count, independently.
+    Pairs(usize),
+    /// Every attention rank with every expert rank, one row each way (a T=1 call's graph).
+    Exchange,
+}
+
+/// One measurement: `bytes` each way per pair of ranks that exchange.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Measurement {
     /// Bytes each pair moves in each direction (whole rows).
     pub bytes: usize,
-    /// Concurrent pairs `(a, M + a)`, `a < pairs`.
-    pub pairs: usize,
+    /// Which ranks exchange.
+    pub pattern: Pattern,
     /// The wait policy of the measurement (`None`: the run's own).
     pub policy: Option<(&'static str, WaitPolicy)>,
+}
+
+impl Measurement {
+    /// The writing (attention) and reading (expert) ranks of the measurement, for `m`
+    /// attention and `n` expert ranks.
+    fn ranks(&self, m: usize, n: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        match self.pattern {
+            Pattern::Pairs(p) => (0..p, m..m + p),
+            Pattern::Exchange => (0..m, m..m + n),
+        }
+    }
 }
 
 /// The policies the floor is measured under besides the run's own (`XCCL_WAIT` names).
@@ -83,9 +115,11 @@ impl LimitFabric for xccl::fabric::local::LocalFabric {
 pub struct Plan {
     /// Bytes of one row (H x dtype size).
     pub row: usize,
-    /// Per token count, then the one-row ping-pong: under the run's policy, then under each
-    /// of [`FLOOR_POLICIES`].
+    /// Per token count (pairs), then the pair floor and the floor (one row, [`Pattern`]), each
+    /// under the run's policy, then under each of [`FLOOR_POLICIES`].
     pub measurements: Vec<Measurement>,
+    /// Rows of the largest exchange window (`max(M, N)`: one per peer).
+    pub exchange_rows: usize,
     /// Iterations per measurement: warmup, then measured.
     pub warmup: usize,
     /// Measured iterations per measurement.
@@ -98,7 +132,7 @@ impl Plan {
     /// The plan of a run: per token count, the mean one-way bytes per attention rank of the
     /// measured iterations (the routing is deterministic; with DP domains, domains taking turns
     /// from the first iteration, which is the calls' share on average), then one row for the
-    /// floor.
+    /// pair floor and the floor.
     pub fn of(args: &Args) -> xccl::Result<Plan> {
         let topo = topology(args)?;
         let (m, n) = (args.attention, args.experts);
@@ -119,25 +153,22 @@ impl Plan {
             let per_pair = (rows as f64 / args.iters as f64 / pairs as f64).round() as usize;
             measurements.push(Measurement {
                 bytes: per_pair.max(1) * row,
-                pairs,
+                pattern: Pattern::Pairs(pairs),
                 policy: None,
             });
         }
-        measurements.push(Measurement {
-            bytes: row,
-            pairs,
-            policy: None,
-        });
-        for p in FLOOR_POLICIES {
-            measurements.push(Measurement {
+        for pattern in [Pattern::Pairs(pairs), Pattern::Exchange] {
+            let policies = std::iter::once(None).chain(FLOOR_POLICIES.map(Some));
+            measurements.extend(policies.map(|policy| Measurement {
                 bytes: row,
-                pairs,
-                policy: Some(p),
-            });
+                pattern,
+                policy,
+            }));
         }
         Ok(Plan {
             row,
             measurements,
+            exchange_rows: m.max(n),
             warmup: args.warmup.max(3),
             iters: args.iters,
             chunk: (args.chunk_bytes / row).max(1) * row,
@@ -151,6 +182,7 @@ impl Plan {
             .map(|m| m.bytes)
             .max()
             .unwrap_or(self.row)
+            .max(self.exchange_rows * self.row)
     }
 
     fn rounds(&self) -> usize {
@@ -254,6 +286,49 @@ fn stream_in(
     Ok(base + chunks)
 }
 
+/// Puts `row` into every rank of `to`, at this rank's place among the ranks of its role
+/// (`place` rows in), and signals each with `epoch`.
+fn exchange_out(
+    f: &dyn Fabric,
+    to: std::ops::Range<usize>,
+    row: &[u8],
+    place: usize,
+    epoch: u64,
+) -> xccl::Result<()> {
+    let (me, size) = (f.rank(), f.world_size());
+    for peer in to {
+        f.put(peer, place * row.len(), row)?;
+        f.signal(peer, exchange_slot(size, me), epoch)?;
+    }
+    Ok(())
+}
+
+/// Waits for the `epoch` signal of every rank of `from` (in one wait, naming the first missing
+/// one), then copies their rows (one each, `row` bytes, in rank order) out of this rank's window.
+fn exchange_in(
+    f: &dyn Fabric,
+    from: std::ops::Range<usize>,
+    dst: &mut [u8],
+    row: usize,
+    epoch: u64,
+    timeout: Duration,
+) -> xccl::Result<()> {
+    let size = f.world_size();
+    let deadline = deadline_after(timeout);
+    let mut next = from.start;
+    f.wait_until(deadline, &mut || {
+        while next < from.end && f.signal_value(exchange_slot(size, next)) >= epoch {
+            next += 1;
+        }
+        (next < from.end).then_some(Waiting {
+            peer: next,
+            what: "limit exchange row",
+        })
+    })?;
+    let len = from.len() * row;
+    f.get(f.rank(), 0, &mut dst[..len])
+}
+
 /// Runs the whole plan on this rank; returns its words (per measurement, per iteration,
 /// [`WORDS`] each). Every rank of the fabric must call it.
 pub fn run(f: &mut dyn LimitFabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
@@ -270,14 +345,27 @@ pub fn run(f: &mut dyn LimitFabric, args: &Args, plan: &Plan) -> xccl::Result<Ve
     for meas in &plan.measurements {
         f.set_policy(meas.policy.map_or(own, |p| p.1));
         let f: &dyn Fabric = f;
-        // Which side of which pair this rank is, if any.
-        let writer_first = rank < meas.pairs;
-        let reader_first = rank >= m && rank - m < meas.pairs;
+        // Which side this rank is, if any.
+        let (writers, readers) = meas.ranks(m, args.experts);
+        let writer_first = writers.contains(&rank);
+        let reader_first = readers.contains(&rank);
         for _ in 0..plan.rounds() {
             epoch += 1;
             barrier(f, epoch, timeout)?;
             let mut w = [0u64; WORDS];
-            if writer_first {
+            if meas.pattern == Pattern::Exchange {
+                let row = &src[..meas.bytes];
+                if writer_first {
+                    w[0] = now_ns();
+                    exchange_out(f, readers.clone(), row, rank, epoch)?;
+                    exchange_in(f, readers.clone(), &mut dst, row.len(), epoch, timeout)?;
+                    w[2] = now_ns();
+                } else if reader_first {
+                    exchange_in(f, writers.clone(), &mut dst, row.len(), epoch, timeout)?;
+                    w[1] = now_ns();
+                    exchange_out(f, writers.clone(), row, rank - m, epoch)?;
+                }
+            } else if writer_first {
                 let peer = m + rank;
                 w[0] = now_ns();
                 seq_out = stream_out(f, peer, &src[..meas.bytes], plan.chunk, seq_out)?;
@@ -303,18 +391,39 @@ pub fn run_policy(args: &Args) -> WaitPolicy {
     WaitPolicy::for_ranks_on_host(args.world_size())
 }
 
-/// The floor of a run: the fastest one-row round trip (p50) of the floor measurements, with the
-/// name of the policy it ran under (`None`: the run's own) and the run's own floor.
-pub fn floor(plan: &Plan, limits: &[Limit]) -> Option<(Limit, Option<&'static str>, Limit)> {
-    let first = plan
-        .measurements
-        .len()
-        .checked_sub(1 + FLOOR_POLICIES.len())?;
-    let own = *limits.get(first)?;
-    let (best, name) = (first..limits.len())
-        .map(|i| (limits[i], plan.measurements[i].policy.map(|p| p.0)))
-        .min_by(|a, b| a.0.p50_us[2].total_cmp(&b.0.p50_us[2]))?;
-    Some((best, name, own))
+/// One floor of a run: its one-row measurements under every policy and the fastest of them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Floor {
+    /// The fastest round trip (p50) of the measurements.
+    pub best: Limit,
+    /// Every measurement, by policy (`run`: the run's own, then [`FLOOR_POLICIES`]).
+    pub by_policy: Vec<(&'static str, Limit)>,
+}
+
+/// The floors of a run: the exchange floor ([`Pattern::Exchange`], the one T=1 calls are set
+/// against) and the pair floor ([`Pattern::Pairs`]), each the fastest of its policies.
+pub fn floors(plan: &Plan, limits: &[Limit]) -> Option<(Floor, Floor)> {
+    // The plan ends with the pair floor's measurements, then the exchange floor's.
+    let per = 1 + FLOOR_POLICIES.len();
+    let end = plan.measurements.len().min(limits.len());
+    let of = |range: std::ops::Range<usize>| {
+        let by_policy: Vec<(&'static str, Limit)> = range
+            .map(|i| {
+                (
+                    plan.measurements[i].policy.map_or("run", |p| p.0),
+                    limits[i],
+                )
+            })
+            .collect();
+        let best = by_policy
+            .iter()
+            .map(|p| p.1)
+            .min_by(|a, b| a.p50_us[2].total_cmp(&b.p50_us[2]))?;
+        Some(Floor { best, by_policy })
+    };
+    let exchange = of(end.checked_sub(per)?..end)?;
+    let pairs = of(end.checked_sub(2 * per)?..end - per)?;
+    Some((exchange, pairs))
 }
 
 /// The limit of one measurement, in microseconds.
@@ -338,9 +447,9 @@ pub fn aggregate(args: &Args, plan: &Plan, words: &[Vec<u64>]) -> Vec<Limit> {
         .map(|(k, meas)| {
             let at = |r: usize, it: usize, w: usize| words[r][(k * rounds + it) * WORDS + w];
             let mut lat: [Vec<f64>; 3] = Default::default();
+            let (writers, readers) = meas.ranks(m, args.experts);
             for it in plan.warmup..rounds {
-                let writers = 0..meas.pairs;
-                let readers = m..m + meas.pairs;
+                let (writers, readers) = (writers.clone(), readers.clone());
                 let start = writers.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
                 let end = writers.map(|r| at(r, it, 2)).max().unwrap_or(0);
                 let read_end = readers.clone().map(|r| at(r, it, 1)).max().unwrap_or(0);
@@ -406,14 +515,14 @@ mod tests {
     }
 
     #[test]
-    fn plan_moves_the_calls_bytes_in_whole_rows_and_ends_with_one_row_under_every_policy() {
+    fn plan_moves_the_calls_bytes_in_whole_rows_and_ends_with_both_floors_under_every_policy() {
         let a = args(&[
             "-a",
             "2",
             "-e",
-            "2",
+            "3",
             "--num-experts",
-            "8",
+            "9",
             "-k",
             "3",
             "--hidden",
@@ -429,24 +538,30 @@ mod tests {
         ]);
         let p = Plan::of(&a).unwrap();
         assert_eq!(p.row, 64);
-        assert_eq!(p.measurements.len(), 2 + 1 + FLOOR_POLICIES.len());
+        let per = 1 + FLOOR_POLICIES.len();
+        assert_eq!(p.measurements.len(), 2 + 2 * per);
         for m in &p.measurements {
             assert_eq!(m.bytes % p.row, 0);
         }
-        assert_eq!(p.measurements[0].pairs, 2);
-        assert_eq!(
-            p.measurements[2],
-            Measurement {
-                bytes: 64,
-                pairs: 2,
-                policy: None,
-            }
-        );
-        for (m, policy) in p.measurements[3..].iter().zip(FLOOR_POLICIES) {
-            assert_eq!((m.bytes, m.pairs, m.policy), (64, 2, Some(policy)));
+        assert_eq!(p.measurements[0].pattern, Pattern::Pairs(2));
+        let policies = std::iter::once(None).chain(FLOOR_POLICIES.map(Some));
+        for (i, policy) in policies.enumerate() {
+            let pair = p.measurements[2 + i];
+            assert_eq!(
+                (pair.bytes, pair.pattern, pair.policy),
+                (64, Pattern::Pairs(2), policy)
+            );
+            let ex = p.measurements[2 + per + i];
+            assert_eq!(
+                (ex.bytes, ex.pattern, ex.policy),
+                (64, Pattern::Exchange, policy)
+            );
         }
-        // 8 tokens, each to 1 or 2 expert ranks: between 8 and 16 rows per attention rank.
-        assert!((8 * 64..=16 * 64).contains(&p.measurements[1].bytes));
+        // 8 tokens, each to 1 to 3 expert ranks: between 8 and 24 rows per attention rank,
+        // shared by 2 pairs (the job's rows: 16 to 48).
+        assert!((8 * 64..=24 * 64).contains(&p.measurements[1].bytes));
+        // The exchange window holds a row from each of the 3 expert ranks.
+        assert!(p.window_len() >= 3 * 64);
     }
 
     #[test]
@@ -483,8 +598,16 @@ mod tests {
         let plan = Plan::of(&a).unwrap();
         let words = run_local(&a, &plan).unwrap();
         let limits = aggregate(&a, &plan, &words);
-        assert_eq!(limits.len(), 2 + 1 + FLOOR_POLICIES.len());
-        assert!(floor(&plan, &limits).is_some());
+        assert_eq!(limits.len(), 2 + 2 * (1 + FLOOR_POLICIES.len()));
+        let (exchange, pairs) = floors(&plan, &limits).unwrap();
+        for f in [&exchange, &pairs] {
+            let names: Vec<_> = f.by_policy.iter().map(|p| p.0).collect();
+            assert_eq!(names, ["run", "spin", "yield", "sleep"]);
+            assert!(f
+                .by_policy
+                .iter()
+                .all(|p| p.1.p50_us[2] >= f.best.p50_us[2]));
+        }
         for l in limits {
             assert!(l.p50_us[2] > 0.0 && l.p99_us[2] >= l.p50_us[2], "{l:?}");
         }

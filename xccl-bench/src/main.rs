@@ -277,7 +277,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .map_err(e)?;
     let wait_blobs = env
         .exchange
-        .allgather(&run::encode_waits(&report.waits), args.timeout())
+        .allgather(&run::encode_waits(&report), args.timeout())
         .map_err(e)?;
     drop(comm);
     if env.rank != 0 {
@@ -288,7 +288,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         .map(|b| RankReport::decode(b))
         .collect::<Result<Vec<_>, _>>()?;
     for (r, w) in reports.iter_mut().zip(&wait_blobs) {
-        r.waits = run::decode_waits(w);
+        run::decode_waits(w, r);
     }
     let limit_words: Vec<Vec<u64>> = limit_blobs.iter().map(|b| decode_words(b)).collect();
     finish(
@@ -450,6 +450,22 @@ fn run_local(args: &Args) -> Result<i32, String> {
     )
 }
 
+/// The run's wait policy, and what ranks outnumbering cores change in it (shm and local
+/// fabrics, whose ranks share this host: [`xccl::fabric::WaitState::for_ranks_on_host`]).
+fn describe_wait(args: &Args, policy: WaitPolicy) -> String {
+    let host = matches!(args.fabric, FabricKind::Shm | FabricKind::Local);
+    let over = xccl::fabric::WaitState::for_ranks_on_host(args.world_size()).oversubscribed();
+    if host && over {
+        format!(
+            "{}; {} ranks outnumber the cores: no spinning, yield >= one wake-up (<= 50 us)",
+            policy.describe(),
+            args.world_size()
+        )
+    } else {
+        policy.describe()
+    }
+}
+
 /// Per sweep point, each role's wait counters per call (means over its ranks).
 fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
     let points = args.quants().into_iter().flat_map(|q| {
@@ -467,7 +483,7 @@ fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
     points
         .enumerate()
         .map(|(i, (tokens, quant))| {
-            let mut roles = [[0.0; 7]; 2];
+            let mut roles = [[0.0; 10]; 2];
             for (role, ranks) in [0..args.attention, args.attention..args.world_size()]
                 .into_iter()
                 .enumerate()
@@ -486,6 +502,11 @@ fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
                     v[4] += w.sleeps as f64 / per_call;
                     v[5] += w.wake_ns as f64 / 1e3 / n;
                     v[6] += w.spin_ns as f64 / 1e3 / n;
+                    if let Some(c) = reports.get(r).and_then(|rep| rep.costs.get(i)) {
+                        v[7] += c.cpu_ns as f64 / 1e3 / per_call;
+                        v[8] += c.voluntary_switches as f64 / per_call;
+                        v[9] += c.involuntary_switches as f64 / per_call;
+                    }
                 }
             }
             report::WaitLine {
@@ -532,25 +553,13 @@ fn finish(
         }
         None => None,
     };
-    let (floor, floors) = match limit::floor(plan, &limits) {
-        Some((best, _, _)) => {
-            let at = limits.len() - 1 - limit::FLOOR_POLICIES.len();
-            let names = std::iter::once("run").chain(limit::FLOOR_POLICIES.iter().map(|p| p.0));
-            let all = names
-                .zip(&limits[at..])
-                .map(|(n, l)| (n.to_string(), *l))
-                .collect();
-            (Some(best), all)
-        }
-        None => (None, Vec::new()),
-    };
     let extras = report::Extras {
-        floor,
-        floors,
+        floors: limit::floors(plan, &limits),
+        floor_shape: (args.attention, args.experts),
         floor_pairs: args.attention.min(args.experts),
         waits: wait_lines(args, reports),
         mpi,
-        wait_policy: policy.describe(),
+        wait_policy: describe_wait(args, policy),
         fi: fi.map(|r| report::FiLimit::of(r, args, plan)),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();

@@ -332,12 +332,13 @@ impl Machine {
 /// What the table and the JSON show besides the rows.
 #[derive(Clone, Debug, Default)]
 pub struct Extras {
-    /// The one-row cross-process ping-pong ([`crate::limit`]), when measured: the fastest of
-    /// `floors`.
-    pub floor: Option<Limit>,
-    /// Every floor measurement: the policy it ran under (`run` is the run's own) and its figures.
-    pub floors: Vec<(String, Limit)>,
-    /// Pairs the floor ran at once.
+    /// The one-row exchange between every attention and every expert rank (the floor T=1
+    /// calls are set against) and the one-row pair ping-pong ([`crate::limit::floors`]), when
+    /// measured.
+    pub floors: Option<(crate::limit::Floor, crate::limit::Floor)>,
+    /// Attention and expert ranks of the exchange floor.
+    pub floor_shape: (usize, usize),
+    /// Pairs the pair floor ran at once.
     pub floor_pairs: usize,
     /// Per sweep point (tokens, quant): what an attention rank's and an expert rank's waits
     /// counted per call (means over the ranks of each role and the timed calls).
@@ -410,8 +411,9 @@ pub struct WaitLine {
     /// Its quant name.
     pub quant: &'static str,
     /// Per role (attention, expert): waits, spin polls, yields, slow yields, sleeps per call,
-    /// and the mean wake-up latency estimate and spin budget (us) at the end of the point.
-    pub roles: [[f64; 7]; 2],
+    /// the mean wake-up latency estimate and spin budget (us) at the end of the point, then
+    /// CPU time (us), voluntary and involuntary context switches per call.
+    pub roles: [[f64; 10]; 2],
 }
 
 fn opt(v: Option<f64>, width: usize, prec: usize) -> String {
@@ -515,40 +517,55 @@ pub fn table(
         for (role, v) in ["attention", "expert"].iter().zip(&w.roles) {
             s += &format!(
                 " {role} {:.1} waits, {:.0} spin polls, {:.1} yields ({:.2} slow), {:.2} sleeps, \
-                 wake-up {:.1} us, spin budget {:.1} us;",
-                v[0], v[1], v[2], v[3], v[4], v[5], v[6]
+                 wake-up {:.1} us, spin budget {:.1} us, cpu {:.1} us, switches {:.2} \
+                 voluntary {:.2} involuntary;",
+                v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]
             );
         }
         s.pop();
         s += "\n";
     }
-    if let Some(f) = &extras.floor {
-        let all: Vec<String> = extras
-            .floors
-            .iter()
-            .map(|(name, l)| format!("{name} {:.2}", l.p50_us[2]))
-            .collect();
-        s += &format!(
-            "# floor: cross-process ping-pong of one row ({} B) each way, {} pair(s) at once: p50 {:.2} us, p99 {:.2} us (fastest of the policies, us: {})",
-            f.bytes,
-            extras.floor_pairs,
-            f.p50_us[2],
-            f.p99_us[2],
-            all.join(", ")
-        );
+    if let Some((exchange, pairs)) = &extras.floors {
         let smallest = rows
             .iter()
             .filter(|r| r.op == "roundtrip")
             .min_by_key(|r| r.tokens);
-        if let Some(r) = smallest.filter(|_| f.p50_us[2] > 0.0) {
+        let (m, n) = extras.floor_shape;
+        let lines = [
+            (
+                "floor",
+                exchange,
+                format!("one row each way between each of {m} attention and {n} expert rank(s), the graph of a T=1 call"),
+            ),
+            (
+                "pair floor",
+                pairs,
+                format!("one-row ping-pong, {} independent pair(s) at once", extras.floor_pairs),
+            ),
+        ];
+        for (name, f, what) in lines {
+            let all: Vec<String> = f
+                .by_policy
+                .iter()
+                .map(|(p, l)| format!("{p} {:.2}", l.p50_us[2]))
+                .collect();
             s += &format!(
-                "; roundtrip T={} p50 {:.2} us = {:.2} x floor",
-                r.tokens,
-                r.p50_us,
-                r.p50_us / f.p50_us[2]
+                "# {name}: {what} ({} B): p50 {:.2} us, p99 {:.2} us (fastest of the policies, us: {})",
+                f.best.bytes,
+                f.best.p50_us[2],
+                f.best.p99_us[2],
+                all.join(", ")
             );
+            if let Some(r) = smallest.filter(|_| f.best.p50_us[2] > 0.0) {
+                s += &format!(
+                    "; roundtrip T={} p50 {:.2} us = {:.2} x {name}",
+                    r.tokens,
+                    r.p50_us,
+                    r.p50_us / f.best.p50_us[2]
+                );
+            }
+            s += "\n";
         }
-        s += "\n";
     }
     if let Some(fi) = &extras.fi {
         match &fi.runs {
@@ -660,14 +677,21 @@ pub fn to_json(
                     "load_average_1min": machine.load},
         "memcpy_gbps": memcpy,
         "check": check,
-        "floor": extras.floor.map(|f| json!({
-            "bytes": f.bytes,
+        "floor": extras.floors.as_ref().map(|(f, _)| json!({
+            "pattern": "exchange",
+            "attention": extras.floor_shape.0,
+            "experts": extras.floor_shape.1,
+            "bytes": f.best.bytes,
+            "p50_us": f.best.p50_us[2],
+            "p99_us": f.best.p99_us[2],
+            "by_policy": floor_json(f),
+        })),
+        "pair_floor": extras.floors.as_ref().map(|(_, f)| json!({
             "pairs": extras.floor_pairs,
-            "p50_us": f.p50_us[2],
-            "p99_us": f.p99_us[2],
-            "by_policy": extras.floors.iter().map(|(n, l)| json!({
-                "policy": n, "p50_us": l.p50_us[2], "p99_us": l.p99_us[2],
-            })).collect::<Vec<_>>(),
+            "bytes": f.best.bytes,
+            "p50_us": f.best.p50_us[2],
+            "p99_us": f.best.p99_us[2],
+            "by_policy": floor_json(f),
         })),
         "fi_pingpong": extras.fi.as_ref().map(|fi| json!({
             "runs": fi.runs.as_ref().ok().map(|r| r.iter().map(|p| json!({
@@ -706,9 +730,17 @@ pub fn to_json(
     })
 }
 
-fn wait_json(v: &[f64; 7]) -> serde_json::Value {
+fn floor_json(f: &crate::limit::Floor) -> Vec<serde_json::Value> {
+    f.by_policy
+        .iter()
+        .map(|(n, l)| json!({"policy": n, "p50_us": l.p50_us[2], "p99_us": l.p99_us[2]}))
+        .collect()
+}
+
+fn wait_json(v: &[f64; 10]) -> serde_json::Value {
     json!({"waits": v[0], "spin_polls": v[1], "yields": v[2], "slow_yields": v[3],
-           "sleeps": v[4], "wake_us": v[5], "spin_budget_us": v[6]})
+           "sleeps": v[4], "wake_us": v[5], "spin_budget_us": v[6], "cpu_us": v[7],
+           "voluntary_switches": v[8], "involuntary_switches": v[9]})
 }
 
 #[cfg(test)]

@@ -87,16 +87,63 @@ pub struct RankReport {
     /// left out; [`xccl::Communicator::wait_counters`]). Not in [`RankReport::encode`]: gathered
     /// on their own ([`encode_waits`]).
     pub waits: Vec<WaitCounters>,
+    /// Per sweep point, what this rank's timed calls cost its thread (barriers left out).
+    /// Gathered with `waits`.
+    pub costs: Vec<CallCost>,
 }
 
-/// Words of one point's [`WaitCounters`] in [`encode_waits`].
-const WAIT_WORDS: usize = 8;
+/// What calls cost the thread that made them: CPU time and context switches
+/// (`getrusage(RUSAGE_THREAD)`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallCost {
+    /// User and system CPU time, ns (microsecond resolution).
+    pub cpu_ns: u64,
+    /// Context switches where the thread blocked (futex sleeps).
+    pub voluntary_switches: u64,
+    /// Context switches where the thread stayed runnable (preemptions and `sched_yield`s that
+    /// ran another task).
+    pub involuntary_switches: u64,
+}
 
-/// Serialises per-point wait counters for the bootstrap allgather.
-pub fn encode_waits(waits: &[WaitCounters]) -> Vec<u8> {
-    waits
+impl CallCost {
+    /// This thread's totals so far (zeros if `getrusage` fails, which it does not on Linux).
+    pub fn now() -> CallCost {
+        use nix::sys::resource::{getrusage, UsageWho};
+        let Ok(u) = getrusage(UsageWho::RUSAGE_THREAD) else {
+            return CallCost::default();
+        };
+        let ns = |t: nix::sys::time::TimeVal| {
+            t.tv_sec() as u64 * 1_000_000_000 + t.tv_usec() as u64 * 1_000
+        };
+        CallCost {
+            cpu_ns: ns(u.user_time()) + ns(u.system_time()),
+            voluntary_switches: u.voluntary_context_switches() as u64,
+            involuntary_switches: u.involuntary_context_switches() as u64,
+        }
+    }
+
+    /// `self - earlier`, added to `total`.
+    fn add_since(&self, earlier: &CallCost, total: &mut CallCost) {
+        total.cpu_ns += self.cpu_ns.saturating_sub(earlier.cpu_ns);
+        total.voluntary_switches += self
+            .voluntary_switches
+            .saturating_sub(earlier.voluntary_switches);
+        total.involuntary_switches += self
+            .involuntary_switches
+            .saturating_sub(earlier.involuntary_switches);
+    }
+}
+
+/// Words of one point's [`WaitCounters`] and [`CallCost`] in [`encode_waits`].
+const WAIT_WORDS: usize = 11;
+
+/// Serialises a rank's per-point wait counters and call costs for the bootstrap allgather.
+pub fn encode_waits(report: &RankReport) -> Vec<u8> {
+    report
+        .waits
         .iter()
-        .flat_map(|w| {
+        .zip(&report.costs)
+        .flat_map(|(w, c)| {
             [
                 w.waits,
                 w.polls,
@@ -106,21 +153,23 @@ pub fn encode_waits(waits: &[WaitCounters]) -> Vec<u8> {
                 w.timed_wakes,
                 w.wake_ns,
                 w.spin_ns,
+                c.cpu_ns,
+                c.voluntary_switches,
+                c.involuntary_switches,
             ]
         })
         .flat_map(u64::to_le_bytes)
         .collect()
 }
 
-/// Inverse of [`encode_waits`].
-pub fn decode_waits(blob: &[u8]) -> Vec<WaitCounters> {
+/// Inverse of [`encode_waits`]: the waits and costs of `report`.
+pub fn decode_waits(blob: &[u8], report: &mut RankReport) {
     let words: Vec<u64> = blob
         .chunks_exact(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
-    words
-        .chunks_exact(WAIT_WORDS)
-        .map(|w| WaitCounters {
+    for w in words.chunks_exact(WAIT_WORDS) {
+        report.waits.push(WaitCounters {
             waits: w[0],
             polls: w[1],
             yields: w[2],
@@ -129,8 +178,13 @@ pub fn decode_waits(blob: &[u8]) -> Vec<WaitCounters> {
             timed_wakes: w[5],
             wake_ns: w[6],
             spin_ns: w[7],
-        })
-        .collect()
+        });
+        report.costs.push(CallCost {
+            cpu_ns: w[8],
+            voluntary_switches: w[9],
+            involuntary_switches: w[10],
+        });
+    }
 }
 
 /// Adds `b` to `a` (the estimates are `b`'s).
@@ -177,6 +231,7 @@ impl RankReport {
             mismatches,
             phases: Vec::new(),
             waits: Vec::new(),
+            costs: Vec::new(),
         })
     }
 }
@@ -248,9 +303,11 @@ fn run_typed<T: Element>(
         };
         let mut phases: [Stats; 2] = Default::default();
         let mut waits = WaitCounters::default();
+        let mut cost = CallCost::default();
         for it in 0..args.rounds() {
             comm.barrier()?;
             let waits_before = comm.wait_counters();
+            let cost_before = CallCost::now();
             let this_call = call;
             call += 1;
             let w = match comm.role() {
@@ -328,6 +385,7 @@ fn run_typed<T: Element>(
                 }
             };
             if it >= args.warmup {
+                CallCost::now().add_since(&cost_before, &mut cost);
                 add_waits(&mut waits, &comm.wait_counters().since(&waits_before));
             }
             report.words.extend_from_slice(&w);
@@ -337,6 +395,7 @@ fn run_typed<T: Element>(
         }
         report.phases.push(phases);
         report.waits.push(waits);
+        report.costs.push(cost);
         if args.check {
             let buffers = match args.buffers {
                 BufferKind::Copy => Buffers::Copy,

@@ -106,7 +106,7 @@ impl LocalFabric {
                 world: world.clone(),
                 rank,
                 wait_policy,
-                wait_state: WaitState::default(),
+                wait_state: WaitState::for_ranks_on_host(n),
             })
             .collect())
     }

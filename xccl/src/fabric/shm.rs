@@ -657,7 +657,7 @@ impl ShmFabric {
             num_slots,
             segments,
             wait_policy,
-            wait_state: WaitState::default(),
+            wait_state: WaitState::for_ranks_on_host(size),
         })
     }
 

@@ -386,8 +386,9 @@ impl ControlArea {
         let start = Instant::now();
         let plan = state.plan(policy);
         let mut tally = Tally::default();
-        let mut spinning = policy.spin_iters > 0;
+        let mut spinning = plan.spin_iters > 0 && !plan.spin_for.is_zero();
         let mut yielding = plan.yield_allowed;
+        let yield_for = plan.yield_for;
         // When the spin phase ended (the yield phase's clock starts there).
         let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
@@ -408,7 +409,7 @@ impl ControlArea {
             if spinning {
                 tally.polls += 1;
                 // The clock is read every 32 polls: a poll and a `pause` cost far less.
-                let over = tally.polls >= policy.spin_iters
+                let over = tally.polls >= plan.spin_iters
                     || (tally.polls % 32 == 0 && start.elapsed() >= plan.spin_for);
                 if !over {
                     sync::spin_loop();
@@ -432,7 +433,7 @@ impl ControlArea {
                     waited: now - start,
                 });
             }
-            if yielding && now - spun < policy.yield_for {
+            if yielding && now - spun < yield_for {
                 sync::yield_now();
                 tally.yields += 1;
                 // A yield that kept the core away longer than a sleep and its wake-up would
@@ -515,8 +516,11 @@ struct Tally {
 
 /// How the next wait runs, from the policy and what earlier waits observed.
 struct Plan {
-    /// Spin for at most this long (and at most `spin_iters` polls).
+    /// Spin for at most this long and at most this many polls.
     spin_for: Duration,
+    spin_iters: u32,
+    /// Yield for at most this long after the spin phase.
+    yield_for: Duration,
     /// A yield that took longer ends the yield phase.
     slow_yield: Duration,
     /// Whether this wait may yield at all (not while backing off after slow yields).
@@ -529,6 +533,13 @@ const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
+/// Polls of the spin phase that a rank with a core of its own gives a policy without one (at
+/// most the spin budget, one wake-up latency, as every spin phase). None in the loom models,
+/// which check the protocol, not the phases (each poll multiplies their interleavings).
+const OWN_CORE_POLLS: u32 = if cfg!(loom) { 0 } else { 64 };
+/// Longest yield phase that ranks outnumbering cores add to a policy without one (or with a
+/// shorter one): one wake-up latency, at most this.
+const MAX_HANDOFF_YIELD_NS: u64 = 50_000;
 /// Shortest and longest time without a yield phase after a slow yield.
 const MIN_YIELD_BACKOFF_NS: u64 = 10_000_000;
 const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
@@ -550,9 +561,12 @@ pub struct WaitState {
     yield_off_until: std::sync::atomic::AtomicU64,
     yield_backoff: std::sync::atomic::AtomicU64,
     counts: [std::sync::atomic::AtomicU64; 6],
+    /// More ranks on this host than cores this process may run on.
+    oversubscribed: bool,
 }
 
 impl Default for WaitState {
+    /// The state of a rank with a core of its own.
     fn default() -> Self {
         WaitState {
             wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
@@ -560,6 +574,7 @@ impl Default for WaitState {
             yield_off_until: Default::default(),
             yield_backoff: Default::default(),
             counts: Default::default(),
+            oversubscribed: false,
         }
     }
 }
@@ -602,6 +617,23 @@ impl WaitCounters {
 }
 
 impl WaitState {
+    /// The state of a rank of a job with `ranks` ranks on this host: oversubscribed when they
+    /// outnumber the cores this process may run on (`sched_getaffinity`, as
+    /// [`std::thread::available_parallelism`] counts them; a rank pinned to one CPU counts the
+    /// host's online CPUs, as its launcher gave each rank a core).
+    pub fn for_ranks_on_host(ranks: usize) -> Self {
+        WaitState {
+            oversubscribed: ranks > cores_available(),
+            ..WaitState::default()
+        }
+    }
+
+    /// Whether this rank's host runs more ranks than it has cores for them (see
+    /// [`WaitPolicy`] for what that changes).
+    pub fn oversubscribed(&self) -> bool {
+        self.oversubscribed
+    }
+
     /// What the waits counted so far, and the current estimates.
     pub fn counters(&self) -> WaitCounters {
         use std::sync::atomic::Ordering::Relaxed;
@@ -618,12 +650,19 @@ impl WaitState {
         }
     }
 
+    /// The spin budget of the next wait, ns: at most the wake-up latency; none when ranks
+    /// outnumber cores.
     fn spin_budget(&self) -> u64 {
         use std::sync::atomic::Ordering::Relaxed;
         let wake = self.wake_ns.load(Relaxed);
-        match self.spin_ns.load(Relaxed) {
+        let budget = match self.spin_ns.load(Relaxed) {
             0 => wake,
             s => s.min(wake),
+        };
+        if self.oversubscribed {
+            0
+        } else {
+            budget
         }
     }
 
@@ -631,13 +670,35 @@ impl WaitState {
     fn plan(&self, policy: WaitPolicy) -> Plan {
         use std::sync::atomic::Ordering::Relaxed;
         let wake = self.wake_ns.load(Relaxed);
-        let yield_allowed = !policy.yield_for.is_zero()
+        // Ranks outnumbering cores: a busy poll keeps the core from the rank that owes the
+        // signal (no spin phase, `spin_budget`: even the shortest one, the 32 polls between two
+        // looks at the clock, took about 9 us of a shared core a wait, measured), a yield hands
+        // it over, so yield for at least one wake-up latency (what a futex hand-off costs)
+        // before sleeping.
+        let yield_for = if self.oversubscribed {
+            policy
+                .yield_for
+                .max(Duration::from_nanos(wake.min(MAX_HANDOFF_YIELD_NS)))
+        } else {
+            policy.yield_for
+        };
+        let yield_allowed = !yield_for.is_zero()
             && match self.yield_off_until.load(Relaxed) {
                 0 => true,
                 until => now_ns() >= until,
             };
+        // A core per rank: a short spin takes the core from nobody, and a signal that comes
+        // within it is seen without a yield or a wake-up (a policy without a spin phase, such
+        // as `yield`, gets one of `OWN_CORE_POLLS`, bounded by the budget as every spin is).
+        let spin_iters = if !self.oversubscribed && policy.spin_iters == 0 {
+            OWN_CORE_POLLS
+        } else {
+            policy.spin_iters
+        };
         Plan {
             spin_for: Duration::from_nanos(self.spin_budget()),
+            spin_iters,
+            yield_for,
             slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
         }
@@ -739,7 +800,7 @@ mod loom_tests;
 ///    signaller stamps the time it wakes a sleeper), so a wait that ends up sleeping costs at
 ///    most twice what it had to (the rule of ski rental); it halves after a wait that outlasted
 ///    a wake-up and doubles after one that ended just past it (as an adaptive mutex spins).
-///    Where ranks outnumber cores, waits never end while spinning and the budget falls to 0.5 us.
+///    Where ranks outnumber cores there is no spin phase (see below).
 /// 2. **Yield**: `sched_yield` between polls for up to `yield_for`, which hands the core to a
 ///    runnable peer on it at once. A yield that kept the core away for longer than 16 wake-ups
 ///    (at least 500 us: another task ran its time slice) ends the phase, and waits skip it for the next 10 ms, doubling up to 1 s while later probes find
@@ -751,7 +812,14 @@ mod loom_tests;
 /// With a core per rank, spinning gives the lowest latency. With more ranks than cores, a
 /// spinning waiter takes the core the rank it waits for needs; yielding hands the core over at
 /// once while staying runnable, so the signal is seen without a futex wake-up (a syscall for the
-/// signaller and a scheduler wake-up for the waiter).
+/// signaller and a scheduler wake-up for the waiter). So when the ranks on the host outnumber
+/// the cores this process may run on ([`WaitState::for_ranks_on_host`]), every policy, the ones
+/// a user picks included, does not spin, and yields for at least one wake-up latency
+/// (at most 50 us; the policy's own cap when longer) before it sleeps: a policy without a yield
+/// phase (`sleep`) then pays at most twice what a futex hand-off costs before its sleep, and
+/// the yields stop as soon as one is slow (another task ran a slice), as above. With a core per
+/// rank, a policy without a spin phase (`yield`) spins for up to 64 polls (and the spin budget)
+/// first: such a spin takes the core from nobody.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -826,13 +894,25 @@ impl WaitPolicy {
         {
             return p;
         }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        if ranks > cores {
+        if ranks > cores_available() {
             WaitPolicy::OVERSUBSCRIBED
         } else {
             WaitPolicy::DEDICATED
         }
     }
+}
+
+/// Cores the ranks of this host may run on: this process's `sched_getaffinity` mask, unless it
+/// holds a single CPU, where a launcher pinned each rank to a core of its own (`mpirun
+/// --bind-to core`, `xccl-bench --bind`), and the host's online CPUs count instead.
+fn cores_available() -> usize {
+    let mask = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if mask > 1 {
+        return mask;
+    }
+    // SAFETY: sysconf only reads a system value.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    usize::try_from(online).unwrap_or(1).max(1)
 }
 
 /// Longest single futex sleep; bounds how late an abort or a dead peer is noticed.
@@ -934,6 +1014,92 @@ mod policy_tests {
             );
             assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod plan_tests {
+    use super::*;
+
+    #[test]
+    fn ranks_outnumbering_cores_end_spinning_and_give_every_policy_a_bounded_yield_phase() {
+        let over = WaitState {
+            oversubscribed: true,
+            ..WaitState::default()
+        };
+        let own = WaitState::default();
+        assert!(over.oversubscribed() && !own.oversubscribed());
+        let first_wake = Duration::from_nanos(FIRST_WAKE_NS);
+        for policy in [
+            WaitPolicy::DEDICATED,
+            WaitPolicy::SHARED,
+            WaitPolicy::OVERSUBSCRIBED,
+        ] {
+            let p = over.plan(policy);
+            assert_eq!(p.spin_for, Duration::ZERO, "{policy:?}");
+            // One wake-up latency of yielding, or the policy's longer cap.
+            assert_eq!(p.yield_for, policy.yield_for.max(first_wake), "{policy:?}");
+            assert!(p.yield_allowed, "{policy:?}");
+            // With a core per rank the policy's caps stand, and a policy without a spin phase
+            // gets a short one.
+            let q = own.plan(policy);
+            assert_eq!(q.spin_for, first_wake, "{policy:?}");
+            assert_eq!(q.spin_iters, policy.spin_iters.max(64), "{policy:?}");
+            assert_eq!(q.yield_for, policy.yield_for, "{policy:?}");
+            assert_eq!(q.yield_allowed, !policy.yield_for.is_zero(), "{policy:?}");
+        }
+        // The added yield phase is one wake-up latency, never more than 50 us.
+        over.wake_ns
+            .store(400_000, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            over.plan(WaitPolicy::SHARED).yield_for,
+            Duration::from_nanos(MAX_HANDOFF_YIELD_NS)
+        );
+        assert_eq!(over.counters().spin_ns, 0);
+    }
+
+    #[test]
+    fn a_rank_pinned_to_one_cpu_counts_the_hosts_cores() {
+        // As a launcher pins ranks (`--bind-to core`): one CPU in the mask, a core per rank.
+        std::thread::spawn(|| {
+            // SAFETY: plain libc calls on a zeroed cpu_set_t owned by this thread.
+            let pinned = unsafe {
+                let cpu = libc::sched_getcpu().max(0) as usize;
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(cpu, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+            };
+            assert!(pinned);
+            assert_eq!(std::thread::available_parallelism().unwrap().get(), 1);
+            // SAFETY: sysconf only reads a system value.
+            let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) } as usize;
+            assert_eq!(cores_available(), online.max(1));
+            assert_eq!(WaitState::for_ranks_on_host(2).oversubscribed(), 2 > online);
+            assert!(WaitState::for_ranks_on_host(online + 1).oversubscribed());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn slow_yields_turn_the_yield_phase_off_even_where_ranks_outnumber_cores() {
+        let over = WaitState {
+            oversubscribed: true,
+            ..WaitState::default()
+        };
+        let plan = over.plan(WaitPolicy::SHARED);
+        let tally = Tally {
+            yields: 1,
+            slow_yields: 1,
+            ..Tally::default()
+        };
+        let before = now_ns();
+        over.finish(&plan, &tally, Duration::from_millis(2));
+        // No yield phase for the shortest back-off from the slow yield on (read from the state,
+        // not from the clock: the test holds however long it is descheduled).
+        use std::sync::atomic::Ordering::Relaxed;
+        assert_eq!(over.yield_backoff.load(Relaxed), MIN_YIELD_BACKOFF_NS);
+        assert!(over.yield_off_until.load(Relaxed) >= before + MIN_YIELD_BACKOFF_NS);
     }
 }
 
