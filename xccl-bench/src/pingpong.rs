@@ -58,15 +58,23 @@ pub fn parse(text: &str) -> Vec<PingPong> {
     out
 }
 
-/// fi_pingpong's size column: `64`, `1k`, `1m`, `1g` (powers of 1024).
+/// fi_pingpong's size column: `64`, `1k`, `1m`, `1g` (powers of 1024), rounded to one decimal
+/// for sizes that are not a whole multiple (`3.4m` for 3,655,680 bytes).
 fn size(s: &str) -> Option<usize> {
     let (num, mult) = match s.chars().last()? {
-        'k' => (&s[..s.len() - 1], 1 << 10),
+        'k' => (&s[..s.len() - 1], 1u64 << 10),
         'm' => (&s[..s.len() - 1], 1 << 20),
         'g' => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().ok().map(|n| n * mult)
+    if let Ok(n) = num.parse::<usize>() {
+        return Some(n * mult as usize);
+    }
+    let x = num
+        .parse::<f64>()
+        .ok()
+        .filter(|x| x.is_finite() && *x >= 0.0)?;
+    Some((x * mult as f64).round() as usize)
 }
 
 /// Iterations fi_pingpong runs for a message of `bytes` (about 8 MiB each way, 100 to 2000).
@@ -144,7 +152,9 @@ pub fn run(
                 Ok(out) if out.status.success() => {
                     let text = String::from_utf8_lossy(&out.stdout);
                     match parse(&text).first() {
-                        Some(p) => results.push(*p),
+                        // The size asked for, exactly: fi_pingpong prints it rounded
+                        // (`1.7m`), and the ratios look its row up by the call's bytes.
+                        Some(p) => results.push(PingPong { bytes, ..*p }),
                         None => {
                             why = Some(format!(
                                 "fi_pingpong printed no figures for {bytes} B: {:?}",
@@ -176,6 +186,18 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_size_fi_pingpong_rounds_to_one_decimal_still_parses() {
+        let text =
+            "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+                    3.4m    100     =100     697m        0.20s   3674.79     994.80       0.00\n";
+        let rows = parse(text);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].bytes, (3.4 * (1u64 << 20) as f64).round() as usize);
+        assert_eq!(rows[0].usec_per_xfer, 994.80);
+        assert_eq!(rows[0].mb_per_sec, 3674.79);
+    }
 
     #[test]
     fn fi_pingpong_tables_parse_with_their_size_suffixes() {

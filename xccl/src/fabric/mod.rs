@@ -168,6 +168,20 @@ pub trait Fabric: Send + Sync {
     }
 }
 
+/// The failure of a wait for `peer`, which left the job (destroyed its communicator): gone for
+/// good whether its process still runs or not, so a wait for it can never end. `alive` is its
+/// process liveness check, whose detail is kept when the process is gone too.
+pub(crate) fn departed(peer: usize, alive: Result<()>) -> crate::Error {
+    let since = match alive {
+        Err(crate::Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
+        _ => String::new(),
+    };
+    crate::Error::PeerFailed {
+        peer,
+        detail: format!("left the job (its communicator was destroyed){since}"),
+    }
+}
+
 /// Deadline `timeout` from now (saturating far in the future).
 pub fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();

@@ -828,16 +828,8 @@ impl Fabric for ShmFabric {
         if peer == self.rank || !s.control.departed() {
             return alive;
         }
-        // Gone for good, whether its process still runs or not: a wait for it can never end
-        // (waits look once more before reporting it, so what it sent before leaving counts).
-        let since = match alive {
-            Err(Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
-            _ => String::new(),
-        };
-        Err(Error::PeerFailed {
-            peer,
-            detail: format!("left the job (its communicator was destroyed){since}"),
-        })
+        // Waits look once more before reporting it, so what it sent before leaving counts.
+        Err(super::departed(peer, alive))
     }
 
     fn check_peers(&self) -> Result<()> {

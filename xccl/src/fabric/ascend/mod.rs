@@ -1093,15 +1093,7 @@ impl Fabric for AscendFabric {
         if peer == self.rank || !self.has_departed(peer) {
             return alive;
         }
-        // Gone for good, whether its process still runs or not (as on shm).
-        let since = match alive {
-            Err(Error::PeerFailed { detail, .. }) => format!("; {detail} since"),
-            _ => String::new(),
-        };
-        Err(Error::PeerFailed {
-            peer,
-            detail: format!("left the job (its communicator was destroyed){since}"),
-        })
+        Err(crate::fabric::departed(peer, alive))
     }
 
     fn aborted(&self) -> Option<AbortNotice> {
