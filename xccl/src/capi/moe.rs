@@ -142,20 +142,42 @@ pub unsafe extern "C" fn xcclE2ARecv(
 pub extern "C" fn xcclA2EHandleFree(handle: *mut xcclA2EHandle) -> xcclResult_t {
     guard("xcclA2EHandleFree", || {
         check_ptr(handle, "handle")?;
-        let key = handle as usize;
-        let gone = || Fail::usage("handle is not a live A2E handle (already received or freed)");
-        let (owner, epoch) = lock(&HANDLES)
-            .get(&key)
-            .map(|(owner, h)| (*owner, h.epoch()))
-            .ok_or_else(gone)?;
-        refuse_if_answerable(
-            owner,
-            "the A2E handle",
-            epoch,
-            "receive its E2A (xcclE2ARecv)",
-        )?;
-        lock(&HANDLES).remove(&key).map(drop).ok_or_else(gone)
+        free_live(
+            &HANDLES,
+            handle as usize,
+            |(owner, h)| (*owner, h.epoch()),
+            Live {
+                what: "the A2E handle",
+                gone: "handle is not a live A2E handle (already received or freed)",
+                instead: "receive its E2A (xcclE2ARecv)",
+            },
+        )
     })
+}
+
+/// What a free call says of the kind of object it frees.
+struct Live {
+    /// The object, as messages name it ("the expert batch").
+    what: &'static str,
+    /// The message for a key that names no live object of this kind.
+    gone: &'static str,
+    /// What to do instead of freeing it while its communicator can still answer it.
+    instead: &'static str,
+}
+
+/// Frees the live object `key` of `registry`: refused (and kept) while its communicator is
+/// healthy and its call unanswered (see `refuse_if_answerable`), else removed and dropped.
+/// `owner_epoch` gives the object's communicator and epoch.
+fn free_live<T>(
+    registry: &std::sync::Mutex<std::collections::BTreeMap<usize, T>>,
+    key: usize,
+    owner_epoch: impl Fn(&T) -> (usize, u64),
+    live: Live,
+) -> Result<(), Fail> {
+    let gone = || Fail::usage(live.gone);
+    let (owner, epoch) = lock(registry).get(&key).map(owner_epoch).ok_or_else(gone)?;
+    refuse_if_answerable(owner, live.what, epoch, live.instead)?;
+    lock(registry).remove(&key).map(drop).ok_or_else(gone)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,22 +332,16 @@ fn bytemuck_cast<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T], Fail> {
 pub extern "C" fn xcclExpertBatchFree(batch: *mut xcclExpertBatch) -> xcclResult_t {
     guard("xcclExpertBatchFree", || {
         check_ptr(batch, "batch")?;
-        let key = batch as usize;
-        let gone = || Fail::usage("batch is not a live expert batch (replied to or freed)");
-        let (owner, epoch) = lock(&EXPERT_BATCHES)
-            .get(&key)
-            .map(|b| (b.comm, b.batch.epoch()))
-            .ok_or_else(gone)?;
-        refuse_if_answerable(
-            owner,
-            "the expert batch",
-            epoch,
-            "reply to it (xcclE2ASend)",
-        )?;
-        lock(&EXPERT_BATCHES)
-            .remove(&key)
-            .map(drop)
-            .ok_or_else(gone)
+        free_live(
+            &EXPERT_BATCHES,
+            batch as usize,
+            |b| (b.comm, b.batch.epoch()),
+            Live {
+                what: "the expert batch",
+                gone: "batch is not a live expert batch (replied to or freed)",
+                instead: "reply to it (xcclE2ASend)",
+            },
+        )
     })
 }
 
@@ -586,18 +602,15 @@ pub extern "C" fn xcclE2ASendOutput(
 pub extern "C" fn xcclTokenBatchFree(batch: *mut xcclTokenBatch) -> xcclResult_t {
     guard("xcclTokenBatchFree", || {
         check_ptr(batch, "batch")?;
-        let key = batch as usize;
-        let gone = || Fail::usage("batch is not a live token batch (replied to or freed)");
-        let (owner, epoch) = lock(&TOKEN_BATCHES)
-            .get(&key)
-            .map(|b| (b.comm, b.batch.epoch()))
-            .ok_or_else(gone)?;
-        refuse_if_answerable(
-            owner,
-            "the token batch",
-            epoch,
-            "reply to it (xcclE2ASendTokens or xcclE2ASendOutput)",
-        )?;
-        lock(&TOKEN_BATCHES).remove(&key).map(drop).ok_or_else(gone)
+        free_live(
+            &TOKEN_BATCHES,
+            batch as usize,
+            |b| (b.comm, b.batch.epoch()),
+            Live {
+                what: "the token batch",
+                gone: "batch is not a live token batch (replied to or freed)",
+                instead: "reply to it (xcclE2ASendTokens or xcclE2ASendOutput)",
+            },
+        )
     })
 }
