@@ -20,7 +20,6 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -601,28 +600,8 @@ fn slot_mismatch(ctx: &ChildCtx) -> xccl::Result<()> {
 fn standin_home() -> &'static Path {
     static HOME: OnceLock<PathBuf> = OnceLock::new();
     HOME.get_or_init(|| {
-        let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
         let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ascend-standin");
-        let lib64 = home.join("lib64");
-        std::fs::create_dir_all(&lib64).expect("creating the stand-in directory");
-        let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
-        let out = Command::new("gcc")
-            .args(["-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden"])
-            .arg("-I")
-            .arg(manifest.join("../xccl-sys/include"))
-            .arg("-o")
-            .arg(&tmp)
-            .arg(manifest.join("ascend_standin/acl_standin.c"))
-            .args(["-lpthread", "-lrt"])
-            .output()
-            .expect("running gcc (install gcc to run the ascend tests)");
-        assert!(
-            out.status.success(),
-            "building the stand-in runtime failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // Rename: a concurrent run never sees a half-written library.
-        std::fs::rename(&tmp, lib64.join("libascendcl.so")).expect("installing the stand-in");
+        xccl::testing::build_ascend_standin(&home).unwrap_or_else(|e| panic!("{e}"));
         home
     })
 }

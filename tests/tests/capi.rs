@@ -522,29 +522,7 @@ fn c11_engine_program_over_ofi_across_two_network_namespaces() {
 fn c11_engine_program_over_ascend_against_the_standin_runtime() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let home = out_dir().join("ascend-standin");
-    let lib64 = home.join("lib64");
-    std::fs::create_dir_all(&lib64).expect("stand-in directory");
-    let out = Command::new("gcc")
-        .args([
-            "-shared",
-            "-fPIC",
-            "-O1",
-            "-Wall",
-            "-fvisibility=hidden",
-            "-I",
-        ])
-        .arg(repo().join("xccl-sys/include"))
-        .arg("-o")
-        .arg(lib64.join("libascendcl.so"))
-        .arg(repo().join("tests/ascend_standin/acl_standin.c"))
-        .args(["-lpthread", "-lrt"])
-        .output()
-        .expect("running gcc");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    xccl::testing::build_ascend_standin(&home).unwrap_or_else(|e| panic!("{e}"));
     let exe = compile(
         &repo().join("tests/capi/capi_engine.c"),
         "capi_engine_c_ascend",

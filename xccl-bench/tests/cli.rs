@@ -441,30 +441,8 @@ fn model_subcommand_calibrates_against_a_stats_run_and_projects_with_a_plot() {
 /// Builds the Ascend stand-in runtime (`tests/ascend_standin`) as `<dir>/lib64/libascendcl.so`;
 /// returns `<dir>` (for `ASCEND_HOME_PATH`).
 fn ascend_standin() -> std::path::PathBuf {
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let home = tmp("ascend-standin");
-    std::fs::create_dir_all(home.join("lib64")).unwrap();
-    let out = Command::new("gcc")
-        .args([
-            "-shared",
-            "-fPIC",
-            "-O1",
-            "-Wall",
-            "-fvisibility=hidden",
-            "-I",
-        ])
-        .arg(repo.join("xccl-sys/include"))
-        .arg("-o")
-        .arg(home.join("lib64/libascendcl.so"))
-        .arg(repo.join("tests/ascend_standin/acl_standin.c"))
-        .args(["-lpthread", "-lrt"])
-        .output()
-        .expect("running gcc");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    xccl::testing::build_ascend_standin(&home).unwrap_or_else(|e| panic!("{e}"));
     home
 }
 

@@ -21,3 +21,32 @@ pub fn bootstrap_handshake(
 ) -> crate::Result<()> {
     crate::bootstrap::raw_handshake(stream, id, rank, size, timeout)
 }
+
+/// Builds the Ascend stand-in runtime (`tests/ascend_standin/acl_standin.c`, the only runtime
+/// the ascend fabric is tested against) with gcc as `<home>/lib64/libascendcl.so`, for
+/// `ASCEND_HOME_PATH=<home>`. The library is written under a temporary name and renamed, so a
+/// concurrent run never loads a half-written one. Errors say what failed (gcc's output).
+pub fn build_ascend_standin(home: &std::path::Path) -> Result<(), String> {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let lib64 = home.join("lib64");
+    std::fs::create_dir_all(&lib64).map_err(|e| format!("creating {}: {e}", lib64.display()))?;
+    let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
+    let out = std::process::Command::new("gcc")
+        .args(["-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden"])
+        .arg("-I")
+        .arg(repo.join("xccl-sys/include"))
+        .arg("-o")
+        .arg(&tmp)
+        .arg(repo.join("tests/ascend_standin/acl_standin.c"))
+        .args(["-lpthread", "-lrt"])
+        .output()
+        .map_err(|e| format!("running gcc (install gcc to build the stand-in): {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "building the stand-in runtime failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    std::fs::rename(&tmp, lib64.join("libascendcl.so"))
+        .map_err(|e| format!("installing the stand-in: {e}"))
+}
