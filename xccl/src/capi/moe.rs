@@ -358,21 +358,28 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
         check_ptr(batch, "batch")?;
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
-        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
-        b.recv.answered();
-        let bid = next_id();
-        let sources = Sources::of(b.sources());
-        lock(&TOKEN_BATCHES).insert(
-            bid,
-            TokenBatchObj {
-                comm: id,
-                batch: b,
-                sources,
-            },
-        );
+        let bid = register_token_batch(id, b);
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
+}
+
+/// Registers a received token batch of communicator `id` as a live C object; returns its id.
+/// Its Rust drop no longer aborts the job: freeing a live batch is refused instead
+/// (`xcclTokenBatchFree`).
+fn register_token_batch(id: usize, b: TokenBatch) -> usize {
+    b.recv.answered();
+    let bid = next_id();
+    let sources = Sources::of(b.sources());
+    lock(&TOKEN_BATCHES).insert(
+        bid,
+        TokenBatchObj {
+            comm: id,
+            batch: b,
+            sources,
+        },
+    );
+    bid
 }
 
 /// `xcclTokenBatchGetInfo`.
@@ -493,18 +500,7 @@ pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
             // points into `info`, which points into `tb`, untouched while the callback runs.
             unsafe { on_arrival(userData, at, range.start, range.len()) };
         })?;
-        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
-        b.recv.answered();
-        let bid = next_id();
-        let sources = Sources::of(b.sources());
-        lock(&TOKEN_BATCHES).insert(
-            bid,
-            TokenBatchObj {
-                comm: id,
-                batch: b,
-                sources,
-            },
-        );
+        let bid = register_token_batch(id, b);
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
