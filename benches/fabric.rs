@@ -353,10 +353,7 @@ fn peer_main(id: &str) -> xccl::Result<()> {
             if f.signal_value(CMD) > cmds || f.signal_value(PING) > served {
                 None
             } else {
-                Some(Waiting {
-                    peer: 0,
-                    what: "a bench command",
-                })
+                Some(Waiting::on(0, "a bench command"))
             }
         })?;
         let c = f.signal_value(CMD);

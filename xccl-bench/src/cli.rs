@@ -142,6 +142,14 @@ pub struct Args {
     #[arg(long, default_value_t = xccl::moe::progress::CHUNK_BYTES, value_parser = clap::value_parser!(usize))]
     pub chunk_bytes: usize,
 
+    /// Calls a communicator lets be in flight (`MoeConfig::max_in_flight`): the window holds
+    /// this many buffers, which calls take in turn. The library's default is 2 (double
+    /// buffering); a run of one call at a time can take 1, and then its calls touch the same
+    /// memory as the streaming limit, which streams through one buffer. With `--domains` it
+    /// is 1.
+    #[arg(long, default_value_t = 2)]
+    pub in_flight: usize,
+
     /// Measured iterations per token count.
     #[arg(long, default_value_t = 200)]
     pub iters: usize,
@@ -329,6 +337,12 @@ impl Args {
         }
         if self.iters == 0 {
             return Err("--iters must be at least 1".into());
+        }
+        if !(1..=xccl::moe::config::MAX_IN_FLIGHT).contains(&self.in_flight) {
+            return Err(format!(
+                "--in-flight must be in 1..={}",
+                xccl::moe::config::MAX_IN_FLIGHT
+            ));
         }
         if let Some(r) = self.relays {
             if r == 0 || r > self.experts {

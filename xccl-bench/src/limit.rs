@@ -271,10 +271,7 @@ fn stream_in(
             if seen > base + got {
                 None
             } else {
-                Some(Waiting {
-                    peer,
-                    what: "limit stream chunk",
-                })
+                Some(Waiting::on(peer, "limit stream chunk"))
             }
         })?;
         let upto = (seen - base).min(chunks);
@@ -320,10 +317,7 @@ fn exchange_in(
         while next < from.end && f.signal_value(exchange_slot(size, next)) >= epoch {
             next += 1;
         }
-        (next < from.end).then_some(Waiting {
-            peer: next,
-            what: "limit exchange row",
-        })
+        (next < from.end).then_some(Waiting::on(next, "limit exchange row"))
     })?;
     let len = from.len() * row;
     f.get(f.rank(), 0, &mut dst[..len])

@@ -483,7 +483,7 @@ fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
     points
         .enumerate()
         .map(|(i, (tokens, quant))| {
-            let mut roles = [[0.0; 10]; 2];
+            let mut roles = [[0.0; 11]; 2];
             for (role, ranks) in [0..args.attention, args.attention..args.world_size()]
                 .into_iter()
                 .enumerate()
@@ -502,6 +502,7 @@ fn wait_lines(args: &Args, reports: &[RankReport]) -> Vec<report::WaitLine> {
                     v[4] += w.sleeps as f64 / per_call;
                     v[5] += w.wake_ns as f64 / 1e3 / n;
                     v[6] += w.spin_ns as f64 / 1e3 / n;
+                    v[10] += w.restarts as f64 / per_call;
                     if let Some(c) = reports.get(r).and_then(|rep| rep.costs.get(i)) {
                         v[7] += c.cpu_ns as f64 / 1e3 / per_call;
                         v[8] += c.voluntary_switches as f64 / per_call;

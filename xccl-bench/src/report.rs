@@ -412,8 +412,9 @@ pub struct WaitLine {
     pub quant: &'static str,
     /// Per role (attention, expert): waits, spin polls, yields, slow yields, sleeps per call,
     /// the mean wake-up latency estimate and spin budget (us) at the end of the point, then
-    /// CPU time (us), voluntary and involuntary context switches per call.
-    pub roles: [[f64; 10]; 2],
+    /// CPU time (us), voluntary and involuntary context switches per call, then phase restarts
+    /// (a part of what a wait awaited landed) per call.
+    pub roles: [[f64; 11]; 2],
 }
 
 fn opt(v: Option<f64>, width: usize, prec: usize) -> String {
@@ -455,11 +456,12 @@ pub fn table(
         );
     }
     s += &format!(
-        "# iters {} warmup {} seed {} chunk {} B, bind {}, check {}\n",
+        "# iters {} warmup {} seed {} chunk {} B, in flight {}, bind {}, check {}\n",
         args.iters,
         args.warmup,
         args.seed,
         args.chunk_bytes,
+        if args.domains > 1 { 1 } else { args.in_flight },
         args.bind.name(),
         check
     );
@@ -516,10 +518,10 @@ pub fn table(
         s += &format!("# waits per call, T={} {}:", w.tokens, w.quant);
         for (role, v) in ["attention", "expert"].iter().zip(&w.roles) {
             s += &format!(
-                " {role} {:.1} waits, {:.0} spin polls, {:.1} yields ({:.2} slow), {:.2} sleeps, \
-                 wake-up {:.1} us, spin budget {:.1} us, cpu {:.1} us, switches {:.2} \
-                 voluntary {:.2} involuntary;",
-                v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]
+                " {role} {:.1} waits ({:.1} restarts), {:.0} spin polls, {:.1} yields ({:.2} \
+                 slow), {:.2} sleeps, wake-up {:.1} us, spin budget {:.1} us, cpu {:.1} us, \
+                 switches {:.2} voluntary {:.2} involuntary;",
+                v[0], v[10], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9]
             );
         }
         s.pop();
@@ -664,6 +666,7 @@ pub fn to_json(
             "layout": args.layout.name(),
             "buffers": args.buffers.name(),
             "chunk_bytes": args.chunk_bytes,
+            "in_flight": if args.domains > 1 { 1 } else { args.in_flight },
             "iters": args.iters,
             "warmup": args.warmup,
             "seed": args.seed,
@@ -737,10 +740,10 @@ fn floor_json(f: &crate::limit::Floor) -> Vec<serde_json::Value> {
         .collect()
 }
 
-fn wait_json(v: &[f64; 10]) -> serde_json::Value {
+fn wait_json(v: &[f64; 11]) -> serde_json::Value {
     json!({"waits": v[0], "spin_polls": v[1], "yields": v[2], "slow_yields": v[3],
            "sleeps": v[4], "wake_us": v[5], "spin_budget_us": v[6], "cpu_us": v[7],
-           "voluntary_switches": v[8], "involuntary_switches": v[9]})
+           "voluntary_switches": v[8], "involuntary_switches": v[9], "restarts": v[10]})
 }
 
 #[cfg(test)]

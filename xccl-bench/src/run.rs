@@ -42,6 +42,7 @@ pub fn moe_config(args: &Args) -> MoeConfig {
     cfg.mode = args.mode;
     cfg.timeout = args.timeout();
     cfg.chunk_bytes = args.chunk_bytes;
+    cfg.max_in_flight = args.in_flight;
     if args.domains > 1 {
         // Domains take turns with one call in flight (the library rejects more).
         cfg.max_in_flight = 1;
@@ -135,7 +136,7 @@ impl CallCost {
 }
 
 /// Words of one point's [`WaitCounters`] and [`CallCost`] in [`encode_waits`].
-const WAIT_WORDS: usize = 11;
+const WAIT_WORDS: usize = 12;
 
 /// Serialises a rank's per-point wait counters and call costs for the bootstrap allgather.
 pub fn encode_waits(report: &RankReport) -> Vec<u8> {
@@ -156,6 +157,7 @@ pub fn encode_waits(report: &RankReport) -> Vec<u8> {
                 c.cpu_ns,
                 c.voluntary_switches,
                 c.involuntary_switches,
+                w.restarts,
             ]
         })
         .flat_map(u64::to_le_bytes)
@@ -176,6 +178,7 @@ pub fn decode_waits(blob: &[u8], report: &mut RankReport) {
             slow_yields: w[3],
             sleeps: w[4],
             timed_wakes: w[5],
+            restarts: w[11],
             wake_ns: w[6],
             spin_ns: w[7],
         });
@@ -195,6 +198,7 @@ fn add_waits(a: &mut WaitCounters, b: &WaitCounters) {
     a.slow_yields += b.slow_yields;
     a.sleeps += b.sleeps;
     a.timed_wakes += b.timed_wakes;
+    a.restarts += b.restarts;
     a.wake_ns = b.wake_ns;
     a.spin_ns = b.spin_ns;
 }

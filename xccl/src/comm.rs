@@ -861,10 +861,7 @@ impl Communicator {
                     failure = Some(e);
                     return None;
                 }
-                Some(Waiting {
-                    peer,
-                    what: "barrier",
-                })
+                Some(Waiting::on(peer, "barrier"))
             })?;
             failure.map_or(Ok(()), Err)
         })

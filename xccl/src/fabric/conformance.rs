@@ -50,10 +50,7 @@ pub fn put_then_signal_is_visible(f: &dyn Fabric, round: u64) -> Result<()> {
     f.wait_until(deadline, &mut || {
         (0..n)
             .find(|&src| f.signal_value(src) < round)
-            .map(|peer| Waiting {
-                peer,
-                what: "conformance put+signal",
-            })
+            .map(|peer| Waiting::on(peer, "conformance put+signal"))
     })?;
     let mut buf = vec![0u8; chunk];
     for src in 0..n {

@@ -161,7 +161,7 @@ pub trait Fabric: Send + Sync {
             if ready(seen) {
                 None
             } else {
-                Some(Waiting { peer, what })
+                Some(Waiting::on(peer, what))
             }
         })?;
         Ok(seen)

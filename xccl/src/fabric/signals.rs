@@ -66,6 +66,28 @@ pub struct Waiting {
     pub peer: usize,
     /// What that signal is (shown in timeout errors).
     pub what: &'static str,
+    /// How far a wait for something that lands in parts has come (rows or chunks handled so
+    /// far; 0 for a wait without parts). A poll that reports a different value than the last
+    /// one restarts the wait's spin and yield phases: the peer is streaming, and its next part
+    /// comes about as soon as the last one did, so the waiter must not fall asleep between
+    /// parts (each sleep costs the signaller a futex wake-up per part).
+    pub progress: u64,
+}
+
+impl Waiting {
+    /// A wait for `what` from `peer`, without parts.
+    pub const fn on(peer: usize, what: &'static str) -> Self {
+        Waiting {
+            peer,
+            what,
+            progress: 0,
+        }
+    }
+
+    /// The same wait, `progress` parts in (see [`Waiting::progress`]).
+    pub const fn at(self, progress: u64) -> Self {
+        Waiting { progress, ..self }
+    }
 }
 
 /// A view of one rank's control area.
@@ -386,9 +408,15 @@ impl ControlArea {
         let start = Instant::now();
         let plan = state.plan(policy);
         let mut tally = Tally::default();
-        let mut spinning = plan.spin_iters > 0 && !plan.spin_for.is_zero();
+        let spins = plan.spin_iters > 0 && !plan.spin_for.is_zero();
+        let mut spinning = spins;
         let mut yielding = plan.yield_allowed;
         let yield_for = plan.yield_for;
+        // The phases run from `phase_start`: the wait's start, or the last poll that saw the
+        // peer's progress change (`Waiting::progress`), which restarts them.
+        let mut phase_start = start;
+        let mut phase_polls = 0u32;
+        let mut progress: Option<u64> = None;
         // When the spin phase ended (the yield phase's clock starts there).
         let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
@@ -399,6 +427,18 @@ impl ControlArea {
                 None => break Ok(()),
                 Some(w) => w,
             };
+            if progress != Some(waiting.progress) {
+                if progress.is_some() && plan.restart_on_progress {
+                    // A part landed: wait for the next one from the first phase again (a slow
+                    // yield stays in force: it said yielding hands the core away for long).
+                    phase_start = Instant::now();
+                    phase_polls = 0;
+                    spinning = spins;
+                    spun_until = None;
+                    tally.restarts += 1;
+                }
+                progress = Some(waiting.progress);
+            }
             if let Some(mut notice) = self.aborted_by() {
                 notice.reason = format!(
                     "{} (seen while waiting for rank {})",
@@ -408,9 +448,10 @@ impl ControlArea {
             }
             if spinning {
                 tally.polls += 1;
+                phase_polls += 1;
                 // The clock is read every 32 polls: a poll and a `pause` cost far less.
-                let over = tally.polls >= plan.spin_iters
-                    || (tally.polls % 32 == 0 && start.elapsed() >= plan.spin_for);
+                let over = phase_polls >= plan.spin_iters
+                    || (phase_polls.is_multiple_of(32) && phase_start.elapsed() >= plan.spin_for);
                 if !over {
                     sync::spin_loop();
                     continue;
@@ -486,7 +527,7 @@ impl ControlArea {
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         };
-        state.finish(&plan, &tally, start.elapsed());
+        state.finish(&plan, &tally, phase_start.elapsed());
         result
     }
 }
@@ -510,6 +551,8 @@ struct Tally {
     yields: u32,
     slow_yields: u32,
     sleeps: u32,
+    /// Times the phases restarted because a part landed (`Waiting::progress`).
+    restarts: u32,
     /// The wake-up latency of the last sleep that a signaller ended, if any.
     wake_ns: Option<u64>,
 }
@@ -525,6 +568,9 @@ struct Plan {
     slow_yield: Duration,
     /// Whether this wait may yield at all (not while backing off after slow yields).
     yield_allowed: bool,
+    /// Whether a part that lands restarts the phases ([`Waiting::progress`]): with a core per
+    /// rank only.
+    restart_on_progress: bool,
 }
 
 /// Shortest and longest spin budget; shortest time a slow yield is measured against.
@@ -560,7 +606,7 @@ pub struct WaitState {
     /// No yield phase before this time (`CLOCK_MONOTONIC` ns), and the next back-off, ns.
     yield_off_until: std::sync::atomic::AtomicU64,
     yield_backoff: std::sync::atomic::AtomicU64,
-    counts: [std::sync::atomic::AtomicU64; 6],
+    counts: [std::sync::atomic::AtomicU64; 7],
     /// More ranks on this host than cores this process may run on.
     oversubscribed: bool,
 }
@@ -594,6 +640,9 @@ pub struct WaitCounters {
     pub sleeps: u64,
     /// Sleeps a signaller ended whose wake-up latency was measured.
     pub timed_wakes: u64,
+    /// Times a wait restarted its phases because a part of what it awaited landed
+    /// ([`Waiting::progress`]).
+    pub restarts: u64,
     /// The current wake-up latency estimate, ns.
     pub wake_ns: u64,
     /// The current spin budget, ns.
@@ -610,6 +659,7 @@ impl WaitCounters {
             slow_yields: self.slow_yields.saturating_sub(earlier.slow_yields),
             sleeps: self.sleeps.saturating_sub(earlier.sleeps),
             timed_wakes: self.timed_wakes.saturating_sub(earlier.timed_wakes),
+            restarts: self.restarts.saturating_sub(earlier.restarts),
             wake_ns: self.wake_ns,
             spin_ns: self.spin_ns,
         }
@@ -645,6 +695,7 @@ impl WaitState {
             slow_yields: c(3),
             sleeps: c(4),
             timed_wakes: c(5),
+            restarts: c(6),
             wake_ns: self.wake_ns.load(Relaxed),
             spin_ns: self.spin_budget(),
         }
@@ -701,6 +752,10 @@ impl WaitState {
             yield_for,
             slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
+            // Ranks outnumbering cores keep one run of the phases per wait: at 2A:2E T=1 (four
+            // ranks, two cores) restarting after each source's rows gained nothing and was
+            // slower with busy processes competing, 3-run A/B (`docs/performance.md`).
+            restart_on_progress: !self.oversubscribed,
         }
     }
 
@@ -717,6 +772,7 @@ impl WaitState {
         add(2, tally.yields);
         add(3, tally.slow_yields);
         add(4, tally.sleeps);
+        add(6, tally.restarts);
         if let Some(w) = tally.wake_ns {
             self.counts[5].fetch_add(1, Relaxed);
             // Smoothed over about 8 wake-ups, bounded so one stall cannot stop spinning.
@@ -808,6 +864,12 @@ mod loom_tests;
 ///    competing for the cores, yielding would hand them a slice of milliseconds per wait.
 /// 3. **Sleep** on the futex doorbell, in chunks of at most 20 ms (liveness and the deadline are
 ///    checked between them); a signaller wakes the sleeper (it sees the sleeper count).
+///
+/// With a core per rank, a wait for something that lands in parts (a receive whose rows stream
+/// in chunk by chunk) goes back to phase 1 whenever a part lands ([`Waiting::progress`]): the
+/// peer is streaming, and a waiter that fell asleep between parts would cost the signaller a
+/// futex wake-up per chunk (a 1A:1E T=512 receive slept 22 to 29 times per call before). Where
+/// ranks outnumber cores the phases run once per wait, as before.
 ///
 /// With a core per rank, spinning gives the lowest latency. With more ranks than cores, a
 /// spinning waiter takes the core the rank it waits for needs; yielding hands the core over at
@@ -1000,12 +1062,7 @@ mod policy_tests {
                 policy,
                 &WaitState::default(),
                 start + Duration::from_millis(30),
-                &mut || {
-                    Some(Waiting {
-                        peer: 1,
-                        what: "never",
-                    })
-                },
+                &mut || Some(Waiting::on(1, "never")),
                 &|_| Ok(()),
             );
             assert!(
@@ -1014,6 +1071,48 @@ mod policy_tests {
             );
             assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
         }
+    }
+
+    /// A wait for parts that land one by one (rows streaming in) restarts its phases at every
+    /// part: while the parts come faster than the yield phase lasts it never sleeps, so the
+    /// signaller pays no futex wake-up per part. Before, the phases ran from the wait's start
+    /// and a long streaming receive slept between parts (22 sleeps per 1A:1E T=512 call).
+    #[test]
+    fn a_wait_for_streaming_parts_restarts_its_phases_at_each_part_and_does_not_sleep() {
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
+        // Yield for 30 ms, then sleep; a part lands every 5 ms, the last after 60 ms.
+        let policy = WaitPolicy {
+            spin_iters: 0,
+            yield_for: Duration::from_millis(30),
+        };
+        let parts = |streaming: bool| {
+            let state = WaitState::default();
+            let start = Instant::now();
+            let mut poll = || {
+                let part = (start.elapsed().as_millis() / 5) as u64;
+                (part < 12).then_some(Waiting::on(1, "parts").at(if streaming { part } else { 0 }))
+            };
+            area.wait_with(
+                policy,
+                &state,
+                start + Duration::from_secs(10),
+                &mut poll,
+                &|_| Ok(()),
+            )
+            .unwrap();
+            state.counters()
+        };
+        let c = parts(true);
+        assert!(c.restarts >= 11, "{c:?}");
+        // A yield that kept the core away for long (a loaded machine) turns yielding off, and
+        // then a wait sleeps between parts: only then may it sleep.
+        assert!(c.sleeps == 0 || c.slow_yields > 0, "{c:?}");
+        // Without progress the phases run once: yield for 30 ms, then sleep.
+        let c = parts(false);
+        assert_eq!(c.restarts, 0, "{c:?}");
+        assert!(c.sleeps >= 1, "{c:?}");
     }
 }
 
@@ -1129,12 +1228,7 @@ mod liveness_tests {
         // The peer's last signal lands just after the poll that still waited for it, and the
         // peer leaves at once: the liveness check that follows finds it gone.
         let left = std::cell::Cell::new(false);
-        let mut poll = || {
-            (!left.get()).then_some(Waiting {
-                peer: 1,
-                what: "a signal",
-            })
-        };
+        let mut poll = || (!left.get()).then_some(Waiting::on(1, "a signal"));
         let gone = |peer: usize| {
             left.set(true);
             Err(Error::PeerFailed {
@@ -1146,12 +1240,7 @@ mod liveness_tests {
         area.wait_with(policy, &WaitState::default(), deadline, &mut poll, &gone)
             .expect("its data arrived: not a failure");
         // Still missing after the check: reported.
-        let mut never = || {
-            Some(Waiting {
-                peer: 1,
-                what: "a signal",
-            })
-        };
+        let mut never = || Some(Waiting::on(1, "a signal"));
         assert!(matches!(
             area.wait_with(policy, &WaitState::default(), deadline, &mut never, &gone),
             Err(Error::PeerFailed { peer: 1, .. })
@@ -1170,16 +1259,10 @@ mod liveness_tests {
         let polls_after = std::cell::Cell::new(0u32);
         let mut poll = || {
             if !left.get() {
-                return Some(Waiting {
-                    peer: 1,
-                    what: "rank 1's rows",
-                });
+                return Some(Waiting::on(1, "rank 1's rows"));
             }
             polls_after.set(polls_after.get() + 1);
-            (polls_after.get() < 50).then_some(Waiting {
-                peer: 2,
-                what: "rank 2's rows",
-            })
+            (polls_after.get() < 50).then_some(Waiting::on(2, "rank 2's rows"))
         };
         let liveness = |peer: usize| match peer {
             1 => {

@@ -117,10 +117,8 @@ fn stream(max_in_flight: usize, epochs: u64, chunks: usize) {
                     if let Some(need) = reuse_credit(epoch, EPOCH_BASE, max_in_flight) {
                         sender
                             .wait(|| {
-                                (sender.area.load(CREDIT) < need).then_some(Waiting {
-                                    peer: RECEIVER,
-                                    what: "credit",
-                                })
+                                (sender.area.load(CREDIT) < need)
+                                    .then_some(Waiting::on(RECEIVER, "credit"))
                             })
                             .expect("credit wait");
                     }
@@ -158,10 +156,8 @@ fn stream(max_in_flight: usize, epochs: u64, chunks: usize) {
                             (ahead as usize) < max_in_flight || behind <= 1,
                             "waiting for call {epoch:#x}, the slot shows call {seen:#x}"
                         );
-                        (Progress::of(value, epoch).rows(chunks) <= chunk).then_some(Waiting {
-                            peer: SENDER,
-                            what: "rows",
-                        })
+                        (Progress::of(value, epoch).rows(chunks) <= chunk)
+                            .then_some(Waiting::on(SENDER, "rows"))
                     })
                     .expect("rows wait");
                 let got = cell.with(|p| {
@@ -206,12 +202,7 @@ fn loom_a_waiter_going_to_sleep_as_the_signal_arrives_is_always_woken() {
             thread::spawn(move || receiver.area.store(READY, 1, SENDER).expect("signal"))
         };
         receiver
-            .wait(|| {
-                (receiver.area.load(READY) != 1).then_some(Waiting {
-                    peer: SENDER,
-                    what: "a signal",
-                })
-            })
+            .wait(|| (receiver.area.load(READY) != 1).then_some(Waiting::on(SENDER, "a signal")))
             .expect("woken by the signal");
         send.join().expect("sender");
     });
@@ -234,10 +225,7 @@ fn loom_a_waiter_for_two_senders_sleeping_between_their_signals_is_woken_by_the_
                 [(0, 0), (1, 2)]
                     .into_iter()
                     .find(|&(slot, _)| receiver.area.load(slot) != 1)
-                    .map(|(_, peer)| Waiting {
-                        peer,
-                        what: "a signal",
-                    })
+                    .map(|(_, peer)| Waiting::on(peer, "a signal"))
             })
             .expect("woken by both signals");
         for s in senders {
@@ -262,12 +250,7 @@ fn loom_a_waiter_always_sees_a_concurrent_abort_with_its_whole_reason() {
             let waiter = waiter.clone();
             thread::spawn(move || waiter.area.set_abort(2, None, REASON))
         };
-        let never = || {
-            Some(Waiting {
-                peer: SENDER,
-                what: "a signal that never comes",
-            })
-        };
+        let never = || Some(Waiting::on(SENDER, "a signal that never comes"));
         match waiter.wait(never) {
             Err(Error::Aborted { by: 2, reason }) => assert_eq!(reason, seen(REASON, SENDER)),
             other => panic!("expected the abort by rank 2, got {other:?}"),

@@ -512,10 +512,7 @@ impl CombineReceiver {
         ctx.wait(deadline, &mut || {
             let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(relay)), epoch);
             if p == Progress::NotYet {
-                return Some(Waiting {
-                    peer: relay,
-                    what: "relayed E2A",
-                });
+                return Some(Waiting::on(relay, "relayed E2A"));
             }
             if rec.is_none() {
                 let checked = ctx.read_record(l.record(j, buf)).and_then(|r| {
@@ -554,10 +551,7 @@ impl CombineReceiver {
                 copied = ready;
             }
             if copied < t {
-                return Some(Waiting {
-                    peer: relay,
-                    what: "relayed E2A rows",
-                });
+                return Some(Waiting::on(relay, "relayed E2A rows").at(copied as u64 + 1));
             }
             None
         })?;
@@ -622,10 +616,7 @@ impl CombineReceiver {
                 }
                 let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
                 if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting {
-                        peer: d,
-                        what: "E2A rows",
-                    });
+                    waiting.get_or_insert(Waiting::on(d, "E2A rows"));
                     continue;
                 }
                 if recs[j].is_none() {
@@ -658,10 +649,7 @@ impl CombineReceiver {
                 }
                 delivered[j] = p.rows(count);
                 if delivered[j] < count {
-                    waiting.get_or_insert(Waiting {
-                        peer: d,
-                        what: "E2A rows",
-                    });
+                    waiting.get_or_insert(Waiting::on(d, "E2A rows"));
                 }
             }
             // Watermark: the first token some expert rank has not delivered yet.
@@ -750,7 +738,9 @@ impl CombineReceiver {
                 };
                 ctx.check_awaited_again(awaited, &mut next_check, &still)?;
             }
-            Ok(waiting)
+            // Records and rows seen so far (`Waiting::progress`).
+            let parts = delivered.iter().sum::<usize>() + recs.iter().flatten().count();
+            Ok(waiting.map(|w| w.at(parts as u64)))
         };
         ctx.wait(deadline, &mut || match pass() {
             Ok(w) => w,

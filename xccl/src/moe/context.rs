@@ -386,7 +386,7 @@ impl Context {
                 failure = Some(e);
                 return None;
             }
-            Some(Waiting { peer: first, what })
+            Some(Waiting::on(first, what))
         })?;
         failure.map_or(Ok(()), Err)
     }

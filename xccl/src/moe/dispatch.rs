@@ -1056,6 +1056,9 @@ impl DispatchReceiver {
         let mut failure: Option<Error> = None;
         let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
         let (messages, reader) = (&mut self.messages, &mut self.reader);
+        // Records and rows seen so far (`Waiting::progress`: the wait stays awake while they
+        // stream in).
+        let mut parts = 0u64;
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
             for (i, &src) in sources.iter().enumerate() {
@@ -1064,10 +1067,7 @@ impl DispatchReceiver {
                 }
                 let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(src)), epoch);
                 if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting {
-                        peer: src,
-                        what: "A2E record",
-                    });
+                    waiting.get_or_insert(Waiting::on(src, "A2E record"));
                     continue;
                 }
                 if messages[i].is_none() {
@@ -1075,6 +1075,7 @@ impl DispatchReceiver {
                     let mode = rec.validate(src, epoch, max_rows)?;
                     rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
                     ctx.note_rows_received(src, rec.count as usize);
+                    parts += 1;
                     messages[i] = Some(Message {
                         index: i,
                         src,
@@ -1087,15 +1088,15 @@ impl DispatchReceiver {
                 }
                 let msg = messages[i].as_ref().expect("set above");
                 let ready = p.rows(msg.count());
-                if stream && ready > handled[i] {
-                    on(reader, Arrival::Rows(msg, handled[i]..ready))?;
+                if ready > handled[i] {
+                    if stream {
+                        on(reader, Arrival::Rows(msg, handled[i]..ready))?;
+                    }
+                    parts += (ready - handled[i]) as u64;
                     handled[i] = ready;
                 }
                 if ready < msg.count() {
-                    waiting.get_or_insert(Waiting {
-                        peer: src,
-                        what: "A2E rows",
-                    });
+                    waiting.get_or_insert(Waiting::on(src, "A2E rows"));
                     continue;
                 }
                 done[i] = true;
@@ -1107,7 +1108,7 @@ impl DispatchReceiver {
             }
             let awaited = (0..sources.len()).filter(|&i| !done[i]).map(|i| sources[i]);
             ctx.check_awaited(awaited, &mut next_check)?;
-            Ok(waiting)
+            Ok(waiting.map(|w| w.at(parts)))
         };
         ctx.wait(deadline, &mut || match pass() {
             Ok(w) => w,
@@ -1157,10 +1158,7 @@ impl DispatchReceiver {
                     continue;
                 }
                 if Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) == Progress::NotYet {
-                    waiting.get_or_insert(Waiting {
-                        peer: r,
-                        what: "relay header",
-                    });
+                    waiting.get_or_insert(Waiting::on(r, "relay header"));
                     continue;
                 }
                 read_header(ctx, r, k, epoch, &mut entries)?;

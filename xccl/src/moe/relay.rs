@@ -253,10 +253,7 @@ impl Relay {
                 let a = attention[ai];
                 let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(a)), epoch);
                 if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting {
-                        peer: a,
-                        what: "relayed A2E record",
-                    });
+                    waiting.get_or_insert(Waiting::on(a, "relayed A2E record"));
                     continue;
                 }
                 if recs[m].is_none() {
@@ -281,10 +278,7 @@ impl Relay {
                     forwarded[m] = ready;
                 }
                 if ready < count {
-                    waiting.get_or_insert(Waiting {
-                        peer: a,
-                        what: "relayed A2E rows",
-                    });
+                    waiting.get_or_insert(Waiting::on(a, "relayed A2E rows"));
                     continue;
                 }
                 done[m] = true;
@@ -293,6 +287,9 @@ impl Relay {
             if missing == 0 {
                 return Ok(None);
             }
+            // Records and rows seen so far (`Waiting::progress`).
+            let parts = forwarded.iter().sum::<usize>() + recs.iter().flatten().count();
+            let waiting = waiting.map(|w| w.at(parts as u64));
             let awaited = (0..g).filter(|&m| !done[m]).map(|m| attention[members[m]]);
             let still = |a: usize| {
                 let v = ctx.slot_value(ctx.slots.a2e_ready(a));
@@ -433,10 +430,7 @@ impl Relay {
                 }
                 let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
                 if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting {
-                        peer: d,
-                        what: "relayed E2A record",
-                    });
+                    waiting.get_or_insert(Waiting::on(d, "relayed E2A record"));
                     continue;
                 }
                 if !seen[j] {
@@ -466,10 +460,7 @@ impl Relay {
                 }
                 landed[j] = p.rows(expected[j]);
                 if landed[j] < expected[j] {
-                    waiting.get_or_insert(Waiting {
-                        peer: d,
-                        what: "relayed E2A rows",
-                    });
+                    waiting.get_or_insert(Waiting::on(d, "relayed E2A rows"));
                 }
             }
             // Every record first: they say whether the replies are INT8 (the row stride).
@@ -508,7 +499,10 @@ impl Relay {
             };
             ctx.check_awaited_again(awaited, &mut next_check, &still)?;
             match waiting {
-                Some(w) => Ok(Some(w)),
+                // Records and rows seen so far (`Waiting::progress`).
+                Some(w) => Ok(Some(
+                    w.at((landed.iter().sum::<usize>() + n - unseen) as u64),
+                )),
                 // Every reply is in, so every token is complete and out: unreachable.
                 None => Err(Error::invalid(format!(
                     "relayed E2A of epoch {epoch}: every reply is in, {unfinished} members are \
