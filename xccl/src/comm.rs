@@ -240,8 +240,9 @@ fn relayed_e2a(
         through_relays(ctx, "pull E2A")?;
     }
     let deadline = ctx.call_deadline();
+    let own = crate::moe::combine::own_replies_in_place(ctx, &replies);
     combine.send_relayed(ctx, epoch, sources, replies, deadline)?;
-    dispatch.relay_e2a(ctx, epoch, deadline)
+    dispatch.relay_e2a(ctx, epoch, deadline, own.map(|rows| (rows, sources)))
 }
 
 fn check_len(what: &str, bytes: usize, rows: usize, payload: usize) -> Result<()> {

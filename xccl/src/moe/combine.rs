@@ -63,6 +63,16 @@ pub(crate) enum Replies<'a> {
     Quantized(&'a [u8]),
 }
 
+/// A relay's own reduced replies, one row per token of its batch in the dtype, when its
+/// reduction reads them where the caller has them instead of from a copy in its window:
+/// replies given as token rows, not INT8 on the wire.
+pub(crate) fn own_replies_in_place<'a>(ctx: &Context, replies: &Replies<'a>) -> Option<&'a [u8]> {
+    match replies {
+        Replies::Tokens(rows) if ctx.cfg.e2a_quant != Quant::Int8 => Some(rows),
+        _ => None,
+    }
+}
+
 /// The expert side of E2A.
 #[derive(Debug, Default)]
 pub(crate) struct CombineSender {
@@ -326,7 +336,9 @@ impl CombineSender {
     /// relay, for each relay (rotated by this rank's index) the replies for each of its
     /// members' tokens go into the member's reply area on the relay at the offset the relay's
     /// header named, then one record and one signal per relay. Push, in the dtype or INT8
-    /// (`MoeConfig::e2a_quant`).
+    /// (`MoeConfig::e2a_quant`). A relay's own replies to its members stay where the caller
+    /// has them when [`own_replies_in_place`] gives them (the relay reduces them from there):
+    /// the record and the signal still go out, so its wait counts them like everyone's.
     pub(crate) fn send_relayed(
         &mut self,
         ctx: &Context,
@@ -370,6 +382,11 @@ impl CombineSender {
             fault_point!("e2a.record");
             if total == 0 {
                 ctx.signal(relay, slot, progress(epoch, 0))?;
+                fault_point!("e2a.signal");
+                continue;
+            }
+            if relay == ctx.rank && own_replies_in_place(ctx, &replies).is_some() {
+                ctx.signal(relay, slot, progress(epoch, total))?;
                 fault_point!("e2a.signal");
                 continue;
             }

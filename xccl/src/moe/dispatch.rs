@@ -989,10 +989,16 @@ impl DispatchReceiver {
 
     /// On a relay, the relay side of E2A call `epoch` ([`Relay::combine_e2a`]); nothing on
     /// other ranks.
-    pub(crate) fn relay_e2a(&mut self, ctx: &Context, epoch: u64, deadline: Instant) -> Result<()> {
+    pub(crate) fn relay_e2a(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        deadline: Instant,
+        own: Option<(&[u8], &[crate::SourceInfo])>,
+    ) -> Result<()> {
         match ctx.topo.relay_plan() {
             Some(plan) if plan.relay_index(ctx.rank).is_some() => {
-                self.relay.combine_e2a(ctx, epoch, deadline)
+                self.relay.combine_e2a(ctx, epoch, deadline, own)
             }
             _ => Ok(()),
         }

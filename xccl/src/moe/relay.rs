@@ -56,7 +56,7 @@ use super::quant::{dequantize, dequantize_add, int8_payload, Quantizer};
 use super::record::{Record, WireMode};
 use super::window_layout::RELAY_ENTRY;
 use crate::fabric::Waiting;
-use crate::{DType, Error, Result};
+use crate::{DType, Error, Result, SourceInfo};
 
 /// What a relay keeps of one member's A2E call until its E2A.
 #[derive(Debug, Default)]
@@ -351,12 +351,15 @@ impl Relay {
     /// Relay side of E2A call `epoch`: reduces each member's tokens as the expert ranks' replies
     /// land, exactly as the direct path's attention rank would (see [`Reduction`]), and streams
     /// the reduced rows to each member in chunks (its record first, a progress signal per
-    /// chunk); then credits the expert ranks.
+    /// chunk); then credits the expert ranks. `own` is this relay's own replies (one row per
+    /// token of its batch) and its batch's sources when they stayed where the caller has them
+    /// (`combine::own_replies_in_place`): its contributions are read from there.
     pub(crate) fn combine_e2a(
         &mut self,
         ctx: &Context,
         epoch: u64,
         deadline: Instant,
+        own: Option<(&[u8], &[SourceInfo])>,
     ) -> Result<()> {
         let start = Instant::now();
         let Some(call) = self.calls.front() else {
@@ -404,12 +407,31 @@ impl Relay {
         // Expert rank `j` writes the replies for the members in member order: its rows for
         // member `m` follow those for the members before it.
         let mut before = vec![0usize; n];
-        for (red, mc) in self.reductions.iter_mut().zip(&call.members) {
+        let my_index = ctx
+            .topo
+            .expert_index(ctx.rank)
+            .expect("a relay is an expert rank");
+        for (m, (red, mc)) in self.reductions.iter_mut().zip(&call.members).enumerate() {
             red.begin(mc, &before, hidden);
             for (b, &c) in before.iter_mut().zip(&mc.counts) {
                 *b += c as usize;
             }
+            // This relay's own rows for the member: where its batch holds them.
+            red.own = None;
+            if let (Some((_, sources)), true) = (own, in_call[m]) {
+                let info = &sources[members[m]];
+                let (lo, count) = (mc.offsets[my_index] as usize, mc.counts[my_index] as usize);
+                if info.count != count || info.reply_offset != lo {
+                    return Err(Error::invalid(format!(
+                        "relayed E2A of epoch {epoch}: this relay's batch has {} rows at {} for \
+                         attention rank {}, its forwarded A2E {count} at {lo}",
+                        info.count, info.reply_offset, member_ranks[m]
+                    )));
+                }
+                red.own = Some((lo..lo + count, info.first_token));
+            }
         }
+        let own_rows = own.map(|(rows, _)| rows);
         // INT8 or not follows the replies (a local choice of each expert rank), but one call's
         // replies through a relay must agree: the first record read sets it.
         let mut int8: Option<bool> = None;
@@ -477,7 +499,7 @@ impl Relay {
                         let mine = got.saturating_sub(red.before[j]);
                         red.absorb(mc, j, mine.min(mc.counts[j] as usize));
                     }
-                    if red.emit(ctx, epoch, buf, mc, at, int8, work)? {
+                    if red.emit(ctx, epoch, buf, mc, at, int8, work, own_rows)? {
                         finished[m] = true;
                         unfinished -= 1;
                     }
@@ -567,6 +589,10 @@ pub(crate) struct Reduction {
     /// The member's record is written.
     announced: bool,
     hidden: usize,
+    /// Rows of this relay's own replies in the member's reply area, and the first of its
+    /// batch's tokens they answer, when they stayed in the caller's replies (not copied into
+    /// the window).
+    own: Option<(std::ops::Range<usize>, usize)>,
 }
 
 /// Scratch space of a relay's E2A: one chunk of reduced rows (when the member's window is not
@@ -664,6 +690,7 @@ impl Reduction {
         (a, area): (usize, usize),
         int8: bool,
         work: &mut Work,
+        own: Option<&[u8]>,
     ) -> Result<bool> {
         let l = &ctx.layout;
         let t_count = mc.num_tokens;
@@ -690,13 +717,14 @@ impl Reduction {
             // writes the member's reply area.
             match unsafe { super::regions::exclusive(ctx, a, at, len)? } {
                 Some(dst) => {
-                    self.write_rows(ctx, a, rows.clone(), area, int8, dst, work)?;
+                    self.write_rows(ctx, a, rows.clone(), area, int8, dst, work, own)?;
                     ctx.note_written(a, len);
                 }
                 None => {
                     let mut out = std::mem::take(&mut work.out);
                     out.resize(len, 0);
-                    let written = self.write_rows(ctx, a, rows.clone(), area, int8, &mut out, work);
+                    let written =
+                        self.write_rows(ctx, a, rows.clone(), area, int8, &mut out, work, own);
                     let put = written.and_then(|()| ctx.put(a, at, &out));
                     work.out = out;
                     put?;
@@ -708,6 +736,39 @@ impl Reduction {
             ctx.stats.borrow_mut().relay_rows_forwarded += rows.len() as u64;
         }
         Ok(self.sent == t_count)
+    }
+
+    /// Runs `f` on `len` bytes of reply row `i` of the member's reply area (`area`, rows
+    /// `stride` apart): from this relay's own replies (`own`) when the row is one of them and
+    /// they stayed there, else where it landed in the window ([`with_landed`]).
+    ///
+    /// # Safety
+    /// As [`with_landed`]: row `i` has landed, and its writer leaves it alone while `f` runs.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn with_reply_row<R>(
+        &self,
+        ctx: &Context,
+        own: Option<&[u8]>,
+        (area, stride): (usize, usize),
+        i: usize,
+        len: usize,
+        tmp: &mut Vec<u8>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R> {
+        if let (Some(replies), Some((range, first))) = (own, &self.own) {
+            if range.contains(&i) {
+                let at = (first + i - range.start) * ctx.layout.e2a_stride;
+                let row = replies.get(at..at + len).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "this relay's own replies end before row {}",
+                        first + i - range.start
+                    ))
+                })?;
+                return Ok(f(row));
+            }
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { with_landed(ctx, area + i * stride, len, tmp, f) }
     }
 
     /// Writes the reduced rows of tokens `rows` (complete) into `dst`, one after the other: no
@@ -724,6 +785,7 @@ impl Reduction {
         int8: bool,
         dst: &mut [u8],
         work: &mut Work,
+        own: Option<&[u8]>,
     ) -> Result<()> {
         let s = ctx.layout.e2a_stride_for(int8);
         let hidden = self.hidden;
@@ -738,7 +800,7 @@ impl Reduction {
                     // leaves alone until this relay's credit, which goes out once the call is
                     // reduced.
                     unsafe {
-                        with_landed(ctx, area + i * s, s, &mut work.row, |row| {
+                        self.with_reply_row(ctx, own, (area, s), i, s, &mut work.row, |row| {
                             out.copy_from_slice(row)
                         })?;
                     }
@@ -751,14 +813,21 @@ impl Reduction {
                     for (k, &i) in self.rows[first..first + n as usize].iter().enumerate() {
                         // SAFETY: as above.
                         unsafe {
-                            with_landed(ctx, area + i as usize * s, payload, row, |row| {
-                                match (k, int8) {
+                            let at = (area, s);
+                            self.with_reply_row(
+                                ctx,
+                                own,
+                                at,
+                                i as usize,
+                                payload,
+                                row,
+                                |row| match (k, int8) {
                                     (0, false) => dtype.to_f32(row, acc),
                                     (0, true) => dequantize(row, hidden, acc),
                                     (_, false) => dtype.accumulate(row, 1.0, acc),
                                     (_, true) => dequantize_add(row, hidden, acc),
-                                }
-                            })?;
+                                },
+                            )?;
                         }
                     }
                     if !int8 {
