@@ -752,9 +752,9 @@ impl WaitState {
             yield_for,
             slow_yield: Duration::from_nanos((16 * wake).max(MIN_SLOW_YIELD_NS)),
             yield_allowed,
-            // Ranks outnumbering cores keep one run of the phases per wait: at 2A:2E T=1 (four
-            // ranks, two cores) restarting after each source's rows gained nothing and was
-            // slower with busy processes competing, 3-run A/B (`docs/performance.md`).
+            // Ranks outnumbering cores keep one run of the phases per wait (the policy tuned
+            // for them): a 3-run A/B at 2A:2E T=1 (four ranks, two cores) with restarts there
+            // showed no gain above the noise (`docs/performance.md`).
             restart_on_progress: !self.oversubscribed,
         }
     }
