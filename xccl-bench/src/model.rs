@@ -381,7 +381,7 @@ pub fn samples_from_report(doc: &Value) -> Result<(Vec<Sample>, f64), String> {
                 relayed,
                 ranks: Vec::new(),
             };
-            for r in ranks {
+            for (rank, r) in ranks.iter().enumerate() {
                 let ph = &r["points"][p][direction.name()];
                 let calls = ph["calls"].as_f64().unwrap_or(0.0).max(1.0);
                 let num = |v: &Value, k: &str| v[k].as_f64().unwrap_or(0.0);
@@ -399,10 +399,19 @@ pub fn samples_from_report(doc: &Value) -> Result<(Vec<Sample>, f64), String> {
                         .map(|peers| {
                             peers
                                 .iter()
-                                .map(|x| Link {
-                                    to: x["peer"].as_u64().unwrap_or(0) as usize,
-                                    rows: num(x, "rows_sent") / calls,
-                                    bytes: num(x, "bytes_put") / calls,
+                                .map(|x| {
+                                    let to = x["peer"].as_u64().unwrap_or(0) as usize;
+                                    let rows = moved_rows(
+                                        to == rank,
+                                        num(x, "records"),
+                                        num(x, "rows_sent"),
+                                        num(x, "bytes_put"),
+                                    );
+                                    Link {
+                                        to,
+                                        rows: rows / calls,
+                                        bytes: num(x, "bytes_put") / calls,
+                                    }
                                 })
                                 .collect()
                         })
@@ -533,7 +542,12 @@ pub fn counted(shape: &Shape, hidden: usize, seed: u64) -> Result<(Counts, Count
                     .filter(|(_, x)| x.bytes_put > 0)
                     .map(|(to, x)| Link {
                         to,
-                        rows: x.rows_sent as f64,
+                        rows: moved_rows(
+                            to == r,
+                            x.records as f64,
+                            x.rows_sent as f64,
+                            x.bytes_put as f64,
+                        ),
                         bytes: x.bytes_put as f64,
                     })
                     .collect(),
@@ -541,6 +555,18 @@ pub fn counted(shape: &Shape, hidden: usize, seed: u64) -> Result<(Counts, Count
             .collect(),
     };
     Ok((build(0, Direction::A2e), build(1, Direction::E2a)))
+}
+
+/// The rows a link moved: the rows its records announced, but none on a link to the rank
+/// itself that carried its records' bytes only (a relay's own E2A replies, which stay where its
+/// caller has them: `xccl::moe::combine`), so rescaling to another row size leaves it alone.
+fn moved_rows(to_itself: bool, records: f64, rows: f64, bytes: f64) -> f64 {
+    let record = std::mem::size_of::<xccl::moe::record::Record>() as f64;
+    if to_itself && bytes <= records * record {
+        0.0
+    } else {
+        rows
+    }
 }
 
 /// One rank's A2E and E2A of [`counted`]: routing `k` distinct routed experts plus the shared

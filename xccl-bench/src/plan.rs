@@ -10,7 +10,10 @@
 //! - through relays (relay `r` of `a`, `g` members): A2E `a -> r` the route table (`4 x (1 + N)`
 //!   bytes), one record and every row; `r -> d` the members' rows for `d` and one header (a
 //!   record and `16 x g` bytes of entries); E2A `d -> r` one record and the replies for the
-//!   members' rows; `r -> a` one record and one reduced row per token.
+//!   members' rows; `r -> a` one record and one reduced row per token. A relay's replies to its
+//!   own members' rows (`r -> r`) announce their rows in the record but stay where its caller
+//!   has them when they are token rows in the dtype (`--layout token`, no INT8): the record's
+//!   bytes only.
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
@@ -18,7 +21,7 @@ use std::fmt::Write as _;
 use xccl::moe::window_layout::{WindowLayout, RELAY_ENTRY};
 use xccl::{Quant, Topology};
 
-use crate::cli::Args;
+use crate::cli::{Args, ExpertLayout};
 use crate::stats::RankStats;
 
 /// Records, rows and bytes one rank put into one peer's window.
@@ -106,7 +109,8 @@ pub fn plan(args: &Args, topo: &Topology, sweep: usize, quant: Quant, tokens: us
                         let via: u64 = members.iter().map(|&ai| rows[ai][j]).sum();
                         let header = RECORD + (RELAY_ENTRY * members.len()) as u64;
                         a2e[r][d].add(1, via, header + via * s);
-                        e2a[d][r].add(1, via, RECORD + via * e);
+                        let in_place = d == r && args.layout == ExpertLayout::Token && !int8;
+                        e2a[d][r].add(1, via, RECORD + if in_place { 0 } else { via * e });
                     }
                 }
             }
