@@ -624,6 +624,10 @@ impl CombineReceiver {
                 ),
             }
         };
+        // Whether every window a reply row can be in is mapped here (then rows are read where
+        // they landed).
+        let windows_mapped = ctx.fabric.local_window().is_some()
+            && experts.iter().all(|&d| ctx.fabric.peer_window(d).is_some());
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
             for (j, &d) in experts.iter().enumerate() {
@@ -693,6 +697,26 @@ impl CombineReceiver {
                     if e < r.end && hl.token(e) == t {
                         self.cursors[j] += 1;
                         self.contributions.push((j, e - r.start));
+                    }
+                }
+                // Two rows in the dtype, lent where they landed: summed and rounded in one pass
+                // (the bits of the general sum below).
+                if self.contributions.len() == 2 && windows_mapped {
+                    let mut rows = [None, None];
+                    for (slot, &(j, i)) in rows.iter_mut().zip(&self.contributions) {
+                        let (rec, mode) = recs[j].expect("delivered rows have a record");
+                        if !rec.int8() {
+                            let (rank, at) = row_at(j, &rec, mode, i);
+                            // SAFETY: as for the rows of the general sum below: under the
+                            // watermark, so covered by its expert rank's progress signal, and
+                            // not written again before this call's credit.
+                            *slot = unsafe { super::regions::landed(ctx, rank, at, p)? };
+                        }
+                    }
+                    if let [Some(a), Some(b)] = rows {
+                        dtype.add_rows(a, b, &mut self.acc, out_row);
+                        next_token += 1;
+                        continue;
                     }
                 }
                 match self.contributions.len() {

@@ -596,12 +596,14 @@ pub(crate) struct Reduction {
 }
 
 /// Scratch space of a relay's E2A: one chunk of reduced rows (when the member's window is not
-/// mapped here), one reply row (when this rank's own window is not), one f32 sum row, the
+/// mapped here), two reply rows (when this rank's own window is not), one f32 sum row, the
 /// quantizer.
 #[derive(Debug, Default)]
 pub(crate) struct Work {
     out: Vec<u8>,
     row: Vec<u8>,
+    /// A second reply row, for the one-pass sum of two.
+    row2: Vec<u8>,
     acc: Vec<f32>,
     quant: Quantizer,
 }
@@ -803,6 +805,23 @@ impl Reduction {
                         self.with_reply_row(ctx, own, (area, s), i, s, &mut work.row, |row| {
                             out.copy_from_slice(row)
                         })?;
+                    }
+                }
+                // Two rows in the dtype: summed and rounded in one pass (the loop's bits).
+                2 if !int8 => {
+                    let dtype = ctx.cfg.dtype;
+                    let Work { row, row2, acc, .. } = &mut *work;
+                    acc.resize(hidden, 0.0);
+                    let first = self.start[t] as usize;
+                    let (i, k) = (self.rows[first] as usize, self.rows[first + 1] as usize);
+                    let at = (area, s);
+                    // SAFETY: as above, for both rows.
+                    unsafe {
+                        self.with_reply_row(ctx, own, at, i, s, row, |a| {
+                            self.with_reply_row(ctx, own, at, k, s, row2, |b| {
+                                dtype.add_rows(a, b, acc, out)
+                            })
+                        })??;
                     }
                 }
                 n => {
