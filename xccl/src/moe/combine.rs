@@ -33,6 +33,7 @@ use super::batch::{ExpertBatch, SourceInfo};
 use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::Sent;
+use super::dtype::MAX_FUSED_ROWS;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -699,22 +700,29 @@ impl CombineReceiver {
                         self.contributions.push((j, e - r.start));
                     }
                 }
-                // Two rows in the dtype, lent where they landed: summed and rounded in one pass
-                // (the bits of the general sum below).
-                if self.contributions.len() == 2 && windows_mapped {
-                    let mut rows = [None, None];
+                // Several rows in the dtype, lent where they landed: summed and rounded in one
+                // pass (`DType::sum_rows`: the bits of the general sum below).
+                let n = self.contributions.len();
+                if (2..=MAX_FUSED_ROWS).contains(&n) && windows_mapped {
+                    let mut rows: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
+                    let mut lent = 0;
                     for (slot, &(j, i)) in rows.iter_mut().zip(&self.contributions) {
                         let (rec, mode) = recs[j].expect("delivered rows have a record");
-                        if !rec.int8() {
-                            let (rank, at) = row_at(j, &rec, mode, i);
-                            // SAFETY: as for the rows of the general sum below: under the
-                            // watermark, so covered by its expert rank's progress signal, and
-                            // not written again before this call's credit.
-                            *slot = unsafe { super::regions::landed(ctx, rank, at, p)? };
+                        if rec.int8() {
+                            break;
                         }
+                        let (rank, at) = row_at(j, &rec, mode, i);
+                        // SAFETY: as for the rows of the general sum below: under the
+                        // watermark, so covered by its expert rank's progress signal, and not
+                        // written again before this call's credit.
+                        match unsafe { super::regions::landed(ctx, rank, at, p)? } {
+                            Some(row) => *slot = row,
+                            None => break,
+                        }
+                        lent += 1;
                     }
-                    if let [Some(a), Some(b)] = rows {
-                        dtype.add_rows(a, b, &mut self.acc, out_row);
+                    if lent == n {
+                        dtype.sum_rows(&rows[..n], &mut self.acc, out_row);
                         next_token += 1;
                         continue;
                     }

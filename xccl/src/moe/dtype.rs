@@ -141,7 +141,42 @@ impl DType {
         self.accumulate(b, 1.0, acc);
         self.from_f32(acc, out);
     }
+
+    /// Writes the sum of `rows` (at least one, each a row of this dtype as bytes), in `f32` in
+    /// their order and rounded once, into `out`: the bits of [`DType::to_f32`] of the first,
+    /// [`DType::accumulate`] of each other with scale 1 and [`DType::from_f32`]. Aligned bf16
+    /// rows (at most [`MAX_FUSED_ROWS`]) are summed a block of elements at a time, each block's
+    /// sum kept in registers and the cache, so every row is read once and `out` written once;
+    /// other rows go through `acc` (a row of scratch).
+    pub fn sum_rows(self, rows: &[&[u8]], acc: &mut [f32], out: &mut [u8]) {
+        match rows {
+            [] => out.fill(0),
+            [a, b] => self.add_rows(a, b, acc, out),
+            _ => {
+                if self == DType::BF16 && rows.len() <= MAX_FUSED_ROWS {
+                    let mut wide: [&[u16]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
+                    let aligned = rows.iter().zip(wide.iter_mut()).all(|(r, w)| {
+                        bytemuck::try_cast_slice::<u8, u16>(r).is_ok_and(|r| {
+                            *w = r;
+                            true
+                        })
+                    });
+                    if let (true, Ok(o)) = (aligned, bytemuck::try_cast_slice_mut::<u8, u16>(out)) {
+                        return kernels::bf16_sum(&wide[..rows.len()], o);
+                    }
+                }
+                self.to_f32(rows[0], acc);
+                for r in &rows[1..] {
+                    self.accumulate(r, 1.0, acc);
+                }
+                self.from_f32(acc, out);
+            }
+        }
+    }
 }
+
+/// Most rows [`DType::sum_rows`] sums in one pass (more go through the scratch row).
+pub const MAX_FUSED_ROWS: usize = 16;
 
 /// The conversion and accumulation loops on aligned slices, each compiled twice: for the
 /// baseline target and with AVX2 (chosen at run time). No fused multiply-add, so both give the
@@ -194,6 +229,30 @@ mod kernels {
             out.iter_mut().zip(a).zip(b).for_each(|((o, &x), &y)| {
                 *o = bf16_bits(f32::from_bits((x as u32) << 16) + f32::from_bits((y as u32) << 16))
             });
+        }
+    }
+
+    multiversion! {
+        /// `out[i] = bf16(sum of f32 rows[k][i] in order)`, round to nearest even, a block of
+        /// elements at a time.
+        fn bf16_sum(rows: &[&[u16]], out: &mut [u16]) {
+            const BLOCK: usize = 256;
+            let mut acc = [0f32; BLOCK];
+            for (b, o) in out.chunks_mut(BLOCK).enumerate() {
+                let at = b * BLOCK;
+                let acc = &mut acc[..o.len()];
+                for (a, &v) in acc.iter_mut().zip(&rows[0][at..at + o.len()]) {
+                    *a = f32::from_bits((v as u32) << 16);
+                }
+                for r in &rows[1..] {
+                    for (a, &v) in acc.iter_mut().zip(&r[at..at + o.len()]) {
+                        *a += f32::from_bits((v as u32) << 16);
+                    }
+                }
+                for (o, &a) in o.iter_mut().zip(acc.iter()) {
+                    *o = bf16_bits(a);
+                }
+            }
         }
     }
 
@@ -338,42 +397,56 @@ mod tests {
         }
     }
 
-    /// The one-pass bf16 sum gives the bits of the three passes it replaces (widen, add,
-    /// round once), specials included, aligned or not, in every dtype.
-    #[test]
-    fn adding_two_rows_gives_the_bits_of_widen_accumulate_round() {
-        let mut x = 0x2545_f491u32;
-        let mut next = || {
+    /// A xorshift32 stream from `seed` (not 0): test bytes and bit patterns.
+    fn xorshift(mut x: u32) -> impl FnMut() -> u32 {
+        move || {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
             x
-        };
-        let n = 1031;
+        }
+    }
+
+    /// Sums of 1 to 18 rows (past the one-pass limit; two through `add_rows` too) give the bits
+    /// of widen, accumulate in order, round once, in every dtype, aligned or not, specials
+    /// included.
+    #[test]
+    fn summing_rows_gives_the_bits_of_widen_accumulate_round() {
+        let mut next = xorshift(0x9e37_79b9);
+        let n = 700;
         for dt in [DType::F32, DType::F16, DType::BF16] {
             let w = dt.size();
-            // One byte of slack, so the rows can also start off their alignment.
-            let mut a = vec![0u8; n * w + 1];
-            let mut b = vec![0u8; n * w + 1];
-            a.iter_mut().for_each(|v| *v = next() as u8);
-            b.iter_mut().for_each(|v| *v = next() as u8);
-            // Specials: infinities, NaN, the largest finite value (its sum overflows).
-            let specials: [f32; 4] = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX];
-            let mut sp = vec![0u8; specials.len() * w];
-            dt.from_f32(&specials, &mut sp);
-            a[..sp.len()].copy_from_slice(&sp);
-            b[w..w + sp.len()].copy_from_slice(&sp);
-            for off in [0, 1] {
-                let (ra, rb) = (&a[off..off + n * w], &b[off..off + n * w]);
-                let mut acc = vec![0f32; n];
-                let mut want = vec![0u8; n * w];
-                dt.to_f32(ra, &mut acc);
-                dt.accumulate(rb, 1.0, &mut acc);
-                dt.from_f32(&acc, &mut want);
-                let mut got = vec![0u8; n * w + 1];
-                let mut scratch = vec![0f32; n];
-                dt.add_rows(ra, rb, &mut scratch, &mut got[off..off + n * w]);
-                assert_eq!(&got[off..off + n * w], &want[..], "{dt:?}, offset {off}");
+            for count in 1..=MAX_FUSED_ROWS + 2 {
+                let mut store: Vec<Vec<u8>> = (0..count)
+                    .map(|_| (0..n * w + 1).map(|_| next() as u8).collect())
+                    .collect();
+                // Specials in the first and the last row, one element apart: infinities of
+                // both signs (NaN where they meet), NaN, the largest finite value (its sum
+                // overflows).
+                let specials = [f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX];
+                let mut sp = vec![0u8; specials.len() * w];
+                dt.from_f32(&specials, &mut sp);
+                store[0][..sp.len()].copy_from_slice(&sp);
+                let last = count - 1;
+                store[last][w..w + sp.len()].copy_from_slice(&sp);
+                for off in [0, 1] {
+                    let rows: Vec<&[u8]> = store.iter().map(|r| &r[off..off + n * w]).collect();
+                    let mut acc = vec![0f32; n];
+                    let mut want = vec![0u8; n * w];
+                    dt.to_f32(rows[0], &mut acc);
+                    for r in &rows[1..] {
+                        dt.accumulate(r, 1.0, &mut acc);
+                    }
+                    dt.from_f32(&acc, &mut want);
+                    let mut got = vec![0u8; n * w + 1];
+                    let mut scratch = vec![0f32; n];
+                    dt.sum_rows(&rows, &mut scratch, &mut got[off..off + n * w]);
+                    assert_eq!(&got[off..off + n * w], want, "{dt:?}, {count} rows, +{off}");
+                    if let [a, b] = rows[..] {
+                        dt.add_rows(a, b, &mut scratch, &mut got[off..off + n * w]);
+                        assert_eq!(&got[off..off + n * w], want, "{dt:?}, add_rows, +{off}");
+                    }
+                }
             }
         }
     }

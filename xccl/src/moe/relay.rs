@@ -50,6 +50,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::context::{Context, AWAITED_CHECK_EVERY};
+use super::dtype::MAX_FUSED_ROWS;
 use super::hash::Fnv;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize, dequantize_add, int8_payload, Quantizer};
@@ -596,14 +597,12 @@ pub(crate) struct Reduction {
 }
 
 /// Scratch space of a relay's E2A: one chunk of reduced rows (when the member's window is not
-/// mapped here), two reply rows (when this rank's own window is not), one f32 sum row, the
+/// mapped here), one reply row (when this rank's own window is not), one f32 sum row, the
 /// quantizer.
 #[derive(Debug, Default)]
 pub(crate) struct Work {
     out: Vec<u8>,
     row: Vec<u8>,
-    /// A second reply row, for the one-pass sum of two.
-    row2: Vec<u8>,
     acc: Vec<f32>,
     quant: Quantizer,
 }
@@ -740,6 +739,32 @@ impl Reduction {
         Ok(self.sent == t_count)
     }
 
+    /// `len` bytes of reply row `i` of the member's reply area (`area`, rows `stride` apart)
+    /// where they are, without a copy: in this relay's own replies (`own`), or where they
+    /// landed in this rank's window when it is mapped here; `None` when reading them would
+    /// need a copy.
+    ///
+    /// # Safety
+    /// As [`with_landed`]: row `i` has landed, and its writer leaves it alone while the slice
+    /// lives.
+    unsafe fn lent_reply_row<'a>(
+        &self,
+        ctx: &'a Context,
+        own: Option<&'a [u8]>,
+        (area, stride): (usize, usize),
+        i: usize,
+        len: usize,
+    ) -> Result<Option<&'a [u8]>> {
+        if let (Some(replies), Some((range, first))) = (own, &self.own) {
+            if range.contains(&i) {
+                let at = (first + i - range.start) * ctx.layout.e2a_stride;
+                return Ok(replies.get(at..at + len));
+            }
+        }
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { super::regions::landed(ctx, ctx.rank, area + i * stride, len) }
+    }
+
     /// Runs `f` on `len` bytes of reply row `i` of the member's reply area (`area`, rows
     /// `stride` apart): from this relay's own replies (`own`) when the row is one of them and
     /// they stayed there, else where it landed in the window ([`with_landed`]).
@@ -807,28 +832,32 @@ impl Reduction {
                         })?;
                     }
                 }
-                // Two rows in the dtype: summed and rounded in one pass (the loop's bits).
-                2 if !int8 => {
-                    let dtype = ctx.cfg.dtype;
-                    let Work { row, row2, acc, .. } = &mut *work;
-                    acc.resize(hidden, 0.0);
-                    let first = self.start[t] as usize;
-                    let (i, k) = (self.rows[first] as usize, self.rows[first + 1] as usize);
-                    let at = (area, s);
-                    // SAFETY: as above, for both rows.
-                    unsafe {
-                        self.with_reply_row(ctx, own, at, i, s, row, |a| {
-                            self.with_reply_row(ctx, own, at, k, s, row2, |b| {
-                                dtype.add_rows(a, b, acc, out)
-                            })
-                        })??;
-                    }
-                }
                 n => {
                     let dtype = ctx.cfg.dtype;
+                    let first = self.start[t] as usize;
+                    // Up to `MAX_FUSED_ROWS` rows in the dtype that need no copy (this relay's
+                    // own, or landed in its window mapped here): one pass, `DType::sum_rows`.
+                    if !int8 && n as usize <= MAX_FUSED_ROWS {
+                        let mut rows: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
+                        let mut lent = 0;
+                        for (slot, &i) in rows.iter_mut().zip(&self.rows[first..][..n as usize]) {
+                            // SAFETY: as above.
+                            match unsafe {
+                                self.lent_reply_row(ctx, own, (area, s), i as usize, s)?
+                            } {
+                                Some(row) => *slot = row,
+                                None => break,
+                            }
+                            lent += 1;
+                        }
+                        if lent == n as usize {
+                            work.acc.resize(hidden, 0.0);
+                            dtype.sum_rows(&rows[..lent], &mut work.acc, out);
+                            continue;
+                        }
+                    }
                     let Work { row, acc, .. } = &mut *work;
                     acc.resize(hidden, 0.0);
-                    let first = self.start[t] as usize;
                     for (k, &i) in self.rows[first..first + n as usize].iter().enumerate() {
                         // SAFETY: as above.
                         unsafe {
