@@ -607,28 +607,6 @@ pub(crate) struct Work {
     quant: Quantizer,
 }
 
-/// Runs `f` on `len` bytes at `at` of this rank's window: in place when it is mapped here, else
-/// on a copy in `tmp`.
-///
-/// # Safety
-/// No rank may write the range while `f` runs (rows a sender has signalled and writes again only
-/// after this rank's credit).
-unsafe fn with_landed<R>(
-    ctx: &Context,
-    at: usize,
-    len: usize,
-    tmp: &mut Vec<u8>,
-    f: impl FnOnce(&[u8]) -> R,
-) -> Result<R> {
-    // SAFETY: forwarded from the caller's contract.
-    if let Some(bytes) = unsafe { super::regions::landed(ctx, ctx.rank, at, len)? } {
-        return Ok(f(bytes));
-    }
-    tmp.resize(len, 0);
-    ctx.get(ctx.rank, at, tmp)?;
-    Ok(f(tmp))
-}
-
 impl Reduction {
     /// Starts the reduction of one member's call `mc`; expert index `j` wrote `before[j]` rows
     /// for the members before it.
@@ -740,13 +718,13 @@ impl Reduction {
     }
 
     /// `len` bytes of reply row `i` of the member's reply area (`area`, rows `stride` apart)
-    /// where they are, without a copy: in this relay's own replies (`own`), or where they
-    /// landed in this rank's window when it is mapped here; `None` when reading them would
-    /// need a copy.
+    /// where they are, without a copy: in this relay's own replies (`own`) when the row is one
+    /// of them and they stayed there, or where they landed in this rank's window when it is
+    /// mapped here; `None` when reading them needs a copy (the window is not mapped).
     ///
     /// # Safety
-    /// As [`with_landed`]: row `i` has landed, and its writer leaves it alone while the slice
-    /// lives.
+    /// Row `i` has landed, and its writer leaves it alone while the slice lives (rows a sender
+    /// has signalled and writes again only after this relay's credit).
     unsafe fn lent_reply_row<'a>(
         &self,
         ctx: &'a Context,
@@ -757,20 +735,25 @@ impl Reduction {
     ) -> Result<Option<&'a [u8]>> {
         if let (Some(replies), Some((range, first))) = (own, &self.own) {
             if range.contains(&i) {
-                let at = (first + i - range.start) * ctx.layout.e2a_stride;
-                return Ok(replies.get(at..at + len));
+                let row = first + i - range.start;
+                let at = row * ctx.layout.e2a_stride;
+                return match replies.get(at..at + len) {
+                    Some(bytes) => Ok(Some(bytes)),
+                    None => Err(Error::invalid(format!(
+                        "this relay's own replies end before row {row}"
+                    ))),
+                };
             }
         }
         // SAFETY: forwarded from the caller's contract.
         unsafe { super::regions::landed(ctx, ctx.rank, area + i * stride, len) }
     }
 
-    /// Runs `f` on `len` bytes of reply row `i` of the member's reply area (`area`, rows
-    /// `stride` apart): from this relay's own replies (`own`) when the row is one of them and
-    /// they stayed there, else where it landed in the window ([`with_landed`]).
+    /// Runs `f` on reply row `i` ([`Reduction::lent_reply_row`]): where it is, or on a copy in
+    /// `tmp` when this rank's window is not mapped here.
     ///
     /// # Safety
-    /// As [`with_landed`]: row `i` has landed, and its writer leaves it alone while `f` runs.
+    /// As [`Reduction::lent_reply_row`], while `f` runs.
     #[allow(clippy::too_many_arguments)]
     unsafe fn with_reply_row<R>(
         &self,
@@ -782,20 +765,13 @@ impl Reduction {
         tmp: &mut Vec<u8>,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R> {
-        if let (Some(replies), Some((range, first))) = (own, &self.own) {
-            if range.contains(&i) {
-                let at = (first + i - range.start) * ctx.layout.e2a_stride;
-                let row = replies.get(at..at + len).ok_or_else(|| {
-                    Error::invalid(format!(
-                        "this relay's own replies end before row {}",
-                        first + i - range.start
-                    ))
-                })?;
-                return Ok(f(row));
-            }
-        }
         // SAFETY: forwarded from the caller's contract.
-        unsafe { with_landed(ctx, area + i * stride, len, tmp, f) }
+        if let Some(row) = unsafe { self.lent_reply_row(ctx, own, (area, stride), i, len)? } {
+            return Ok(f(row));
+        }
+        tmp.resize(len, 0);
+        ctx.get(ctx.rank, area + i * stride, tmp)?;
+        Ok(f(tmp))
     }
 
     /// Writes the reduced rows of tokens `rows` (complete) into `dst`, one after the other: no
