@@ -158,6 +158,13 @@ pub struct Args {
     #[arg(long, default_value_t = 20)]
     pub warmup: usize,
 
+    /// Blocks the measured iterations of every token count, and of every limit measurement,
+    /// run in: xccl's block b of every token count, then the limits' block b, alternating, so
+    /// a slow spell of a shared machine slows xccl and its limits alike (1: all of xccl's
+    /// iterations, then all of the limits', as before).
+    #[arg(long, default_value_t = 5)]
+    pub blocks: usize,
+
     /// Seed of the routing and the hidden states.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -338,6 +345,9 @@ impl Args {
         if self.iters == 0 {
             return Err("--iters must be at least 1".into());
         }
+        if self.blocks == 0 {
+            return Err("--blocks must be at least 1".into());
+        }
         if !(1..=xccl::moe::config::MAX_IN_FLIGHT).contains(&self.in_flight) {
             return Err(format!(
                 "--in-flight must be in 1..={}",
@@ -444,6 +454,11 @@ impl Args {
     /// Iterations run per token count (warmup plus measured).
     pub fn rounds(&self) -> usize {
         self.warmup + self.iters
+    }
+
+    /// Blocks the iterations run in (`--blocks`, at most one per measured iteration).
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.clamp(1, self.iters.max(1))
     }
 }
 

@@ -33,7 +33,7 @@ use xccl::fabric::{deadline_after, Fabric, WaitPolicy, Waiting};
 
 use crate::cli::Args;
 use crate::report::percentile;
-use crate::run::{now_ns, round, topology, workload};
+use crate::run::{block_rounds, now_ns, round, topology, workload};
 
 /// Signal slot carrying stream progress (a running chunk count) into the reader's control area.
 const PROGRESS: usize = 0;
@@ -323,61 +323,101 @@ fn exchange_in(
     f.get(f.rank(), 0, &mut dst[..len])
 }
 
-/// Runs the whole plan on this rank; returns its words (per measurement, per iteration,
-/// [`WORDS`] each). Every rank of the fabric must call it.
-pub fn run(f: &mut dyn LimitFabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
-    let own = run_policy(args);
-    let (rank, m) = (f.rank(), args.attention);
-    let timeout = args.timeout();
-    let max = plan.window_len();
-    let src: Vec<u8> = (0..max).map(|i| (i * 31 + rank) as u8).collect();
-    let mut dst = vec![0u8; max];
-    let mut words = Vec::with_capacity(plan.measurements.len() * plan.rounds() * WORDS);
-    // Running chunk counts of the stream into this rank and out of it.
-    let (mut seq_in, mut seq_out) = (0u64, 0u64);
-    let mut epoch = 0u64;
-    for meas in &plan.measurements {
-        f.set_policy(meas.policy.map_or(own, |p| p.1));
-        let f: &dyn Fabric = f;
-        // Which side this rank is, if any.
-        let (writers, readers) = meas.ranks(m, args.experts);
-        let writer_first = writers.contains(&rank);
-        let reader_first = readers.contains(&rank);
-        for _ in 0..plan.rounds() {
-            epoch += 1;
-            barrier(f, epoch, timeout)?;
-            let mut w = [0u64; WORDS];
-            if meas.pattern == Pattern::Exchange {
-                let row = &src[..meas.bytes];
-                if writer_first {
-                    w[0] = now_ns();
-                    exchange_out(f, readers.clone(), row, rank, epoch)?;
-                    exchange_in(f, readers.clone(), &mut dst, row.len(), epoch, timeout)?;
-                    w[2] = now_ns();
-                } else if reader_first {
-                    exchange_in(f, writers.clone(), &mut dst, row.len(), epoch, timeout)?;
-                    w[1] = now_ns();
-                    exchange_out(f, writers.clone(), row, rank - m, epoch)?;
-                }
-            } else if writer_first {
-                let peer = m + rank;
-                w[0] = now_ns();
-                seq_out = stream_out(f, peer, &src[..meas.bytes], plan.chunk, seq_out)?;
-                seq_in = stream_in(f, peer, &mut dst[..meas.bytes], plan.chunk, seq_in, timeout)?;
-                w[2] = now_ns();
-            } else if reader_first {
-                let peer = rank - m;
-                seq_in = stream_in(f, peer, &mut dst[..meas.bytes], plan.chunk, seq_in, timeout)?;
-                w[1] = now_ns();
-                seq_out = stream_out(f, peer, &src[..meas.bytes], plan.chunk, seq_out)?;
-            }
-            words.extend_from_slice(&w);
+/// One rank's run of a [`Plan`], block by block ([`crate::run::block_rounds`]): block `b` of
+/// every measurement at a time, so the limits' blocks can alternate with the calls'.
+pub struct LimitRun<'a> {
+    args: &'a Args,
+    plan: &'a Plan,
+    /// The run's own wait policy (measurements without one of their own use it).
+    own: WaitPolicy,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    /// Per measurement, per round, [`WORDS`] words.
+    words: Vec<u64>,
+    /// Running chunk counts of the stream into this rank and out of it.
+    seq_in: u64,
+    seq_out: u64,
+    /// The last barrier's (and exchange's) epoch.
+    epoch: u64,
+}
+
+impl<'a> LimitRun<'a> {
+    /// The run of `plan` on rank `rank`, before its first block.
+    pub fn new(rank: usize, args: &'a Args, plan: &'a Plan) -> Self {
+        let max = plan.window_len();
+        LimitRun {
+            args,
+            plan,
+            own: run_policy(args),
+            src: (0..max).map(|i| (i * 31 + rank) as u8).collect(),
+            dst: vec![0u8; max],
+            words: vec![0; plan.measurements.len() * plan.rounds() * WORDS],
+            seq_in: 0,
+            seq_out: 0,
+            epoch: 0,
         }
     }
-    f.set_policy(own);
-    epoch += 1;
-    barrier(f, epoch, timeout)?;
-    Ok(words)
+
+    /// Runs block `b` (of [`Args::num_blocks`]) of every measurement. Every rank of the
+    /// fabric must run the same blocks in the same order.
+    pub fn block(&mut self, f: &mut dyn LimitFabric, b: usize) -> xccl::Result<()> {
+        let (args, plan) = (self.args, self.plan);
+        let (rank, m) = (f.rank(), args.attention);
+        let timeout = args.timeout();
+        let its = block_rounds(plan.warmup, plan.iters, args.num_blocks(), b);
+        for (mi, meas) in plan.measurements.iter().enumerate() {
+            f.set_policy(meas.policy.map_or(self.own, |p| p.1));
+            let f: &dyn Fabric = f;
+            // Which side this rank is, if any.
+            let (writers, readers) = meas.ranks(m, args.experts);
+            let writer_first = writers.contains(&rank);
+            let reader_first = readers.contains(&rank);
+            for it in its.clone() {
+                self.epoch += 1;
+                let epoch = self.epoch;
+                barrier(f, epoch, timeout)?;
+                let mut w = [0u64; WORDS];
+                let (src, dst) = (&self.src[..meas.bytes], &mut self.dst);
+                if meas.pattern == Pattern::Exchange {
+                    if writer_first {
+                        w[0] = now_ns();
+                        exchange_out(f, readers.clone(), src, rank, epoch)?;
+                        exchange_in(f, readers.clone(), dst, src.len(), epoch, timeout)?;
+                        w[2] = now_ns();
+                    } else if reader_first {
+                        exchange_in(f, writers.clone(), dst, src.len(), epoch, timeout)?;
+                        w[1] = now_ns();
+                        exchange_out(f, writers.clone(), src, rank - m, epoch)?;
+                    }
+                } else if writer_first {
+                    let peer = m + rank;
+                    w[0] = now_ns();
+                    self.seq_out = stream_out(f, peer, src, plan.chunk, self.seq_out)?;
+                    let dst = &mut dst[..meas.bytes];
+                    self.seq_in = stream_in(f, peer, dst, plan.chunk, self.seq_in, timeout)?;
+                    w[2] = now_ns();
+                } else if reader_first {
+                    let peer = rank - m;
+                    let dst = &mut dst[..meas.bytes];
+                    self.seq_in = stream_in(f, peer, dst, plan.chunk, self.seq_in, timeout)?;
+                    w[1] = now_ns();
+                    self.seq_out = stream_out(f, peer, src, plan.chunk, self.seq_out)?;
+                }
+                let at = (mi * plan.rounds() + it) * WORDS;
+                self.words[at..at + WORDS].copy_from_slice(&w);
+            }
+        }
+        f.set_policy(self.own);
+        Ok(())
+    }
+
+    /// Ends the run (a last barrier, so no rank leaves while another still reads its window)
+    /// and returns this rank's words (per measurement, per round, [`WORDS`] each).
+    pub fn finish(mut self, f: &mut dyn LimitFabric) -> xccl::Result<Vec<u64>> {
+        self.epoch += 1;
+        barrier(f, self.epoch, self.args.timeout())?;
+        Ok(self.words)
+    }
 }
 
 /// The wait policy of the run's ranks ([`WaitPolicy::for_ranks_on_host`]).
@@ -467,36 +507,6 @@ pub fn aggregate(args: &Args, plan: &Plan, words: &[Vec<u64>]) -> Vec<Limit> {
         .collect()
 }
 
-/// Runs the plan on threads over a local fabric (for `--fabric local`); returns every rank's
-/// words in rank order.
-pub fn run_local(args: &Args, plan: &Plan) -> Result<Vec<Vec<u64>>, String> {
-    let size = args.world_size();
-    let mut fabrics =
-        xccl::fabric::local::LocalFabric::create(&vec![plan.window_len(); size], slots(size))
-            .map_err(|e| e.to_string())?;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = fabrics
-            .iter_mut()
-            .map(|f| {
-                s.spawn(move || {
-                    let r = run(f, args, plan);
-                    if let Err(e) = &r {
-                        f.abort(&format!("xccl-bench limit: {e}"));
-                    }
-                    r
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| match h.join() {
-                Ok(r) => r.map_err(|e| format!("limit run: {e}")),
-                Err(_) => Err("a limit thread panicked".to_string()),
-            })
-            .collect()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -506,6 +516,46 @@ mod tests {
         let mut v = vec!["xccl-bench"];
         v.extend_from_slice(extra);
         Args::parse_from(v)
+    }
+
+    /// Runs the whole plan on this rank; returns its words (per measurement, per iteration,
+    /// [`WORDS`] each). Every rank of the fabric must call it.
+    fn run(f: &mut dyn LimitFabric, args: &Args, plan: &Plan) -> xccl::Result<Vec<u64>> {
+        let mut run = LimitRun::new(f.rank(), args, plan);
+        for b in 0..args.num_blocks() {
+            run.block(f, b)?;
+        }
+        run.finish(f)
+    }
+
+    /// Runs the plan alone (no calls between its blocks) on threads over a local fabric; returns
+    /// every rank's words in rank order.
+    fn run_local(args: &Args, plan: &Plan) -> Result<Vec<Vec<u64>>, String> {
+        let size = args.world_size();
+        let mut fabrics =
+            xccl::fabric::local::LocalFabric::create(&vec![plan.window_len(); size], slots(size))
+                .map_err(|e| e.to_string())?;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = fabrics
+                .iter_mut()
+                .map(|f| {
+                    s.spawn(move || {
+                        let r = run(f, args, plan);
+                        if let Err(e) = &r {
+                            f.abort(&format!("xccl-bench limit: {e}"));
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h.join() {
+                    Ok(r) => r.map_err(|e| format!("limit run: {e}")),
+                    Err(_) => Err("a limit thread panicked".to_string()),
+                })
+                .collect()
+        })
     }
 
     #[test]

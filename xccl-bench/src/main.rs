@@ -207,8 +207,30 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
     };
     let mut comm = Communicator::new(fabric, Arc::new(topo), cfg).map_err(e)?;
     let records = comm.a2e_records_per_call();
+    // The limits, on a fabric of their own over the same bootstrap, same processes, their
+    // blocks alternating with the calls' (`--blocks`).
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let mut limit_fabric = match ShmFabric::with_timeout(
+        env.exchange.clone(),
+        plan.window_len(),
+        limit::slots(args.world_size()),
+        args.timeout(),
+    ) {
+        Ok(f) => f,
+        Err(err) => {
+            comm.abort(&format!("xccl-bench limit: {err}"));
+            return Err(format!("measuring the streaming limit: {err}"));
+        }
+    };
+    limit_fabric.set_wait_policy(policy);
+    let mut limit_run = limit::LimitRun::new(env.rank, args, &plan);
     let pb = (env.rank == 0).then(|| progress(args));
-    let report = match run::run_rank(&mut comm, args, pb.as_ref()) {
+    let mut limit_block = |b: usize| {
+        limit_run.block(&mut limit_fabric, b).inspect_err(|err| {
+            xccl::fabric::Fabric::abort(&limit_fabric, &format!("xccl-bench limit: {err}"));
+        })
+    };
+    let report = match run::run_rank(&mut comm, args, pb.as_ref(), &mut limit_block) {
         Ok(r) => r,
         Err(err) => {
             comm.abort(&err.to_string());
@@ -218,23 +240,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
     if let Some(pb) = pb {
         pb.finish_and_clear();
     }
-    // The limits, on a fabric of their own over the same bootstrap, same processes.
-    let plan = limit::Plan::of(args).map_err(e)?;
-    let limit_words = ShmFabric::with_timeout(
-        env.exchange.clone(),
-        plan.window_len(),
-        limit::slots(args.world_size()),
-        args.timeout(),
-    )
-    .and_then(|mut f| {
-        f.set_wait_policy(policy);
-        let r = limit::run(&mut f, args, &plan);
-        if let Err(e) = &r {
-            xccl::fabric::Fabric::abort(&f, &format!("xccl-bench limit: {e}"));
-        }
-        r
-    });
-    let limit_words = match limit_words {
+    let limit_words = match limit_run.finish(&mut limit_fabric) {
         Ok(w) => w,
         Err(err) => {
             let _ = env.exchange.broadcast_abort(&err.to_string());
@@ -402,20 +408,41 @@ fn run_local(args: &Args) -> Result<i32, String> {
     write_routing(args)?;
     let comms = Communicator::local_group(&topo, &cfg).map_err(e)?;
     let records = comms[0].a2e_records_per_call();
+    // The limits on a local fabric of their own, each rank's blocks alternating with its calls'.
+    let plan = limit::Plan::of(args).map_err(e)?;
+    let size = args.world_size();
+    let limit_fabrics = xccl::fabric::local::LocalFabric::create(
+        &vec![plan.window_len(); size],
+        limit::slots(size),
+    )
+    .map_err(e)?;
     let pb = progress(args);
-    let results: Vec<Result<(RankReport, Vec<u8>), String>> = std::thread::scope(|s| {
+    type RankResult = Result<(RankReport, Vec<u8>, Vec<u64>), String>;
+    let results: Vec<RankResult> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
-            .map(|mut comm| {
+            .zip(limit_fabrics)
+            .map(|(mut comm, mut lf)| {
                 let pb = (comm.rank() == 0).then(|| pb.clone());
-                s.spawn(move || match run::run_rank(&mut comm, args, pb.as_ref()) {
-                    Ok(r) => {
-                        let blob = stats::encode(&comm, &r.phases);
-                        Ok((r, blob))
-                    }
-                    Err(err) => {
-                        comm.abort(&err.to_string());
-                        Err(format!("rank {}: {err}", comm.rank()))
+                let plan = &plan;
+                s.spawn(move || {
+                    let mut limit_run = limit::LimitRun::new(comm.rank(), args, plan);
+                    let mut limit_block = |b: usize| {
+                        limit_run.block(&mut lf, b).inspect_err(|err| {
+                            xccl::fabric::Fabric::abort(&lf, &format!("xccl-bench limit: {err}"));
+                        })
+                    };
+                    let ran = run::run_rank(&mut comm, args, pb.as_ref(), &mut limit_block)
+                        .and_then(|r| Ok((r, limit_run.finish(&mut lf)?)));
+                    match ran {
+                        Ok((r, words)) => {
+                            let blob = stats::encode(&comm, &r.phases);
+                            Ok((r, blob, words))
+                        }
+                        Err(err) => {
+                            comm.abort(&err.to_string());
+                            Err(format!("rank {}: {err}", comm.rank()))
+                        }
                     }
                 })
             })
@@ -426,18 +453,20 @@ fn run_local(args: &Args) -> Result<i32, String> {
             .collect()
     });
     pb.finish_and_clear();
-    let (reports, blobs): (Vec<RankReport>, Vec<Vec<u8>>) = results
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()?
-        .into_iter()
-        .unzip();
+    let mut reports = Vec::new();
+    let mut blobs = Vec::new();
+    let mut limit_words = Vec::new();
+    for r in results {
+        let (report, blob, words) = r?;
+        reports.push(report);
+        blobs.push(blob);
+        limit_words.push(words);
+    }
     let stats_json = if args.stats {
         Some(report_stats(args, &topo, &blobs, records)?)
     } else {
         None
     };
-    let plan = limit::Plan::of(args).map_err(e)?;
-    let limit_words = limit::run_local(args, &plan)?;
     finish(
         args,
         &reports,

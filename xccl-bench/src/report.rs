@@ -456,9 +456,11 @@ pub fn table(
         );
     }
     s += &format!(
-        "# iters {} warmup {} seed {} chunk {} B, in flight {}, bind {}, check {}\n",
+        "# iters {} warmup {} ({} blocks alternating with the limits') seed {} chunk {} B, in \
+         flight {}, bind {}, check {}\n",
         args.iters,
         args.warmup,
+        args.num_blocks(),
         args.seed,
         args.chunk_bytes,
         if args.domains > 1 { 1 } else { args.in_flight },
@@ -669,6 +671,7 @@ pub fn to_json(
             "in_flight": if args.domains > 1 { 1 } else { args.in_flight },
             "iters": args.iters,
             "warmup": args.warmup,
+            "blocks": args.num_blocks(),
             "seed": args.seed,
             "skew": args.skew,
             "relays": args.relays,

@@ -1,6 +1,7 @@
 //! What every rank does: the timed iterations of each token count, then (with `--check`) the same
 //! rounds again through [`xccl::testing::harness`].
 
+use std::ops::Range;
 use std::sync::Arc;
 use xccl::fabric::WaitCounters;
 
@@ -247,16 +248,27 @@ pub fn now_ns() -> u64 {
     t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
 }
 
-/// Runs every sweep point on this rank, dispatching on the dtype.
+/// The rounds (warmup included) of block `b` of `blocks` over `warmup` unmeasured then `iters`
+/// measured rounds: the warmup is all in block 0, the measured rounds are shared evenly.
+pub fn block_rounds(warmup: usize, iters: usize, blocks: usize, b: usize) -> Range<usize> {
+    let edge = |b: usize| warmup + iters * b / blocks;
+    let start = if b == 0 { 0 } else { edge(b) };
+    start..edge(b + 1)
+}
+
+/// Runs every sweep point on this rank, dispatching on the dtype: the rounds of every point in
+/// [`Args::num_blocks`] blocks, and after block `b` of every point, `between(b)` (the limits'
+/// block `b`), so the two alternate.
 pub fn run_rank(
     comm: &mut Communicator,
     args: &Args,
     progress: Option<&ProgressBar>,
+    between: &mut dyn FnMut(usize) -> xccl::Result<()>,
 ) -> xccl::Result<RankReport> {
     match args.dtype {
-        xccl::DType::BF16 => run_typed::<half::bf16>(comm, args, progress),
-        xccl::DType::F16 => run_typed::<half::f16>(comm, args, progress),
-        xccl::DType::F32 => run_typed::<f32>(comm, args, progress),
+        xccl::DType::BF16 => run_typed::<half::bf16>(comm, args, progress, between),
+        xccl::DType::F16 => run_typed::<half::f16>(comm, args, progress, between),
+        xccl::DType::F32 => run_typed::<f32>(comm, args, progress, between),
     }
 }
 
@@ -264,6 +276,7 @@ fn run_typed<T: Element>(
     comm: &mut Communicator,
     args: &Args,
     progress: Option<&ProgressBar>,
+    between: &mut dyn FnMut(usize) -> xccl::Result<()>,
 ) -> xccl::Result<RankReport> {
     let topo = Arc::new(comm.topology().clone());
     let (rank, hidden, k) = (comm.rank(), args.hidden, args.topk);
@@ -292,150 +305,189 @@ fn run_typed<T: Element>(
     // Calls of the run so far: with DP domains the call decides which attention ranks take part.
     let mut call = 0u64;
     let domains = args.domains;
-    for (s, quant, tokens) in points {
-        // Senders choose the wire format per call; every rank switches together.
-        comm.set_a2e_quant(quant);
-        comm.set_e2a_quant(quant);
-        let wl = workload(args, tokens);
-        let first = call;
-        let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
-            (0..args.rounds())
-                .map(|it| wl.input(&topo, k, rank, round(s, it, first + it as u64, domains)))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let mut phases: [Stats; 2] = Default::default();
-        let mut waits = WaitCounters::default();
-        let mut cost = CallCost::default();
-        for it in 0..args.rounds() {
-            comm.barrier()?;
-            let waits_before = comm.wait_counters();
-            let cost_before = CallCost::now();
-            let this_call = call;
-            call += 1;
-            let w = match comm.role() {
-                Role::Attention if !topo.in_call(rank, this_call) => SKIPPED,
-                Role::Attention => {
-                    let inp = inputs.get(it).expect("one input per round");
-                    let n = inp.num_tokens * hidden;
-                    let registered = args.buffers == BufferKind::Registered;
-                    let t0 = now_ns();
-                    if registered {
-                        // The caller's copy into the registered input (and the credit wait
-                        // inside `a2e_input`) is part of the A2E: these bytes move too.
-                        comm.a2e_input::<T>()?[..n].copy_from_slice(&x[..n]);
-                    }
-                    let handle = if registered {
-                        comm.a2e_send_input(inp.num_tokens, &inp.topk_idx, &inp.topk_weights)?
-                    } else {
-                        comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?
-                    };
-                    let t1 = now_ns();
-                    accumulate(&mut phases[0], comm.last_call_stats());
-                    let rows = handle.total_rows() as u64;
-                    comm.e2a_recv(&handle, &mut out[..n])?;
-                    let t2 = now_ns();
-                    accumulate(&mut phases[1], comm.last_call_stats());
-                    [t0, t1, t2, rows]
-                }
-                // The expert computation is the identity: the received rows go back.
-                Role::Expert if args.layout == ExpertLayout::Expert => {
-                    comm.a2e_recv(&mut batch)?;
-                    let t0 = now_ns();
-                    accumulate(&mut phases[0], comm.last_call_stats());
-                    let t1 = now_ns();
-                    comm.e2a_send(&batch, batch.rows::<T>()?)?;
-                    let t2 = now_ns();
-                    accumulate(&mut phases[1], comm.last_call_stats());
-                    [t0, t1, t2, batch.num_tokens() as u64]
-                }
-                Role::Expert if args.layout == ExpertLayout::View => {
-                    let mode = comm.config().mode;
-                    let mut view = comm.a2e_recv_view()?;
-                    let t0 = now_ns();
-                    let n = view.num_tokens() as u64;
-                    // The identity, computed straight into the reply rows.
-                    view.e2a_send::<T>(mode, |_, input, output| output.copy_from_slice(input))?;
-                    drop(view);
-                    let t2 = now_ns();
-                    // A view's receive and reply are counted together, as its E2A.
-                    accumulate(&mut phases[1], comm.last_call_stats());
-                    [t0, t0, t2, n]
-                }
-                Role::Expert if args.buffers == BufferKind::Registered => {
-                    comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
-                    let t0 = now_ns();
-                    accumulate(&mut phases[0], comm.last_call_stats());
-                    // The identity "computes" into the registered output: that copy (and the
-                    // credit wait inside `e2a_output`) is part of the E2A, as the copy out of
-                    // the caller's rows is with `--buffers copy`.
-                    comm.e2a_output::<T>(&tokens_batch)?
-                        .copy_from_slice(tokens_batch.rows::<T>()?);
-                    comm.e2a_send_output(&tokens_batch)?;
-                    let t2 = now_ns();
-                    accumulate(&mut phases[1], comm.last_call_stats());
-                    [t0, t0, t2, tokens_batch.num_tokens() as u64]
-                }
-                Role::Expert => {
-                    comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
-                    let t0 = now_ns();
-                    accumulate(&mut phases[0], comm.last_call_stats());
-                    let t1 = now_ns();
-                    comm.e2a_send_tokens(&tokens_batch, tokens_batch.rows::<T>()?)?;
-                    let t2 = now_ns();
-                    accumulate(&mut phases[1], comm.last_call_stats());
-                    [t0, t1, t2, tokens_batch.num_tokens() as u64]
-                }
+    let rounds = args.rounds();
+    let blocks = args.num_blocks();
+    // Per point: its words (every round's, in round order), phases, waits and costs.
+    let mut words = vec![vec![0u64; rounds * WORDS]; points.len()];
+    let mut phases = vec![<[Stats; 2]>::default(); points.len()];
+    let mut waits = vec![WaitCounters::default(); points.len()];
+    let mut costs = vec![CallCost::default(); points.len()];
+    for b in 0..blocks {
+        let its = block_rounds(args.warmup, args.iters, blocks, b);
+        for (p, &(s, quant, tokens)) in points.iter().enumerate() {
+            // Senders choose the wire format per call; every rank switches together.
+            comm.set_a2e_quant(quant);
+            comm.set_e2a_quant(quant);
+            let wl = workload(args, tokens);
+            let first = call;
+            let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
+                its.clone()
+                    .map(|it| {
+                        let this_call = first + (it - its.start) as u64;
+                        wl.input(&topo, k, rank, round(s, it, this_call, domains))
+                    })
+                    .collect()
+            } else {
+                Vec::new()
             };
-            if it >= args.warmup {
-                CallCost::now().add_since(&cost_before, &mut cost);
-                add_waits(&mut waits, &comm.wait_counters().since(&waits_before));
-            }
-            report.words.extend_from_slice(&w);
-            if let Some(pb) = progress {
-                pb.inc(1);
-            }
-        }
-        report.phases.push(phases);
-        report.waits.push(waits);
-        report.costs.push(cost);
-        if args.check {
-            let buffers = match args.buffers {
-                BufferKind::Copy => Buffers::Copy,
-                BufferKind::Registered => Buffers::Registered,
-            };
-            for it in 0..args.rounds() {
+            let (phases, waits, cost) = (&mut phases[p], &mut waits[p], &mut costs[p]);
+            for it in its.clone() {
+                comm.barrier()?;
+                let waits_before = comm.wait_counters();
+                let cost_before = CallCost::now();
                 let this_call = call;
                 call += 1;
-                let r = round(s, it, this_call, domains);
-                let verdict = match comm.role() {
-                    Role::Attention if !topo.in_call(rank, this_call) => Ok(()),
-                    Role::Attention => attention_round_with::<T>(comm, &wl, r, buffers)?,
+                let w = match comm.role() {
+                    Role::Attention if !topo.in_call(rank, this_call) => SKIPPED,
+                    Role::Attention => {
+                        let inp = inputs.get(it - its.start).expect("one input per round");
+                        let n = inp.num_tokens * hidden;
+                        let registered = args.buffers == BufferKind::Registered;
+                        let t0 = now_ns();
+                        if registered {
+                            // The caller's copy into the registered input (and the credit wait
+                            // inside `a2e_input`) is part of the A2E: these bytes move too.
+                            comm.a2e_input::<T>()?[..n].copy_from_slice(&x[..n]);
+                        }
+                        let handle = if registered {
+                            comm.a2e_send_input(inp.num_tokens, &inp.topk_idx, &inp.topk_weights)?
+                        } else {
+                            comm.a2e_send(&x[..n], &inp.topk_idx, &inp.topk_weights)?
+                        };
+                        let t1 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let rows = handle.total_rows() as u64;
+                        comm.e2a_recv(&handle, &mut out[..n])?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t1, t2, rows]
+                    }
+                    // The expert computation is the identity: the received rows go back.
                     Role::Expert if args.layout == ExpertLayout::Expert => {
-                        expert_round::<T>(comm, &wl, r, &mut batch, true)?
+                        comm.a2e_recv(&mut batch)?;
+                        let t0 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let t1 = now_ns();
+                        comm.e2a_send(&batch, batch.rows::<T>()?)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t1, t2, batch.num_tokens() as u64]
                     }
                     Role::Expert if args.layout == ExpertLayout::View => {
-                        expert_round_view::<T>(comm, &wl, r, true)?
+                        let mode = comm.config().mode;
+                        let mut view = comm.a2e_recv_view()?;
+                        let t0 = now_ns();
+                        let n = view.num_tokens() as u64;
+                        // The identity, computed straight into the reply rows.
+                        view.e2a_send::<T>(mode, |_, input, output| output.copy_from_slice(input))?;
+                        drop(view);
+                        let t2 = now_ns();
+                        // A view's receive and reply are counted together, as its E2A.
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t0, t2, n]
                     }
-                    Role::Expert => expert_round_tokens_with::<T>(
-                        comm,
-                        &wl,
-                        r,
-                        &mut tokens_batch,
-                        true,
-                        buffers,
-                    )?,
+                    Role::Expert if args.buffers == BufferKind::Registered => {
+                        comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
+                        let t0 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        // The identity "computes" into the registered output: that copy (and the
+                        // credit wait inside `e2a_output`) is part of the E2A, as the copy out of
+                        // the caller's rows is with `--buffers copy`.
+                        comm.e2a_output::<T>(&tokens_batch)?
+                            .copy_from_slice(tokens_batch.rows::<T>()?);
+                        comm.e2a_send_output(&tokens_batch)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t0, t2, tokens_batch.num_tokens() as u64]
+                    }
+                    Role::Expert => {
+                        comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
+                        let t0 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let t1 = now_ns();
+                        comm.e2a_send_tokens(&tokens_batch, tokens_batch.rows::<T>()?)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t1, t2, tokens_batch.num_tokens() as u64]
+                    }
                 };
-                if let Err(e) = verdict {
-                    report.mismatches.push(format!("tokens {tokens}: {e}"));
+                if it >= args.warmup {
+                    CallCost::now().add_since(&cost_before, cost);
+                    add_waits(waits, &comm.wait_counters().since(&waits_before));
                 }
+                words[p][it * WORDS..(it + 1) * WORDS].copy_from_slice(&w);
                 if let Some(pb) = progress {
                     pb.inc(1);
                 }
             }
         }
+        between(b)?;
+    }
+    report.words = words.concat();
+    report.phases = phases;
+    report.waits = waits;
+    report.costs = costs;
+    // `--check`: every point's rounds again, each result against the reference.
+    let buffers = match args.buffers {
+        BufferKind::Copy => Buffers::Copy,
+        BufferKind::Registered => Buffers::Registered,
+    };
+    for &(s, quant, tokens) in points.iter().filter(|_| args.check) {
+        comm.set_a2e_quant(quant);
+        comm.set_e2a_quant(quant);
+        let wl = workload(args, tokens);
+        for it in 0..args.rounds() {
+            let this_call = call;
+            call += 1;
+            let r = round(s, it, this_call, domains);
+            let verdict = match comm.role() {
+                Role::Attention if !topo.in_call(rank, this_call) => Ok(()),
+                Role::Attention => attention_round_with::<T>(comm, &wl, r, buffers)?,
+                Role::Expert if args.layout == ExpertLayout::Expert => {
+                    expert_round::<T>(comm, &wl, r, &mut batch, true)?
+                }
+                Role::Expert if args.layout == ExpertLayout::View => {
+                    expert_round_view::<T>(comm, &wl, r, true)?
+                }
+                Role::Expert => {
+                    expert_round_tokens_with::<T>(comm, &wl, r, &mut tokens_batch, true, buffers)?
+                }
+            };
+            if let Err(e) = verdict {
+                report.mismatches.push(format!("tokens {tokens}: {e}"));
+            }
+            if let Some(pb) = progress {
+                pb.inc(1);
+            }
+        }
     }
     comm.barrier()?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_every_round_once_with_the_warmup_in_the_first() {
+        for (warmup, iters, blocks) in [(20, 200, 5), (3, 7, 3), (0, 5, 5), (4, 1, 1), (2, 10, 4)] {
+            let ranges: Vec<_> = (0..blocks)
+                .map(|b| block_rounds(warmup, iters, blocks, b))
+                .collect();
+            assert_eq!(ranges[0].start, 0);
+            assert!(ranges[0].end >= warmup);
+            for w in ranges.windows(2) {
+                assert_eq!(w[0].end, w[1].start, "{ranges:?}");
+            }
+            assert_eq!(ranges[blocks - 1].end, warmup + iters);
+            // The measured rounds are shared evenly: sizes differ by at most one.
+            let measured: Vec<usize> = ranges.iter().map(|r| r.end - r.start.max(warmup)).collect();
+            let (lo, hi) = (
+                measured.iter().min().unwrap(),
+                measured.iter().max().unwrap(),
+            );
+            assert!(hi - lo <= 1, "{measured:?}");
+        }
+    }
 }

@@ -81,6 +81,8 @@ fn assert_report(v: &serde_json::Value) {
     }
     assert!(v["floor"]["p50_us"].as_f64().unwrap() > 0.0);
     assert_eq!(v["floor"]["bytes"], 64 * 2, "one bf16 row of H=64");
+    // The default 5 blocks, each one measured iteration, alternating with the limits'.
+    assert_eq!(v["config"]["blocks"], 5);
 }
 
 #[test]
