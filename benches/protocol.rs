@@ -2,7 +2,7 @@
 //! in the same group (`Throughput::Bytes`), so the report reads as "fraction of memcpy speed":
 //!
 //! - `layout/T`: `DispatchLayout::build_into` for T tokens, top-8 of 64 experts over 2 expert
-//!   ranks (bytes = the routing read: `T * K * (4 + 4)`);
+//!   ranks, a different routing each call (bytes = the routing read: `T * K * (4 + 4)`);
 //! - `record`: `Record::new` + `Record::validate` (32 bytes);
 //! - `row_meta`: `A2eRow::encode_meta` + `decode_meta` (the metadata bytes of one row);
 //! - `roundtrip_local`: one A2E + E2A over the `local` fabric, 1A:1E, T=128, H=7168, bf16, with
@@ -26,6 +26,8 @@ use xccl::{Communicator, DType, ExpertBatch, MoeConfig, Topology, TransferMode};
 
 const K: usize = 8;
 const EXPERTS: usize = 64;
+/// Routings the layout benchmark cycles through.
+const ROUTINGS: usize = 64;
 
 /// A memcpy of `bytes` bytes, as a benchmark in `group`.
 fn memcpy_bench(
@@ -45,15 +47,22 @@ fn memcpy_bench(
 fn layout(c: &mut Criterion) {
     let topo = Topology::contiguous(1, 2, EXPERTS).expect("topology");
     for t in [128usize, 512] {
-        let (idx, w) = random_routing(7, t, K, EXPERTS, None);
+        // A new routing each call, as every layer brings: one routing repeated would let the
+        // branch predictor learn it, which no real call sees.
+        let routings: Vec<_> = (0..ROUTINGS)
+            .map(|seed| random_routing(seed as u64, t, K, EXPERTS, None))
+            .collect();
         let bytes = t * K * 8;
         let mut group = c.benchmark_group(format!("layout/{t}"));
         group.throughput(Throughput::Bytes(bytes as u64));
         let mut layout = DispatchLayout::default();
+        let mut next = 0;
         group.bench_function("build_into", |b| {
             b.iter(|| {
+                let (idx, w) = &routings[next % ROUTINGS];
+                next += 1;
                 layout
-                    .build_into(&topo, 0, t, black_box(&idx), black_box(&w), K)
+                    .build_into(&topo, 0, t, black_box(idx), black_box(w), K)
                     .expect("layout");
                 black_box(layout.total_entries());
             })

@@ -30,26 +30,8 @@ use std::ops::Range;
 use crate::topology::Topology;
 use crate::{Error, Result};
 
-/// One routed (destination, local expert, weight) choice of a token, before grouping.
-#[derive(Clone, Copy, Debug, Default)]
-struct Slot {
-    /// `dst << 32 | local` ([`slot_key`]): one compare orders by (dst, local).
-    key: u64,
-    weight: f32,
-}
-
-impl Slot {
-    fn dst(&self) -> u64 {
-        self.key >> 32
-    }
-
-    fn local(&self) -> usize {
-        (self.key & u64::from(u32::MAX)) as usize
-    }
-}
-
-/// The sort key of a (destination rank, local expert) pair; both fit in 32 bits (ranks and
-/// local experts are counted in `u32` on the wire).
+/// The route key of a (destination rank, local expert) pair, `dst << 32 | local`; both fit in
+/// 32 bits (ranks and local experts are counted in `u32` on the wire).
 fn slot_key((dst, local): (usize, usize)) -> u64 {
     ((dst as u64) << 32) | local as u64
 }
@@ -79,10 +61,14 @@ pub struct DispatchLayout {
     pub weights: Vec<f32>,
     /// Number of source tokens of the call the layout was built for.
     num_tokens: usize,
-    /// Scratch: every token's routed slots, sorted by (dst, local) and merged, concatenated.
-    slots: Vec<Slot>,
-    /// Scratch: token `t`'s slots are `slots[slot_start[t]..slot_start[t + 1]]`.
-    slot_start: Vec<usize>,
+    /// Scratch: per destination rank, the last token (stamp) that made an entry for it, and
+    /// that entry while the token is filled in.
+    dst_stamp: Vec<usize>,
+    entry_of: Vec<usize>,
+    /// Scratch: per expert, the last token (stamp) that selected it (duplicates are merged).
+    expert_stamp: Vec<usize>,
+    /// Scratch: one token's route keys, one per slot ([`ORPHANED`] for `-1` too).
+    keys: Vec<u64>,
     /// Scratch: entries per destination while counting (at `d + 1`), then the next free entry
     /// per destination while filling.
     cursor: Vec<usize>,
@@ -157,9 +143,13 @@ impl DispatchLayout {
                 "dispatch layout: num_tokens {num_tokens} does not fit in u32"
             )));
         }
-        // Pass 1, which also validates: route, sort and merge each token's slots and count
-        // entries per destination (into `cursor`, scratch). `self`'s results are untouched until
-        // every slot has passed, so an error leaves them as they were.
+        // Pass 1, which also validates: route every slot and count the entries per destination
+        // (into `cursor`, scratch), one per (token, destination). `self`'s results are untouched
+        // until every slot has passed, so an error leaves them as they were. Stamps (token + 1
+        // here, num_tokens + token + 1 in pass 2) mark the destinations and experts a token has
+        // already touched, so no slot list is stored or sorted: each call brings a new routing,
+        // whose sort branches the predictor cannot learn (sorting each token's slots, as this
+        // did before, cost 1.4-1.6x as long in the A2E, `benches/protocol.rs` `layout/T`).
         let num_experts = topo.num_experts();
         let world = topo.world_size();
         // Per expert, its (dst, local) key from this source, or `ORPHANED`: one table per call
@@ -182,17 +172,23 @@ impl DispatchLayout {
                 None => slot_key(topo.route_from_index(attention_index, e)),
             }
         };
-        self.slots.clear();
-        self.slot_start.clear();
-        self.slot_start.push(0);
         self.cursor.clear();
         self.cursor.resize(world + 1, 0);
+        self.dst_stamp.clear();
+        self.dst_stamp.resize(world, 0);
+        self.entry_of.clear();
+        self.entry_of.resize(world, 0);
+        self.expert_stamp.clear();
+        self.expert_stamp.resize(num_experts, 0);
         let mut dropped = 0;
         let mut valid = true;
+        let (cursor, dst_stamp) = (&mut self.cursor[..], &mut self.dst_stamp[..]);
+        let expert_stamp = &mut self.expert_stamp[..];
         if k > 0 {
             let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
-            for (ids, ws) in rows {
-                let base = self.slots.len();
+            for (t, (ids, ws)) in rows.enumerate() {
+                let stamp = t + 1;
+                let mut repeats = false;
                 for (&id, &w) in ids.iter().zip(ws) {
                     if id == -1 {
                         continue;
@@ -208,26 +204,21 @@ impl DispatchLayout {
                         dropped += 1;
                         continue;
                     }
-                    self.slots.push(Slot { key, weight: w });
-                }
-                let row = &mut self.slots[base..];
-                sort_slots(row);
-                let merged = merge_slots(row);
-                self.slots.truncate(base + merged);
-                let mut prev = u64::MAX;
-                for slot in &self.slots[base..] {
-                    // A merged weight is finite unless an expert's weights summed to infinity.
-                    valid &= slot.weight.is_finite();
-                    let dst = slot.dst();
-                    if dst != prev {
-                        self.cursor[dst as usize + 1] += 1;
-                        prev = dst;
+                    repeats |= expert_stamp[e] == stamp;
+                    expert_stamp[e] = stamp;
+                    let dst = (key >> 32) as usize;
+                    if dst_stamp[dst] != stamp {
+                        dst_stamp[dst] = stamp;
+                        cursor[dst + 1] += 1;
                     }
                 }
-                self.slot_start.push(self.slots.len());
+                // An expert selected twice: its weights, summed in slot order, must be finite
+                // (checked only while every id so far is in range: the call fails otherwise).
+                if repeats && valid {
+                    valid &=
+                        overflowing_merge(ids, ws, |e| route(e as usize) == ORPHANED).is_none();
+                }
             }
-        } else {
-            self.slot_start.resize(num_tokens + 1, 0);
         }
         if !valid {
             // Rare: the slow checks name the first offending token and slot.
@@ -250,7 +241,9 @@ impl DispatchLayout {
         }
         let total = self.dest_start[world];
 
-        // Pass 2: fill entries, tokens in ascending order per destination.
+        // Pass 2: fill entries, tokens in ascending order per destination. Per token, first
+        // every mask bit; then each weight goes to the place of its bit among the entry's set
+        // bits (ascending local-expert order), a repeated expert's weight added in slot order.
         self.tokens.clear();
         self.tokens.resize(total, 0);
         self.masks.clear();
@@ -259,23 +252,53 @@ impl DispatchLayout {
         self.weights.resize(total * k, 0.0);
         self.cursor.clear();
         self.cursor.extend_from_slice(&self.dest_start[..world]);
+        self.keys.clear();
+        self.keys.resize(k, ORPHANED);
+        let (cursor, dst_stamp) = (&mut self.cursor[..], &mut self.dst_stamp[..]);
+        let (entry_of, expert_stamp) = (&mut self.entry_of[..], &mut self.expert_stamp[..]);
+        let (tokens, masks) = (&mut self.tokens[..], &mut self.masks[..]);
+        let (weights, keys) = (&mut self.weights[..], &mut self.keys[..]);
         for t in 0..num_tokens {
-            let row = &self.slots[self.slot_start[t]..self.slot_start[t + 1]];
-            let mut i = 0;
-            while i < row.len() {
-                let dst = row[i].dst();
-                let entry = self.cursor[dst as usize];
-                self.cursor[dst as usize] += 1;
-                self.tokens[entry] = t as u32;
-                let mask = &mut self.masks[entry * mask_words..][..mask_words];
-                let weights = &mut self.weights[entry * k..][..k];
-                let mut n = 0;
-                while i < row.len() && row[i].dst() == dst {
-                    let j = row[i].local();
-                    mask[j / 64] |= 1u64 << (j % 64);
-                    weights[n] = row[i].weight;
-                    n += 1;
-                    i += 1;
+            let stamp = num_tokens + t + 1;
+            let ids = &topk_idx[t * k..][..k];
+            let ws = &topk_weights[t * k..][..k];
+            for (key, &id) in keys.iter_mut().zip(ids) {
+                *key = if id == -1 {
+                    ORPHANED
+                } else {
+                    route(id as usize)
+                };
+                if *key == ORPHANED {
+                    continue;
+                }
+                let (dst, local) = ((*key >> 32) as usize, (*key & u64::from(u32::MAX)) as usize);
+                if dst_stamp[dst] != stamp {
+                    dst_stamp[dst] = stamp;
+                    entry_of[dst] = cursor[dst];
+                    tokens[cursor[dst]] = t as u32;
+                    cursor[dst] += 1;
+                }
+                masks[entry_of[dst] * mask_words + local / 64] |= 1u64 << (local % 64);
+            }
+            for ((&key, &id), &w) in keys.iter().zip(ids).zip(ws) {
+                if key == ORPHANED {
+                    continue;
+                }
+                let (dst, local) = ((key >> 32) as usize, (key & u64::from(u32::MAX)) as usize);
+                let entry = entry_of[dst];
+                let mask = &masks[entry * mask_words..][..mask_words];
+                let below = mask[..local / 64]
+                    .iter()
+                    .map(|m| m.count_ones())
+                    .sum::<u32>()
+                    + (mask[local / 64] & ((1u64 << (local % 64)) - 1)).count_ones();
+                let slot = &mut weights[entry * k + below as usize];
+                let e = id as usize;
+                if expert_stamp[e] == stamp {
+                    *slot += w;
+                } else {
+                    expert_stamp[e] = stamp;
+                    *slot = w;
                 }
             }
         }
@@ -338,32 +361,22 @@ impl DispatchLayout {
     }
 }
 
-/// Stable insertion sort by (dst, local): rows are at most `k` long, and equal keys keep slot order
-/// so duplicate weights are summed in slot order.
-fn sort_slots(row: &mut [Slot]) {
-    for i in 1..row.len() {
-        let cur = row[i];
-        let mut j = i;
-        while j > 0 && row[j - 1].key > cur.key {
-            row[j] = row[j - 1];
-            j -= 1;
+/// The first expert that `ids` selects more than once (and that `skip` does not pass over)
+/// whose weights, summed in slot order, are not finite, with that sum.
+fn overflowing_merge(ids: &[i32], ws: &[f32], skip: impl Fn(i32) -> bool) -> Option<(i32, f32)> {
+    for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
+        if id == -1 || ids[..s].contains(&id) || skip(id) {
+            continue;
         }
-        row[j] = cur;
-    }
-}
-
-/// Merges adjacent slots with the same (dst, local), summing weights; returns the new length.
-fn merge_slots(row: &mut [Slot]) -> usize {
-    let mut out = 0;
-    for i in 0..row.len() {
-        if out > 0 && row[out - 1].key == row[i].key {
-            row[out - 1].weight += row[i].weight;
-        } else {
-            row[out] = row[i];
-            out += 1;
+        let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
+        let sum = later
+            .filter(|(&i, _)| i == id)
+            .fold(w, |acc, (_, &x)| acc + x);
+        if !sum.is_finite() {
+            return Some((id, sum));
         }
     }
-    out
+    None
 }
 
 /// The checks of [`DispatchLayout::build_into`] one slot at a time, for the error message: the
@@ -391,19 +404,10 @@ fn validate(topk_idx: &[i32], topk_weights: &[f32], k: usize, num_experts: usize
     }
     let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
     for (t, (ids, ws)) in rows.enumerate() {
-        for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
-            if id == -1 || ids[..s].contains(&id) {
-                continue;
-            }
-            let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
-            let sum = later
-                .filter(|(&i, _)| i == id)
-                .fold(w, |acc, (_, &x)| acc + x);
-            if !sum.is_finite() {
-                return Err(Error::invalid(format!(
-                    "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
-                )));
-            }
+        if let Some((id, sum)) = overflowing_merge(ids, ws, |_| false) {
+            return Err(Error::invalid(format!(
+                "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
+            )));
         }
     }
     Ok(())
@@ -490,6 +494,13 @@ mod tests {
         assert_eq!(l.count(0), 0);
         assert_eq!(l.count(1), 0);
         assert_eq!(l.count(2), 1);
+    }
+
+    #[test]
+    fn a_repeated_expert_beside_an_out_of_range_id_is_an_error_not_a_panic() {
+        let t = small();
+        let m = invalid_msg(DispatchLayout::build(&t, 0, 1, &[1, -2, 1], &[0.5; 3], 3));
+        assert!(m.contains("slot 1") && m.contains("expert -2"), "{m}");
     }
 
     #[test]
@@ -784,7 +795,7 @@ mod tests {
         assert_eq!(mask_count(&m), 4);
     }
 
-    /// Routing with -1 holes and duplicate ids, expert ids in range.
+    /// Routing with -1 holes and duplicate ids, expert ids in range, finite weights of any sign.
     fn arb_case() -> impl Strategy<Value = (Topology, usize, usize, usize, Vec<i32>, Vec<f32>)> {
         arb_topology().prop_flat_map(|t| {
             let srcs = t.attention_ranks().to_vec();
@@ -796,7 +807,12 @@ mod tests {
                     Just(n),
                     Just(k),
                     proptest::collection::vec(-1i32..e, n * k),
-                    proptest::collection::vec(0.0f32..1.0, n * k),
+                    // Signed zeros and negative weights too: a merged weight keeps the bits of
+                    // a sum in slot order (a lone -0.0 stays -0.0).
+                    proptest::collection::vec(
+                        prop_oneof![-1.0f32..1.0, Just(-0.0f32), Just(0.0f32), Just(1e30f32)],
+                        n * k,
+                    ),
                 )
             })
         })
