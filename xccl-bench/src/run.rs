@@ -1,5 +1,6 @@
-//! What every rank does: the timed iterations of each token count, then (with `--check`) the same
-//! rounds again through [`xccl::testing::harness`].
+//! What every rank does: the timed iterations of each token count, in `--blocks` blocks that
+//! alternate with the limits' ([`run_rank`]), then (with `--check`) the same rounds again
+//! through [`xccl::testing::harness`].
 
 use std::ops::Range;
 use std::sync::Arc;
