@@ -149,7 +149,8 @@ impl DispatchLayout {
         // here, num_tokens + token + 1 in pass 2) mark the destinations and experts a token has
         // already touched, so no slot list is stored or sorted: each call brings a new routing,
         // whose sort branches the predictor cannot learn (sorting each token's slots, as this
-        // did before, cost 1.4-1.6x as long in the A2E, `benches/protocol.rs` `layout/T`).
+        // did before, took 1.3-1.4x as long in `benches/protocol.rs` `layout/T` and 1.5-1.9x as
+        // long timed inside the A2E send, docs/performance.md).
         let num_experts = topo.num_experts();
         let world = topo.world_size();
         // Per expert, its (dst, local) key from this source, or `ORPHANED`: one table per call
