@@ -311,7 +311,8 @@ mod tests {
         let errs = run(group, |x| {
             let start = Instant::now();
             let err = x.allgather(b"a", timeout).unwrap_err();
-            assert!(start.elapsed() >= timeout && start.elapsed() < timeout * 4);
+            // Bounded, with room for a loaded CI machine.
+            assert!(start.elapsed() >= timeout && start.elapsed() < timeout * 10);
             err
         });
         for err in &errs {

@@ -1077,40 +1077,52 @@ mod policy_tests {
     /// part: while the parts come faster than the yield phase lasts it never sleeps, so the
     /// signaller pays no futex wake-up per part. Before, the phases ran from the wait's start
     /// and a long streaming receive slept between parts (22 sleeps per 1A:1E T=512 call).
+    ///
+    /// The streaming parts land every 8 polls, not every few milliseconds: a wait polls at most
+    /// four times per round of its loop, so every part is seen by the poll that restarts the
+    /// phases however slowly a loaded machine runs the test (a clock-driven version saw only
+    /// 2 of 11 parts in CI once a slow yield had sent the wait to sleep for 20 ms at a time).
     #[test]
     fn a_wait_for_streaming_parts_restarts_its_phases_at_each_part_and_does_not_sleep() {
         let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
         // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
         let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
-        // Yield for 30 ms, then sleep; a part lands every 5 ms, the last after 60 ms.
+        // Yield for 200 ms, then sleep.
+        let yield_for = Duration::from_millis(200);
         let policy = WaitPolicy {
             spin_iters: 0,
-            yield_for: Duration::from_millis(30),
+            yield_for,
         };
-        let parts = |streaming: bool| {
+        let wait = |poll: &mut dyn FnMut() -> Option<Waiting>| {
             let state = WaitState::default();
-            let start = Instant::now();
-            let mut poll = || {
-                let part = (start.elapsed().as_millis() / 5) as u64;
-                (part < 12).then_some(Waiting::on(1, "parts").at(if streaming { part } else { 0 }))
-            };
             area.wait_with(
                 policy,
                 &state,
-                start + Duration::from_secs(10),
-                &mut poll,
+                Instant::now() + Duration::from_secs(10),
+                poll,
                 &|_| Ok(()),
             )
             .unwrap();
             state.counters()
         };
-        let c = parts(true);
-        assert!(c.restarts >= 11, "{c:?}");
+        // Twelve parts, one every 8 polls.
+        let mut polls = 0u64;
+        let c = wait(&mut || {
+            polls += 1;
+            let part = (polls - 1) / 8;
+            (part < 12).then_some(Waiting::on(1, "parts").at(part))
+        });
+        assert_eq!(c.restarts, 11, "{c:?}");
         // A yield that kept the core away for long (a loaded machine) turns yielding off, and
         // then a wait sleeps between parts: only then may it sleep.
         assert!(c.sleeps == 0 || c.slow_yields > 0, "{c:?}");
-        // Without progress the phases run once: yield for 30 ms, then sleep.
-        let c = parts(false);
+        // Without progress the phases run once: yield for 200 ms, then sleep until the wait
+        // ends 30 ms later.
+        let start = Instant::now();
+        let c = wait(&mut || {
+            (start.elapsed() < yield_for + Duration::from_millis(30))
+                .then_some(Waiting::on(1, "parts").at(0))
+        });
         assert_eq!(c.restarts, 0, "{c:?}");
         assert!(c.sleeps >= 1, "{c:?}");
     }
