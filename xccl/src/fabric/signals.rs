@@ -1079,9 +1079,11 @@ mod policy_tests {
     /// and a long streaming receive slept between parts (22 sleeps per 1A:1E T=512 call).
     ///
     /// The streaming parts land every 8 polls, not every few milliseconds: a wait polls at most
-    /// four times per round of its loop, so every part is seen by the poll that restarts the
+    /// three times per round of its loop, so every part is seen by the poll that restarts the
     /// phases however slowly a loaded machine runs the test (a clock-driven version saw only
     /// 2 of 11 parts in CI once a slow yield had sent the wait to sleep for 20 ms at a time).
+    /// The restarts are counted exactly, and a mutation that drops them fails; the no-sleep
+    /// check is the weaker one, since eight fast yields are far inside the yield phase anyway.
     #[test]
     fn a_wait_for_streaming_parts_restarts_its_phases_at_each_part_and_does_not_sleep() {
         let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
