@@ -36,6 +36,11 @@ fn slot_key((dst, local): (usize, usize)) -> u64 {
     ((dst as u64) << 32) | local as u64
 }
 
+/// The (destination rank, local expert) pair of a [`slot_key`].
+fn split_key(key: u64) -> (usize, usize) {
+    ((key >> 32) as usize, (key & u64::from(u32::MAX)) as usize)
+}
+
 /// Route-table entry of an expert without a replica ([`Topology::is_orphaned`]).
 const ORPHANED: u64 = u64::MAX;
 
@@ -207,7 +212,7 @@ impl DispatchLayout {
                     }
                     repeats |= expert_stamp[e] == stamp;
                     expert_stamp[e] = stamp;
-                    let dst = (key >> 32) as usize;
+                    let dst = split_key(key).0;
                     if dst_stamp[dst] != stamp {
                         dst_stamp[dst] = stamp;
                         cursor[dst + 1] += 1;
@@ -216,14 +221,13 @@ impl DispatchLayout {
                 // An expert selected twice: its weights, summed in slot order, must be finite
                 // (checked only while every id so far is in range: the call fails otherwise).
                 if repeats && valid {
-                    valid &=
-                        overflowing_merge(ids, ws, |e| route(e as usize) == ORPHANED).is_none();
+                    valid &= overflowing_merge(topo, ids, ws).is_none();
                 }
             }
         }
         if !valid {
             // Rare: the slow checks name the first offending token and slot.
-            validate(topk_idx, topk_weights, k, num_experts)?;
+            validate(topo, topk_idx, topk_weights, k)?;
             return Err(Error::invalid(
                 "dispatch layout: invalid routing (an expert id or a gating weight)",
             ));
@@ -272,7 +276,7 @@ impl DispatchLayout {
                 if *key == ORPHANED {
                     continue;
                 }
-                let (dst, local) = ((*key >> 32) as usize, (*key & u64::from(u32::MAX)) as usize);
+                let (dst, local) = split_key(*key);
                 if dst_stamp[dst] != stamp {
                     dst_stamp[dst] = stamp;
                     entry_of[dst] = cursor[dst];
@@ -285,7 +289,7 @@ impl DispatchLayout {
                 if key == ORPHANED {
                     continue;
                 }
-                let (dst, local) = ((key >> 32) as usize, (key & u64::from(u32::MAX)) as usize);
+                let (dst, local) = split_key(key);
                 let entry = entry_of[dst];
                 let mask = &masks[entry * mask_words..][..mask_words];
                 let below = mask[..local / 64]
@@ -362,11 +366,12 @@ impl DispatchLayout {
     }
 }
 
-/// The first expert that `ids` selects more than once (and that `skip` does not pass over)
-/// whose weights, summed in slot order, are not finite, with that sum.
-fn overflowing_merge(ids: &[i32], ws: &[f32], skip: impl Fn(i32) -> bool) -> Option<(i32, f32)> {
+/// The first expert that `ids` selects more than once whose weights, summed in slot order, are
+/// not finite, with that sum. Orphaned experts are skipped: their selections are dropped, so
+/// their sums never reach the layout. Every id is `-1` or in range.
+fn overflowing_merge(topo: &Topology, ids: &[i32], ws: &[f32]) -> Option<(i32, f32)> {
     for (s, (&id, &w)) in ids.iter().zip(ws).enumerate() {
-        if id == -1 || ids[..s].contains(&id) || skip(id) {
+        if id == -1 || ids[..s].contains(&id) || topo.is_orphaned(id as usize) {
             continue;
         }
         let later = ids[s + 1..].iter().zip(&ws[s + 1..]);
@@ -382,8 +387,10 @@ fn overflowing_merge(ids: &[i32], ws: &[f32], skip: impl Fn(i32) -> bool) -> Opt
 
 /// The checks of [`DispatchLayout::build_into`] one slot at a time, for the error message: the
 /// first expert id outside `0..num_experts`, non-finite weight of a selected expert, or expert
-/// selected in several slots whose weights (summed in slot order) are not finite.
-fn validate(topk_idx: &[i32], topk_weights: &[f32], k: usize, num_experts: usize) -> Result<()> {
+/// selected in several slots whose weights (summed in slot order) are not finite, skipping
+/// orphaned experts as the layout does.
+fn validate(topo: &Topology, topk_idx: &[i32], topk_weights: &[f32], k: usize) -> Result<()> {
+    let num_experts = topo.num_experts();
     for (i, (&id, &w)) in topk_idx.iter().zip(topk_weights).enumerate() {
         if id != -1 && usize::try_from(id).map_or(true, |e| e >= num_experts) {
             return Err(Error::invalid(format!(
@@ -405,7 +412,7 @@ fn validate(topk_idx: &[i32], topk_weights: &[f32], k: usize, num_experts: usize
     }
     let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
     for (t, (ids, ws)) in rows.enumerate() {
-        if let Some((id, sum)) = overflowing_merge(ids, ws, |_| false) {
+        if let Some((id, sum)) = overflowing_merge(topo, ids, ws) {
             return Err(Error::invalid(format!(
                 "dispatch layout: token {t} selects expert {id} in several slots whose gating weights sum to {sum}; the merged weight must be finite"
             )));
@@ -868,14 +875,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn selections_of_an_orphaned_expert_are_dropped_and_counted() {
-        let t = TopologyBuilder::contiguous(1, 2, 4)
+    /// One attention and two expert ranks, 4 experts, shrunk past expert rank 2: experts 2 and
+    /// 3 lived there and are orphaned.
+    fn orphaning_topology() -> Topology {
+        TopologyBuilder::contiguous(1, 2, 4)
             .build()
             .unwrap()
             .shrink(&[2], true)
             .unwrap()
-            .topology;
+            .topology
+    }
+
+    #[test]
+    fn selections_of_an_orphaned_expert_are_dropped_and_counted() {
+        let t = orphaning_topology();
         // Experts 2 and 3 lived on the dead rank 2.
         let idx = [0, 2, 3, 1, -1, 3];
         let w = [0.5f32; 6];
@@ -884,5 +897,17 @@ mod tests {
         assert_eq!(l.count(1), 2, "tokens 0 and 1 still reach expert rank 1");
         let tokens: Vec<usize> = l.entries(1).map(|e| l.token(e)).collect();
         assert_eq!(tokens, vec![0, 1]);
+    }
+
+    #[test]
+    fn an_overflowing_merge_of_an_orphaned_expert_is_dropped_and_the_error_names_the_real_one() {
+        let t = orphaning_topology();
+        // Token 0 selects orphaned expert 2 twice (dropped, so its sum does not matter);
+        // token 1 selects the live expert 1 twice, and that sum overflows.
+        let w = [3e38f32; 4];
+        let l = DispatchLayout::build(&t, 0, 1, &[2, 2], &w[..2], 2).unwrap();
+        assert_eq!(l.dropped(), 2);
+        let m = invalid_msg(DispatchLayout::build(&t, 0, 2, &[2, 2, 1, 1], &w, 2));
+        assert!(m.contains("token 1") && m.contains("expert 1"), "{m}");
     }
 }
