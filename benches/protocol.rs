@@ -80,7 +80,7 @@ fn record(c: &mut Criterion) {
         b.iter(|| {
             epoch += 1;
             let r = Record::new(black_box(epoch), 37, 1024, TransferMode::Push);
-            black_box(black_box(r).validate(1, epoch, 4096).expect("valid"));
+            black_box(black_box(r).validate(1, epoch, 4096, 1).expect("valid"));
         })
     });
     memcpy_bench(&mut group, std::mem::size_of::<Record>());

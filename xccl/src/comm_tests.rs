@@ -997,6 +997,114 @@ fn a_record_addressing_rows_outside_its_region_is_a_protocol_error_naming_the_se
     assert!(expert.poisoned().is_some());
 }
 
+/// Sends [`input_of`] `round` from `attn`; returns the handle and the rows sent.
+fn send_round(attn: &mut Communicator, round: u64) -> (crate::A2eHandle, Vec<f32>) {
+    let (i, x) = input_of(round);
+    let h = attn.a2e_send(&x, &i.topk_idx, &i.topk_weights).unwrap();
+    (h, x)
+}
+
+/// The landing buffer rank 0's A2E record of `epoch` at rank 1 names.
+fn landing_of(attn: &Communicator, epoch: u64) -> usize {
+    use crate::moe::record::Record;
+    let ctx = attn.ctx();
+    let mut rec = Record::default();
+    let at = ctx.layout.record(0, ctx.layout.buffer(epoch));
+    ctx.fabric
+        .get(1, at, bytemuck::bytes_of_mut(&mut rec))
+        .unwrap();
+    assert_eq!(rec.epoch, epoch);
+    rec.landing()
+}
+
+/// The bits of the first row pushed into rank 1's receive area for rank 0, `buffer`.
+fn first_landed_row(attn: &Communicator, buffer: usize) -> Vec<u32> {
+    let ctx = attn.ctx();
+    let mut row = vec![0u32; ctx.cfg.hidden];
+    let at = ctx.layout.a2e_recv(0, buffer);
+    ctx.fabric
+        .get(1, at, bytemuck::cast_slice_mut(&mut row))
+        .unwrap();
+    row
+}
+
+#[test]
+fn a_call_after_an_answered_one_lands_in_its_buffer_and_overlapping_calls_in_free_ones() {
+    let c = cfg(8, DType::F32, 2, 4);
+    assert_eq!(c.max_in_flight, 2);
+    let (mut attn, mut expert) = pair(&c);
+    let locals = [0usize, 1, 2, 3];
+    let bits = |x: &[f32]| x[..8].iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let mut out = vec![0f32; 32];
+    let reply = |expert: &mut Communicator| {
+        let mut b = TokenBatch::new();
+        expert.a2e_recv_tokens(&mut b, &mut |_, _| {}).unwrap();
+        expert
+            .e2a_send_tokens(&b, &token_replies::<f32>(&locals, &b))
+            .unwrap();
+    };
+    // Back-to-back round trips: every call lands where the one before did (the rotation put
+    // call 2 in buffer 1).
+    for round in 0..3 {
+        let (h, x) = send_round(&mut attn, round);
+        assert_eq!(landing_of(&attn, round + 1), 0, "call {}", round + 1);
+        assert_eq!(first_landed_row(&attn, 0), bits(&x), "call {}", round + 1);
+        reply(&mut expert);
+        attn.e2a_recv(&h, &mut out).unwrap();
+        assert_eq!(first_difference(&out, &expected_of(round), 8), None);
+    }
+    // Two in flight: the second takes the free buffer; both come back right.
+    let (h3, x3) = send_round(&mut attn, 3);
+    let (h4, x4) = send_round(&mut attn, 4);
+    assert_eq!((landing_of(&attn, 4), landing_of(&attn, 5)), (0, 1));
+    assert_eq!(first_landed_row(&attn, 0), bits(&x3));
+    assert_eq!(first_landed_row(&attn, 1), bits(&x4));
+    reply(&mut expert);
+    reply(&mut expert);
+    attn.e2a_recv(&h3, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(3), 8), None);
+    attn.e2a_recv(&h4, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(4), 8), None);
+    // Both answered: the next call stays in the last one's buffer (the one the caches hold).
+    let (h5, _) = send_round(&mut attn, 5);
+    assert_eq!(landing_of(&attn, 6), 1);
+    reply(&mut expert);
+    attn.e2a_recv(&h5, &mut out).unwrap();
+    assert_eq!(first_difference(&out, &expected_of(5), 8), None);
+    assert!(attn.poisoned().is_none() && expert.poisoned().is_none());
+}
+
+#[test]
+fn a_record_naming_a_landing_buffer_still_held_is_a_protocol_error_naming_the_sender() {
+    use crate::moe::record::Record;
+    let c = cfg(8, DType::F32, 2, 4);
+    let (mut attn, mut expert) = pair(&c);
+    let _call1 = send_round(&mut attn, 0);
+    // The expert holds call 1's rows in buffer 0 (received, not replied to).
+    let mut held = TokenBatch::new();
+    expert.a2e_recv_tokens(&mut held, &mut |_, _| {}).unwrap();
+    let _call2 = send_round(&mut attn, 1);
+    assert_eq!(landing_of(&attn, 2), 1);
+    // Call 2's record rewritten to name buffer 0, with a valid check word.
+    let ctx = attn.ctx();
+    let at = ctx.layout.record(0, ctx.layout.buffer(2));
+    let mut rec = Record::default();
+    ctx.fabric
+        .get(1, at, bytemuck::bytes_of_mut(&mut rec))
+        .unwrap();
+    let bad = rec.landing_in(0);
+    ctx.fabric.put(1, at, bytemuck::bytes_of(&bad)).unwrap();
+    let err = expert
+        .a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {})
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Protocol { peer: 0, detail }
+            if detail.contains("epoch 2") && detail.contains("landing buffer 0")),
+        "{err}"
+    );
+    assert!(expert.poisoned().is_some());
+}
+
 #[test]
 fn a_view_reply_rejected_before_sending_keeps_the_view_and_a_replied_view_hands_out_no_rows() {
     let c = cfg(8, DType::F32, 2, 4);

@@ -254,16 +254,18 @@ pub fn record(data: &[u8]) {
 
     // A2E, checked by expert rank `expert` as `dispatch.rs` does.
     let a2e = rec
-        .validate(attention, epoch, layout.recv_rows)
+        .validate(attention, epoch, layout.recv_rows, layout.depth)
         .and_then(|mode| {
             rec.check_region(attention, layout.attention_rows, "A2E staging")?;
             Ok(mode)
         });
     if let Ok(mode) = a2e {
         let stride = layout.a2e.stride_for(int8);
+        // Pushed rows and the replies are in the buffer the record names.
+        let landing = rec.landing();
         match mode {
             WireMode::Push => {
-                let area = layout.a2e_recv(a, buf);
+                let area = layout.a2e_recv(a, landing);
                 assert!(rec.count as usize * stride <= layout.a2e_recv_bytes());
                 assert!(area + layout.a2e_recv_bytes() <= layout.window_len(expert));
             }
@@ -280,13 +282,13 @@ pub fn record(data: &[u8]) {
         let room = layout
             .e2a_stride_for(false)
             .max(layout.e2a_stride_for(true));
-        assert!(layout.e2a_recv(buf) + end * room <= layout.e2a_recv(buf + 1));
-        assert!(layout.e2a_recv(buf + 1) <= layout.window_len(attention));
+        assert!(layout.e2a_recv(landing) + end * room <= layout.e2a_recv(landing + 1));
+        assert!(layout.e2a_recv(landing + 1) <= layout.window_len(attention));
     }
 
     // E2A in pull mode, checked by attention rank `attention` as `combine.rs` does.
     let e2a = rec
-        .validate(expert, epoch, layout.attention_rows)
+        .validate(expert, epoch, layout.attention_rows, 1)
         .and_then(|mode| {
             rec.check_region(expert, layout.expert_rows(), "E2A staging")?;
             Ok(mode)

@@ -63,6 +63,8 @@ pub struct SourceInfo {
     pub(crate) count: usize,
     /// Where its E2A replies go (row offset in its E2A receive area), from its record.
     pub(crate) reply_offset: usize,
+    /// The buffer of its E2A receive area they go to (its record's landing buffer).
+    pub(crate) reply_buffer: usize,
     pub(crate) first_token: usize,
     pub(crate) arrived_after: Duration,
     pub(crate) tag: u64,

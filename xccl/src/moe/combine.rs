@@ -1,6 +1,8 @@
 //! E2A (combine): expert ranks send weighted sums back; attention ranks add them up.
 //!
-//! E2A call `e` answers A2E call `e` (same epoch) and uses buffer `e % max_in_flight`.
+//! E2A call `e` answers A2E call `e` (same epoch) and uses buffer `e % max_in_flight` of
+//! records and staging; pushed replies go to the landing buffer of the source's A2E record (see
+//! [`crate::moe::window_layout`]).
 //!
 //! Sender ([`CombineSender`], expert rank `d`): after credit `e - max_in_flight` from every
 //! attention rank, for each source `s` (rotated by `d`) it puts the record, then the reply rows
@@ -200,7 +202,7 @@ impl CombineSender {
             let (dst, base, offset) = match mode {
                 TransferMode::Push => (
                     s,
-                    ctx.layout.e2a_recv(buf) + info.reply_offset * stride,
+                    ctx.layout.e2a_recv(info.reply_buffer) + info.reply_offset * stride,
                     info.reply_offset,
                 ),
                 TransferMode::Pull => (
@@ -534,7 +536,7 @@ impl CombineReceiver {
             }
             if rec.is_none() {
                 let checked = ctx.read_record(l.record(j, buf)).and_then(|r| {
-                    let mode = r.validate(relay, epoch, t)?;
+                    let mode = r.validate(relay, epoch, t, 1)?;
                     if r.count as usize != t || r.offset != 0 || mode != WireMode::Push {
                         return Err(Error::Protocol {
                             peer: relay,
@@ -617,7 +619,7 @@ impl CombineReceiver {
             match mode {
                 WireMode::Push => (
                     ctx.rank,
-                    ctx.layout.e2a_recv(buf) + (sent.offsets[j] + i) * stride,
+                    ctx.layout.e2a_recv(sent.landing) + (sent.offsets[j] + i) * stride,
                 ),
                 _ => (
                     experts[j],
@@ -643,7 +645,7 @@ impl CombineReceiver {
                 }
                 if recs[j].is_none() {
                     let rec = ctx.read_record(ctx.layout.record(j, buf))?;
-                    let mode = rec.validate(d, epoch, max_rows)?;
+                    let mode = rec.validate(d, epoch, max_rows, 1)?;
                     ctx.note_rows_received(d, rec.count as usize);
                     let bad = |detail: String| Err(Error::Protocol { peer: d, detail });
                     if rec.count as usize != count {
@@ -754,8 +756,9 @@ impl CombineReceiver {
                             let len = if rec.int8() { int8_payload(hidden) } else { p };
                             // SAFETY: the row is below the watermark, so its expert rank's progress
                             // signal covers it, and that rank writes this buffer again only after
-                            // this call's credit, which goes out after this receive returns (or is
-                            // implied by this rank's next A2E, sent after it returns).
+                            // this call's credit, which goes out after this receive returns (or,
+                            // where credits are implied, once this rank names the buffer as the
+                            // landing buffer of a later A2E, after this call has retired).
                             let row = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
                                 Some(row) => row,
                                 None => {

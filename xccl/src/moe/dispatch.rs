@@ -1,12 +1,13 @@
 //! A2E (dispatch): attention ranks send token rows to expert ranks.
 //!
-//! Sender ([`DispatchSender`], attention rank `s`, call epoch `e`, buffer `b = e % max_in_flight`):
+//! Sender ([`DispatchSender`], attention rank `s`, call epoch `e`, buffer `b = e % max_in_flight`
+//! of records and staging, landing buffer `l` of receive areas, [`DispatchSender::landing`]):
 //! 1. validate everything and build the [`DispatchLayout`]; nothing is written before this, and
 //!    a call past `max_in_flight` unanswered calls fails here at once;
 //! 2. wait for credit `e - max_in_flight` from every expert rank (the buffer's previous user is
 //!    consumed everywhere);
 //! 3. per expert rank `d` (rotated by `s` to spread incast): put the [`Record`] first, then the
-//!    rows for `d` in chunks — into `d`'s receive area (push) or into this rank's staging (pull)
+//!    rows for `d` in chunks — into `d`'s receive area `l` (push) or into this rank's staging (pull)
 //!    — signalling `a2e_ready[s] = progress(e, rows)` after each chunk. With a registered input
 //!    (gather) only metadata rows are written; receivers read the payloads from the input.
 //!
@@ -44,6 +45,9 @@ pub(crate) struct Sent {
     /// With INT8 A2E: each token's `max |x|`, found while validating (reused by the
     /// quantizing copy to every destination).
     pub(crate) amax: Vec<f32>,
+    /// The landing buffer its records name ([`DispatchSender::landing`]): where its pushed rows
+    /// are in the expert ranks' receive areas and its replies in this rank's E2A receive area.
+    pub(crate) landing: usize,
 }
 
 /// Where a call's payload rows come from.
@@ -72,6 +76,8 @@ pub(crate) struct DispatchSender {
     quant: Quantizer,
     /// The user tag the next call carries to every expert rank it reaches.
     tag: u64,
+    /// The landing buffer of the last call sent.
+    last_landing: usize,
 }
 
 impl DispatchSender {
@@ -87,6 +93,7 @@ impl DispatchSender {
             qrow: Vec::new(),
             quant: Quantizer::default(),
             tag: 0,
+            last_landing: 0,
         }
     }
 
@@ -106,6 +113,27 @@ impl DispatchSender {
             e += 1;
         }
         e
+    }
+
+    /// The landing buffer of call `epoch`: the receive areas (the expert ranks' A2E, this rank's
+    /// E2A) its rows land in. Where credits are implied ([`Context::implied_credits`]) this
+    /// rank knows which buffers are free (no call waiting for its E2A uses them: an expert rank
+    /// replies only once it is done with a call's rows), so it takes the last call's buffer
+    /// when that call was answered, the one the caches hold, and otherwise the first free one:
+    /// back-to-back round trips touch one buffer instead of rotating through `max_in_flight`
+    /// (at T=512 the rotation put the working set past the L3). Elsewhere credits are signalled
+    /// per epoch, and call `e` lands in buffer `e % max_in_flight`.
+    fn landing(&self, ctx: &Context, epoch: u64) -> usize {
+        if !ctx.implied_credits() {
+            return ctx.layout.buffer(epoch);
+        }
+        let busy = |b: usize| self.in_flight.iter().any(|s| s.landing == b);
+        if !busy(self.last_landing) {
+            return self.last_landing;
+        }
+        (0..ctx.cfg.max_in_flight)
+            .find(|&b| !busy(b))
+            .expect("check_room leaves a buffer free")
     }
 
     /// Fails at once when `max_in_flight` calls already wait for their E2A.
@@ -314,11 +342,16 @@ impl DispatchSender {
             return Err(e);
         }
         self.input_epoch = None;
+        let sent = Sent {
+            epoch,
+            landing: self.landing(ctx, epoch),
+            ..sent
+        };
         self.write_all(ctx, &sent, epoch, payloads, mode)?;
         self.tag = 0;
         self.last_epoch = epoch;
+        self.last_landing = sent.landing;
         let handle = A2eHandle::new(ctx, epoch, sent.num_tokens, sent.layout.total_entries());
-        let sent = Sent { epoch, ..sent };
         self.in_flight.push_back(sent);
         Ok(handle)
     }
@@ -350,8 +383,15 @@ impl DispatchSender {
             let d = experts[j];
             let entries = plan.entries(d);
             let count = entries.len();
-            // The record goes first: receivers may start on the first chunk.
+            // The record goes first: receivers may start on the first chunk. It names the
+            // landing buffer where credits are implied (elsewhere the receiver knows it).
+            let landing = if ctx.implied_credits() {
+                sent.landing
+            } else {
+                0
+            };
             let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8)
+                .landing_in(landing)
                 .tagged(self.tag);
             ctx.put_record(d, layout.record(src_index, buf), &rec)?;
             fault_point!("a2e.record");
@@ -369,7 +409,7 @@ impl DispatchSender {
                 continue;
             }
             let (dst, base) = match mode {
-                WireMode::Push => (d, layout.a2e_recv(src_index, buf)),
+                WireMode::Push => (d, layout.a2e_recv(src_index, sent.landing)),
                 _ => (ctx.rank, layout.a2e_stage(buf) + sent.offsets[j] * stride),
             };
             let direct = ctx.mapped(dst);
@@ -632,7 +672,12 @@ pub(crate) struct Message {
     pub(crate) src: usize,
     pub(crate) rec: Record,
     pub(crate) mode: WireMode,
+    /// The call's buffer of the sender's staging and registered input (`epoch %
+    /// max_in_flight`).
     pub(crate) buf: usize,
+    /// The buffer of this rank's receive area the rows were pushed into, and of the sender's
+    /// E2A receive area the replies go to ([`Record::landing`]).
+    pub(crate) landing: usize,
     /// Payloads are INT8 with a scale.
     pub(crate) int8: bool,
 }
@@ -648,7 +693,7 @@ impl Message {
         let l = &ctx.layout;
         let stride = l.a2e.stride_for(self.int8);
         match self.mode {
-            WireMode::Push => (ctx.rank, l.a2e_recv(self.index, self.buf) + r * stride),
+            WireMode::Push => (ctx.rank, l.a2e_recv(self.index, self.landing) + r * stride),
             _ => (
                 self.src,
                 l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * stride,
@@ -854,6 +899,29 @@ impl RowReader {
     }
 }
 
+/// Checks the landing buffer `landing` that source `index` (global rank `src`) named for call
+/// `epoch` against the calls this rank has not replied to (`held`): their rows are still being
+/// read there, and their replies not yet sent, so a record naming one of their buffers is an
+/// error naming the source.
+fn check_landing(
+    held: &VecDeque<Vec<Option<usize>>>,
+    index: usize,
+    src: usize,
+    epoch: u64,
+    landing: usize,
+) -> Result<usize> {
+    if held.iter().any(|call| call[index] == Some(landing)) {
+        return Err(Error::Protocol {
+            peer: src,
+            detail: format!(
+                "A2E record of epoch {epoch} names landing buffer {landing}, which holds its \
+                 rows of a call not yet replied to"
+            ),
+        });
+    }
+    Ok(landing)
+}
+
 /// What the receive loop reports to its caller.
 enum Arrival<'m> {
     /// A source's record was seen and validated.
@@ -888,6 +956,7 @@ impl Received {
                     rank: msg.src,
                     count: msg.count(),
                     reply_offset: msg.rec.offset as usize,
+                    reply_buffer: msg.landing,
                     first_token: 0,
                     arrived_after: Default::default(),
                     tag: msg.rec.tag,
@@ -912,6 +981,9 @@ pub(crate) struct DispatchReceiver {
     last_epoch: u64,
     /// Received calls whose E2A has not been sent, oldest first.
     unreplied: VecDeque<u64>,
+    /// For each of `unreplied`, the landing buffer of each source's rows (by attention index;
+    /// `None` where it sent nothing): buffers a new call's record may not name.
+    landings: VecDeque<Vec<Option<usize>>>,
     reader: RowReader,
     messages: Vec<Option<Message>>,
     /// Decoded metadata of every row of a call (expert-major arrangement): per row its token,
@@ -929,6 +1001,7 @@ impl DispatchReceiver {
         DispatchReceiver {
             last_epoch: epoch_base,
             unreplied: VecDeque::new(),
+            landings: VecDeque::new(),
             reader: RowReader::default(),
             messages: Vec::new(),
             row_token: Vec::new(),
@@ -1007,6 +1080,7 @@ impl DispatchReceiver {
     /// The oldest call has been replied to.
     pub(crate) fn replied(&mut self) {
         self.unreplied.pop_front();
+        self.landings.pop_front();
     }
 
     /// Tells every attention rank (every relay, with relays) that this rank is done with their
@@ -1061,7 +1135,11 @@ impl DispatchReceiver {
         let mut missing = part.len();
         let mut failure: Option<Error> = None;
         let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
-        let (messages, reader) = (&mut self.messages, &mut self.reader);
+        // Where credits are implied each record names its landing buffer (one its sender knows
+        // free); elsewhere the call's buffer is the landing buffer too.
+        let implied = ctx.implied_credits();
+        let landings = if implied { ctx.cfg.max_in_flight } else { 1 };
+        let (messages, reader, held) = (&mut self.messages, &mut self.reader, &self.landings);
         // Records and rows seen so far (`Waiting::progress`: the wait stays awake while they
         // stream in).
         let mut parts = 0u64;
@@ -1078,8 +1156,13 @@ impl DispatchReceiver {
                 }
                 if messages[i].is_none() {
                     let rec = ctx.read_record(ctx.layout.record(i, buf))?;
-                    let mode = rec.validate(src, epoch, max_rows)?;
+                    let mode = rec.validate(src, epoch, max_rows, landings)?;
                     rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
+                    let landing = if implied {
+                        check_landing(held, i, src, epoch, rec.landing())?
+                    } else {
+                        buf
+                    };
                     ctx.note_rows_received(src, rec.count as usize);
                     parts += 1;
                     messages[i] = Some(Message {
@@ -1088,6 +1171,7 @@ impl DispatchReceiver {
                         rec,
                         mode,
                         buf,
+                        landing,
                         int8: rec.int8(),
                     });
                     on(reader, Arrival::Record(messages[i].as_ref().expect("set")))?;
@@ -1197,6 +1281,7 @@ impl DispatchReceiver {
                         rec,
                         mode: WireMode::Push,
                         buf,
+                        landing: buf,
                         int8: e.int8,
                     });
                     let msg = messages[ai].as_ref().expect("set");
@@ -1240,6 +1325,11 @@ impl DispatchReceiver {
         let l = &ctx.layout;
         let buf = l.buffer(epoch);
         let attention = ctx.attention();
+        let landings = if ctx.implied_credits() {
+            ctx.cfg.max_in_flight
+        } else {
+            1
+        };
         // A source's message is complete when its progress covers its record's rows.
         let complete = |src: usize, record_at: usize, max_rows: usize| -> Result<bool> {
             match Progress::of(ctx.slot_value(ctx.slots.a2e_ready(src)), epoch) {
@@ -1249,7 +1339,7 @@ impl DispatchReceiver {
                     let mut rec = Record::default();
                     ctx.fabric
                         .get(ctx.rank, record_at, bytemuck::bytes_of_mut(&mut rec))?;
-                    rec.validate(src, epoch, max_rows)?;
+                    rec.validate(src, epoch, max_rows, landings)?;
                     Ok(rows >= rec.count as usize)
                 }
             }
@@ -1288,6 +1378,8 @@ impl DispatchReceiver {
     fn received(&mut self, epoch: u64) {
         self.last_epoch = epoch;
         self.unreplied.push_back(epoch);
+        let landings = self.messages.iter().map(|m| m.map(|m| m.landing)).collect();
+        self.landings.push_back(landings);
     }
 
     /// A2E receive into `batch`, expert-major: rows grouped by local expert, ordered by source
@@ -1494,6 +1586,7 @@ impl DispatchReceiver {
                     rec: Record::default(),
                     mode: WireMode::Push,
                     buf,
+                    landing: buf,
                     int8: false,
                 })
             })

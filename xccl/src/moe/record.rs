@@ -45,6 +45,12 @@ impl From<TransferMode> for WireMode {
 
 /// Bit of [`Record::mode`] set when the message's payloads are INT8 (see `moe::quant`).
 pub const INT8_FLAG: u32 = 1 << 8;
+/// Lowest bit of the landing buffer in [`Record::mode`] ([`Record::landing`]).
+const LANDING_SHIFT: u32 = 16;
+/// Bits of [`Record::mode`] holding the landing buffer.
+const LANDING_MASK: u32 = 0xff << LANDING_SHIFT;
+/// Most buffers a record can name as its landing buffer.
+pub const MAX_LANDINGS: usize = 256;
 
 /// The 32-byte metadata record of one (source, destination) pair for one call.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
@@ -58,7 +64,8 @@ pub struct Record {
     /// A2E, where the destination's E2A replies go in the sender's E2A receive area.
     pub offset: u32,
     /// [`WireMode`] of this message in the low byte (0 push, 1 pull, 2 gather), plus
-    /// [`INT8_FLAG`] when its payloads are INT8 with a scale.
+    /// [`INT8_FLAG`] when its payloads are INT8 with a scale, plus (A2E only) the landing buffer
+    /// in bits 16..24 ([`Record::landing`]).
     pub mode: u32,
     /// Check word: a hash of every other field; catches torn and stale records.
     pub check: u32,
@@ -92,6 +99,25 @@ impl Record {
         r
     }
 
+    /// This record naming `buffer` as its landing buffer (check word updated): the buffer of the
+    /// receiver's A2E receive area its pushed rows are in, and of the sender's E2A receive area
+    /// the receiver's replies go to. Only an A2E record names one; every other record names 0.
+    pub fn landing_in(mut self, buffer: usize) -> Self {
+        assert!(
+            buffer < MAX_LANDINGS,
+            "landing buffer {buffer} out of range"
+        );
+        self.mode = (self.mode & !LANDING_MASK) | (buffer as u32) << LANDING_SHIFT;
+        self.check = self.expected_check();
+        self
+    }
+
+    /// The landing buffer this record names ([`Record::landing_in`]), checked by
+    /// [`Record::validate`].
+    pub fn landing(&self) -> usize {
+        ((self.mode & LANDING_MASK) >> LANDING_SHIFT) as usize
+    }
+
     /// This record carrying the user tag `tag` (check word updated).
     pub fn tagged(mut self, tag: u64) -> Self {
         self.tag = tag;
@@ -110,9 +136,16 @@ impl Record {
     }
 
     /// Checks a received record from `peer` against the epoch the receiver expects, its check
-    /// word, and the row capacity; returns its mode. The caller checks the offset against the
-    /// exact region it addresses.
-    pub fn validate(&self, peer: usize, epoch: u64, max_rows: usize) -> Result<WireMode> {
+    /// word, the row capacity, and the landing buffers it may name (`landings`: 1 where it may
+    /// name none, so the field must be 0); returns its mode. The caller checks the offset
+    /// against the exact region it addresses, and the landing buffer against the calls it holds.
+    pub fn validate(
+        &self,
+        peer: usize,
+        epoch: u64,
+        max_rows: usize,
+        landings: usize,
+    ) -> Result<WireMode> {
         let bad = |detail: String| Err(Error::Protocol { peer, detail });
         if self.epoch != epoch {
             return bad(format!(
@@ -129,7 +162,13 @@ impl Record {
                 self.count
             ));
         }
-        match self.mode & !INT8_FLAG {
+        if self.landing() >= landings {
+            return bad(format!(
+                "record for epoch {epoch} names landing buffer {}, of {landings}",
+                self.landing()
+            ));
+        }
+        match self.mode & !(INT8_FLAG | LANDING_MASK) {
             0 => Ok(WireMode::Push),
             1 => Ok(WireMode::Pull),
             2 if !self.int8() => Ok(WireMode::Gather),
@@ -167,14 +206,14 @@ mod tests {
     fn record_is_32_bytes_and_rejects_wrong_epoch_and_torn_fields() {
         assert_eq!(std::mem::size_of::<Record>(), 32);
         let r = Record::new(7, 3, 12, TransferMode::Pull);
-        assert_eq!(r.validate(1, 7, 10).unwrap(), WireMode::Pull);
+        assert_eq!(r.validate(1, 7, 10, 1).unwrap(), WireMode::Pull);
         assert!(matches!(
-            r.validate(1, 8, 10),
+            r.validate(1, 8, 10, 1),
             Err(Error::Protocol { peer: 1, .. })
         ));
-        assert!(r.validate(1, 7, 2).is_err(), "count above capacity");
+        assert!(r.validate(1, 7, 2, 1).is_err(), "count above capacity");
         let t = r.tagged(u64::MAX - 3);
-        assert_eq!(t.validate(1, 7, 10).unwrap(), WireMode::Pull);
+        assert_eq!(t.validate(1, 7, 10, 1).unwrap(), WireMode::Pull);
         assert_eq!(t.tag, u64::MAX - 3);
         for torn in [
             Record { count: 4, ..r },
@@ -187,8 +226,33 @@ mod tests {
                 ..r
             },
         ] {
-            assert!(torn.validate(1, torn.epoch, 10).is_err(), "{torn:?}");
+            assert!(torn.validate(1, torn.epoch, 10, 1).is_err(), "{torn:?}");
         }
+    }
+
+    #[test]
+    fn a_landing_buffer_is_kept_beside_mode_and_int8_and_checked_against_the_buffers() {
+        let r = Record::with_payload(7, 3, 12, WireMode::Push, true).landing_in(2);
+        assert_eq!((r.landing(), r.int8()), (2, true));
+        assert_eq!(r.validate(4, 7, 10, 3).unwrap(), WireMode::Push);
+        match r.validate(4, 7, 10, 2) {
+            Err(Error::Protocol { peer: 4, detail }) => {
+                assert!(detail.contains("landing buffer 2, of 2"), "{detail}")
+            }
+            other => panic!("{other:?}"),
+        }
+        // Where none may be named, any but 0 is refused; the field is under the check word.
+        assert!(r.validate(4, 7, 10, 1).is_err());
+        assert!(Record {
+            mode: r.mode & !(1 << 17),
+            ..r
+        }
+        .validate(4, 7, 10, 3)
+        .is_err());
+        assert_eq!(
+            r.landing_in(0).validate(4, 7, 10, 1).unwrap(),
+            WireMode::Push
+        );
     }
 
     #[test]

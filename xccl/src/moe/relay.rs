@@ -136,7 +136,7 @@ pub(crate) fn read_header(
     let at = l.relay_header(k, buf);
     let rec = ctx.read_record(at)?;
     let (max_tokens, rows) = (l.recv_rows, l.attention_rows);
-    let mode = rec.validate(relay, epoch, g * max_tokens)?;
+    let mode = rec.validate(relay, epoch, g * max_tokens, 1)?;
     let bad = |detail: String| {
         Err(Error::Protocol {
             peer: relay,
@@ -259,7 +259,7 @@ impl Relay {
                 }
                 if recs[m].is_none() {
                     let rec = ctx.read_record(l.record(ai, buf))?;
-                    let mode = rec.validate(a, epoch, l.attention_rows)?;
+                    let mode = rec.validate(a, epoch, l.attention_rows, 1)?;
                     if mode != WireMode::Push {
                         return Err(Error::Protocol {
                             peer: a,
@@ -458,7 +458,7 @@ impl Relay {
                 }
                 if !seen[j] {
                     let rec = ctx.read_record(l.relay_e2a_record(j, buf))?;
-                    let mode = rec.validate(d, epoch, expected[j])?;
+                    let mode = rec.validate(d, epoch, expected[j], 1)?;
                     let agreed = *int8.get_or_insert(rec.int8());
                     if rec.count as usize != expected[j]
                         || mode != WireMode::Push

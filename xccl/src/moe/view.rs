@@ -267,9 +267,11 @@ impl<'c> TokenView<'c> {
                 let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
                     let input = row_of::<T>(ctx, rows, meta, t)?;
                     // SAFETY: the sender waited for the credit of this buffer's previous use
-                    // from every attention rank before writing anything, and signals the
-                    // progress covering this row only after this closure returns; until then
-                    // nobody reads or writes the row, and the slice does not outlive this call.
+                    // from every attention rank before writing anything (where credits are
+                    // implied, each attention rank named this buffer free in its record), and
+                    // signals the progress covering this row only after this closure returns;
+                    // until then nobody reads or writes the row, and the slice does not outlive
+                    // this call.
                     match unsafe { regions::exclusive(ctx, dst, at, p)? } {
                         Some(out) => match bytemuck::try_cast_slice_mut::<u8, T>(out) {
                             Ok(out) => fill(t, input, out),

@@ -4,7 +4,10 @@
 //! offsets are exchanged at init; the handshake at init checks that the ranks agree. Each region
 //! that a call uses exists `max_in_flight` times ("buffers"); call `e` uses buffer
 //! `e % max_in_flight`, and a sender reuses a buffer only after every receiver has credited the
-//! call that last used it.
+//! call that last used it. The receive areas of a call without relays or DP domains (an expert
+//! rank's A2E receive area, an attention rank's E2A receive area) are the exception: the
+//! attention rank picks their buffer, the call's landing buffer, and names it in its A2E
+//! records (`DispatchSender::landing` in `dispatch.rs`).
 //!
 //! Attention rank: handshake | E2A record area (per expert rank, per buffer) | A2E staging (per
 //! buffer, `max_tokens * min(topk, N)` rows, grouped by destination at the offsets the records
