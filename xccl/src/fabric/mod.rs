@@ -22,6 +22,7 @@ use crate::{AbortNotice, Result};
 
 pub mod ascend;
 pub mod conformance;
+pub(crate) mod copy;
 pub mod local;
 pub mod ofi;
 pub mod shm;

@@ -80,7 +80,7 @@ impl<'a> Window<'a> {
         // memory, so the two cannot overlap; a concurrent peer write to the same range is a
         // protocol error that can garble bytes but not memory safety of this process.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.as_ptr().add(offset), data.len())
+            super::copy::copy_bytes(data.as_ptr(), self.base.as_ptr().add(offset), data.len())
         };
         Ok(())
     }
@@ -91,11 +91,7 @@ impl<'a> Window<'a> {
         // SAFETY: as in `write`, the source range is inside the mapping and `buf` is a distinct
         // exclusive borrow of process memory.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.base.as_ptr().add(offset),
-                buf.as_mut_ptr(),
-                buf.len(),
-            )
+            super::copy::copy_bytes(self.base.as_ptr().add(offset), buf.as_mut_ptr(), buf.len())
         };
         Ok(())
     }

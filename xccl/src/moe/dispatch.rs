@@ -888,7 +888,7 @@ impl RowReader {
     ) -> Result<()> {
         match self.landed(ctx, msg, r) {
             Some(row) => {
-                out.copy_from_slice(&row[..out.len()]);
+                crate::fabric::copy::copy_slice(out, &row[..out.len()]);
                 Ok(())
             }
             None => {

@@ -804,7 +804,7 @@ impl Reduction {
                     // reduced.
                     unsafe {
                         self.with_reply_row(ctx, own, (area, s), i, s, &mut work.row, |row| {
-                            out.copy_from_slice(row)
+                            crate::fabric::copy::copy_slice(out, row)
                         })?;
                     }
                 }
