@@ -1,10 +1,10 @@
 //! [`copy_bytes`] and [`copy_slice`]: the copies of rows into and out of windows.
 //!
 //! glibc's `memcpy` moves blocks of a few KiB and more with `rep movsb`, and on the AMD EPYC
-//! development VM that runs 4-10x slower when the destination lies less than 64 bytes before or
-//! after the source modulo 4 KiB (a cross-process one-row round trip of 14,336 bytes: 18-22 us
-//! at distances 8, 16, 4080 and 4088 against 2.2-6.5 us at 0, 64, 128 and the rest; the C
-//! reproduction is in `docs/performance.md`). That is how a window row and a row of a large
+//! development VM that runs 3-10x slower when the destination lies less than 32 bytes before or
+//! after the source modulo 4 KiB (a cross-process one-row round trip of 14,336 bytes: 15-25 us
+//! at distances 8 to 31 and 4072 to 4088 against 2.3-7.1 us at 0, 32 to 2048 and 4040 to 4064;
+//! `benches/baselines/alias_copy.c`, figures in `docs/performance.md`). That is how a window row and a row of a large
 //! allocation usually lie: window regions start on a page and `H=7168` bf16 rows are 3.5 pages,
 //! while `malloc` (so a large `Vec` or torch tensor) starts large blocks 16 bytes past a page.
 //! Every E2A reply row was such a copy. In that band a vector loop copies instead, loading 256
@@ -16,10 +16,10 @@
 const MIN_LOOP_BYTES: usize = 2048;
 
 /// Whether a copy from `src` to `dst` falls in `rep movsb`'s slow band: the destination less
-/// than 64 bytes from the source modulo 4 KiB, but not at the same offset.
+/// than 32 bytes from the source modulo 4 KiB, but not at the same offset.
 fn aliasing(dst: usize, src: usize) -> bool {
     let d = dst.wrapping_sub(src) % 4096;
-    d != 0 && !(64..=4096 - 64).contains(&d)
+    d != 0 && !(32..=4096 - 32).contains(&d)
 }
 
 /// Copies `len` bytes from `src` to `dst`, as [`std::ptr::copy_nonoverlapping`] does.
@@ -92,14 +92,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_slow_band_is_a_distance_under_64_bytes_modulo_4k_but_not_zero() {
+    fn the_slow_band_is_a_distance_under_32_bytes_modulo_4k_but_not_zero() {
         for (dst, src, slow) in [
             (4096, 4112, true),      // 16 before (4080 modulo 4 KiB)
             (4112, 4096, true),      // 16 after
-            (8192 + 63, 4096, true), // 63 after, a page on
-            (8192 + 64, 4096, false),
-            (4096 + 4032, 4096, false),
-            (4096 + 4033, 4096, true),
+            (8192 + 31, 4096, true), // 31 after, a page on
+            (8192 + 32, 4096, false),
+            (4096 + 4064, 4096, false),
+            (4096 + 4065, 4096, true),
             (4096, 8192, false), // the same offset in the page
             (4096 + 2048, 4096, false),
         ] {
@@ -117,7 +117,7 @@ mod tests {
         }
         // Lengths around the loop's threshold and its block; distances in and out of the band.
         for len in [0, 1, 255, 2047, 2048, 2049, 2303, 14_336, 14_400, 20_000] {
-            for (gap, slow) in [(0, true), (16, false), (32, true), (79, true), (80, false)] {
+            for (gap, slow) in [(0, true), (16, false), (32, true), (47, true), (48, false)] {
                 // `rest` starts 24,560 = 4,080 (mod 4 KiB) after `src`: -16 in the band.
                 let at = gap;
                 let dst_start = rest.as_ptr() as usize + at;
