@@ -42,6 +42,7 @@ fn run_local_caps<T: Element>(
     let caps = Capabilities {
         load_store,
         remote_read: true,
+        chunk_floor: 0,
     };
     let comms = Communicator::local_group_with(topo, cfg, caps).map_err(|e| e.to_string())?;
     std::thread::scope(|s| {
@@ -180,6 +181,28 @@ fn rows_larger_than_a_chunk_stream_in_pieces() {
         BOTH,
     )
     .unwrap();
+}
+
+#[test]
+fn a_communicator_raises_chunk_bytes_to_its_fabrics_chunk_floor() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    for (asked, floor, used) in [(64, 4096, 4096), (8192, 4096, 8192), (64, 0, 64)] {
+        c.chunk_bytes = asked;
+        let caps = Capabilities {
+            load_store: true,
+            remote_read: true,
+            chunk_floor: floor,
+        };
+        let comms = Communicator::local_group_with(&topo, &c, caps).unwrap();
+        for comm in &comms {
+            assert_eq!(
+                comm.config().chunk_bytes,
+                used,
+                "asked {asked}, floor {floor}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -1265,6 +1288,7 @@ fn run_relayed<T: Element>(
     let caps = Capabilities {
         load_store,
         remote_read: true,
+        chunk_floor: 0,
     };
     let comms = Communicator::local_group_with(topo, cfg, caps).map_err(|e| e.to_string())?;
     let per_rank = std::thread::scope(|s| {

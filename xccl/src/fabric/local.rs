@@ -57,6 +57,7 @@ impl LocalFabric {
             Capabilities {
                 load_store: true,
                 remote_read: true,
+                chunk_floor: 0,
             },
         )
     }

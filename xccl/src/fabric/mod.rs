@@ -41,6 +41,12 @@ pub struct Capabilities {
     pub load_store: bool,
     /// [`Fabric::get`] is a true one-sided remote read (pull mode costs no peer CPU).
     pub remote_read: bool,
+    /// Fewest bytes worth one progress signal: a communicator raises
+    /// [`crate::MoeConfig::chunk_bytes`] to it. 0 where chunks of any size pay for their
+    /// signal; 4 MiB over libfabric's tcp provider, where each write and each signal is a round
+    /// through the kernel (1A:1E round trips with 64 KiB chunks: 3.2-5.1 ms at T=128 and
+    /// 13.8-19.1 ms at T=512, against 2.1-2.3 and 9.3-9.9 ms with 4 MiB; `docs/performance.md`).
+    pub chunk_floor: usize,
 }
 
 /// One-sided transport between the ranks of a job. See the module docs for the contract.

@@ -731,6 +731,7 @@ impl Fabric for ShmFabric {
         Capabilities {
             load_store: true,
             remote_read: true,
+            chunk_floor: 0,
         }
     }
 

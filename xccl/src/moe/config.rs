@@ -82,6 +82,8 @@ pub struct MoeConfig {
     /// Deadline of a whole call: every wait inside one call shares it.
     pub timeout: Duration,
     /// Bytes a sender writes between progress signals, so receivers copy while senders write.
+    /// A communicator raises it to its fabric's [`crate::fabric::Capabilities::chunk_floor`]
+    /// (4 MiB over libfabric's tcp provider).
     pub chunk_bytes: usize,
     /// How this rank's A2E sends put rows on the wire ([`Quant::Int8`]: INT8 with one f32 scale
     /// per token, about half the bytes of bf16).

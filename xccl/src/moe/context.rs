@@ -54,9 +54,11 @@ impl Context {
     pub(crate) fn new(
         fabric: Box<dyn Fabric>,
         topo: Arc<Topology>,
-        cfg: MoeConfig,
+        mut cfg: MoeConfig,
     ) -> Result<Self> {
         cfg.validate(&topo)?;
+        // A local choice (peers follow the signals), raised to what the fabric's signals cost.
+        cfg.chunk_bytes = cfg.chunk_bytes.max(fabric.capabilities().chunk_floor);
         let layout = WindowLayout::new(&topo, &cfg);
         let slots = Slots::new(topo.world_size());
         if fabric.world_size() != topo.world_size() {

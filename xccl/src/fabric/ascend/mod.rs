@@ -854,6 +854,7 @@ impl Fabric for AscendFabric {
         Capabilities {
             load_store: false,
             remote_read: true,
+            chunk_floor: 0,
         }
     }
 
