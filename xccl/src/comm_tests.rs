@@ -798,6 +798,28 @@ fn epochs_cross_the_40_bit_wire_boundary_without_harm() {
 }
 
 #[test]
+fn a_wait_that_finds_a_peer_gone_after_an_abort_reached_it_reports_the_abort() {
+    // Peers leave the job once they see an abort; a rank that slept through both the abort
+    // and a departure must report the abort (the C ABI test saw the departure reported).
+    let c = cfg(8, DType::F32, 2, 4);
+    let (attn, expert) = pair(&c);
+    drop(expert);
+    let ctx = attn.ctx();
+    let mut due = std::time::Instant::now();
+    let gone = ctx.check_awaited([1], &mut due).unwrap_err();
+    assert!(matches!(gone, Error::PeerFailed { peer: 1, .. }), "{gone}");
+    ctx.fabric.abort("stop the job");
+    for err in [
+        ctx.check_awaited([1], &mut std::time::Instant::now()),
+        ctx.check_awaited_again([1], &mut std::time::Instant::now(), &|_| true),
+        ctx.all_done([1], &|_| Ok(false)).map(|_| ()),
+    ] {
+        let err = err.unwrap_err();
+        assert!(matches!(err, Error::Aborted { by: 0, .. }), "{err}");
+    }
+}
+
+#[test]
 fn a_dead_peer_is_reported_while_waiting_for_another() {
     let topo = Topology::contiguous(1, 2, 4).unwrap();
     let c = cfg(8, DType::F32, 2, 4);

@@ -258,6 +258,17 @@ impl Context {
         missing
             .into_iter()
             .try_for_each(|p| self.fabric.check_peer(p))
+            .map_err(|e| self.abort_first(e))
+    }
+
+    /// `failure`, unless an abort has reached this rank: then the abort's error. Peers leave
+    /// the job once they see an abort, so a wait that finds one gone after the abort arrived
+    /// (it slept through both) reports the abort, not the departure it caused.
+    fn abort_first(&self, failure: Error) -> Error {
+        match self.fabric.aborted() {
+            Some(notice) => notice.to_error(self.topo.world_size()),
+            None => failure,
+        }
     }
 
     /// [`Context::check_awaited`] for waits on peers that may leave the job right after their
@@ -278,7 +289,7 @@ impl Context {
         missing
             .into_iter()
             .try_for_each(|p| match self.fabric.check_peer(p) {
-                Err(e) if still_missing(p) => Err(e),
+                Err(e) if still_missing(p) => Err(self.abort_first(e)),
                 _ => Ok(()),
             })
     }
@@ -299,7 +310,7 @@ impl Context {
             }
             if let Err(e) = self.fabric.check_peer(p) {
                 if !done(p)? {
-                    return Err(e);
+                    return Err(self.abort_first(e));
                 }
                 continue;
             }
