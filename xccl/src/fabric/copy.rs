@@ -4,12 +4,13 @@
 //! development VM that runs 3-10x slower when the destination lies less than 32 bytes before or
 //! after the source modulo 4 KiB (a cross-process one-row round trip of 14,336 bytes: 15-25 us
 //! at distances 8 to 31 and 4072 to 4088 against 2.3-7.1 us at 0, 32 to 2048 and 4040 to 4064;
-//! `benches/baselines/alias_copy.c`, figures in `docs/performance.md`). That is how a window row and a row of a large
-//! allocation usually lie: window regions start on a page and `H=7168` bf16 rows are 3.5 pages,
-//! while `malloc` (so a large `Vec` or torch tensor) starts large blocks 16 bytes past a page.
-//! Every E2A reply row was such a copy. In that band a vector loop copies instead, loading 256
-//! bytes before storing them, so only one load in eight can wait on an aliasing store; elsewhere
-//! `memcpy` is faster (it writes the destination without reading it first) and is kept.
+//! `benches/baselines/alias_copy.c`, figures in `docs/performance.md`). That is how a window
+//! row and a row of a large allocation usually lie: window regions start on a page and
+//! `H=7168` bf16 rows are 3.5 pages, while `malloc` (so a large `Vec` or torch tensor) starts
+//! large blocks 16 bytes past a page. Every E2A reply row was such a copy. In that band a
+//! vector loop copies instead, loading 256 bytes before storing them, so only one load in eight
+//! can wait on an aliasing store; elsewhere `memcpy` is faster (it writes the destination
+//! without reading it first) and is kept.
 
 /// Copies shorter than this go to `memcpy` (which uses vector loops below its `rep movsb`
 /// threshold, 2 KiB and more).

@@ -365,6 +365,17 @@ impl Context {
         self.topo.relay_plan().is_none() && self.topo.num_domains() == 1
     }
 
+    /// How many landing buffers an A2E record may name ([`crate::moe::record::Record::landing`]):
+    /// `max_in_flight` where credits are implied (the attention rank picks them), else 1 (it
+    /// names none: its field is 0 and the call's buffer is `epoch % max_in_flight`).
+    pub(crate) fn landing_buffers(&self) -> usize {
+        if self.implied_credits() {
+            self.cfg.max_in_flight
+        } else {
+            1
+        }
+    }
+
     /// Waits until every rank of `peers` has credited at least `epoch - max_in_flight` into its
     /// slot of the credit group at `base` (slot `base + peer`): the buffer `epoch` is about to
     /// reuse is free. Calls within the first `max_in_flight` after `epoch_base` need nothing.

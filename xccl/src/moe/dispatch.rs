@@ -7,8 +7,8 @@
 //! 2. wait for credit `e - max_in_flight` from every expert rank (the buffer's previous user is
 //!    consumed everywhere);
 //! 3. per expert rank `d` (rotated by `s` to spread incast): put the [`Record`] first, then the
-//!    rows for `d` in chunks — into `d`'s receive area `l` (push) or into this rank's staging (pull)
-//!    — signalling `a2e_ready[s] = progress(e, rows)` after each chunk. With a registered input
+//!    rows for `d` in chunks — into `d`'s receive area `l` (push) or into this rank's staging
+//!    (pull) — signalling `a2e_ready[s] = progress(e, rows)` after each chunk. With a registered input
 //!    (gather) only metadata rows are written; receivers read the payloads from the input.
 //!
 //! Receiver ([`DispatchReceiver`], expert rank `d`): one pass over all sources per wake-up until
@@ -1138,7 +1138,7 @@ impl DispatchReceiver {
         // Where credits are implied each record names its landing buffer (one its sender knows
         // free); elsewhere the call's buffer is the landing buffer too.
         let implied = ctx.implied_credits();
-        let landings = if implied { ctx.cfg.max_in_flight } else { 1 };
+        let landing_buffers = ctx.landing_buffers();
         let (messages, reader, held) = (&mut self.messages, &mut self.reader, &self.landings);
         // Records and rows seen so far (`Waiting::progress`: the wait stays awake while they
         // stream in).
@@ -1156,7 +1156,7 @@ impl DispatchReceiver {
                 }
                 if messages[i].is_none() {
                     let rec = ctx.read_record(ctx.layout.record(i, buf))?;
-                    let mode = rec.validate(src, epoch, max_rows, landings)?;
+                    let mode = rec.validate(src, epoch, max_rows, landing_buffers)?;
                     rec.check_region(src, attention_rows, "its A2E staging and E2A reply areas")?;
                     let landing = if implied {
                         check_landing(held, i, src, epoch, rec.landing())?
@@ -1325,11 +1325,7 @@ impl DispatchReceiver {
         let l = &ctx.layout;
         let buf = l.buffer(epoch);
         let attention = ctx.attention();
-        let landings = if ctx.implied_credits() {
-            ctx.cfg.max_in_flight
-        } else {
-            1
-        };
+        let landing_buffers = ctx.landing_buffers();
         // A source's message is complete when its progress covers its record's rows.
         let complete = |src: usize, record_at: usize, max_rows: usize| -> Result<bool> {
             match Progress::of(ctx.slot_value(ctx.slots.a2e_ready(src)), epoch) {
@@ -1339,7 +1335,7 @@ impl DispatchReceiver {
                     let mut rec = Record::default();
                     ctx.fabric
                         .get(ctx.rank, record_at, bytemuck::bytes_of_mut(&mut rec))?;
-                    rec.validate(src, epoch, max_rows, landings)?;
+                    rec.validate(src, epoch, max_rows, landing_buffers)?;
                     Ok(rows >= rec.count as usize)
                 }
             }

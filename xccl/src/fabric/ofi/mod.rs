@@ -125,16 +125,6 @@ use crate::{AbortNotice, Error, Result};
 
 /// Provider used when neither the options nor `XCCL_OFI_PROVIDER` name one.
 pub const DEFAULT_PROVIDER: &str = "tcp;ofi_rxm";
-/// The [`Capabilities::chunk_floor`] of `provider`: 4 MiB for the kernel-stack `tcp` provider
-/// (alone or under `ofi_rxm`), where it was measured; none for the others, which no machine here
-/// could measure.
-fn chunk_floor(provider: &str) -> usize {
-    match provider.split(';').next() {
-        Some("tcp") => 4 << 20,
-        _ => 0,
-    }
-}
-
 /// Environment variable naming the provider (`tcp`, `verbs`, `efa`, `tcp;ofi_rxm`, ...).
 pub const PROVIDER_ENV: &str = "XCCL_OFI_PROVIDER";
 /// Environment variable naming the local address (interface) to open the endpoint on.
@@ -179,6 +169,16 @@ const KIND_ABORT: u64 = 3;
 const DEPARTING: usize = 1;
 const MAX_RANKS: usize = 1 << 14;
 const MAX_SLOTS: usize = (1 << 16) - 1;
+
+/// The [`Capabilities::chunk_floor`] of `provider`: 4 MiB for the kernel-stack `tcp` provider
+/// (alone or under `ofi_rxm`), where it was measured; none for the others, which no machine here
+/// could measure.
+fn chunk_floor(provider: &str) -> usize {
+    match provider.split(';').next() {
+        Some("tcp") => 4 << 20,
+        _ => 0,
+    }
+}
 
 fn encode(kind: u64, sender: usize, slot: usize) -> u64 {
     (kind << 30) | ((sender as u64) << 16) | slot as u64
@@ -1399,19 +1399,18 @@ impl Drop for OfiFabric {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::bootstrap::ThreadExchange;
+    use crate::fabric::conformance::{self, min_slots, MIN_WINDOW};
+
     #[test]
     fn only_the_tcp_provider_raises_the_chunk_floor() {
-        use super::chunk_floor;
         assert_eq!(chunk_floor("tcp"), 4 << 20);
         assert_eq!(chunk_floor("tcp;ofi_rxm"), 4 << 20);
         for other in ["verbs;ofi_rxm", "efa", "shm", "ofi_rxm;tcp", ""] {
             assert_eq!(chunk_floor(other), 0, "{other}");
         }
     }
-
-    use super::*;
-    use crate::bootstrap::ThreadExchange;
-    use crate::fabric::conformance::{self, min_slots, MIN_WINDOW};
 
     fn on_threads<T: Send>(n: usize, per_rank: impl Fn(Arc<dyn Exchange>) -> T + Sync) -> Vec<T> {
         let exchanges: Vec<Arc<dyn Exchange>> = ThreadExchange::group(n)
