@@ -699,7 +699,13 @@ impl Topology {
             count > 0,
             "Topology::route: expert {expert} has no replica left (dropped by a shrink)"
         );
-        let r = start + attention_index % count;
+        // Most experts have one replica: no division (a 64-bit `div` per selection was a fifth of
+        // a one-token dispatch layout).
+        let r = if count == 1 {
+            start
+        } else {
+            start + attention_index % count
+        };
         (self.replica_rank[r], self.replica_local[r])
     }
 

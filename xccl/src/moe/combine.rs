@@ -466,6 +466,10 @@ pub(crate) struct CombineReceiver {
     row: Vec<u8>,
     cursors: Vec<usize>,
     contributions: Vec<(usize, usize)>,
+    /// Per expert rank of the call being received: its record once read, and the rows it has
+    /// delivered (scratch, reused so a call allocates nothing).
+    recs: Vec<Option<(Record, WireMode)>>,
+    delivered: Vec<usize>,
 }
 
 impl CombineReceiver {
@@ -604,8 +608,11 @@ impl CombineReceiver {
         let hidden = ctx.cfg.hidden;
         let dtype = ctx.cfg.dtype;
         let (max_rows, expert_rows) = (ctx.layout.attention_rows, ctx.layout.expert_rows());
-        let mut recs: Vec<Option<(Record, WireMode)>> = vec![None; experts.len()];
-        let mut delivered = vec![0usize; experts.len()];
+        self.recs.clear();
+        self.recs.resize(experts.len(), None);
+        self.delivered.clear();
+        self.delivered.resize(experts.len(), 0);
+        let (recs, delivered) = (&mut self.recs, &mut self.delivered);
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
         let mut next_check = Instant::now() + super::context::AWAITED_CHECK_EVERY;

@@ -390,9 +390,8 @@ impl DispatchSender {
             } else {
                 0
             };
-            let rec = Record::with_payload(epoch, count as u32, sent.offsets[j] as u32, mode, int8)
-                .landing_in(landing)
-                .tagged(self.tag);
+            let offset = sent.offsets[j] as u32;
+            let rec = Record::a2e(epoch, count as u32, offset, mode, int8, landing, self.tag);
             ctx.put_record(d, layout.record(src_index, buf), &rec)?;
             fault_point!("a2e.record");
             if mode == WireMode::Gather {
@@ -463,8 +462,7 @@ impl DispatchSender {
         }
         ctx.put(relay, layout.relay_table(m, buf), &table)?;
         let count = plan_rows.total_entries();
-        let rec =
-            Record::with_payload(epoch, count as u32, 0, WireMode::Push, int8).tagged(self.tag);
+        let rec = Record::a2e(epoch, count as u32, 0, WireMode::Push, int8, 0, self.tag);
         ctx.put_record(relay, layout.record(src_index, buf), &rec)?;
         fault_point!("a2e.record");
         let slot = ctx.slots.a2e_ready(ctx.rank);
@@ -986,6 +984,10 @@ pub(crate) struct DispatchReceiver {
     landings: VecDeque<Vec<Option<usize>>>,
     reader: RowReader,
     messages: Vec<Option<Message>>,
+    /// Per source of the call being received: rows handled so far, and whether it is complete
+    /// (scratch, reused so a call allocates nothing).
+    handled: Vec<usize>,
+    done: Vec<bool>,
     /// Decoded metadata of every row of a call (expert-major arrangement): per row its token,
     /// and its experts at `row_experts[row_start[i]..row_start[i+1]]`.
     row_token: Vec<u32>,
@@ -1004,6 +1006,8 @@ impl DispatchReceiver {
             landings: VecDeque::new(),
             reader: RowReader::default(),
             messages: Vec::new(),
+            handled: Vec::new(),
+            done: Vec::new(),
             row_token: Vec::new(),
             row_start: Vec::new(),
             row_experts: Vec::new(),
@@ -1127,8 +1131,11 @@ impl DispatchReceiver {
         let (max_rows, attention_rows) = (ctx.layout.recv_rows, ctx.layout.attention_rows);
         self.messages.clear();
         self.messages.resize(sources.len(), None);
-        let mut handled = vec![0usize; sources.len()];
-        let mut done = vec![true; sources.len()];
+        self.handled.clear();
+        self.handled.resize(sources.len(), 0);
+        self.done.clear();
+        self.done.resize(sources.len(), true);
+        let (handled, done) = (&mut self.handled, &mut self.done);
         for &i in part {
             done[i] = false;
         }

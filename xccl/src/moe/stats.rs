@@ -78,9 +78,14 @@ impl Stats {
         }
     }
 
+    /// Zeroes every counter in place (a call's counters start here; no allocation).
     pub(crate) fn clear(&mut self) {
-        let world = self.peers.len();
-        *self = Stats::new(world);
+        let mut peers = std::mem::take(&mut self.peers);
+        peers.fill(PeerStats::default());
+        *self = Stats {
+            peers,
+            ..Stats::default()
+        };
     }
 
     pub(crate) fn add(&mut self, o: &Stats) {
