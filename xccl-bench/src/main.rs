@@ -588,6 +588,7 @@ fn finish(
         floor_shape: (args.attention, args.experts),
         floor_pairs: args.attention.min(args.experts),
         waits: wait_lines(args, reports),
+        phases: report::phases(args, reports),
         mpi,
         wait_policy: describe_wait(args, policy),
         fi: fi.map(|r| report::FiLimit::of(r, args, plan)),

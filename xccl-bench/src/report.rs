@@ -244,6 +244,78 @@ pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<Res
     rows
 }
 
+/// Where a point's round trip goes, from the timestamps every rank records (medians over the
+/// measured iterations, microseconds): each phase is the last rank's, so the four add up to about
+/// the round trip.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseLine {
+    /// Tokens of the point.
+    pub tokens: usize,
+    /// Its quant name.
+    pub quant: &'static str,
+    /// The attention ranks' `a2e_send` (the longest one of each call).
+    pub a2e_send: f64,
+    /// From the last `a2e_send` returning to the last expert rank's receive returning: the
+    /// signal's flight and the receive's own work once the rows are there.
+    pub a2e_landed: f64,
+    /// The expert ranks' E2A send (the longest one of each call).
+    pub e2a_send: f64,
+    /// From the last E2A send returning to the last attention rank's `e2a_recv` returning.
+    pub e2a_landed: f64,
+}
+
+/// The [`PhaseLine`] of every sweep point.
+pub fn phases(args: &Args, reports: &[RankReport]) -> Vec<PhaseLine> {
+    let m = args.attention;
+    let rounds = args.rounds();
+    let points = args
+        .quants()
+        .into_iter()
+        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)));
+    points
+        .enumerate()
+        .map(|(p, (quant, tokens))| {
+            let at = |rank: usize, it: usize, w: usize| {
+                reports[rank].words[(p * rounds + it) * WORDS + w]
+            };
+            let mut v: [Vec<f64>; 4] = Default::default();
+            for it in args.warmup..rounds {
+                let att: Vec<usize> = (0..m).filter(|&r| at(r, it, 0) != u64::MAX).collect();
+                let exp = m..args.world_size();
+                let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+                let last = |ranks: &mut dyn Iterator<Item = usize>, w: usize| {
+                    ranks.map(|r| at(r, it, w)).max().unwrap_or(0)
+                };
+                let longest = |ranks: &mut dyn Iterator<Item = usize>, a: usize, b: usize| {
+                    ranks
+                        .map(|r| us(at(r, it, a), at(r, it, b)))
+                        .fold(0.0, f64::max)
+                };
+                let sent = last(&mut att.iter().copied(), 1);
+                let received = last(&mut exp.clone(), 0);
+                let replied = last(&mut exp.clone(), 2);
+                let combined = last(&mut att.iter().copied(), 2);
+                v[0].push(longest(&mut att.iter().copied(), 0, 1));
+                v[1].push(us(sent, received));
+                v[2].push(longest(&mut exp.clone(), 1, 2));
+                v[3].push(us(replied, combined));
+            }
+            let [a2e_send, a2e_landed, e2a_send, e2a_landed] = v.map(|mut l| {
+                l.sort_by(f64::total_cmp);
+                percentile(&l, 0.5)
+            });
+            PhaseLine {
+                tokens,
+                quant: quant.name(),
+                a2e_send,
+                a2e_landed,
+                e2a_send,
+                e2a_landed,
+            }
+        })
+        .collect()
+}
+
 /// Median time of copying `bytes` between two buffers of that size, timed like the operations
 /// (`iters` samples after `warmup`), as GB/s. Zero bytes give 0.
 pub fn memcpy_gbps(bytes: u64, warmup: usize, iters: usize) -> f64 {
@@ -343,6 +415,8 @@ pub struct Extras {
     /// Per sweep point (tokens, quant): what an attention rank's and an expert rank's waits
     /// counted per call (means over the ranks of each role and the timed calls).
     pub waits: Vec<WaitLine>,
+    /// Per sweep point, where the round trip goes ([`phases`]).
+    pub phases: Vec<PhaseLine>,
     /// The MPI baseline given with `--mpi-baseline`.
     pub mpi: Option<MpiBaseline>,
     /// The wait policy of the ranks ([`xccl::fabric::WaitPolicy::describe`]).
@@ -529,6 +603,13 @@ pub fn table(
         s.pop();
         s += "\n";
     }
+    for p in &extras.phases {
+        s += &format!(
+            "# phases per call, T={} {} (p50 us): a2e_send {:.2}, a2e_landed {:.2}, e2a_send \
+             {:.2}, e2a_landed {:.2}\n",
+            p.tokens, p.quant, p.a2e_send, p.a2e_landed, p.e2a_send, p.e2a_landed
+        );
+    }
     if let Some((exchange, pairs)) = &extras.floors {
         let smallest = rows
             .iter()
@@ -712,6 +793,11 @@ pub fn to_json(
             "tokens": w.tokens, "quant": w.quant,
             "attention": wait_json(&w.roles[0]), "expert": wait_json(&w.roles[1]),
         })).collect::<Vec<_>>(),
+        "phases": extras.phases.iter().map(|p| json!({
+            "tokens": p.tokens, "quant": p.quant, "a2e_send_us": p.a2e_send,
+            "a2e_landed_us": p.a2e_landed, "e2a_send_us": p.e2a_send,
+            "e2a_landed_us": p.e2a_landed,
+        })).collect::<Vec<_>>(),
         "mpi_baseline": extras.mpi.as_ref().map(|m| json!({
             "library": m.lib,
             "checks_passed": m.points.iter().all(|p| p.check_passed),
@@ -752,6 +838,52 @@ fn wait_json(v: &[f64; 11]) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn phases_split_the_round_trip_at_the_last_ranks_timestamps_after_the_warmup() {
+        let args = Args::parse_from([
+            "xccl-bench",
+            "-a",
+            "1",
+            "-e",
+            "2",
+            "-t",
+            "1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ]);
+        // Per rank, per round: attention [send start, send end, combine end, rows], expert
+        // [receive end, send start, send end, tokens]. The warmup round is far off.
+        let report = |rounds: [[u64; WORDS]; 3]| RankReport {
+            words: rounds.concat(),
+            ..RankReport::default()
+        };
+        let reports = [
+            report([
+                [0, 9_000, 99_000, 2],
+                [1_000, 2_000, 3_700, 2],
+                [1_000, 2_200, 3_900, 2],
+            ]),
+            report([
+                [50_000; 4],
+                [2_300, 2_600, 2_900, 1],
+                [2_500, 2_700, 3_000, 1],
+            ]),
+            report([
+                [50_000; 4],
+                [2_500, 2_500, 3_000, 1],
+                [2_300, 2_400, 3_300, 1],
+            ]),
+        ];
+        let p = &phases(&args, &reports)[0];
+        // Round 1: 1.0, 0.5, 0.5, 0.7; round 2: 1.2, 0.3, 0.9, 0.6. The nearest-rank median of
+        // two values is the lower one.
+        assert_eq!(p.a2e_send, 1.0);
+        assert_eq!((p.a2e_landed, p.e2a_send, p.e2a_landed), (0.3, 0.5, 0.6));
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

@@ -527,7 +527,7 @@ impl ControlArea {
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         };
-        state.finish(&plan, &tally, phase_start.elapsed());
+        state.finish(&plan, &tally);
         result
     }
 }
@@ -573,16 +573,18 @@ struct Plan {
     restart_on_progress: bool,
 }
 
-/// Shortest and longest spin budget; shortest time a slow yield is measured against.
+/// Shortest and longest wake-up latency estimate; shortest time a slow yield is measured
+/// against.
 const MIN_SPIN_NS: u64 = 500;
 const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
 const FIRST_WAKE_NS: u64 = 20_000;
 /// Polls of the spin phase that a rank with a core of its own gives a policy without one (at
-/// most the spin budget, one wake-up latency, as every spin phase). None in the loom models,
-/// which check the protocol, not the phases (each poll multiplies their interleavings).
-const OWN_CORE_POLLS: u32 = if cfg!(loom) { 0 } else { 64 };
+/// most the spin budget, one wake-up latency, as every spin phase; enough polls for it: a poll
+/// takes 60 to 300 ns). None in the loom models, which check the protocol, not the phases (each
+/// poll multiplies their interleavings).
+const OWN_CORE_POLLS: u32 = if cfg!(loom) { 0 } else { 4096 };
 /// Longest yield phase that ranks outnumbering cores add to a policy without one (or with a
 /// shorter one): one wake-up latency, at most this.
 const MAX_HANDOFF_YIELD_NS: u64 = 50_000;
@@ -593,16 +595,14 @@ const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
 /// The adaptive part of one rank's waits, and their counters ([`WaitCounters`]).
 ///
 /// It keeps what the rank's waits observed: the latency of a futex wake-up (the signaller
-/// stamps the time it woke the sleeper into the sleeper's doorbell line), how long waits took
-/// against the spin budget, and whether yields handed the core away for long. From that each
-/// wait's phases are bounded ([`WaitPolicy`]). Private to the rank (plain atomics, never in shared
+/// stamps the time it woke the sleeper into the sleeper's doorbell line), which bounds the spin
+/// phase, and whether yields handed the core away for long. From that each wait's phases are
+/// bounded ([`WaitPolicy`]). Private to the rank (plain atomics, never in shared
 /// memory); one per fabric endpoint.
 #[derive(Debug)]
 pub struct WaitState {
     /// Smoothed wake-up latency of a futex sleep, ns.
     wake_ns: std::sync::atomic::AtomicU64,
-    /// Current spin budget, ns (0: not set yet, start at the wake-up latency).
-    spin_ns: std::sync::atomic::AtomicU64,
     /// No yield phase before this time (`CLOCK_MONOTONIC` ns), and the next back-off, ns.
     yield_off_until: std::sync::atomic::AtomicU64,
     yield_backoff: std::sync::atomic::AtomicU64,
@@ -616,7 +616,6 @@ impl Default for WaitState {
     fn default() -> Self {
         WaitState {
             wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
-            spin_ns: std::sync::atomic::AtomicU64::new(0),
             yield_off_until: Default::default(),
             yield_backoff: Default::default(),
             counts: Default::default(),
@@ -701,19 +700,21 @@ impl WaitState {
         }
     }
 
-    /// The spin budget of the next wait, ns: at most the wake-up latency; none when ranks
-    /// outnumber cores.
+    /// The spin budget of the next wait, ns: one wake-up latency (spin then sleep is then
+    /// 2-competitive: a wait costs at most twice what it must, the spin and then the wake-up a
+    /// sleep pays anyway); none when ranks outnumber cores.
+    ///
+    /// It does not adapt to how long earlier waits took. It did (halved after a wait that
+    /// outlasted a wake-up, doubled after one just past the budget, as an adaptive mutex), and
+    /// two ranks settled into sleeping: a wait whose peer slept lasts its peer's wake-up, which
+    /// halved the waiter's budget, so the waiter slept too and its own peer's next wait was
+    /// long in turn. Under `XCCL_WAIT=sleep` the budget sat at its 0.5 us floor and a 4 us T=1
+    /// round trip took 40 to 120 us (`docs/performance.md`).
     fn spin_budget(&self) -> u64 {
-        use std::sync::atomic::Ordering::Relaxed;
-        let wake = self.wake_ns.load(Relaxed);
-        let budget = match self.spin_ns.load(Relaxed) {
-            0 => wake,
-            s => s.min(wake),
-        };
         if self.oversubscribed {
             0
         } else {
-            budget
+            self.wake_ns.load(std::sync::atomic::Ordering::Relaxed)
         }
     }
 
@@ -760,7 +761,7 @@ impl WaitState {
     }
 
     /// Folds one finished wait (`tally`, `waited` long) into the estimates and counters.
-    fn finish(&self, plan: &Plan, tally: &Tally, waited: Duration) {
+    fn finish(&self, plan: &Plan, tally: &Tally) {
         use std::sync::atomic::Ordering::Relaxed;
         let add = |i: usize, v: u32| {
             if v > 0 {
@@ -779,24 +780,6 @@ impl WaitState {
             let old = self.wake_ns.load(Relaxed);
             let new = (old * 7 + w.clamp(MIN_SPIN_NS, MAX_WAKE_NS)) / 8;
             self.wake_ns.store(new, Relaxed);
-        }
-        // The spin budget follows the waits (as an adaptive mutex does): a wait that ended
-        // after the budget but within a wake-up's cost would have been caught by spinning longer
-        // (double it); one that outlasted a wake-up is better slept through (halve it). It never
-        // exceeds the wake-up latency: a wait then costs at most twice what it must (spin, then
-        // the wake-up a sleep pays anyway).
-        if tally.polls > 0 {
-            let wake = self.wake_ns.load(Relaxed);
-            let budget = self.spin_budget();
-            let d = waited.as_nanos() as u64;
-            let next = if d <= budget {
-                budget
-            } else if d <= wake {
-                (2 * budget).min(wake)
-            } else {
-                (budget / 2).max(MIN_SPIN_NS)
-            };
-            self.spin_ns.store(next.max(MIN_SPIN_NS), Relaxed);
         }
         // A slow yield (a slice of milliseconds given away) costs far more than the few
         // microseconds a quick one saves: no yield phase for the next 10 ms, doubling up to 1 s
@@ -852,11 +835,11 @@ mod loom_tests;
 ///
 /// Every wait goes through up to three phases and always ends in the third:
 /// 1. **Spin**: busy-poll (a `pause` each) for at most `spin_iters` polls and at most the spin
-///    budget. The budget is never more than the measured latency of a futex wake-up (the
-///    signaller stamps the time it wakes a sleeper), so a wait that ends up sleeping costs at
-///    most twice what it had to (the rule of ski rental); it halves after a wait that outlasted
-///    a wake-up and doubles after one that ended just past it (as an adaptive mutex spins).
-///    Where ranks outnumber cores there is no spin phase (see below).
+///    budget: the measured latency of a futex wake-up (the signaller stamps the time it wakes
+///    a sleeper), so a wait that ends up sleeping costs at most twice what it had to (the rule
+///    of ski rental). The budget does not shrink after long waits: a wait whose peer slept lasts
+///    a wake-up, and shrinking on that made both ranks sleep ([`WaitState`]). Where ranks
+///    outnumber cores there is no spin phase (see below).
 /// 2. **Yield**: `sched_yield` between polls for up to `yield_for`, which hands the core to a
 ///    runnable peer on it at once. A yield that kept the core away for longer than 16 wake-ups
 ///    (at least 500 us: another task ran its time slice) ends the phase, and waits skip it for the next 10 ms, doubling up to 1 s while later probes find
@@ -880,8 +863,9 @@ mod loom_tests;
 /// (at most 50 us; the policy's own cap when longer) before it sleeps: a policy without a yield
 /// phase (`sleep`) then pays at most twice what a futex hand-off costs before its sleep, and
 /// the yields stop as soon as one is slow (another task ran a slice), as above. With a core per
-/// rank, a policy without a spin phase (`yield`) spins for up to 64 polls (and the spin budget)
-/// first: such a spin takes the core from nobody.
+/// rank, a policy without a spin phase (`yield`) spins for up to the spin budget (one wake-up
+/// latency) first, as every policy does: such a spin takes the core from nobody, and a reply
+/// that comes within it is seen without a yield or a wake-up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WaitPolicy {
     /// Busy-poll iterations (each a `pause`) before yielding.
@@ -897,9 +881,10 @@ impl WaitPolicy {
         spin_iters: 4096,
         yield_for: Duration::from_micros(200),
     };
-    /// Poll a few times, then sleep on the futex at once (`XCCL_WAIT=sleep`).
+    /// Spin for at most one wake-up latency (what the sleep costs anyway), then sleep on the
+    /// futex, with no yield phase (`XCCL_WAIT=sleep`).
     pub const SHARED: WaitPolicy = WaitPolicy {
-        spin_iters: 64,
+        spin_iters: 4096,
         yield_for: Duration::ZERO,
     };
     /// More ranks than cores: no busy-polling (a spinning waiter keeps the core from the peer
@@ -1153,11 +1138,11 @@ mod plan_tests {
             // One wake-up latency of yielding, or the policy's longer cap.
             assert_eq!(p.yield_for, policy.yield_for.max(first_wake), "{policy:?}");
             assert!(p.yield_allowed, "{policy:?}");
-            // With a core per rank the policy's caps stand, and a policy without a spin phase
-            // gets a short one.
+            // With a core per rank every policy spins for up to one wake-up latency (a policy
+            // without a spin phase gets enough polls for it), then its own caps stand.
             let q = own.plan(policy);
             assert_eq!(q.spin_for, first_wake, "{policy:?}");
-            assert_eq!(q.spin_iters, policy.spin_iters.max(64), "{policy:?}");
+            assert_eq!(q.spin_iters, policy.spin_iters.max(4096), "{policy:?}");
             assert_eq!(q.yield_for, policy.yield_for, "{policy:?}");
             assert_eq!(q.yield_allowed, !policy.yield_for.is_zero(), "{policy:?}");
         }
@@ -1194,6 +1179,34 @@ mod plan_tests {
         .unwrap();
     }
 
+    /// The spin budget is one wake-up latency and stays there after waits that slept: it used
+    /// to halve after a wait that outlasted a wake-up, and a wait whose peer slept always does,
+    /// so two ranks under `XCCL_WAIT=sleep` settled at a 0.5 us budget and slept every call.
+    #[test]
+    fn the_spin_budget_is_one_wake_up_and_sleeping_does_not_shrink_it() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let state = WaitState::default();
+        let plan = state.plan(WaitPolicy::SHARED);
+        assert_eq!(plan.spin_for, Duration::from_nanos(FIRST_WAKE_NS));
+        // Waits that slept, their peers late by more than a wake-up.
+        for _ in 0..8 {
+            let slept = Tally {
+                polls: 4096,
+                sleeps: 1,
+                wake_ns: Some(40_000),
+                ..Tally::default()
+            };
+            state.finish(&plan, &slept);
+        }
+        let wake = state.wake_ns.load(Relaxed);
+        assert!((FIRST_WAKE_NS..=40_000).contains(&wake), "{wake}");
+        assert_eq!(
+            state.plan(WaitPolicy::SHARED).spin_for,
+            Duration::from_nanos(wake)
+        );
+        assert_eq!(state.counters().spin_ns, wake);
+    }
+
     #[test]
     fn slow_yields_turn_the_yield_phase_off_even_where_ranks_outnumber_cores() {
         let over = WaitState {
@@ -1207,7 +1220,7 @@ mod plan_tests {
             ..Tally::default()
         };
         let before = now_ns();
-        over.finish(&plan, &tally, Duration::from_millis(2));
+        over.finish(&plan, &tally);
         // No yield phase for the shortest back-off from the slow yield on (read from the state,
         // not from the clock: the test holds however long it is descheduled).
         use std::sync::atomic::Ordering::Relaxed;
