@@ -851,14 +851,14 @@ impl Communicator {
             }
             let mut next = std::time::Instant::now();
             let mut failure = None;
+            let arrived = |p: usize| ctx.slot_value(ctx.slots.barrier(p)) >= generation;
             ctx.wait(ctx.call_deadline(), &mut || {
-                let missing = || {
-                    (0..world).filter(|&p| {
-                        p != ctx.rank && ctx.slot_value(ctx.slots.barrier(p)) < generation
-                    })
-                };
+                let missing = || (0..world).filter(|&p| p != ctx.rank && !arrived(p));
                 let peer = missing().next()?;
-                if let Err(e) = ctx.check_awaited(missing(), &mut next) {
+                // A peer that arrived and left between the look at its slot and the liveness
+                // check (it saw everyone, returned and dropped its communicator) is not a
+                // failure: its slot is looked at again after the check.
+                if let Err(e) = ctx.check_awaited_again(missing(), &mut next, &|p| !arrived(p)) {
                     failure = Some(e);
                     return None;
                 }

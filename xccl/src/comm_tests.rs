@@ -2328,3 +2328,130 @@ mod reply_holes {
         assert!(expert.poisoned().is_some());
     }
 }
+
+/// What a peer does between this rank's look at its slot and the liveness check that follows.
+type Meanwhile = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>;
+
+/// A local endpoint whose next liveness check of `peer` first runs what `meanwhile` holds.
+struct RacesAtCheck {
+    inner: crate::fabric::local::LocalFabric,
+    peer: usize,
+    meanwhile: Meanwhile,
+}
+
+impl crate::fabric::Fabric for RacesAtCheck {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn window_len(&self, rank: usize) -> usize {
+        self.inner.window_len(rank)
+    }
+    fn num_signal_slots(&self) -> usize {
+        self.inner.num_signal_slots()
+    }
+    fn local_window(&self) -> Option<crate::fabric::Window<'_>> {
+        self.inner.local_window()
+    }
+    fn peer_window(&self, peer: usize) -> Option<crate::fabric::Window<'_>> {
+        self.inner.peer_window(peer)
+    }
+    fn put(&self, peer: usize, offset: usize, data: &[u8]) -> crate::Result<()> {
+        self.inner.put(peer, offset, data)
+    }
+    fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> crate::Result<()> {
+        self.inner.get(peer, offset, buf)
+    }
+    fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
+        self.inner.signal(peer, slot, value)
+    }
+    fn signal_value(&self, slot: usize) -> u64 {
+        self.inner.signal_value(slot)
+    }
+    fn flush(&self) -> crate::Result<()> {
+        self.inner.flush()
+    }
+    fn wait_until(
+        &self,
+        deadline: std::time::Instant,
+        poll: &mut dyn FnMut() -> Option<crate::fabric::Waiting>,
+    ) -> crate::Result<()> {
+        self.inner.wait_until(deadline, poll)
+    }
+    fn barrier(&self, timeout: Duration) -> crate::Result<()> {
+        self.inner.barrier(timeout)
+    }
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
+        self.inner.abort_reporting(dead, reason)
+    }
+    fn forward_abort(&self, notice: &crate::AbortNotice) {
+        self.inner.forward_abort(notice)
+    }
+    fn aborted(&self) -> Option<crate::AbortNotice> {
+        self.inner.aborted()
+    }
+    fn wait_counters(&self) -> crate::fabric::WaitCounters {
+        self.inner.wait_counters()
+    }
+    fn check_peers(&self) -> crate::Result<()> {
+        self.inner.check_peers()
+    }
+    fn check_peer(&self, peer: usize) -> crate::Result<()> {
+        if peer == self.peer {
+            let meanwhile = self.meanwhile.lock().unwrap().take();
+            if let Some(f) = meanwhile {
+                f();
+            }
+        }
+        self.inner.check_peer(peer)
+    }
+}
+
+/// A peer that reaches the barrier, sees everyone there, returns and drops its communicator
+/// between this rank's look at its slot and the liveness check that follows: the barrier is
+/// complete, not a failure. The barrier reported "rank 0 failed: left the job" once in a CI-like
+/// run of the shrink tests (a survivor's final barrier), as the waits that re-look after the
+/// check (`Context::check_awaited_again`) do not.
+#[test]
+fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier() {
+    use crate::fabric::local::LocalFabric;
+    use std::sync::Arc;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
+    let c = cfg(8, DType::F32, 2, 4);
+    let lens = Communicator::window_lens(&topo, &c).unwrap();
+    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let f1 = fabrics.pop().unwrap();
+    let f0 = fabrics.pop().unwrap();
+    let meanwhile = Meanwhile::default();
+    let (t1, c1) = (topo.clone(), c.clone());
+    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t1, c1).unwrap());
+    let racing = RacesAtCheck {
+        inner: f0,
+        peer: 1,
+        meanwhile: meanwhile.clone(),
+    };
+    let mut rank0 = Communicator::new(Box::new(racing), topo, c).unwrap();
+    let mut rank1 = h.join().unwrap();
+    let left = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = left.clone();
+    // Rank 0 signals its arrival before it looks at rank 1's slot, so rank 1's barrier returns
+    // at once inside the check; then rank 1 leaves the job.
+    *meanwhile.lock().unwrap() = Some(Box::new(move || {
+        rank1.barrier().expect("rank 0 arrived before it looked");
+        drop(rank1);
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+    }));
+    rank0.barrier().expect("rank 1 arrived before it left");
+    assert!(
+        left.load(std::sync::atomic::Ordering::SeqCst),
+        "rank 1 left inside the check"
+    );
+}

@@ -708,7 +708,7 @@ impl WaitState {
     /// outlasted a wake-up, doubled after one just past the budget, as an adaptive mutex), and
     /// two ranks settled into sleeping: a wait whose peer slept lasts its peer's wake-up, which
     /// halved the waiter's budget, so the waiter slept too and its own peer's next wait was
-    /// long in turn. Under `XCCL_WAIT=sleep` the budget sat at its 0.5 us floor and a 4 us T=1
+    /// long in turn. Under `XCCL_WAIT=sleep` the budget sat at 0.5 to 8 us and a 4 us T=1
     /// round trip took 40 to 120 us (`docs/performance.md`).
     fn spin_budget(&self) -> u64 {
         if self.oversubscribed {
