@@ -338,6 +338,12 @@ int main(int argc, char** argv) {
   nranks = a.nranks;
   for (round = 0;; round++) {
     if (kill_rank == rank && round == KILL_ROUND) {
+      /* An expert rank dies holding this round's A2E unanswered: the attention ranks sent it only
+       * after their last E2A, so every rank has finished the round before and only this one
+       * fails. (Dying at the round's start raced: an attention rank still waiting on the other
+       * expert's reply to the round before saw the death and aborted that round everywhere.) */
+      xcclExpertBatch_t held = NULL;
+      if (role == xcclRoleExpert) (void)xcclA2ERecv(comm, &held);
       printf("rank %d: killing itself\n", rank);
       fflush(stdout);
       raise(SIGKILL);
