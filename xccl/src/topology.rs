@@ -699,8 +699,8 @@ impl Topology {
             count > 0,
             "Topology::route: expert {expert} has no replica left (dropped by a shrink)"
         );
-        // Most experts have one replica: no division (a 64-bit `div` per selection was a fifth of
-        // a one-token dispatch layout).
+        // Most experts have one replica: no division (a 64-bit `div` per selection, twice per
+        // selection, was about a quarter of a one-token dispatch layout).
         let r = if count == 1 {
             start
         } else {

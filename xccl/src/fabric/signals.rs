@@ -575,7 +575,7 @@ struct Plan {
 
 /// Shortest and longest wake-up latency estimate; shortest time a slow yield is measured
 /// against.
-const MIN_SPIN_NS: u64 = 500;
+const MIN_WAKE_NS: u64 = 500;
 const MAX_WAKE_NS: u64 = 1_000_000;
 const MIN_SLOW_YIELD_NS: u64 = 500_000;
 /// The wake-up latency assumed before any sleep was measured.
@@ -760,7 +760,7 @@ impl WaitState {
         }
     }
 
-    /// Folds one finished wait (`tally`, `waited` long) into the estimates and counters.
+    /// Folds one finished wait (`tally`) into the estimates and counters.
     fn finish(&self, plan: &Plan, tally: &Tally) {
         use std::sync::atomic::Ordering::Relaxed;
         let add = |i: usize, v: u32| {
@@ -778,7 +778,7 @@ impl WaitState {
             self.counts[5].fetch_add(1, Relaxed);
             // Smoothed over about 8 wake-ups, bounded so one stall cannot stop spinning.
             let old = self.wake_ns.load(Relaxed);
-            let new = (old * 7 + w.clamp(MIN_SPIN_NS, MAX_WAKE_NS)) / 8;
+            let new = (old * 7 + w.clamp(MIN_WAKE_NS, MAX_WAKE_NS)) / 8;
             self.wake_ns.store(new, Relaxed);
         }
         // A slow yield (a slice of milliseconds given away) costs far more than the few
