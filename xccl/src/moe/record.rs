@@ -101,8 +101,8 @@ impl Record {
 
     /// An A2E record: [`Record::with_payload`] naming landing buffer `landing` and carrying
     /// `tag`, as [`Record::landing_in`] and [`Record::tagged`] would make it, with the check
-    /// word computed once (it is a serial chain of 32 multiplies; three took a tenth of a
-    /// one-token dispatch).
+    /// word computed once, not three times (it is a serial chain of 32 multiplies, on the path
+    /// of every A2E).
     pub(crate) fn a2e(
         epoch: u64,
         count: u32,
