@@ -463,3 +463,24 @@ pub fn mixed_round(
         }
     }
 }
+
+/// SIGKILLs this process: a rank dying without a word, as a crash does.
+pub fn sigkill_self() -> ! {
+    // SAFETY: kill(2) on this process's own pid; takes no pointers.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL cannot be caught");
+}
+
+/// An expert rank receives the next A2E and SIGKILLs itself holding it unanswered. The attention
+/// ranks send a call only after finishing the one before, so every rank has finished every
+/// earlier call and only this one can fail on the death. (Dying right after a reply raced: an
+/// attention rank still waiting for another expert's reply to that call could see the death
+/// and fail it.) Returns only the receive's error.
+pub fn sigkill_holding_the_next_a2e(comm: &mut xccl::Communicator) -> String {
+    // A batch dropped unanswered aborts the job: this one lives until the kill.
+    let mut held = xccl::ExpertBatch::new();
+    match comm.a2e_recv(&mut held) {
+        Ok(()) => sigkill_self(),
+        Err(e) => e.to_string(),
+    }
+}

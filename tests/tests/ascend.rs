@@ -200,11 +200,7 @@ fn third_dies(ctx: &ChildCtx) -> xccl::Result<()> {
     let f = join(ctx)?;
     f.barrier(CONNECT)?;
     match ctx.rank {
-        2 => {
-            // SAFETY: kill(2) on this process's own pid; takes no pointers.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-            Ok(())
-        }
+        2 => xccl_tests::sigkill_self(),
         1 => {
             std::thread::sleep(Duration::from_millis(3000));
             let _ = f.signal(0, 0, 1);
@@ -257,15 +253,8 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         round(&mut comm, r).map_err(|e| e.to_string())??;
     }
     if ctx.rank == 1 {
-        // Rank 1 dies holding round 5's rows unanswered: the attention rank sent them only after
-        // its round 4 E2A, so every rank has finished round 4 and only round 5 can fail. (Dying
-        // right after its round 4 reply raced: the attention rank, still waiting for rank 2's
-        // reply, could see the death and fail round 4.)
-        // (A batch dropped unanswered aborts the job: this one lives until the kill.)
-        let mut held = ExpertBatch::new();
-        comm.a2e_recv(&mut held).map_err(|e| e.to_string())?;
-        // SAFETY: kill(2) on this process's own pid; takes no pointers.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        // Dies holding round 5's rows: only round 5 can fail.
+        return Err(xccl_tests::sigkill_holding_the_next_a2e(&mut comm));
     }
     let start = Instant::now();
     match (ctx.rank, round(&mut comm, 5)) {
@@ -379,8 +368,7 @@ fn init_fails(ctx: &ChildCtx) -> xccl::Result<()> {
 fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
     let f = join(ctx)?;
     if ctx.rank == 1 {
-        // SAFETY: kill(2) on this process's own pid; takes no pointers.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        xccl_tests::sigkill_self();
     }
     let start = Instant::now();
     let r = f.wait_signal(

@@ -152,8 +152,7 @@ fn killed(ctx: &ChildCtx) -> xccl::Result<()> {
     let f = join(ctx, MIN_WINDOW, min_slots(ctx.size))?;
     f.barrier(CONNECT)?;
     if ctx.rank == 1 {
-        // SAFETY: kill(2) on this process's own pid; takes no pointers.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        xccl_tests::sigkill_self();
     }
     let start = Instant::now();
     let r = f.wait_signal(
@@ -258,15 +257,8 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
         round(&mut comm, &mut batch, r).map_err(|e| e.to_string())??;
     }
     if ctx.rank == 1 {
-        // Rank 1 dies holding round 5's rows unanswered: the attention rank sent them only after
-        // its round 4 E2A, so every rank has finished round 4 and only round 5 can fail. (Dying
-        // right after its round 4 reply raced: the attention rank, still waiting for rank 2's
-        // reply, could see the death and fail round 4.)
-        // (A batch dropped unanswered aborts the job: this one lives until the kill.)
-        let mut held = ExpertBatch::new();
-        comm.a2e_recv(&mut held).map_err(|e| e.to_string())?;
-        // SAFETY: kill(2) on this process's own pid; takes no pointers.
-        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        // Dies holding round 5's rows: only round 5 can fail.
+        return Err(xccl_tests::sigkill_holding_the_next_a2e(&mut comm));
     }
     let start = Instant::now();
     let r = round(&mut comm, &mut batch, 5);

@@ -12,7 +12,7 @@ use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::shm::{segment_prefix, ShmFabric};
 use xccl::fabric::{deadline_after, Fabric};
 use xccl::Error;
-use xccl_tests::{announce, child_main, shm_entries, ChildCtx, Job};
+use xccl_tests::{announce, child_main, shm_entries, sigkill_self, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
@@ -61,12 +61,6 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
 fn join(ctx: &ChildCtx) -> xccl::Result<ShmFabric> {
     let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
     ShmFabric::new(ex, MIN_WINDOW, min_slots(ctx.size))
-}
-
-fn sigkill_self() -> ! {
-    // SAFETY: kill(2) with this process's own pid; takes no pointers.
-    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    unreachable!("SIGKILL cannot be caught");
 }
 
 fn check(cond: bool, what: impl FnOnce() -> String) -> xccl::Result<()> {

@@ -22,7 +22,7 @@ use xccl::{
     Communicator, DType, Error, ExpertBatch, MoeConfig, Role, ShrinkOptions, ShrinkStep,
     TokenBatch, Topology, TopologyBuilder,
 };
-use xccl_tests::{announce, child_main, mixed_round, shm_entries, ChildCtx, Job};
+use xccl_tests::{announce, child_main, mixed_round, shm_entries, sigkill_self, ChildCtx, Job};
 
 const ENTRY: &str = "child_rank_entry";
 /// Attention ranks `0..M`, expert ranks `M..M + N`.
@@ -125,13 +125,6 @@ fn stream_until_failure(
     Err("no failure noticed 20 rounds after the kill".into())
 }
 
-/// SIGKILLs this process.
-fn die() -> ! {
-    // SAFETY: kill(2) on this process's own pid; takes no pointers.
-    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-    unreachable!("SIGKILL cannot be caught");
-}
-
 /// 2A:3E, experts 0..6 placed contiguously (two per expert rank); with `replicated` every
 /// expert gets one more replica on another expert rank.
 fn topology(replicated: bool) -> xccl::Result<Topology> {
@@ -168,7 +161,7 @@ fn die_mid_call(comm: &mut Communicator, wl: &Workload, round: u64, batch: &mut 
             let _ = comm.a2e_recv(batch);
         }
     }
-    die();
+    sigkill_self();
 }
 
 fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
@@ -226,7 +219,7 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         timeout: Duration::from_secs(30),
         on_step: Some(Arc::new(move |step| {
             if late == Some((me, step)) {
-                die();
+                sigkill_self();
             }
             seen.lock().unwrap().push(step);
         })),
