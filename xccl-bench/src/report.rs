@@ -173,43 +173,100 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[idx]
 }
 
+/// The sweep points in the order every rank ran them (and stored their words): per quant, per
+/// token count.
+fn sweep_points(args: &Args) -> impl Iterator<Item = (xccl::Quant, usize)> + '_ {
+    args.quants()
+        .into_iter()
+        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)))
+}
+
+/// One measured call of a sweep point, from every rank's timestamps (ns).
+struct CallStamps {
+    /// Attention ranks that took part (DP domains leave some out), and the rows they sent.
+    senders: u64,
+    rows: u64,
+    /// First `a2e_send` start and last `a2e_send` end of the attention ranks.
+    a2e_start: u64,
+    a2e_sent: u64,
+    /// Last A2E receive end, first and last E2A send start and end of the expert ranks.
+    received: u64,
+    e2a_start: u64,
+    replied: u64,
+    /// Last `e2a_recv` end of the attention ranks.
+    combined: u64,
+    /// The longest `a2e_send` of an attention rank and E2A send of an expert rank, us.
+    longest_a2e_send: f64,
+    longest_e2a_send: f64,
+}
+
+/// The [`CallStamps`] of sweep point `p`'s measured calls (after the warmup).
+fn measured_calls<'a>(
+    args: &'a Args,
+    reports: &'a [RankReport],
+    p: usize,
+) -> impl Iterator<Item = CallStamps> + 'a {
+    let (m, rounds) = (args.attention, args.rounds());
+    let at =
+        move |rank: usize, it: usize, w: usize| reports[rank].words[(p * rounds + it) * WORDS + w];
+    (args.warmup..rounds).map(move |it| {
+        let att: Vec<usize> = (0..m).filter(|&r| at(r, it, 0) != u64::MAX).collect();
+        let exp: Vec<usize> = (m..args.world_size()).collect();
+        let first = |ranks: &[usize], w: usize| ranks.iter().map(|&r| at(r, it, w)).min();
+        let last = |ranks: &[usize], w: usize| ranks.iter().map(|&r| at(r, it, w)).max();
+        let longest = |ranks: &[usize], a: usize, b: usize| {
+            ranks
+                .iter()
+                .map(|&r| us(at(r, it, a), at(r, it, b)))
+                .fold(0.0, f64::max)
+        };
+        CallStamps {
+            senders: att.len() as u64,
+            rows: att.iter().map(|&r| at(r, it, 3)).sum(),
+            a2e_start: first(&att, 0).unwrap_or(0),
+            a2e_sent: last(&att, 1).unwrap_or(0),
+            received: last(&exp, 0).unwrap_or(0),
+            e2a_start: first(&exp, 1).unwrap_or(0),
+            replied: last(&exp, 2).unwrap_or(0),
+            combined: last(&att, 2).unwrap_or(0),
+            longest_a2e_send: longest(&att, 0, 1),
+            longest_e2a_send: longest(&exp, 1, 2),
+        }
+    })
+}
+
+/// Microseconds from `a` to `b` (ns; 0 if `b` is earlier).
+fn us(a: u64, b: u64) -> f64 {
+    b.saturating_sub(a) as f64 / 1e3
+}
+
+/// Median of `v` (sorted here).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 0.5)
+}
+
 /// Builds the rows (memcpy bandwidth still 0) from every rank's report, in rank order. An
 /// attention rank a DP domain left out of an iteration ([`crate::run::SKIPPED`]) does not count
 /// in it.
 pub fn aggregate(args: &Args, reports: &[RankReport], records: usize) -> Vec<ResultRow> {
-    let m = args.attention;
-    let rounds = args.rounds();
     let elem = args.dtype.size() as u64;
     let mut rows = Vec::new();
-    let points = args
-        .quants()
-        .into_iter()
-        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)));
-    for (p, (quant, tokens)) in points.enumerate() {
+    for (p, (quant, tokens)) in sweep_points(args).enumerate() {
         let wire = match quant {
             xccl::Quant::None => args.hidden as u64 * elem,
             xccl::Quant::Int8 => xccl::moe::quant::int8_payload(args.hidden) as u64,
         };
-        let at =
-            |rank: usize, it: usize, w: usize| reports[rank].words[(p * rounds + it) * WORDS + w];
         let mut lat: [Vec<f64>; 3] = Default::default();
         let mut sent_rows = 0u64;
-        // Attention ranks that took part, summed over iterations (DP domains leave some out).
+        // Attention ranks that took part, summed over iterations.
         let mut senders = 0u64;
-        for it in args.warmup..rounds {
-            let att: Vec<usize> = (0..m).filter(|&r| at(r, it, 0) != u64::MAX).collect();
-            senders += att.len() as u64;
-            let att = att.into_iter();
-            let exp = m..args.world_size();
-            let a2e_start = att.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
-            let e2a_end = att.clone().map(|r| at(r, it, 2)).max().unwrap_or(0);
-            let recv_end = exp.clone().map(|r| at(r, it, 0)).max().unwrap_or(0);
-            let e2a_start = exp.map(|r| at(r, it, 1)).min().unwrap_or(0);
-            sent_rows += att.map(|r| at(r, it, 3)).sum::<u64>();
-            let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
-            lat[0].push(us(a2e_start, recv_end));
-            lat[1].push(us(e2a_start, e2a_end));
-            lat[2].push(us(a2e_start, e2a_end));
+        for c in measured_calls(args, reports, p) {
+            senders += c.senders;
+            sent_rows += c.rows;
+            lat[0].push(us(c.a2e_start, c.received));
+            lat[1].push(us(c.e2a_start, c.combined));
+            lat[2].push(us(c.a2e_start, c.combined));
         }
         let one_way = sent_rows * wire / senders.max(1);
         for (op, mut l) in OPS.into_iter().zip(lat) {
@@ -266,44 +323,17 @@ pub struct PhaseLine {
 
 /// The [`PhaseLine`] of every sweep point.
 pub fn phases(args: &Args, reports: &[RankReport]) -> Vec<PhaseLine> {
-    let m = args.attention;
-    let rounds = args.rounds();
-    let points = args
-        .quants()
-        .into_iter()
-        .flat_map(|q| args.tokens.iter().map(move |&t| (q, t)));
-    points
+    sweep_points(args)
         .enumerate()
         .map(|(p, (quant, tokens))| {
-            let at = |rank: usize, it: usize, w: usize| {
-                reports[rank].words[(p * rounds + it) * WORDS + w]
-            };
             let mut v: [Vec<f64>; 4] = Default::default();
-            for it in args.warmup..rounds {
-                let att: Vec<usize> = (0..m).filter(|&r| at(r, it, 0) != u64::MAX).collect();
-                let exp = m..args.world_size();
-                let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
-                let last = |ranks: &mut dyn Iterator<Item = usize>, w: usize| {
-                    ranks.map(|r| at(r, it, w)).max().unwrap_or(0)
-                };
-                let longest = |ranks: &mut dyn Iterator<Item = usize>, a: usize, b: usize| {
-                    ranks
-                        .map(|r| us(at(r, it, a), at(r, it, b)))
-                        .fold(0.0, f64::max)
-                };
-                let sent = last(&mut att.iter().copied(), 1);
-                let received = last(&mut exp.clone(), 0);
-                let replied = last(&mut exp.clone(), 2);
-                let combined = last(&mut att.iter().copied(), 2);
-                v[0].push(longest(&mut att.iter().copied(), 0, 1));
-                v[1].push(us(sent, received));
-                v[2].push(longest(&mut exp.clone(), 1, 2));
-                v[3].push(us(replied, combined));
+            for c in measured_calls(args, reports, p) {
+                v[0].push(c.longest_a2e_send);
+                v[1].push(us(c.a2e_sent, c.received));
+                v[2].push(c.longest_e2a_send);
+                v[3].push(us(c.replied, c.combined));
             }
-            let [a2e_send, a2e_landed, e2a_send, e2a_landed] = v.map(|mut l| {
-                l.sort_by(f64::total_cmp);
-                percentile(&l, 0.5)
-            });
+            let [a2e_send, a2e_landed, e2a_send, e2a_landed] = v.map(median);
             PhaseLine {
                 tokens,
                 quant: quant.name(),
