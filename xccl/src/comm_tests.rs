@@ -287,6 +287,17 @@ fn interleaved_roles_work() {
     run_local::<f32>(&topo, &cfg(8, DType::F32, 3, 8), &wl(11, 8, true), 4, BOTH).unwrap();
 }
 
+/// Runs `f` on every communicator of `comms`, each on its own thread; the results in rank order.
+fn on_every_rank<R: Send>(
+    comms: Vec<Communicator>,
+    f: impl Fn(Communicator) -> R + Sync,
+) -> Vec<R> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 #[test]
 fn results_are_bitwise_identical_run_to_run() {
     let topo = Topology::contiguous(2, 3, 12).unwrap();
@@ -294,33 +305,22 @@ fn results_are_bitwise_identical_run_to_run() {
     let run = || {
         let comms = Communicator::local_group(&topo, &c).unwrap();
         let w = wl(12, 8, false);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .map(|mut comm| {
-                    let w = w.clone();
-                    s.spawn(move || {
-                        if comm.role() == Role::Expert {
-                            let mut b = ExpertBatch::new();
-                            expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
-                                .unwrap()
-                                .unwrap();
-                            return Vec::new();
-                        }
-                        let input = w.input(comm.topology(), 4, comm.rank(), 0);
-                        let x: Vec<bf16> = w.hidden_states(comm.rank(), 0, input.num_tokens, 16);
-                        let h = comm
-                            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
-                            .unwrap();
-                        let mut out = vec![bf16::ZERO; x.len()];
-                        comm.e2a_recv(&h, &mut out).unwrap();
-                        out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap())
-                .collect::<Vec<_>>()
+        on_every_rank(comms, |mut comm| {
+            if comm.role() == Role::Expert {
+                let mut b = ExpertBatch::new();
+                expert_round::<bf16>(&mut comm, &w, 0, &mut b, false)
+                    .unwrap()
+                    .unwrap();
+                return Vec::new();
+            }
+            let input = w.input(comm.topology(), 4, comm.rank(), 0);
+            let x: Vec<bf16> = w.hidden_states(comm.rank(), 0, input.num_tokens, 16);
+            let h = comm
+                .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+                .unwrap();
+            let mut out = vec![bf16::ZERO; x.len()];
+            comm.e2a_recv(&h, &mut out).unwrap();
+            out.iter().map(|v| v.to_bits()).collect::<Vec<u16>>()
         })
     };
     assert_eq!(run(), run());
@@ -1577,27 +1577,18 @@ fn counters_add_up_between_peers_and_name_the_slowest() {
     let c = cfg(8, DType::F32, 2, 4);
     let comms = Communicator::local_group(&topo, &c).unwrap();
     let wl = wl(80, 4, false);
-    let stats: Vec<crate::Stats> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|mut c| {
-                let wl = wl.clone();
-                s.spawn(move || {
-                    let mut batch = ExpertBatch::new();
-                    if c.rank() == 1 {
-                        std::thread::sleep(Duration::from_millis(30));
-                    }
-                    match c.role() {
-                        Role::Attention => attention_round::<f32>(&mut c, &wl, 0),
-                        Role::Expert => expert_round::<f32>(&mut c, &wl, 0, &mut batch, true),
-                    }
-                    .unwrap()
-                    .unwrap();
-                    c.total_stats().clone()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let stats = on_every_rank(comms, |mut c| {
+        let mut batch = ExpertBatch::new();
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        match c.role() {
+            Role::Attention => attention_round::<f32>(&mut c, &wl, 0),
+            Role::Expert => expert_round::<f32>(&mut c, &wl, 0, &mut batch, true),
+        }
+        .unwrap()
+        .unwrap();
+        c.total_stats().clone()
     });
     let relay = topo.relay_plan().unwrap().relays()[0];
     for a in 0..2 {
@@ -1616,6 +1607,133 @@ fn counters_add_up_between_peers_and_name_the_slowest() {
     // The relay waited for attention rank 1 (30 ms late) far longer than for anyone else.
     assert_eq!(stats[relay].slowest_peer().unwrap().0, 1);
     assert!(stats[relay].peers[1].waited >= Duration::from_millis(20));
+}
+
+/// One relayed round at 1A:2E (rank 1 the relay) on a local fabric with or without
+/// `load_store`, every result checked; returns each rank's total stats.
+fn relayed_round_stats(load_store: bool, rounds: u64) -> Vec<crate::Stats> {
+    let topo = relayed(1, 2, 4, 1);
+    assert_eq!(topo.relay_plan().unwrap().relays(), &[1]);
+    let c = cfg(1024, DType::F32, 2, 8);
+    let caps = Capabilities {
+        load_store,
+        remote_read: true,
+        chunk_floor: 0,
+    };
+    let comms = Communicator::local_group_with(&topo, &c, caps).unwrap();
+    let wl = wl(81, 8, false);
+    on_every_rank(comms, |mut c| {
+        let mut batch = ExpertBatch::new();
+        for round in 0..rounds {
+            match c.role() {
+                Role::Attention => attention_round::<f32>(&mut c, &wl, round),
+                Role::Expert => expert_round::<f32>(&mut c, &wl, round, &mut batch, true),
+            }
+            .unwrap()
+            .unwrap();
+        }
+        c.total_stats().clone()
+    })
+}
+
+#[test]
+fn expert_ranks_that_map_the_relays_window_read_their_rows_there_and_nothing_is_forwarded() {
+    let row = 1024 * 4;
+    // Load/store: the relay puts only its header to rank 2 (the rows stay in its member area)
+    // and forwards only the reduced E2A rows to the attention rank.
+    let stats = relayed_round_stats(true, 3);
+    let to_other = stats[1].peers[2].bytes_put;
+    assert!(to_other < 3 * 256, "{to_other} bytes put to rank 2");
+    assert_eq!(
+        stats[1].relay_rows_forwarded,
+        3 * 8,
+        "only the E2A's 8 tokens a round"
+    );
+    // Without it the relay forwards rank 2's rows, and still reads its own where they are.
+    let stats = relayed_round_stats(false, 3);
+    let rows_to_2 = stats[2].peers[1].rows_received;
+    assert!(rows_to_2 > 0);
+    assert!(stats[1].peers[2].bytes_put >= rows_to_2 * row as u64);
+    assert_eq!(stats[1].relay_rows_forwarded, 3 * 8 + rows_to_2);
+}
+
+#[test]
+fn a_relay_frees_its_members_buffers_only_once_the_ranks_reading_there_have_credited() {
+    use crate::testing::reference::{expected_combine_quant, expert_output};
+    let topo = relayed(1, 2, 4, 1);
+    let (c, h) = (cfg(16, DType::F32, 2, 4), 16);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
+    let wl = wl(82, 4, false);
+    let credit = |att: &Communicator| {
+        let ctx = att.ctx();
+        ctx.slot_value(ctx.slots.a2e_credit(1))
+    };
+    let input = wl.input(&topo, 2, 0, 0);
+    let x: Vec<f32> = wl.hidden_states(0, 0, input.num_tokens, h);
+    let handle = att
+        .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let mut batch = ExpertBatch::new();
+    // The relay received and kept rank 2's rows in its member area: no credit yet.
+    relay.a2e_recv(&mut batch).unwrap();
+    assert_eq!(credit(&att), 0, "credited before rank 2 read its rows");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut b = ExpertBatch::new();
+            expert_round::<f32>(&mut other, &wl, 0, &mut b, true)
+                .unwrap()
+                .unwrap();
+        });
+        let rows: &[f32] = batch.rows().unwrap();
+        let locals = topo.local_experts(1).to_vec();
+        let mut out = Vec::with_capacity(rows.len());
+        for (j, &e) in locals.iter().enumerate() {
+            for r in batch.expert_rows(j) {
+                out.extend(expert_output(&test_expert, e, &rows[r * h..(r + 1) * h]));
+            }
+        }
+        relay.e2a_send(&batch, &out).unwrap();
+    });
+    assert_eq!(credit(&att), 1, "credited once rank 2 had read and replied");
+    let mut out = vec![0f32; input.num_tokens * h];
+    att.e2a_recv(&handle, &mut out).unwrap();
+    let want = expected_combine_quant(&topo, &input, &x, h, &test_expert, Quant::None, Quant::None);
+    assert_eq!(first_difference(&out, &want, h), None);
+}
+
+#[test]
+fn a_relay_header_with_unknown_flags_or_rows_outside_the_members_area_names_the_relay() {
+    use crate::moe::record::{Record, WireMode};
+    use crate::moe::relay::{entries_hash, read_header};
+    let topo = relayed(1, 2, 4, 1);
+    let c = cfg(16, DType::F32, 2, 4);
+    let comms = Communicator::local_group(&topo, &c).unwrap();
+    let ctx = comms[2].ctx();
+    let rows = ctx.layout.attention_rows;
+    // (count, offset, flags): the rows in place on the relay must lie in the member's area.
+    for (count, offset, flags, says) in [
+        (2, 0, 4, "unknown flags 0x4"),
+        (2, rows - 1, 2, "has 2 rows at offset"),
+        (2, 0, 2, ""),
+    ] {
+        let mut entry = [0u8; 24];
+        for (w, v) in entry.chunks_exact_mut(4).zip([count, offset as u32, flags]) {
+            w.copy_from_slice(&v.to_le_bytes());
+        }
+        let at = ctx.layout.relay_header(0, ctx.layout.buffer(1));
+        let rec = Record::new(1, count, entries_hash(&entry), WireMode::Push);
+        ctx.put(2, at + 32, &entry).unwrap();
+        ctx.put_record(2, at, &rec).unwrap();
+        let mut out = Vec::new();
+        match read_header(ctx, 1, 0, 1, &mut out) {
+            Err(Error::Protocol { peer: 1, detail }) => {
+                assert!(!says.is_empty() && detail.contains(says), "{detail}")
+            }
+            Ok(_) => assert!(says.is_empty() && out[0].in_place && out[0].offset == 0),
+            Err(e) => panic!("{e}"),
+        }
+    }
 }
 
 /// Runs `rounds` calls with DP domains: every expert rank takes part in every call, an attention

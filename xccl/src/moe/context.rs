@@ -400,6 +400,19 @@ impl Context {
         if self.implied_credits() {
             return Ok(());
         }
+        self.wait_credited(need, peers, base, what, deadline)
+    }
+
+    /// Waits until every rank of `peers` has credited at least `need` into its slot of the
+    /// credit group at `base` (slot `base + peer`).
+    pub(crate) fn wait_credited(
+        &self,
+        need: u64,
+        peers: &[usize],
+        base: usize,
+        what: &'static str,
+        deadline: Instant,
+    ) -> Result<()> {
         let mut next = Instant::now() + AWAITED_CHECK_EVERY;
         let mut failure = None;
         self.wait(deadline, &mut || {

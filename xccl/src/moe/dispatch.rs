@@ -678,6 +678,10 @@ pub(crate) struct Message {
     pub(crate) landing: usize,
     /// Payloads are INT8 with a scale.
     pub(crate) int8: bool,
+    /// Through relays, when the rows stayed where the source pushed them: the relay's rank and
+    /// the source's member slot there; the rows are `rec.offset..` of that member's A2E area
+    /// ([`crate::moe::relay`]). `None` when they lie in this rank's receive area.
+    pub(crate) on_relay: Option<(usize, usize)>,
 }
 
 impl Message {
@@ -690,8 +694,12 @@ impl Message {
     pub(crate) fn full_row(&self, ctx: &Context, r: usize) -> (usize, usize) {
         let l = &ctx.layout;
         let stride = l.a2e.stride_for(self.int8);
-        match self.mode {
-            WireMode::Push => (ctx.rank, l.a2e_recv(self.index, self.landing) + r * stride),
+        match (self.mode, self.on_relay) {
+            (WireMode::Push, Some((relay, slot))) => (
+                relay,
+                l.relay_a2e(slot, self.buf) + (self.rec.offset as usize + r) * stride,
+            ),
+            (WireMode::Push, None) => (ctx.rank, l.a2e_recv(self.index, self.landing) + r * stride),
             _ => (
                 self.src,
                 l.a2e_stage(self.buf) + (self.rec.offset as usize + r) * stride,
@@ -1180,6 +1188,7 @@ impl DispatchReceiver {
                         buf,
                         landing,
                         int8: rec.int8(),
+                        on_relay: None,
                     });
                     on(reader, Arrival::Record(messages[i].as_ref().expect("set")))?;
                 }
@@ -1223,7 +1232,8 @@ impl DispatchReceiver {
     /// [`DispatchReceiver::receive`] through relays: a relay first forwards its members' rows
     /// ([`Relay::forward_a2e`]); then one header per relay is awaited, and each of its members
     /// is reported as a message of its own whose rows lie where the direct path would have
-    /// pushed them (so every layout reads them the same way).
+    /// pushed them, or in the relay's member area when they stayed there
+    /// ([`Message::on_relay`]); every layout reads them through [`Message::full_row`].
     fn receive_relayed(
         &mut self,
         ctx: &Context,
@@ -1259,7 +1269,7 @@ impl DispatchReceiver {
                     continue;
                 }
                 read_header(ctx, r, k, epoch, &mut entries)?;
-                for (&ai, e) in plan.members(k).iter().zip(&entries) {
+                for (m, (&ai, e)) in plan.members(k).iter().zip(&entries).enumerate() {
                     if !ctx.topo.in_call(attention[ai], ctx.call_of(epoch)) {
                         // Outside the call's DP domain: nothing may come from it.
                         if e.count > 0 {
@@ -1290,6 +1300,7 @@ impl DispatchReceiver {
                         buf,
                         landing: buf,
                         int8: e.int8,
+                        on_relay: e.in_place.then_some((r, m)),
                     });
                     let msg = messages[ai].as_ref().expect("set");
                     on(reader, Arrival::Record(msg))?;
@@ -1591,6 +1602,7 @@ impl DispatchReceiver {
                     buf,
                     landing: buf,
                     int8: false,
+                    on_relay: None,
                 })
             })
             .collect();

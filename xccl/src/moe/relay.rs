@@ -7,15 +7,21 @@
 //! `a2e_ready[a]` on `r` as it goes. Rows are the direct path's rows (one per (token,
 //! destination rank), payload, token index, local-expert mask and weights, INT8 or not).
 //!
-//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) forwards each member's rows
+//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) checks each member's rows
 //! chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
-//! route table is checked when the record arrives, and the rows for expert rank `d` go straight
+//! route table when the record arrives, then every row's token. Rows for an expert rank that
+//! maps this rank's window (every expert rank on a load/store fabric such as shm, and the relay
+//! itself) stay where the member pushed them: that rank reads them there, so a relayed row is
+//! copied no more often than a direct one. Rows for any other expert rank `d` go straight
 //! into `d`'s receive area for attention rank `a`, exactly where the direct path would have
-//! pushed them. Once every member is forwarded it writes one header
+//! pushed them. Once every member is in it writes one header
 //! per expert rank: a record (total rows, a hash of the entries in its offset field) and one
-//! `(count, reply offset, flags)` entry per member, then one signal `a2e_ready[r]`. An expert rank
-//! therefore polls one record per relay, not one per attention rank. The relay keeps the token
-//! index of every forwarded row for the E2A.
+//! `(count, offset, flags)` entry per member (the offset locates the rows in the member's area
+//! and the replies in its reply area; a flag says whether the rows stayed there), then one
+//! signal `a2e_ready[r]`. An expert rank therefore polls one record per relay, not one per
+//! attention rank. The relay keeps the token index of every row for the E2A. While rows are
+//! read in place the members' A2E buffers here stay reserved: their credit goes out when the
+//! readers have credited the call, at the end of its E2A ([`Relay::combine_e2a`]).
 //!
 //! E2A: every expert rank writes one record per relay (the rows it sends through it), then its
 //! replies for the tokens of relay `r`'s members into `r`'s member areas at the offsets the
@@ -81,6 +87,9 @@ pub(crate) struct MemberCall {
 pub(crate) struct RelayCall {
     pub(crate) epoch: u64,
     pub(crate) members: Vec<MemberCall>,
+    /// The expert ranks that read their rows where the members pushed them (in this relay's
+    /// member areas): the members' A2E credit waits for theirs.
+    pub(crate) readers: Vec<usize>,
 }
 
 /// The relay's state: calls forwarded and not yet reduced, and scratch space.
@@ -116,7 +125,15 @@ pub(crate) struct HeaderEntry {
     pub(crate) int8: bool,
     /// The member's user tag.
     pub(crate) tag: u64,
+    /// The rows stayed in the member's A2E area on the relay, at `offset` (not forwarded into
+    /// this rank's receive area).
+    pub(crate) in_place: bool,
 }
+
+/// Header entry flag: the rows are INT8.
+const ENTRY_INT8: u32 = 1;
+/// Header entry flag: the rows stayed on the relay ([`HeaderEntry::in_place`]).
+const ENTRY_IN_PLACE: u32 = 2;
 
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
 /// expert rank's window: every entry's rows must fit the receive area (`recv_rows`) and its
@@ -160,11 +177,18 @@ pub(crate) fn read_header(
     for (m, e) in bytes.chunks_exact(RELAY_ENTRY).enumerate() {
         let word =
             |i: usize| u32::from_le_bytes(e[4 * i..4 * i + 4].try_into().expect("4")) as usize;
+        let flags = word(2) as u32;
+        if flags & !(ENTRY_INT8 | ENTRY_IN_PLACE) != 0 {
+            return bad(format!(
+                "relay header of epoch {epoch}: member {m} has unknown flags {flags:#x}"
+            ));
+        }
         let entry = HeaderEntry {
             count: word(0),
             offset: word(1),
-            int8: word(2) & 1 != 0,
+            int8: flags & ENTRY_INT8 != 0,
             tag: u64::from_le_bytes(e[16..24].try_into().expect("8")),
+            in_place: flags & ENTRY_IN_PLACE != 0,
         };
         if entry.count > max_tokens || entry.offset + entry.count > rows {
             return bad(format!(
@@ -187,9 +211,9 @@ pub(crate) fn read_header(
 }
 
 impl Relay {
-    /// Relay side of A2E call `epoch`: waits for each member's message, forwards its rows to
-    /// their final expert ranks as soon as it is complete, then writes one header per expert
-    /// rank and credits the members.
+    /// Relay side of A2E call `epoch`: waits for each member's message, checks its rows and
+    /// forwards those no reader takes in place as they land, then writes one header per expert
+    /// rank and credits the members (at once when every row was forwarded).
     pub(crate) fn forward_a2e(
         &mut self,
         ctx: &Context,
@@ -223,6 +247,12 @@ impl Relay {
         let mut call = self.spare.pop().unwrap_or_default();
         call.epoch = epoch;
         call.members.resize_with(g, MemberCall::default);
+        // Expert ranks that load from this rank's window read their rows where the members
+        // pushed them: nothing to forward to them.
+        call.readers.clear();
+        call.readers
+            .extend(experts.iter().copied().filter(|&d| ctx.mapped(d)));
+        let readers = &call.readers;
         let mut recs: Vec<Option<Record>> = vec![None; g];
         // With DP domains, members outside the call's domain send nothing: empty routes.
         let call_no = ctx.call_of(epoch);
@@ -275,7 +305,8 @@ impl Relay {
                 let ready = p.rows(count);
                 if ready > forwarded[m] {
                     let rows = forwarded[m]..ready;
-                    forward_rows(ctx, epoch, m, ai, &mut call.members[m], rows, scratch)?;
+                    let mc = &mut call.members[m];
+                    forward_rows(ctx, epoch, (m, ai), mc, rows, readers, scratch)?;
                     forwarded[m] = ready;
                 }
                 if ready < count {
@@ -323,7 +354,10 @@ impl Relay {
                 .iter()
                 .zip(entries.chunks_exact_mut(RELAY_ENTRY))
             {
-                let words = [mc.counts[j], mc.offsets[j], u32::from(mc.int8), 0];
+                let in_place = call.readers.contains(&d);
+                let flags = if mc.int8 { ENTRY_INT8 } else { 0 }
+                    | if in_place { ENTRY_IN_PLACE } else { 0 };
+                let words = [mc.counts[j], mc.offsets[j], flags, 0];
                 total += mc.counts[j];
                 for (w, v) in e.chunks_exact_mut(4).zip(words) {
                     w.copy_from_slice(&v.to_le_bytes());
@@ -341,9 +375,10 @@ impl Relay {
             )?;
             fault_point!("relay.header");
         }
-        // The members' rows are out of this rank's areas: their buffers may be reused.
-        for &ai in members {
-            ctx.signal(attention[ai], ctx.slots.a2e_credit(ctx.rank), epoch)?;
+        // When every row is forwarded, the members' buffers here may be reused at once;
+        // otherwise once the readers are done ([`Relay::combine_e2a`]).
+        if call.readers.is_empty() {
+            credit_members(ctx, members, epoch)?;
         }
         self.calls.push_back(call);
         Ok(())
@@ -553,6 +588,21 @@ impl Relay {
             ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
         }
         let call = self.calls.pop_front().expect("checked above");
+        if !call.readers.is_empty() {
+            // Every expert rank replied, so each has read its rows of this call in place (an
+            // A2E receive copies them out before it credits, and views are not relayed): wait
+            // for those credits, then free the members' buffers here.
+            let need = ctx.wait_credited(
+                epoch,
+                &call.readers,
+                ctx.slots.a2e_credit(0),
+                "A2E credit (expert has not finished reading its rows on this relay)",
+                deadline,
+            );
+            let credited = need.and_then(|()| credit_members(ctx, members, epoch));
+            self.spare.push(call);
+            return credited;
+        }
         self.spare.push(call);
         Ok(())
     }
@@ -875,6 +925,15 @@ impl Reduction {
     }
 }
 
+/// Credits call `epoch` to the relay's `members` (attention indices): their A2E buffers of it
+/// on this rank may be written again.
+fn credit_members(ctx: &Context, members: &[usize], epoch: u64) -> Result<()> {
+    for &ai in members {
+        ctx.signal(ctx.attention()[ai], ctx.slots.a2e_credit(ctx.rank), epoch)?;
+    }
+    Ok(())
+}
+
 /// Reads and checks member `m`'s (attention index `ai`) route table for call `epoch` against
 /// its record, noting its token count and rows per expert rank in `mc`.
 fn begin_member(
@@ -933,14 +992,14 @@ fn begin_member(
 /// Forwards rows `rows` of member `m`'s (attention index `ai`) message of call `epoch` (checked
 /// route in `mc`): notes each row's token (below the member's token count, ascending within a
 /// destination) and puts each destination's part into that rank's receive area for `ai`, at
-/// the row's place in it.
+/// the row's place in it, unless the destination is one of `readers` (it reads them here).
 fn forward_rows(
     ctx: &Context,
     epoch: u64,
-    m: usize,
-    ai: usize,
+    (m, ai): (usize, usize),
     mc: &mut MemberCall,
     rows: std::ops::Range<usize>,
+    readers: &[usize],
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let l = &ctx.layout;
@@ -985,6 +1044,9 @@ fn forward_rows(
                 });
             }
             mc.tokens.push(t);
+        }
+        if readers.contains(&d) {
+            continue;
         }
         let part = &chunk[(lo - rows.start) * stride..(hi - rows.start) * stride];
         ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
