@@ -370,6 +370,8 @@ pub fn samples_from_report(doc: &Value) -> Result<(Vec<Sample>, f64), String> {
         }
     );
     let cores = doc["machine"]["cores"].as_f64().unwrap_or(1.0);
+    // Every row carries at least `hidden` bytes (an INT8 payload).
+    let row_floor = cfg["hidden"].as_f64().unwrap_or(1.0);
     let mut out = Vec::new();
     let points = quants
         .iter()
@@ -403,9 +405,9 @@ pub fn samples_from_report(doc: &Value) -> Result<(Vec<Sample>, f64), String> {
                                     let to = x["peer"].as_u64().unwrap_or(0) as usize;
                                     let rows = moved_rows(
                                         to == rank,
-                                        num(x, "records"),
                                         num(x, "rows_sent"),
                                         num(x, "bytes_put"),
+                                        row_floor,
                                     );
                                     Link {
                                         to,
@@ -493,17 +495,29 @@ impl Shape {
 }
 
 /// Runs one call of `shape` at hidden size `hidden` on the local fabric (every rank a thread;
-/// INT8 A2E, bf16 E2A, the identity as expert) and returns its A2E and E2A as counted.
+/// INT8 A2E, bf16 E2A, the identity as expert) and returns its A2E and E2A as counted. The
+/// fabric takes the network path's ways (no load/store access to peers' windows), so a relay
+/// forwards rows as it does over ofi rather than leaving them for its readers.
 pub fn counted(shape: &Shape, hidden: usize, seed: u64) -> Result<(Counts, Counts), String> {
     let e = |e: xccl::Error| e.to_string();
     let topo = shape.topology().map_err(e)?;
     let cfg = shape.config(hidden);
-    let comms = Communicator::local_group(&topo, &cfg).map_err(e)?;
+    let network = xccl::fabric::Capabilities {
+        load_store: false,
+        remote_read: true,
+        chunk_floor: 0,
+    };
+    let comms = Communicator::local_group_with(&topo, &cfg, network).map_err(e)?;
     let relay = |r: usize| {
         topo.relay_plan()
             .is_some_and(|p| p.relay_index(r).is_some())
     };
     let (k, t, routed) = (shape.topk, shape.tokens, shape.routed);
+    // The smallest row of each direction: an INT8 A2E row, a bf16 E2A row.
+    let row_bytes = [
+        A2eRow::new(&cfg, &topo).int8_stride as f64,
+        2.0 * hidden as f64,
+    ];
     let per_rank: Vec<Result<[Stats; 2], String>> = std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .into_iter()
@@ -544,9 +558,9 @@ pub fn counted(shape: &Shape, hidden: usize, seed: u64) -> Result<(Counts, Count
                         to,
                         rows: moved_rows(
                             to == r,
-                            x.records as f64,
                             x.rows_sent as f64,
                             x.bytes_put as f64,
+                            row_bytes[d],
                         ),
                         bytes: x.bytes_put as f64,
                     })
@@ -558,11 +572,12 @@ pub fn counted(shape: &Shape, hidden: usize, seed: u64) -> Result<(Counts, Count
 }
 
 /// The rows a link moved: the rows its records announced, but none on a link to the rank
-/// itself that carried its records' bytes only (a relay's own E2A replies, which stay where its
-/// caller has them: `xccl::moe::combine`), so rescaling to another row size leaves it alone.
-fn moved_rows(to_itself: bool, records: f64, rows: f64, bytes: f64) -> f64 {
-    let record = std::mem::size_of::<xccl::moe::record::Record>() as f64;
-    if to_itself && bytes <= records * record {
+/// itself that carried less than a row's bytes (`row_bytes`, the smallest row) per row: a
+/// relay's own A2E rows and E2A replies, which stay where they are (in its member areas, where
+/// the caller has them: `xccl::moe::relay`), so its records and header only; rescaling to
+/// another row size leaves such a link alone.
+fn moved_rows(to_itself: bool, rows: f64, bytes: f64, row_bytes: f64) -> f64 {
+    if to_itself && bytes < rows * row_bytes {
         0.0
     } else {
         rows

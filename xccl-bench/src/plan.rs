@@ -9,7 +9,8 @@
 //!   expert rank, also those that get none; E2A `d -> a` one record and `32 + rows x e` bytes;
 //! - through relays (relay `r` of `a`, `g` members): A2E `a -> r` the route table (`4 x (1 + N)`
 //!   bytes), one record and every row; `r -> d` the members' rows for `d` and one header (a
-//!   record and `16 x g` bytes of entries); E2A `d -> r` one record and the replies for the
+//!   record and `24 x g` bytes of entries), the header only for `d = r` (the relay reads its
+//!   own rows where they landed: `xccl::moe::relay`); E2A `d -> r` one record and the replies for the
 //!   members' rows; `r -> a` one record and one reduced row per token. A relay's replies to its
 //!   own members' rows (`r -> r`) announce their rows in the record but stay where its caller
 //!   has them when they are token rows in the dtype (`--layout token`, no INT8): the record's
@@ -108,7 +109,9 @@ pub fn plan(args: &Args, topo: &Topology, sweep: usize, quant: Quant, tokens: us
                     for (j, &d) in experts.iter().enumerate() {
                         let via: u64 = members.iter().map(|&ai| rows[ai][j]).sum();
                         let header = RECORD + (RELAY_ENTRY * members.len()) as u64;
-                        a2e[r][d].add(1, via, header + via * s);
+                        // Its own rows stay where they landed in its member areas.
+                        let rows_bytes = if d == r { 0 } else { via * s };
+                        a2e[r][d].add(1, via, header + rows_bytes);
                         let in_place = d == r && args.layout == ExpertLayout::Token && !int8;
                         e2a[d][r].add(1, via, RECORD + if in_place { 0 } else { via * e });
                     }

@@ -1250,64 +1250,101 @@ impl DispatchReceiver {
         }
         let relays = plan.relays();
         let attention = ctx.attention();
+        let call_no = ctx.call_of(epoch);
         self.messages.clear();
         self.messages.resize(attention.len(), None);
+        self.handled.clear();
+        self.handled.resize(attention.len(), 0);
+        // Per relay: the rows its header announced, once read; whether all are in.
+        let mut totals: Vec<Option<usize>> = vec![None; relays.len()];
         let mut done = vec![false; relays.len()];
         let mut missing = relays.len();
         let mut entries = Vec::new();
         let mut failure: Option<Error> = None;
         let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
-        let (messages, reader) = (&mut self.messages, &mut self.reader);
+        // Headers and rows seen so far (`Waiting::progress`).
+        let mut parts = 0u64;
+        let (messages, reader, handled) = (&mut self.messages, &mut self.reader, &mut self.handled);
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
             for (k, &r) in relays.iter().enumerate() {
                 if done[k] {
                     continue;
                 }
-                if Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) == Progress::NotYet {
+                let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch);
+                if p == Progress::NotYet {
                     waiting.get_or_insert(Waiting::on(r, "relay header"));
                     continue;
                 }
-                read_header(ctx, r, k, epoch, &mut entries)?;
-                for (m, (&ai, e)) in plan.members(k).iter().zip(&entries).enumerate() {
-                    if !ctx.topo.in_call(attention[ai], ctx.call_of(epoch)) {
-                        // Outside the call's DP domain: nothing may come from it.
-                        if e.count > 0 {
-                            return Err(Error::Protocol {
-                                peer: r,
-                                detail: format!(
-                                    "relay header of epoch {epoch} carries {} rows of rank {}, \
-                                     which is outside the call's DP domain",
-                                    e.count, attention[ai]
-                                ),
+                let total = match totals[k] {
+                    Some(total) => total,
+                    None => {
+                        let rec = read_header(ctx, r, k, epoch, &mut entries)?;
+                        parts += 1;
+                        for (m, (&ai, e)) in plan.members(k).iter().zip(&entries).enumerate() {
+                            if !ctx.topo.in_call(attention[ai], call_no) {
+                                // Outside the call's DP domain: nothing may come from it.
+                                if e.count > 0 {
+                                    return Err(Error::Protocol {
+                                        peer: r,
+                                        detail: format!(
+                                            "relay header of epoch {epoch} carries {} rows of \
+                                             rank {}, which is outside the call's DP domain",
+                                            e.count, attention[ai]
+                                        ),
+                                    });
+                                }
+                                continue;
+                            }
+                            let rec = Record::with_payload(
+                                epoch,
+                                e.count as u32,
+                                e.offset as u32,
+                                WireMode::Push,
+                                e.int8,
+                            )
+                            .tagged(e.tag);
+                            let msg = messages[ai].insert(Message {
+                                index: ai,
+                                src: attention[ai],
+                                rec,
+                                mode: WireMode::Push,
+                                buf,
+                                landing: buf,
+                                int8: e.int8,
+                                on_relay: e.in_place.then_some((r, m)),
                             });
+                            on(reader, Arrival::Record(msg))?;
+                            if e.count == 0 {
+                                on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                            }
                         }
+                        *totals[k].insert(rec.count as usize)
+                    }
+                };
+                // The relay's progress counts this rank's rows of its members in member order.
+                let ready = p.rows(total);
+                let mut before = 0;
+                for &ai in plan.members(k) {
+                    let Some(msg) = messages[ai].as_ref() else {
                         continue;
+                    };
+                    let have = ready.saturating_sub(before).min(msg.count());
+                    before += msg.count();
+                    if have > handled[ai] {
+                        if stream {
+                            on(reader, Arrival::Rows(msg, handled[ai]..have))?;
+                        }
+                        parts += (have - handled[ai]) as u64;
+                        handled[ai] = have;
+                        if have == msg.count() {
+                            on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                        }
                     }
-                    let rec = Record::with_payload(
-                        epoch,
-                        e.count as u32,
-                        e.offset as u32,
-                        WireMode::Push,
-                        e.int8,
-                    )
-                    .tagged(e.tag);
-                    messages[ai] = Some(Message {
-                        index: ai,
-                        src: attention[ai],
-                        rec,
-                        mode: WireMode::Push,
-                        buf,
-                        landing: buf,
-                        int8: e.int8,
-                        on_relay: e.in_place.then_some((r, m)),
-                    });
-                    let msg = messages[ai].as_ref().expect("set");
-                    on(reader, Arrival::Record(msg))?;
-                    if stream && e.count > 0 {
-                        on(reader, Arrival::Rows(msg, 0..e.count))?;
-                    }
-                    on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                }
+                if ready < total {
+                    waiting.get_or_insert(Waiting::on(r, "relayed A2E rows"));
+                    continue;
                 }
                 done[k] = true;
                 missing -= 1;
@@ -1317,10 +1354,12 @@ impl DispatchReceiver {
             }
             let awaited = (0..relays.len()).filter(|&k| !done[k]).map(|k| relays[k]);
             let still = |r: usize| {
-                Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) == Progress::NotYet
+                let k = relays.iter().position(|&x| x == r).expect("a relay");
+                let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch);
+                totals[k].map_or(p == Progress::NotYet, |total| p.rows(total) < total)
             };
             ctx.check_awaited_again(awaited, &mut next_check, &still)?;
-            Ok(waiting)
+            Ok(waiting.map(|w| w.at(parts)))
         };
         ctx.wait(deadline, &mut || match pass() {
             Ok(w) => w,
@@ -1381,10 +1420,13 @@ impl DispatchReceiver {
                 return Ok(false);
             }
         }
-        // This rank's own header (a relay's) is written by its own receive.
+        // Every other relay's header and the rows it announced (this rank's own, a relay's, are
+        // written by its own receive).
         let others = plan.relays().iter().copied().filter(|&r| r != ctx.rank);
         ctx.all_done(others, &|r| {
-            Ok(Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch) != Progress::NotYet)
+            let k = plan.relay_index(r).expect("a relay");
+            let rows = plan.members(k).len() * l.recv_rows;
+            complete(r, l.relay_header(k, buf), rows)
         })
     }
 

@@ -14,12 +14,14 @@
 //! itself) stay where the member pushed them: that rank reads them there, so a relayed row is
 //! copied no more often than a direct one. Rows for any other expert rank `d` go straight
 //! into `d`'s receive area for attention rank `a`, exactly where the direct path would have
-//! pushed them. Once every member is in it writes one header
-//! per expert rank: a record (total rows, a hash of the entries in its offset field) and one
-//! `(count, offset, flags)` entry per member (the offset locates the rows in the member's area
-//! and the replies in its reply area; a flag says whether the rows stayed there), then one
-//! signal `a2e_ready[r]`. An expert rank therefore polls one record per relay, not one per
-//! attention rank. The relay keeps the token index of every row for the E2A. While rows are
+//! pushed them. Once every member's route table is in it writes one header per expert rank: a
+//! record (total rows, a hash of the entries in its offset field) and one `(count, offset,
+//! flags)` entry per member (the offset locates the rows in the member's area and the replies
+//! in its reply area; a flag says whether the rows stayed there). Then, as each chunk is checked
+//! (and forwarded), it signals `a2e_ready[r]` on every expert rank with the rows of its members
+//! that rank may read, counted in member order, so expert ranks read while the members write.
+//! An expert rank therefore polls one signal per relay, not one per attention rank. The relay
+//! keeps the token index of every row for the E2A. While rows are
 //! read in place the members' A2E buffers here stay reserved: their credit goes out when the
 //! readers have credited the call, at the end of its E2A ([`Relay::combine_e2a`]).
 //!
@@ -211,9 +213,10 @@ pub(crate) fn read_header(
 }
 
 impl Relay {
-    /// Relay side of A2E call `epoch`: waits for each member's message, checks its rows and
-    /// forwards those no reader takes in place as they land, then writes one header per expert
-    /// rank and credits the members (at once when every row was forwarded).
+    /// Relay side of A2E call `epoch`: waits for each member's message, writes one header per
+    /// expert rank once every route table is in, checks the rows as they land (forwarding
+    /// those no reader takes in place) and signals each expert rank how many it may read; then
+    /// credits the members (at once when every row was forwarded, else after the E2A).
     pub(crate) fn forward_a2e(
         &mut self,
         ctx: &Context,
@@ -271,6 +274,11 @@ impl Relay {
             mc.tokens.clear();
         }
         let mut missing = done.iter().filter(|d| !**d).count();
+        // Members whose route table is not read yet; the headers go out once none is left, and
+        // then each chunk's rows as they are checked (and forwarded), so expert ranks read
+        // while the members write.
+        let mut unread = missing;
+        let mut told: Vec<Option<usize>> = vec![None; n];
         let mut forwarded = vec![0usize; g];
         let mut failure = None;
         let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
@@ -299,6 +307,7 @@ impl Relay {
                     ctx.note_rows_received(a, rec.count as usize);
                     begin_member(ctx, epoch, m, ai, &rec, &mut call.members[m])?;
                     recs[m] = Some(rec);
+                    unread -= 1;
                 }
                 let count = recs[m].expect("set above").count as usize;
                 // Forward whatever arrived since the last look (per chunk, as it streams in).
@@ -315,6 +324,12 @@ impl Relay {
                 }
                 done[m] = true;
                 missing -= 1;
+            }
+            if unread == 0 {
+                if told.iter().all(Option::is_none) {
+                    write_headers(ctx, k, epoch, &call.members, readers)?;
+                }
+                signal_progress(ctx, epoch, &call.members, &forwarded, &mut told)?;
             }
             if missing == 0 {
                 return Ok(None);
@@ -342,38 +357,6 @@ impl Relay {
         })?;
         if let Some(e) = failure {
             return Err(e);
-        }
-        // One header per expert rank (rotated by the relay's index to spread incast).
-        let mut entries = vec![0u8; g * RELAY_ENTRY];
-        for step in 0..n {
-            let j = (k + step) % n;
-            let d = experts[j];
-            let mut total = 0u32;
-            for (mc, e) in call
-                .members
-                .iter()
-                .zip(entries.chunks_exact_mut(RELAY_ENTRY))
-            {
-                let in_place = call.readers.contains(&d);
-                let flags = if mc.int8 { ENTRY_INT8 } else { 0 }
-                    | if in_place { ENTRY_IN_PLACE } else { 0 };
-                let words = [mc.counts[j], mc.offsets[j], flags, 0];
-                total += mc.counts[j];
-                for (w, v) in e.chunks_exact_mut(4).zip(words) {
-                    w.copy_from_slice(&v.to_le_bytes());
-                }
-                e[16..24].copy_from_slice(&mc.tag.to_le_bytes());
-            }
-            let at = l.relay_header(k, buf);
-            let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
-            ctx.put(d, at + 32, &entries)?;
-            ctx.put_record(d, at, &rec)?;
-            ctx.signal(
-                d,
-                ctx.slots.a2e_ready(ctx.rank),
-                progress(epoch, total as usize),
-            )?;
-            fault_point!("relay.header");
         }
         // When every row is forwarded, the members' buffers here may be reused at once;
         // otherwise once the readers are done ([`Relay::combine_e2a`]).
@@ -923,6 +906,74 @@ impl Reduction {
         }
         Ok(())
     }
+}
+
+/// Writes relay `k`'s header of call `epoch` into every expert rank's window: a record (rows
+/// for that rank, the hash of the entries) and one `(count, offset, flags)` entry per member of
+/// `members` (route tables read); rotated by `k` to spread incast. Each rank learns of it from the
+/// first progress signal [`signal_progress`] sends. `readers` read their rows in place.
+fn write_headers(
+    ctx: &Context,
+    k: usize,
+    epoch: u64,
+    members: &[MemberCall],
+    readers: &[usize],
+) -> Result<()> {
+    let l = &ctx.layout;
+    let experts = ctx.experts();
+    let n = experts.len();
+    let mut entries = vec![0u8; members.len() * RELAY_ENTRY];
+    for step in 0..n {
+        let j = (k + step) % n;
+        let d = experts[j];
+        let in_place = readers.contains(&d);
+        let mut total = 0u32;
+        for (mc, e) in members.iter().zip(entries.chunks_exact_mut(RELAY_ENTRY)) {
+            let flags =
+                if mc.int8 { ENTRY_INT8 } else { 0 } | if in_place { ENTRY_IN_PLACE } else { 0 };
+            let words = [mc.counts[j], mc.offsets[j], flags, 0];
+            total += mc.counts[j];
+            for (w, v) in e.chunks_exact_mut(4).zip(words) {
+                w.copy_from_slice(&v.to_le_bytes());
+            }
+            e[16..24].copy_from_slice(&mc.tag.to_le_bytes());
+        }
+        let at = l.relay_header(k, l.buffer(epoch));
+        let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
+        ctx.put(d, at + 32, &entries)?;
+        ctx.put_record(d, at, &rec)?;
+        fault_point!("relay.header");
+    }
+    Ok(())
+}
+
+/// Signals every expert rank the rows of call `epoch` it may read now, when more than it was
+/// told (`told`, per expert index): the members' rows for it in member order, up to the first
+/// member whose rows for it are not all in (`checked`: rows of each member checked, and
+/// forwarded where they are forwarded).
+fn signal_progress(
+    ctx: &Context,
+    epoch: u64,
+    members: &[MemberCall],
+    checked: &[usize],
+    told: &mut [Option<usize>],
+) -> Result<()> {
+    for (j, &d) in ctx.experts().iter().enumerate() {
+        let mut ready = 0;
+        for (mc, &have) in members.iter().zip(checked) {
+            let (at, count) = (mc.offsets[j] as usize, mc.counts[j] as usize);
+            let rows = have.saturating_sub(at).min(count);
+            ready += rows;
+            if rows < count {
+                break;
+            }
+        }
+        if told[j] != Some(ready) {
+            ctx.signal(d, ctx.slots.a2e_ready(ctx.rank), progress(epoch, ready))?;
+            told[j] = Some(ready);
+        }
+    }
+    Ok(())
 }
 
 /// Credits call `epoch` to the relay's `members` (attention indices): their A2E buffers of it
