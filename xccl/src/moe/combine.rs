@@ -39,6 +39,7 @@ use super::dtype::MAX_FUSED_ROWS;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
+use super::routing::DispatchLayout;
 use crate::fabric::Waiting;
 use crate::{Error, Result};
 
@@ -459,13 +460,137 @@ pub(crate) fn quantize_reply(
     Ok(())
 }
 
+/// An attention rank's per-token sums: which expert ranks answer each token, in ascending
+/// order, and their rows summed as the module docs say (scratch reused across calls).
+#[derive(Debug, Default)]
+struct TokenSums {
+    acc: Vec<f32>,
+    row: Vec<u8>,
+    /// Per expert index, the next of its layout entries (rows in token order).
+    cursors: Vec<usize>,
+    /// The current token's contributions: (expert index, row among that rank's rows).
+    contributions: Vec<(usize, usize)>,
+}
+
+/// Where contribution `(j, i)` (row `i` of expert index `j`'s replies) lies: its window's rank,
+/// the row's offset, whether it is INT8.
+type RowAt<'a> = dyn Fn(usize, usize) -> (usize, usize, bool) + 'a;
+
+impl TokenSums {
+    /// Starts a call whose dispatch layout is `hl` (expert ranks `experts`).
+    fn begin(&mut self, ctx: &Context, hl: &DispatchLayout, experts: &[usize]) {
+        let hidden = ctx.cfg.hidden;
+        self.acc.resize(hidden, 0.0);
+        self.row
+            .resize(ctx.layout.e2a_stride.max(int8_payload(hidden)), 0);
+        self.cursors.clear();
+        self.cursors
+            .extend(experts.iter().map(|&d| hl.entries(d).start));
+    }
+
+    /// Writes token `t`'s combined row into `out_row` (tokens in ascending order, each once;
+    /// every contribution landed): no contribution gives zeros, one its row (an INT8 row
+    /// dequantized and rounded once), several their f32 sum in ascending expert order rounded
+    /// once. Rows are read where they lie when `mapped` (every window they can be in is mapped
+    /// here), else copied.
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &mut self,
+        ctx: &Context,
+        hl: &DispatchLayout,
+        experts: &[usize],
+        t: usize,
+        mapped: bool,
+        row_at: &RowAt<'_>,
+        out_row: &mut [u8],
+    ) -> Result<()> {
+        let (hidden, dtype, p) = (ctx.cfg.hidden, ctx.cfg.dtype, ctx.layout.e2a_stride);
+        self.contributions.clear();
+        for (j, &d) in experts.iter().enumerate() {
+            let e = self.cursors[j];
+            let r = hl.entries(d);
+            if e < r.end && hl.token(e) == t {
+                self.cursors[j] += 1;
+                self.contributions.push((j, e - r.start));
+            }
+        }
+        // Several rows in the dtype, lent where they landed: summed and rounded in one pass
+        // (`DType::sum_rows`: the bits of the general sum below).
+        let n = self.contributions.len();
+        if (2..=MAX_FUSED_ROWS).contains(&n) && mapped {
+            let mut rows: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
+            let mut lent = 0;
+            for (slot, &(j, i)) in rows.iter_mut().zip(&self.contributions) {
+                let (rank, at, int8) = row_at(j, i);
+                if int8 {
+                    break;
+                }
+                // SAFETY: as for the rows of the general sum below.
+                match unsafe { super::regions::landed(ctx, rank, at, p)? } {
+                    Some(row) => *slot = row,
+                    None => break,
+                }
+                lent += 1;
+            }
+            if lent == n {
+                dtype.sum_rows(&rows[..n], &mut self.acc, out_row);
+                return Ok(());
+            }
+        }
+        match n {
+            0 => out_row.fill(0),
+            // One expert rank in the dtype: its row is already the answer.
+            1 if !row_at(self.contributions[0].0, self.contributions[0].1).2 => {
+                let (j, i) = self.contributions[0];
+                let (rank, at, _) = row_at(j, i);
+                ctx.get(rank, at, out_row)?;
+            }
+            // One INT8 row: dequantized and rounded once, in one pass where it can be.
+            1 => {
+                let (j, i) = self.contributions[0];
+                let (rank, at, _) = row_at(j, i);
+                let row = &mut self.row[..int8_payload(hidden)];
+                ctx.get(rank, at, row)?;
+                dequantize_to(row, dtype, &mut self.acc, out_row);
+            }
+            // Otherwise sum in f32 (INT8 rows dequantized inside the sum), reading each row
+            // where it landed when the window is mapped here (no staging copy).
+            _ => {
+                for (c, &(j, i)) in self.contributions.iter().enumerate() {
+                    let (rank, at, int8) = row_at(j, i);
+                    let len = if int8 { int8_payload(hidden) } else { p };
+                    // SAFETY: the caller combines token `t` only once every contribution has
+                    // landed (a progress signal covers it), and its writer writes that buffer
+                    // again only after this call's credit, which goes out after the receive
+                    // returns (or, where credits are implied, once this rank names the buffer as
+                    // the landing buffer of a later A2E, after this call has retired).
+                    let row = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
+                        Some(row) => row,
+                        None => {
+                            ctx.get(rank, at, &mut self.row[..len])?;
+                            &self.row[..len]
+                        }
+                    };
+                    match (c, int8) {
+                        (0, false) => dtype.to_f32(row, &mut self.acc),
+                        (0, true) => dequantize(row, hidden, &mut self.acc),
+                        (_, false) => dtype.accumulate(row, 1.0, &mut self.acc),
+                        (_, true) => dequantize_add(row, hidden, &mut self.acc),
+                    }
+                }
+                dtype.from_f32(&self.acc, out_row);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The attention side of E2A.
 #[derive(Debug, Default)]
 pub(crate) struct CombineReceiver {
     acc: Vec<f32>,
     row: Vec<u8>,
-    cursors: Vec<usize>,
-    contributions: Vec<(usize, usize)>,
+    sums: TokenSums,
     /// Per expert rank of the call being received: its record once read, and the rows it has
     /// delivered (scratch, reused so a call allocates nothing).
     recs: Vec<Option<(Record, WireMode)>>,
@@ -605,8 +730,6 @@ impl CombineReceiver {
         let hl = &sent.layout;
         let t_count = sent.num_tokens;
         let p = ctx.layout.e2a_stride;
-        let hidden = ctx.cfg.hidden;
-        let dtype = ctx.cfg.dtype;
         let (max_rows, expert_rows) = (ctx.layout.attention_rows, ctx.layout.expert_rows());
         self.recs.clear();
         self.recs.resize(experts.len(), None);
@@ -616,24 +739,8 @@ impl CombineReceiver {
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
         let mut next_check = Instant::now() + super::context::AWAITED_CHECK_EVERY;
-        self.acc.resize(hidden, 0.0);
-        self.row.resize(p.max(int8_payload(hidden)), 0);
-        self.cursors.clear();
-        self.cursors
-            .extend(experts.iter().map(|&d| hl.entries(d).start));
-        let row_at = |j: usize, rec: &Record, mode: WireMode, i: usize| {
-            let stride = ctx.layout.e2a_stride_for(rec.int8());
-            match mode {
-                WireMode::Push => (
-                    ctx.rank,
-                    ctx.layout.e2a_recv(sent.landing) + (sent.offsets[j] + i) * stride,
-                ),
-                _ => (
-                    experts[j],
-                    ctx.layout.e2a_stage(buf) + (rec.offset as usize + i) * stride,
-                ),
-            }
-        };
+        self.sums.begin(ctx, hl, experts);
+        let sums = &mut self.sums;
         // Whether every window a reply row can be in is mapped here (then rows are read where
         // they landed).
         let windows_mapped = ctx.fabric.local_window().is_some()
@@ -697,92 +804,26 @@ impl CombineReceiver {
                 })
                 .min()
                 .unwrap_or(t_count);
+            let recs_now = &*recs;
+            let row_at = |j: usize, i: usize| {
+                let (rec, mode) = recs_now[j].expect("delivered rows have a record");
+                let stride = ctx.layout.e2a_stride_for(rec.int8());
+                let (rank, at) = match mode {
+                    WireMode::Push => (
+                        ctx.rank,
+                        ctx.layout.e2a_recv(sent.landing) + (sent.offsets[j] + i) * stride,
+                    ),
+                    _ => (
+                        experts[j],
+                        ctx.layout.e2a_stage(buf) + (rec.offset as usize + i) * stride,
+                    ),
+                };
+                (rank, at, rec.int8())
+            };
             while next_token < watermark {
                 let t = next_token;
                 let out_row = &mut out[t * p..(t + 1) * p];
-                self.contributions.clear();
-                for (j, &d) in experts.iter().enumerate() {
-                    let e = self.cursors[j];
-                    let r = hl.entries(d);
-                    if e < r.end && hl.token(e) == t {
-                        self.cursors[j] += 1;
-                        self.contributions.push((j, e - r.start));
-                    }
-                }
-                // Several rows in the dtype, lent where they landed: summed and rounded in one
-                // pass (`DType::sum_rows`: the bits of the general sum below).
-                let n = self.contributions.len();
-                if (2..=MAX_FUSED_ROWS).contains(&n) && windows_mapped {
-                    let mut rows: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
-                    let mut lent = 0;
-                    for (slot, &(j, i)) in rows.iter_mut().zip(&self.contributions) {
-                        let (rec, mode) = recs[j].expect("delivered rows have a record");
-                        if rec.int8() {
-                            break;
-                        }
-                        let (rank, at) = row_at(j, &rec, mode, i);
-                        // SAFETY: as for the rows of the general sum below: under the
-                        // watermark, so covered by its expert rank's progress signal, and not
-                        // written again before this call's credit.
-                        match unsafe { super::regions::landed(ctx, rank, at, p)? } {
-                            Some(row) => *slot = row,
-                            None => break,
-                        }
-                        lent += 1;
-                    }
-                    if lent == n {
-                        dtype.sum_rows(&rows[..n], &mut self.acc, out_row);
-                        next_token += 1;
-                        continue;
-                    }
-                }
-                match self.contributions.len() {
-                    0 => out_row.fill(0),
-                    // One expert rank in the dtype: its row is already the answer.
-                    1 if !recs[self.contributions[0].0].expect("delivered").0.int8() => {
-                        let (j, i) = self.contributions[0];
-                        let (rec, mode) = recs[j].expect("delivered rows have a record");
-                        let (rank, at) = row_at(j, &rec, mode, i);
-                        ctx.get(rank, at, out_row)?;
-                    }
-                    // One INT8 row: dequantized and rounded once, in one pass where it can be.
-                    1 => {
-                        let (j, i) = self.contributions[0];
-                        let (rec, mode) = recs[j].expect("delivered rows have a record");
-                        let (rank, at) = row_at(j, &rec, mode, i);
-                        let row = &mut self.row[..int8_payload(hidden)];
-                        ctx.get(rank, at, row)?;
-                        dequantize_to(row, dtype, &mut self.acc, out_row);
-                    }
-                    // Otherwise sum in f32 (INT8 rows dequantized inside the sum), reading each
-                    // row where it landed when the window is mapped here (no staging copy).
-                    _ => {
-                        for (c, &(j, i)) in self.contributions.iter().enumerate() {
-                            let (rec, mode) = recs[j].expect("delivered rows have a record");
-                            let (rank, at) = row_at(j, &rec, mode, i);
-                            let len = if rec.int8() { int8_payload(hidden) } else { p };
-                            // SAFETY: the row is below the watermark, so its expert rank's progress
-                            // signal covers it, and that rank writes this buffer again only after
-                            // this call's credit, which goes out after this receive returns (or,
-                            // where credits are implied, once this rank names the buffer as the
-                            // landing buffer of a later A2E, after this call has retired).
-                            let row = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
-                                Some(row) => row,
-                                None => {
-                                    ctx.get(rank, at, &mut self.row[..len])?;
-                                    &self.row[..len]
-                                }
-                            };
-                            match (c, rec.int8()) {
-                                (0, false) => dtype.to_f32(row, &mut self.acc),
-                                (0, true) => dequantize(row, hidden, &mut self.acc),
-                                (_, false) => dtype.accumulate(row, 1.0, &mut self.acc),
-                                (_, true) => dequantize_add(row, hidden, &mut self.acc),
-                            }
-                        }
-                        dtype.from_f32(&self.acc, out_row);
-                    }
-                }
+                sums.combine(ctx, hl, experts, t, windows_mapped, &row_at, out_row)?;
                 next_token += 1;
             }
             if waiting.is_some() {
