@@ -341,10 +341,11 @@ fn stats_json_counts_the_relayed_records_and_metadata_of_every_domain_and_checks
         .find(|r| r["relay"] == true)
         .unwrap();
     // The local fabric maps every window: expert ranks read the A2E rows where they landed on
-    // the relay, and the relay forwards only the reduced E2A rows.
+    // the relay and attention ranks sum their replies there, so the relay forwards no row.
     let (a2e, e2a) = (&relay["points"][1]["a2e"], &relay["points"][1]["e2a"]);
     assert_eq!(a2e["relay_rows_forwarded"].as_u64(), Some(0), "{a2e}");
-    assert!(e2a["relay_rows_forwarded"].as_u64().unwrap() > 0, "{e2a}");
+    assert_eq!(e2a["relay_rows_forwarded"].as_u64(), Some(0), "{e2a}");
+    assert!(e2a["relay_combine_us"].as_f64().unwrap() > 0.0, "{e2a}");
     assert!(!a2e["peers"].as_array().unwrap().is_empty());
 }
 

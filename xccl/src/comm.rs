@@ -240,6 +240,7 @@ fn relayed_e2a(
         through_relays(ctx, "pull E2A")?;
     }
     let deadline = ctx.call_deadline();
+    dispatch.release_relayed_e2a(ctx, deadline)?;
     let own = crate::moe::combine::own_replies_in_place(ctx, &replies);
     combine.send_relayed(ctx, epoch, sources, replies, deadline)?;
     dispatch.relay_e2a(ctx, epoch, deadline, own.map(|rows| (rows, sources)))

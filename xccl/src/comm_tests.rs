@@ -288,10 +288,7 @@ fn interleaved_roles_work() {
 }
 
 /// Runs `f` on every communicator of `comms`, each on its own thread; the results in rank order.
-fn on_every_rank<R: Send>(
-    comms: Vec<Communicator>,
-    f: impl Fn(Communicator) -> R + Sync,
-) -> Vec<R> {
+fn on_every_rank<C: Send, R: Send>(comms: Vec<C>, f: impl Fn(C) -> R + Sync) -> Vec<R> {
     std::thread::scope(|s| {
         let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -1603,7 +1600,8 @@ fn counters_add_up_between_peers_and_name_the_slowest() {
             }
         }
     }
-    assert!(stats[relay].relay_rows_forwarded > 0);
+    // A load/store fabric: every rank reads its rows and replies where they landed on the relay.
+    assert_eq!(stats[relay].relay_rows_forwarded, 0);
     // The relay waited for attention rank 1 (30 ms late) far longer than for anyone else.
     assert_eq!(stats[relay].slowest_peer().unwrap().0, 1);
     assert!(stats[relay].peers[1].waited >= Duration::from_millis(20));
@@ -1637,47 +1635,52 @@ fn relayed_round_stats(load_store: bool, rounds: u64) -> Vec<crate::Stats> {
 }
 
 #[test]
-fn expert_ranks_that_map_the_relays_window_read_their_rows_there_and_nothing_is_forwarded() {
+fn ranks_that_map_the_relays_window_read_their_rows_and_replies_there_and_nothing_is_forwarded() {
     let row = 1024 * 4;
-    // Load/store: the relay puts only its header to rank 2 (the rows stay in its member area)
-    // and forwards only the reduced E2A rows to the attention rank.
+    // Load/store: the relay puts only its header to rank 2 (the A2E rows stay in its member
+    // area) and only records to the attention rank, which sums its replies where they landed
+    // on the relay.
     let stats = relayed_round_stats(true, 3);
-    let to_other = stats[1].peers[2].bytes_put;
+    let (to_other, to_member) = (stats[1].peers[2].bytes_put, stats[1].peers[0].bytes_put);
     assert!(to_other < 3 * 256, "{to_other} bytes put to rank 2");
-    assert_eq!(
-        stats[1].relay_rows_forwarded,
-        3 * 8,
-        "only the E2A's 8 tokens a round"
+    assert!(
+        to_member < 3 * 256,
+        "{to_member} bytes put to the attention rank"
     );
-    // Without it the relay forwards rank 2's rows, and still reads its own where they are.
+    assert_eq!(stats[1].relay_rows_forwarded, 0);
+    // Without it the relay forwards rank 2's rows and one reduced row per token, and still
+    // reads its own rows where they are.
     let stats = relayed_round_stats(false, 3);
     let rows_to_2 = stats[2].peers[1].rows_received;
     assert!(rows_to_2 > 0);
     assert!(stats[1].peers[2].bytes_put >= rows_to_2 * row as u64);
+    assert!(stats[1].peers[0].bytes_put >= 3 * 8 * row as u64);
     assert_eq!(stats[1].relay_rows_forwarded, 3 * 8 + rows_to_2);
 }
 
-#[test]
-fn a_relay_frees_its_members_buffers_only_once_the_ranks_reading_there_have_credited() {
+/// Round 0 of a 1A:2E job through relay rank 1, f32, H=16, halfway: the attention rank's A2E
+/// and the relay's receive, then `mid` (given the attention rank), then rank 2's whole round and
+/// the relay's E2A. Returns the communicators (attention, relay, other expert rank) and the
+/// attention rank's E2A receive, which checks its result against the reference.
+#[allow(clippy::type_complexity)]
+fn relayed_round_until_the_attention_receives(
+    seed: u64,
+    mid: impl FnOnce(&Communicator),
+) -> ([Communicator; 3], Box<dyn FnOnce(&mut Communicator)>) {
     use crate::testing::reference::{expected_combine_quant, expert_output};
     let topo = relayed(1, 2, 4, 1);
     let (c, h) = (cfg(16, DType::F32, 2, 4), 16);
     let mut comms = Communicator::local_group(&topo, &c).unwrap();
     let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
-    let wl = wl(82, 4, false);
-    let credit = |att: &Communicator| {
-        let ctx = att.ctx();
-        ctx.slot_value(ctx.slots.a2e_credit(1))
-    };
+    let wl = wl(seed, 4, false);
     let input = wl.input(&topo, 2, 0, 0);
     let x: Vec<f32> = wl.hidden_states(0, 0, input.num_tokens, h);
     let handle = att
         .a2e_send(&x, &input.topk_idx, &input.topk_weights)
         .unwrap();
     let mut batch = ExpertBatch::new();
-    // The relay received and kept rank 2's rows in its member area: no credit yet.
     relay.a2e_recv(&mut batch).unwrap();
-    assert_eq!(credit(&att), 0, "credited before rank 2 read its rows");
+    mid(&att);
     std::thread::scope(|s| {
         s.spawn(|| {
             let mut b = ExpertBatch::new();
@@ -1686,20 +1689,66 @@ fn a_relay_frees_its_members_buffers_only_once_the_ranks_reading_there_have_cred
                 .unwrap();
         });
         let rows: &[f32] = batch.rows().unwrap();
-        let locals = topo.local_experts(1).to_vec();
         let mut out = Vec::with_capacity(rows.len());
-        for (j, &e) in locals.iter().enumerate() {
+        for (j, &e) in topo.local_experts(1).iter().enumerate() {
             for r in batch.expert_rows(j) {
                 out.extend(expert_output(&test_expert, e, &rows[r * h..(r + 1) * h]));
             }
         }
         relay.e2a_send(&batch, &out).unwrap();
     });
+    let receive = move |att: &mut Communicator| {
+        let mut got = vec![0f32; input.num_tokens * h];
+        att.e2a_recv(&handle, &mut got).unwrap();
+        let (q, n) = (&test_expert, Quant::None);
+        let want = expected_combine_quant(&topo, &input, &x, h, q, n, n);
+        assert_eq!(first_difference(&got, &want, h), None);
+    };
+    ([att, relay, other], Box::new(receive))
+}
+
+#[test]
+fn a_relay_frees_its_members_buffers_only_once_the_ranks_reading_there_have_credited() {
+    // The attention rank's A2E credit from the relay (rank 1).
+    let credit = |att: &Communicator| {
+        let ctx = att.ctx();
+        ctx.slot_value(ctx.slots.a2e_credit(1))
+    };
+    // The relay received and kept rank 2's rows in its member area: no credit yet.
+    let ([mut att, ..], receive) = relayed_round_until_the_attention_receives(82, |att| {
+        assert_eq!(credit(att), 0, "credited before rank 2 read its rows");
+    });
     assert_eq!(credit(&att), 1, "credited once rank 2 had read and replied");
-    let mut out = vec![0f32; input.num_tokens * h];
-    att.e2a_recv(&handle, &mut out).unwrap();
-    let want = expected_combine_quant(&topo, &input, &x, h, &test_expert, Quant::None, Quant::None);
-    assert_eq!(first_difference(&out, &want, h), None);
+    receive(&mut att);
+}
+
+#[test]
+fn a_relay_credits_the_expert_ranks_replies_only_once_its_members_have_summed_them() {
+    // Rank 2's E2A credit from the relay (rank 1).
+    let credit = |other: &Communicator| {
+        let ctx = other.ctx();
+        ctx.slot_value(ctx.slots.e2a_credit(1))
+    };
+    let (mut comms, receive) = relayed_round_until_the_attention_receives(83, |_| {});
+    // Every token is complete, and the attention rank has not summed them yet.
+    assert_eq!(
+        credit(&comms[2]),
+        0,
+        "credited before the member summed its replies"
+    );
+    receive(&mut comms[0]);
+    // The credit goes out with the relay's next E2A.
+    let wl = wl(83, 4, false);
+    on_every_rank(comms.iter_mut().collect(), |c| {
+        let mut b = ExpertBatch::new();
+        match c.role() {
+            Role::Attention => attention_round::<f32>(c, &wl, 1),
+            Role::Expert => expert_round::<f32>(c, &wl, 1, &mut b, true),
+        }
+        .unwrap()
+        .unwrap();
+    });
+    assert!(credit(&comms[2]) >= 1);
 }
 
 #[test]

@@ -67,12 +67,24 @@ pub(crate) enum Replies<'a> {
     Quantized(&'a [u8]),
 }
 
+/// Whether a relay leaves the E2A replies for its members where they landed in its window, and
+/// each member sums its tokens' contributions there, as the direct path's attention rank sums
+/// its own window's (`moe::relay`): on fabrics with load/store access, replies in the dtype.
+pub(crate) fn relay_sums_at_members(ctx: &Context) -> bool {
+    ctx.fabric.capabilities().load_store && ctx.cfg.e2a_quant != Quant::Int8
+}
+
 /// A relay's own reduced replies, one row per token of its batch in the dtype, when its
 /// reduction reads them where the caller has them instead of from a copy in its window:
-/// replies given as token rows, not INT8 on the wire.
+/// replies given as token rows, not INT8 on the wire, and summed by the relay (not by its
+/// members: [`relay_sums_at_members`], which needs them in the window).
 pub(crate) fn own_replies_in_place<'a>(ctx: &Context, replies: &Replies<'a>) -> Option<&'a [u8]> {
     match replies {
-        Replies::Tokens(rows) if ctx.cfg.e2a_quant != Quant::Int8 => Some(rows),
+        Replies::Tokens(rows)
+            if !relay_sums_at_members(ctx) && ctx.cfg.e2a_quant != Quant::Int8 =>
+        {
+            Some(rows)
+        }
         _ => None,
     }
 }
@@ -616,9 +628,12 @@ impl CombineReceiver {
         })
     }
 
-    /// [`CombineReceiver::recv`] through a relay: one record and one fully reduced row per
-    /// token from this rank's relay, copied as it is (or, INT8, dequantized and rounded once);
-    /// then the relay is credited.
+    /// [`CombineReceiver::recv`] through a relay: one record from this rank's relay, then
+    /// either one fully reduced row per token, copied as it is (or, INT8, dequantized and
+    /// rounded once), or (a pull record: [`relay_sums_at_members`]) every token's
+    /// contributions where the expert ranks wrote them in this rank's reply area on the relay,
+    /// summed here as the direct path sums them, as the relay's progress says they are
+    /// complete; then the relay is credited.
     fn recv_relayed(
         &mut self,
         ctx: &Context,
@@ -637,13 +652,32 @@ impl CombineReceiver {
             .expert_index(relay)
             .expect("relays are expert ranks");
         let t = sent.num_tokens;
-        let mut rec: Option<Record> = None;
+        // The relay's record, once read: its rows are INT8, they are summed here (pull).
+        let mut rec: Option<(bool, bool)> = None;
         let mut failure: Option<Error> = None;
         let mut copied = 0;
         let (row, acc) = (&mut self.row, &mut self.acc);
-        // Rows are copied out chunk by chunk as the relay's progress covers them.
-        let mut take = |rows: std::ops::Range<usize>, int8: bool| -> Result<()> {
+        let experts = ctx.experts();
+        self.sums.begin(ctx, &sent.layout, experts);
+        let sums = &mut self.sums;
+        // Contributions summed here lie in this rank's reply area on the relay, at the offsets
+        // of its A2E rows (grouped by expert rank, as the direct path's reply area).
+        let area = l.relay_e2a(plan.member_slot(index), buf);
+        let row_at = |j: usize, i: usize| {
+            let at = area + (sent.offsets[j] + i) * l.e2a_stride;
+            (relay, at, false)
+        };
+        let mapped = ctx.mapped(relay);
+        // Rows are copied out (or summed) chunk by chunk as the relay's progress covers them.
+        let mut take = |rows: std::ops::Range<usize>, (int8, pull): (bool, bool)| -> Result<()> {
             let p = l.e2a_stride;
+            if pull {
+                for t in rows {
+                    let out_row = &mut out[t * p..(t + 1) * p];
+                    sums.combine(ctx, &sent.layout, experts, t, mapped, &row_at, out_row)?;
+                }
+                return Ok(());
+            }
             if !int8 {
                 let at = l.e2a_recv(buf) + rows.start * p;
                 return ctx.get(ctx.rank, at, &mut out[rows.start * p..rows.end * p]);
@@ -666,17 +700,24 @@ impl CombineReceiver {
             if rec.is_none() {
                 let checked = ctx.read_record(l.record(j, buf)).and_then(|r| {
                     let mode = r.validate(relay, epoch, t, 1)?;
-                    if r.count as usize != t || r.offset != 0 || mode != WireMode::Push {
+                    let pull = mode == WireMode::Pull;
+                    if r.count as usize != t
+                        || r.offset != 0
+                        || !(mode == WireMode::Push || pull && !r.int8())
+                    {
                         return Err(Error::Protocol {
                             peer: relay,
                             detail: format!(
                                 "relayed E2A of epoch {epoch} brings {} rows at offset {} \
-                                 ({mode:?}); {t} tokens were sent, push",
-                                r.count, r.offset
+                                 ({mode:?}, int8 {}); {t} tokens were sent, push or (rows \
+                                 summed here) pull in the dtype",
+                                r.count,
+                                r.offset,
+                                r.int8()
                             ),
                         });
                     }
-                    Ok(r)
+                    Ok((r.int8(), pull))
                 });
                 match checked {
                     Ok(r) => {
@@ -693,7 +734,7 @@ impl CombineReceiver {
             // were).
             let ready = p.rows(t);
             if ready > copied {
-                if let Err(e) = take(copied..ready, rec.is_some_and(|r| r.int8())) {
+                if let Err(e) = take(copied..ready, rec.expect("read above")) {
                     failure = Some(e);
                     return None;
                 }

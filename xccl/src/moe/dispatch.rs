@@ -1089,6 +1089,17 @@ impl DispatchReceiver {
         }
     }
 
+    /// On a relay, [`Relay::release_e2a`]: the expert ranks' credit for the previous relayed
+    /// E2A, once its members have read it; nothing on other ranks.
+    pub(crate) fn release_relayed_e2a(&mut self, ctx: &Context, deadline: Instant) -> Result<()> {
+        match ctx.topo.relay_plan() {
+            Some(plan) if plan.relay_index(ctx.rank).is_some() => {
+                self.relay.release_e2a(ctx, deadline)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The oldest call has been replied to.
     pub(crate) fn replied(&mut self) {
         self.unreplied.pop_front();

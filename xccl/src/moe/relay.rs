@@ -28,7 +28,15 @@
 //! E2A: every expert rank writes one record per relay (the rows it sends through it), then its
 //! replies for the tokens of relay `r`'s members into `r`'s member areas at the offsets the
 //! header named, member after member, in chunks with a progress signal each. The relay
-//! ([`Relay::combine_e2a`], inside its own E2A send) reduces as the chunks land ([`Reduction`]):
+//! ([`Relay::combine_e2a`], inside its own E2A send) counts the contributions as the chunks
+//! land ([`Reduction`]). On a fabric with load/store access and replies in the dtype
+//! ([`super::combine::relay_sums_at_members`]) the replies stay where they landed: the relay
+//! writes each member a pull record and signals how many of its tokens are complete, a chunk
+//! at a time, and the member sums each token's contributions on the relay exactly as the direct
+//! path sums its own window's, straight into its output (so a relayed reply is copied as often
+//! as a direct one, and every rank's own replies are written into its member areas like
+//! anyone's). The expert ranks' E2A credit for such a call goes out once its members have
+//! credited it, at the relay's next E2A ([`Relay::release_e2a`]). Otherwise the relay reduces:
 //! for each member and token it replays the attention side's arithmetic of the direct path
 //! exactly (see `moe::combine`): no contribution gives zeros, one is copied as it is, several are
 //! summed in f32 in ascending expert-rank order starting from the first, then rounded once. A
@@ -57,6 +65,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use super::combine::relay_sums_at_members;
 use super::context::{Context, AWAITED_CHECK_EVERY};
 use super::dtype::MAX_FUSED_ROWS;
 use super::hash::Fnv;
@@ -98,6 +107,10 @@ pub(crate) struct RelayCall {
 #[derive(Debug, Default)]
 pub(crate) struct Relay {
     calls: VecDeque<RelayCall>,
+    /// The E2A call whose replies its members may still be summing here
+    /// ([`relay_sums_at_members`]): the expert ranks' credit for it waits for theirs
+    /// ([`Relay::release_e2a`]).
+    unreleased: Option<u64>,
     spare: Vec<RelayCall>,
     scratch: Vec<u8>,
     reductions: Vec<Reduction>,
@@ -451,9 +464,11 @@ impl Relay {
             }
         }
         let own_rows = own.map(|(rows, _)| rows);
-        // INT8 or not follows the replies (a local choice of each expert rank), but one call's
-        // replies through a relay must agree: the first record read sets it.
-        let mut int8: Option<bool> = None;
+        // Where the members sum their tokens themselves the replies stay in the dtype.
+        // Elsewhere INT8 or not follows the replies (a local choice of each expert rank), but
+        // one call's replies through a relay must agree: the first record read sets it.
+        let at_members = relay_sums_at_members(ctx);
+        let mut int8: Option<bool> = at_members.then_some(false);
         let mut seen = vec![false; n];
         let mut unseen = n;
         let mut landed = vec![0usize; n];
@@ -518,7 +533,12 @@ impl Relay {
                         let mine = got.saturating_sub(red.before[j]);
                         red.absorb(mc, j, mine.min(mc.counts[j] as usize));
                     }
-                    if red.emit(ctx, epoch, buf, mc, at, int8, work, own_rows)? {
+                    let complete = if at_members {
+                        red.publish(ctx, epoch, buf, mc, at.0)?
+                    } else {
+                        red.emit(ctx, epoch, buf, mc, at, int8, work, own_rows)?
+                    };
+                    if complete {
                         finished[m] = true;
                         unfinished -= 1;
                     }
@@ -567,8 +587,10 @@ impl Relay {
         if let Some(e) = failure {
             return Err(e);
         }
-        for &d in experts {
-            ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
+        if at_members {
+            self.unreleased = Some(epoch);
+        } else {
+            credit_experts(ctx, epoch)?;
         }
         let call = self.calls.pop_front().expect("checked above");
         if !call.readers.is_empty() {
@@ -587,6 +609,33 @@ impl Relay {
             return credited;
         }
         self.spare.push(call);
+        Ok(())
+    }
+
+    /// Credits the expert ranks for the last E2A call whose replies this relay's members summed
+    /// where they landed here ([`relay_sums_at_members`]), once every member of that call has
+    /// credited it (it has read them all); nothing when there is none. Called at the start of
+    /// this relay's next E2A, before its own replies wait for that credit.
+    pub(crate) fn release_e2a(&mut self, ctx: &Context, deadline: Instant) -> Result<()> {
+        let Some(epoch) = self.unreleased else {
+            return Ok(());
+        };
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let k = plan.relay_index(ctx.rank).expect("a relay");
+        let call = ctx.call_of(epoch);
+        let members: Vec<usize> = (plan.members(k).iter())
+            .map(|&ai| ctx.attention()[ai])
+            .filter(|&a| ctx.topo.in_call(a, call))
+            .collect();
+        ctx.wait_credited(
+            epoch,
+            &members,
+            ctx.slots.e2a_credit(0),
+            "E2A credit (attention rank is still summing its replies on this relay)",
+            deadline,
+        )?;
+        credit_experts(ctx, epoch)?;
+        self.unreleased = None;
         Ok(())
     }
 }
@@ -746,6 +795,41 @@ impl Reduction {
             ctx.signal(a, ctx.slots.e2a_ready(ctx.rank), progress(epoch, self.sent))?;
             fault_point!("relay.reply");
             ctx.stats.borrow_mut().relay_rows_forwarded += rows.len() as u64;
+        }
+        Ok(self.sent == t_count)
+    }
+
+    /// Where the member sums its tokens itself ([`relay_sums_at_members`]): tells it how many
+    /// of its tokens are complete (every contribution landed in its reply area here), a chunk
+    /// at a time (its record first: a pull record, the rows stay here); `true` once every token
+    /// is.
+    fn publish(
+        &mut self,
+        ctx: &Context,
+        epoch: u64,
+        buf: usize,
+        mc: &MemberCall,
+        a: usize,
+    ) -> Result<bool> {
+        let l = &ctx.layout;
+        let t_count = mc.num_tokens;
+        let slot = ctx.slots.e2a_ready(ctx.rank);
+        if !self.announced {
+            let my_index = ctx.topo.expert_index(ctx.rank).expect("expert rank");
+            let rec = Record::with_payload(epoch, t_count as u32, 0, WireMode::Pull, false);
+            ctx.put_record(a, l.record(my_index, buf), &rec)?;
+            self.announced = true;
+            if t_count == 0 {
+                ctx.signal(a, slot, progress(epoch, 0))?;
+                fault_point!("relay.reply");
+                return Ok(true);
+            }
+        }
+        let chunk = chunk_rows(l.e2a_stride, ctx.cfg.chunk_bytes);
+        if self.ready > self.sent && (self.ready - self.sent >= chunk || self.ready == t_count) {
+            self.sent = self.ready;
+            ctx.signal(a, slot, progress(epoch, self.sent))?;
+            fault_point!("relay.reply");
         }
         Ok(self.sent == t_count)
     }
@@ -972,6 +1056,15 @@ fn signal_progress(
             ctx.signal(d, ctx.slots.a2e_ready(ctx.rank), progress(epoch, ready))?;
             told[j] = Some(ready);
         }
+    }
+    Ok(())
+}
+
+/// Credits E2A call `epoch` to every expert rank: their replies' buffers here may be written
+/// again.
+fn credit_experts(ctx: &Context, epoch: u64) -> Result<()> {
+    for &d in ctx.experts() {
+        ctx.signal(d, ctx.slots.e2a_credit(ctx.rank), epoch)?;
     }
     Ok(())
 }

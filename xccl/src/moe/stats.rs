@@ -46,7 +46,8 @@ pub struct Stats {
     /// Metadata records this rank read and validated.
     pub records_polled: u64,
     /// Rows this rank forwarded as a relay (A2E rows to final expert ranks and reduced E2A rows
-    /// to attention ranks).
+    /// to attention ranks; none on a fabric with load/store access, where those ranks read them
+    /// on the relay).
     pub relay_rows_forwarded: u64,
     /// Time this rank spent as a relay forwarding A2E rows (from the start of its forwarding to
     /// its last header), waits included.
