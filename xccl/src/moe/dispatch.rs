@@ -1256,8 +1256,11 @@ impl DispatchReceiver {
         let epoch = self.last_epoch + 1;
         let buf = ctx.layout.buffer(epoch);
         let start = Instant::now();
-        if plan.relay_index(ctx.rank).is_some() {
-            self.relay.forward_a2e(ctx, epoch, deadline)?;
+        // A relay forwards its members' call in the same loop that receives its own rows (it
+        // tells itself of them as it checks them), so it copies them while they stream in.
+        let mut forwarding = plan.relay_index(ctx.rank).is_some();
+        if forwarding {
+            self.relay.begin_forward(ctx, epoch, deadline)?;
         }
         let relays = plan.relays();
         let attention = ctx.attention();
@@ -1276,8 +1279,13 @@ impl DispatchReceiver {
         // Headers and rows seen so far (`Waiting::progress`).
         let mut parts = 0u64;
         let (messages, reader, handled) = (&mut self.messages, &mut self.reader, &mut self.handled);
+        let relay = &mut self.relay;
         let mut pass = || -> Result<Option<Waiting>> {
             let mut waiting = None;
+            if forwarding {
+                waiting = relay.forward_pass(ctx)?;
+                forwarding = waiting.is_some();
+            }
             for (k, &r) in relays.iter().enumerate() {
                 if done[k] {
                     continue;
@@ -1360,10 +1368,13 @@ impl DispatchReceiver {
                 done[k] = true;
                 missing -= 1;
             }
-            if missing == 0 {
+            if missing == 0 && !forwarding {
                 return Ok(None);
             }
-            let awaited = (0..relays.len()).filter(|&k| !done[k]).map(|k| relays[k]);
+            // This rank's own header is its own forwarding's, which waits for its members.
+            let awaited = (0..relays.len())
+                .filter(|&k| !done[k] && relays[k] != ctx.rank)
+                .map(|k| relays[k]);
             let still = |r: usize| {
                 let k = relays.iter().position(|&x| x == r).expect("a relay");
                 let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(r)), epoch);

@@ -107,6 +107,8 @@ pub(crate) struct RelayCall {
 #[derive(Debug, Default)]
 pub(crate) struct Relay {
     calls: VecDeque<RelayCall>,
+    /// The A2E call being forwarded ([`Relay::begin_forward`]).
+    forwarding: Option<Forwarding>,
     /// The E2A call whose replies its members may still be summing here
     /// ([`relay_sums_at_members`]): the expert ranks' credit for it waits for theirs
     /// ([`Relay::release_e2a`]).
@@ -226,29 +228,22 @@ pub(crate) fn read_header(
 }
 
 impl Relay {
-    /// Relay side of A2E call `epoch`: waits for each member's message, writes one header per
-    /// expert rank once every route table is in, checks the rows as they land (forwarding
-    /// those no reader takes in place) and signals each expert rank how many it may read; then
-    /// credits the members (at once when every row was forwarded, else after the E2A).
-    pub(crate) fn forward_a2e(
+    /// Starts the relay side of A2E call `epoch`: waits for the expert ranks' credits, then
+    /// [`Relay::forward_pass`] does the rest, one look at a time: it waits for each member's
+    /// message, writes one header per expert rank once every route table is in, checks the rows
+    /// as they land (forwarding those no reader takes in place) and signals each expert rank
+    /// how many it may read; then credits the members (at once when every row was forwarded,
+    /// else after the E2A).
+    pub(crate) fn begin_forward(
         &mut self,
         ctx: &Context,
         epoch: u64,
         deadline: Instant,
     ) -> Result<()> {
-        let start = Instant::now();
-        let r = self.forward(ctx, epoch, deadline);
-        ctx.stats.borrow_mut().relay_forward += start.elapsed();
-        r
-    }
-
-    /// [`Relay::forward_a2e`] untimed.
-    fn forward(&mut self, ctx: &Context, epoch: u64, deadline: Instant) -> Result<()> {
+        let started = Instant::now();
         let plan = ctx.topo.relay_plan().expect("relayed");
         let k = plan.relay_index(ctx.rank).expect("a relay");
         let members = plan.members(k);
-        let l = &ctx.layout;
-        let buf = l.buffer(epoch);
         let experts = ctx.experts();
         let attention = ctx.attention();
         let n = experts.len();
@@ -268,11 +263,9 @@ impl Relay {
         call.readers.clear();
         call.readers
             .extend(experts.iter().copied().filter(|&d| ctx.mapped(d)));
-        let readers = &call.readers;
-        let mut recs: Vec<Option<Record>> = vec![None; g];
         // With DP domains, members outside the call's domain send nothing: empty routes.
         let call_no = ctx.call_of(epoch);
-        let mut done: Vec<bool> = members
+        let done: Vec<bool> = members
             .iter()
             .map(|&ai| !ctx.topo.in_call(attention[ai], call_no))
             .collect();
@@ -286,98 +279,43 @@ impl Relay {
             mc.offsets.resize(n, 0);
             mc.tokens.clear();
         }
-        let mut missing = done.iter().filter(|d| !**d).count();
-        // Members whose route table is not read yet; the headers go out once none is left, and
-        // then each chunk's rows as they are checked (and forwarded), so expert ranks read
-        // while the members write.
-        let mut unread = missing;
-        let mut told: Vec<Option<usize>> = vec![None; n];
-        let mut forwarded = vec![0usize; g];
-        let mut failure = None;
-        let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
-        let scratch = &mut self.scratch;
-        let mut pass = || -> Result<Option<Waiting>> {
-            let mut waiting = None;
-            for (m, &ai) in members.iter().enumerate() {
-                if done[m] {
-                    continue;
-                }
-                let a = attention[ai];
-                let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(a)), epoch);
-                if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting::on(a, "relayed A2E record"));
-                    continue;
-                }
-                if recs[m].is_none() {
-                    let rec = ctx.read_record(l.record(ai, buf))?;
-                    let mode = rec.validate(a, epoch, l.attention_rows, 1)?;
-                    if mode != WireMode::Push {
-                        return Err(Error::Protocol {
-                            peer: a,
-                            detail: format!("A2E of epoch {epoch} to its relay is not a push"),
-                        });
-                    }
-                    ctx.note_rows_received(a, rec.count as usize);
-                    begin_member(ctx, epoch, m, ai, &rec, &mut call.members[m])?;
-                    recs[m] = Some(rec);
-                    unread -= 1;
-                }
-                let count = recs[m].expect("set above").count as usize;
-                // Forward whatever arrived since the last look (per chunk, as it streams in).
-                let ready = p.rows(count);
-                if ready > forwarded[m] {
-                    let rows = forwarded[m]..ready;
-                    let mc = &mut call.members[m];
-                    forward_rows(ctx, epoch, (m, ai), mc, rows, readers, scratch)?;
-                    forwarded[m] = ready;
-                }
-                if ready < count {
-                    waiting.get_or_insert(Waiting::on(a, "relayed A2E rows"));
-                    continue;
-                }
-                done[m] = true;
-                missing -= 1;
-            }
-            if unread == 0 {
-                if told.iter().all(Option::is_none) {
-                    write_headers(ctx, k, epoch, &call.members, readers)?;
-                }
-                signal_progress(ctx, epoch, &call.members, &forwarded, &mut told)?;
-            }
-            if missing == 0 {
-                return Ok(None);
-            }
-            // Records and rows seen so far (`Waiting::progress`).
-            let parts = forwarded.iter().sum::<usize>() + recs.iter().flatten().count();
-            let waiting = waiting.map(|w| w.at(parts as u64));
-            let awaited = (0..g).filter(|&m| !done[m]).map(|m| attention[members[m]]);
-            let still = |a: usize| {
-                let v = ctx.slot_value(ctx.slots.a2e_ready(a));
-                let i = attention.iter().position(|&x| x == a).expect("member");
-                let m = members.iter().position(|&x| x == i).expect("member");
-                let count = recs[m].map_or(usize::MAX, |r| r.count as usize);
-                Progress::of(v, epoch).rows(count) < count
-            };
-            ctx.check_awaited_again(awaited, &mut next_check, &still)?;
-            Ok(waiting)
+        let missing = done.iter().filter(|d| !**d).count();
+        self.forwarding = Some(Forwarding {
+            call,
+            started,
+            recs: vec![None; g],
+            done,
+            missing,
+            unread: missing,
+            told: vec![None; n],
+            forwarded: vec![0; g],
+            next_check: Instant::now() + AWAITED_CHECK_EVERY,
+        });
+        Ok(())
+    }
+
+    /// One look at the A2E call [`Relay::begin_forward`] started: handles whatever arrived;
+    /// `Some` while a member's message is incomplete (what it waits for), `None` once the
+    /// call is forwarded (or none is being forwarded). An error ends the forwarding.
+    pub(crate) fn forward_pass(&mut self, ctx: &Context) -> Result<Option<Waiting>> {
+        let Some(mut f) = self.forwarding.take() else {
+            return Ok(None);
         };
-        ctx.wait(deadline, &mut || match pass() {
-            Ok(w) => w,
-            Err(e) => {
-                failure = Some(e);
-                None
-            }
-        })?;
-        if let Some(e) = failure {
-            return Err(e);
+        let waiting = f.pass(ctx, &mut self.scratch)?;
+        if waiting.is_some() {
+            self.forwarding = Some(f);
+            return Ok(waiting);
         }
         // When every row is forwarded, the members' buffers here may be reused at once;
         // otherwise once the readers are done ([`Relay::combine_e2a`]).
-        if call.readers.is_empty() {
-            credit_members(ctx, members, epoch)?;
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let k = plan.relay_index(ctx.rank).expect("a relay");
+        if f.call.readers.is_empty() {
+            credit_members(ctx, plan.members(k), f.call.epoch)?;
         }
-        self.calls.push_back(call);
-        Ok(())
+        ctx.stats.borrow_mut().relay_forward += f.started.elapsed();
+        self.calls.push_back(f.call);
+        Ok(None)
     }
 
     /// Relay side of E2A call `epoch`: reduces each member's tokens as the expert ranks' replies
@@ -989,6 +927,109 @@ impl Reduction {
             }
         }
         Ok(())
+    }
+}
+
+/// One A2E call a relay is forwarding: what its looks have seen so far.
+#[derive(Debug)]
+struct Forwarding {
+    call: RelayCall,
+    started: Instant,
+    /// Each member's record, once read.
+    recs: Vec<Option<Record>>,
+    /// Members whose rows are all in (or that are outside the call's DP domain).
+    done: Vec<bool>,
+    missing: usize,
+    /// Members whose route table is not read yet; the headers go out once none is left, and
+    /// then each chunk's rows as they are checked (and forwarded), so expert ranks read while
+    /// the members write.
+    unread: usize,
+    /// Per expert index, the rows it was last told it may read.
+    told: Vec<Option<usize>>,
+    /// Per member, its rows checked (and forwarded) so far.
+    forwarded: Vec<usize>,
+    next_check: Instant,
+}
+
+impl Forwarding {
+    /// One look at every member; `None` once every member's rows are in.
+    fn pass(&mut self, ctx: &Context, scratch: &mut Vec<u8>) -> Result<Option<Waiting>> {
+        let plan = ctx.topo.relay_plan().expect("relayed");
+        let k = plan.relay_index(ctx.rank).expect("a relay");
+        let members = plan.members(k);
+        let l = &ctx.layout;
+        let epoch = self.call.epoch;
+        let buf = l.buffer(epoch);
+        let attention = ctx.attention();
+        let g = members.len();
+        let mut waiting = None;
+        for (m, &ai) in members.iter().enumerate() {
+            if self.done[m] {
+                continue;
+            }
+            let a = attention[ai];
+            let p = Progress::of(ctx.slot_value(ctx.slots.a2e_ready(a)), epoch);
+            if p == Progress::NotYet {
+                waiting.get_or_insert(Waiting::on(a, "relayed A2E record"));
+                continue;
+            }
+            if self.recs[m].is_none() {
+                let rec = ctx.read_record(l.record(ai, buf))?;
+                let mode = rec.validate(a, epoch, l.attention_rows, 1)?;
+                if mode != WireMode::Push {
+                    return Err(Error::Protocol {
+                        peer: a,
+                        detail: format!("A2E of epoch {epoch} to its relay is not a push"),
+                    });
+                }
+                ctx.note_rows_received(a, rec.count as usize);
+                begin_member(ctx, epoch, m, ai, &rec, &mut self.call.members[m])?;
+                self.recs[m] = Some(rec);
+                self.unread -= 1;
+            }
+            let count = self.recs[m].expect("set above").count as usize;
+            // Forward whatever arrived since the last look (per chunk, as it streams in).
+            let ready = p.rows(count);
+            if ready > self.forwarded[m] {
+                let rows = self.forwarded[m]..ready;
+                let (mc, readers) = (&mut self.call.members[m], &self.call.readers);
+                forward_rows(ctx, epoch, (m, ai), mc, rows, readers, scratch)?;
+                self.forwarded[m] = ready;
+            }
+            if ready < count {
+                waiting.get_or_insert(Waiting::on(a, "relayed A2E rows"));
+                continue;
+            }
+            self.done[m] = true;
+            self.missing -= 1;
+        }
+        if self.unread == 0 {
+            if self.told.iter().all(Option::is_none) {
+                write_headers(ctx, k, epoch, &self.call.members, &self.call.readers)?;
+            }
+            let (members, told) = (&self.call.members, &mut self.told);
+            signal_progress(ctx, epoch, members, &self.forwarded, told)?;
+        }
+        if self.missing == 0 {
+            return Ok(None);
+        }
+        // Records and rows seen so far (`Waiting::progress`).
+        let parts = self.forwarded.iter().sum::<usize>() + self.recs.iter().flatten().count();
+        let waiting = waiting.map(|w| w.at(parts as u64));
+        let (done, recs) = (&self.done, &self.recs);
+        let awaited = (0..g).filter(|&m| !done[m]).map(|m| attention[members[m]]);
+        let still = |a: usize| {
+            let v = ctx.slot_value(ctx.slots.a2e_ready(a));
+            let i = attention.iter().position(|&x| x == a).expect("member");
+            let m = members.iter().position(|&x| x == i).expect("member");
+            let count = recs[m].map_or(usize::MAX, |r| r.count as usize);
+            Progress::of(v, epoch).rows(count) < count
+        };
+        ctx.check_awaited_again(awaited, &mut self.next_check, &still)?;
+        // Unreachable with members left: a member not done was waited for above.
+        Ok(Some(
+            waiting.unwrap_or_else(|| Waiting::on(ctx.rank, "relayed A2E")),
+        ))
     }
 }
 
