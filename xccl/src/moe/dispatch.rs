@@ -1240,8 +1240,8 @@ impl DispatchReceiver {
         Ok(epoch)
     }
 
-    /// [`DispatchReceiver::receive`] through relays: a relay first forwards its members' rows
-    /// ([`Relay::forward_a2e`]); then one header per relay is awaited, and each of its members
+    /// [`DispatchReceiver::receive`] through relays: a relay forwards its members' rows in the
+    /// same loop ([`Relay::forward_pass`]); one header per relay is awaited, and each of its members
     /// is reported as a message of its own whose rows lie where the direct path would have
     /// pushed them, or in the relay's member area when they stayed there
     /// ([`Message::on_relay`]); every layout reads them through [`Message::full_row`].

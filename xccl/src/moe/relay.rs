@@ -7,8 +7,8 @@
 //! `a2e_ready[a]` on `r` as it goes. Rows are the direct path's rows (one per (token,
 //! destination rank), payload, token index, local-expert mask and weights, INT8 or not).
 //!
-//! The relay ([`Relay::forward_a2e`], inside its own A2E receive) checks each member's rows
-//! chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
+//! The relay ([`Relay::begin_forward`] and [`Relay::forward_pass`], inside the loop of its own
+//! A2E receive) checks each member's rows chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
 //! route table when the record arrives, then every row's token. Rows for an expert rank that
 //! maps this rank's window (every expert rank on a load/store fabric such as shm, and the relay
 //! itself) stay where the member pushed them: that rank reads them there, so a relayed row is
