@@ -242,8 +242,10 @@ fn relayed_e2a(
     let deadline = ctx.call_deadline();
     dispatch.release_relayed_e2a(ctx, deadline)?;
     let own = crate::moe::combine::own_replies_in_place(ctx, &replies);
-    combine.send_relayed(ctx, epoch, sources, replies, deadline)?;
-    dispatch.relay_e2a(ctx, epoch, deadline, own.map(|rows| (rows, sources)))
+    let send = |hook: &mut dyn FnMut() -> Result<()>| {
+        combine.send_relayed(ctx, epoch, sources, replies, deadline, hook)
+    };
+    dispatch.relay_e2a(ctx, epoch, deadline, own.map(|rows| (rows, sources)), send)
 }
 
 fn check_len(what: &str, bytes: usize, rows: usize, payload: usize) -> Result<()> {

@@ -1667,19 +1667,12 @@ fn relayed_round_until_the_attention_receives(
     seed: u64,
     mid: impl FnOnce(&Communicator),
 ) -> ([Communicator; 3], Box<dyn FnOnce(&mut Communicator)>) {
-    use crate::testing::reference::{expected_combine_quant, expert_output};
     let topo = relayed(1, 2, 4, 1);
-    let (c, h) = (cfg(16, DType::F32, 2, 4), 16);
+    let c = cfg(16, DType::F32, 2, 4);
     let mut comms = Communicator::local_group(&topo, &c).unwrap();
     let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
     let wl = wl(seed, 4, false);
-    let input = wl.input(&topo, 2, 0, 0);
-    let x: Vec<f32> = wl.hidden_states(0, 0, input.num_tokens, h);
-    let handle = att
-        .a2e_send(&x, &input.topk_idx, &input.topk_weights)
-        .unwrap();
-    let mut batch = ExpertBatch::new();
-    relay.a2e_recv(&mut batch).unwrap();
+    let call = RelayedCall::send(&topo, &wl, 16, &mut att, &mut relay);
     mid(&att);
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -1688,23 +1681,73 @@ fn relayed_round_until_the_attention_receives(
                 .unwrap()
                 .unwrap();
         });
-        let rows: &[f32] = batch.rows().unwrap();
+        relay.e2a_send(&call.batch, &call.relay_outputs()).unwrap();
+    });
+    let receive = move |att: &mut Communicator| call.receive(att);
+    ([att, relay, other], Box::new(receive))
+}
+
+/// One relayed call of `Workload` `wl` at 1A:2E (rank 1 the relay) from its A2E until the
+/// attention rank receives the combine.
+struct RelayedCall {
+    topo: Topology,
+    input: crate::testing::reference::RankInput,
+    x: Vec<f32>,
+    h: usize,
+    handle: crate::A2eHandle,
+    /// The relay's received rows.
+    batch: ExpertBatch,
+}
+
+impl RelayedCall {
+    /// The attention rank sends call 0 of `wl`; the relay receives its rows.
+    fn send(
+        topo: &Topology,
+        wl: &Workload,
+        h: usize,
+        att: &mut Communicator,
+        relay: &mut Communicator,
+    ) -> Self {
+        let input = wl.input(topo, 2, 0, 0);
+        let x: Vec<f32> = wl.hidden_states(0, 0, input.num_tokens, h);
+        let handle = att
+            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+            .unwrap();
+        let mut batch = ExpertBatch::new();
+        relay.a2e_recv(&mut batch).unwrap();
+        RelayedCall {
+            topo: topo.clone(),
+            input,
+            x,
+            h,
+            handle,
+            batch,
+        }
+    }
+
+    /// The relay's replies: the test experts' outputs for its rows.
+    fn relay_outputs(&self) -> Vec<f32> {
+        use crate::testing::reference::expert_output;
+        let (rows, h): (&[f32], usize) = (self.batch.rows().unwrap(), self.h);
         let mut out = Vec::with_capacity(rows.len());
-        for (j, &e) in topo.local_experts(1).iter().enumerate() {
-            for r in batch.expert_rows(j) {
+        for (j, &e) in self.topo.local_experts(1).iter().enumerate() {
+            for r in self.batch.expert_rows(j) {
                 out.extend(expert_output(&test_expert, e, &rows[r * h..(r + 1) * h]));
             }
         }
-        relay.e2a_send(&batch, &out).unwrap();
-    });
-    let receive = move |att: &mut Communicator| {
-        let mut got = vec![0f32; input.num_tokens * h];
-        att.e2a_recv(&handle, &mut got).unwrap();
+        out
+    }
+
+    /// The attention rank receives the combine, bit for bit the reference's.
+    fn receive(self, att: &mut Communicator) {
+        use crate::testing::reference::expected_combine_quant;
+        let h = self.h;
+        let mut got = vec![0f32; self.input.num_tokens * h];
+        att.e2a_recv(&self.handle, &mut got).unwrap();
         let (q, n) = (&test_expert, Quant::None);
-        let want = expected_combine_quant(&topo, &input, &x, h, q, n, n);
+        let want = expected_combine_quant(&self.topo, &self.input, &self.x, h, q, n, n);
         assert_eq!(first_difference(&got, &want, h), None);
-    };
-    ([att, relay, other], Box::new(receive))
+    }
 }
 
 #[test]
@@ -2499,14 +2542,18 @@ mod reply_holes {
 /// What a peer does between this rank's look at its slot and the liveness check that follows.
 type Meanwhile = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>>;
 
-/// A local endpoint whose next liveness check of `peer` first runs what `meanwhile` holds.
-struct RacesAtCheck {
+/// Every signal a rank sent, in order: (peer, slot, value).
+type SignalLog = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, u64)>>>;
+
+/// A local endpoint with test hooks: its next liveness check of `races.0` first runs what
+/// `races.1` holds, and every signal it sends goes into `log`.
+struct Hooked {
     inner: crate::fabric::local::LocalFabric,
-    peer: usize,
-    meanwhile: Meanwhile,
+    races: Option<(usize, Meanwhile)>,
+    log: Option<SignalLog>,
 }
 
-impl crate::fabric::Fabric for RacesAtCheck {
+impl crate::fabric::Fabric for Hooked {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -2538,7 +2585,11 @@ impl crate::fabric::Fabric for RacesAtCheck {
         self.inner.get(peer, offset, buf)
     }
     fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
-        self.inner.signal(peer, slot, value)
+        self.inner.signal(peer, slot, value)?;
+        if let Some(log) = &self.log {
+            log.lock().unwrap().push((peer, slot, value));
+        }
+        Ok(())
     }
     fn signal_value(&self, slot: usize) -> u64 {
         self.inner.signal_value(slot)
@@ -2572,10 +2623,12 @@ impl crate::fabric::Fabric for RacesAtCheck {
         self.inner.check_peers()
     }
     fn check_peer(&self, peer: usize) -> crate::Result<()> {
-        if peer == self.peer {
-            let meanwhile = self.meanwhile.lock().unwrap().take();
-            if let Some(f) = meanwhile {
-                f();
+        if let Some((racer, meanwhile)) = &self.races {
+            if peer == *racer {
+                let meanwhile = meanwhile.lock().unwrap().take();
+                if let Some(f) = meanwhile {
+                    f();
+                }
             }
         }
         self.inner.check_peer(peer)
@@ -2600,10 +2653,10 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
     let meanwhile = Meanwhile::default();
     let (t1, c1) = (topo.clone(), c.clone());
     let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t1, c1).unwrap());
-    let racing = RacesAtCheck {
+    let racing = Hooked {
         inner: f0,
-        peer: 1,
-        meanwhile: meanwhile.clone(),
+        races: Some((1, meanwhile.clone())),
+        log: None,
     };
     let mut rank0 = Communicator::new(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
@@ -2620,5 +2673,54 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
     assert!(
         left.load(std::sync::atomic::Ordering::SeqCst),
         "rank 1 left inside the check"
+    );
+}
+
+/// Where a relay's members sum their replies on it, the relay tells a member of the tokens
+/// complete so far after each chunk of its own replies, not once all of them are written (it
+/// did: the member then waited for the relay's whole copy before summing anything).
+#[test]
+fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_replies() {
+    use crate::fabric::local::LocalFabric;
+    use std::sync::Arc;
+    let topo = Arc::new(relayed(1, 2, 4, 1));
+    let h = 16;
+    let mut c = cfg(h, DType::F32, 2, 8);
+    c.chunk_bytes = 1; // a progress signal per row
+    let lens = Communicator::window_lens(&topo, &c).unwrap();
+    let fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let log = SignalLog::default();
+    let mut comms = on_every_rank(fabrics, |f| {
+        let log = (crate::fabric::Fabric::rank(&f) == 1).then(|| log.clone());
+        let hooked = Hooked {
+            inner: f,
+            races: None,
+            log,
+        };
+        Communicator::new(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+    });
+    let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
+    let wl = wl(84, 8, false);
+    let call = RelayedCall::send(&topo, &wl, h, &mut att, &mut relay);
+    // Rank 2's replies are all in before the relay writes its own.
+    expert_round::<f32>(&mut other, &wl, 0, &mut ExpertBatch::new(), true)
+        .unwrap()
+        .unwrap();
+    assert!(call.batch.num_rows() >= 2, "the relay has rows of its own");
+    log.lock().unwrap().clear();
+    relay.e2a_send(&call.batch, &call.relay_outputs()).unwrap();
+    call.receive(&mut att);
+    // The relay's progress to itself (its own replies) and to the attention rank (tokens
+    // complete), on the relay's E2A slot.
+    let slot = relay.ctx().slots.e2a_ready(1);
+    let log = log.lock().unwrap();
+    let last_own = log.iter().rposition(|&(p, s, _)| (p, s) == (1, slot));
+    let first_told = log.iter().position(|&(p, s, _)| (p, s) == (0, slot));
+    let (Some(last_own), Some(first_told)) = (last_own, first_told) else {
+        panic!("no progress of the relay's own replies or to its member: {log:?}");
+    };
+    assert!(
+        first_told < last_own,
+        "the member heard of complete tokens only after the relay's last own reply: {log:?}"
     );
 }

@@ -355,6 +355,7 @@ impl CombineSender {
     /// (`MoeConfig::e2a_quant`). A relay's own replies to its members stay where the caller
     /// has them when [`own_replies_in_place`] gives them (the relay reduces them from there):
     /// the record and the signal still go out, so its wait counts them like everyone's.
+    /// `after_chunk` runs after every signal (a relay combines what has landed so far there).
     pub(crate) fn send_relayed(
         &mut self,
         ctx: &Context,
@@ -362,6 +363,7 @@ impl CombineSender {
         sources: &[SourceInfo],
         mut replies: Replies<'_>,
         deadline: Instant,
+        after_chunk: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         let plan = ctx.topo.relay_plan().expect("relayed");
         let ranks = ctx.attention();
@@ -399,11 +401,13 @@ impl CombineSender {
             if total == 0 {
                 ctx.signal(relay, slot, progress(epoch, 0))?;
                 fault_point!("e2a.signal");
+                after_chunk()?;
                 continue;
             }
             if relay == ctx.rank && own_replies_in_place(ctx, &replies).is_some() {
                 ctx.signal(relay, slot, progress(epoch, total))?;
                 fault_point!("e2a.signal");
+                after_chunk()?;
                 continue;
             }
             // Rows for the members in member order, in chunks; the progress counts them all.
@@ -422,6 +426,7 @@ impl CombineSender {
                     fault_point!("e2a.chunk");
                     ctx.signal(relay, slot, progress(epoch, done))?;
                     fault_point!("e2a.signal");
+                    after_chunk()?;
                 }
             }
         }

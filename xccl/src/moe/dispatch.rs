@@ -1072,20 +1072,22 @@ impl DispatchReceiver {
         }
     }
 
-    /// On a relay, the relay side of E2A call `epoch` ([`Relay::combine_e2a`]); nothing on
-    /// other ranks.
+    /// This rank's side of relayed E2A call `epoch`: `send_own` sends its replies (calling the
+    /// hook it is given after each chunk); on a relay, [`Relay::combine_e2a`] runs around it,
+    /// a pass after each of those chunks.
     pub(crate) fn relay_e2a(
         &mut self,
         ctx: &Context,
         epoch: u64,
         deadline: Instant,
         own: Option<(&[u8], &[crate::SourceInfo])>,
+        send_own: impl FnOnce(&mut dyn FnMut() -> Result<()>) -> Result<()>,
     ) -> Result<()> {
         match ctx.topo.relay_plan() {
             Some(plan) if plan.relay_index(ctx.rank).is_some() => {
-                self.relay.combine_e2a(ctx, epoch, deadline, own)
+                self.relay.combine_e2a(ctx, epoch, deadline, own, send_own)
             }
-            _ => Ok(()),
+            _ => send_own(&mut || Ok(())),
         }
     }
 

@@ -330,6 +330,7 @@ impl Relay {
         epoch: u64,
         deadline: Instant,
         own: Option<(&[u8], &[SourceInfo])>,
+        send_own: impl FnOnce(&mut dyn FnMut() -> Result<()>) -> Result<()>,
     ) -> Result<()> {
         let start = Instant::now();
         let Some(call) = self.calls.front() else {
@@ -509,12 +510,17 @@ impl Relay {
                 ))),
             }
         };
-        let waited = ctx.wait(deadline, &mut || match pass() {
-            Ok(w) => w,
-            Err(e) => {
-                failure = Some(e);
-                None
-            }
+        // This rank's own replies go out first, with a pass after each chunk, so its members
+        // sum the tokens complete so far while it still writes (not after all of its replies).
+        let sent = send_own(&mut || pass().map(drop));
+        let waited = sent.and_then(|()| {
+            ctx.wait(deadline, &mut || match pass() {
+                Ok(w) => w,
+                Err(e) => {
+                    failure = Some(e);
+                    None
+                }
+            })
         });
         let finish = |stats: &mut crate::moe::stats::Stats| {
             stats.relay_combine += start.elapsed();

@@ -100,7 +100,8 @@ pub const POINTS: &[(&str, &str)] = &[
     ),
     (
         "relay.reply",
-        "relay: one member's reduced replies written and signalled, the others not yet",
+        "relay: complete tokens of one member written (or, where members sum on the relay, \
+         announced) and signalled, the others not yet (count depends on arrival)",
     ),
 ];
 
