@@ -2724,3 +2724,28 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
         "the member heard of complete tokens only after the relay's last own reply: {log:?}"
     );
 }
+
+/// A member lays its rows out in its relay's wire order: the expert ranks after the relay first,
+/// the relay's own rows last (the relay's receive waits for every row anyway; the others then
+/// get theirs as early as the direct path's first destination).
+#[test]
+fn a_member_sends_the_relays_own_rows_last() {
+    use crate::moe::relay::read_header;
+    let topo = relayed(1, 3, 6, 1);
+    let c = cfg(16, DType::F32, 2, 8);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut relay = comms.remove(1);
+    let call = RelayedCall::send(&topo, &wl(85, 8, false), 16, &mut comms[0], &mut relay);
+    // (count, offset) of the member's rows for each expert rank, from the relay's headers.
+    let mut placed = Vec::new();
+    for ctx in [relay.ctx(), comms[1].ctx(), comms[2].ctx()] {
+        let mut entries = Vec::new();
+        read_header(ctx, 1, 0, call.handle.epoch(), &mut entries).unwrap();
+        assert!(entries[0].count > 0, "rank {} has rows", ctx.rank);
+        placed.push((entries[0].count, entries[0].offset));
+    }
+    let [(own, own_at), (c2, at2), (c3, at3)] = placed[..] else {
+        unreachable!()
+    };
+    assert_eq!((at2, at3, own_at), (0, c2, c2 + c3), "own {own}");
+}

@@ -29,7 +29,7 @@ use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use super::regions;
-use super::relay::{read_header, Relay};
+use super::relay::{read_header, wire_order, Relay};
 use super::routing::DispatchLayout;
 use crate::fabric::Waiting;
 use crate::{Error, Result};
@@ -213,11 +213,22 @@ impl DispatchSender {
         ctx.stats.borrow_mut().dropped_slots += sent.layout.dropped() as u64;
         sent.num_tokens = num_tokens;
         sent.amax = amax;
+        // Each destination's first row in the message: in expert-rank order, or through a relay
+        // in its wire order.
+        let experts = ctx.experts();
         sent.offsets.clear();
+        sent.offsets.resize(experts.len(), 0);
         let mut acc = 0;
-        for &d in ctx.experts() {
-            sent.offsets.push(acc);
-            acc += sent.layout.count(d);
+        let place = |j: usize| {
+            sent.offsets[j] = acc;
+            acc += sent.layout.count(experts[j]);
+        };
+        match ctx.topo.relay_plan() {
+            Some(plan) => {
+                let index = ctx.topo.attention_index(ctx.rank).expect("attention rank");
+                wire_order(ctx, plan.relay_rank_of(index)).for_each(place);
+            }
+            None => (0..experts.len()).for_each(place),
         }
         Ok(sent)
     }
@@ -418,14 +429,7 @@ impl DispatchSender {
                 let rows = done..(done + chunk).min(count);
                 let at = base + rows.start * stride;
                 let entries = entries.start + rows.start..entries.start + rows.end;
-                if direct && !int8 {
-                    self.put_rows(ctx, plan, entries, payloads, dst, at)?;
-                } else if direct {
-                    self.put_rows_int8(ctx, sent, entries, payloads, dst, at)?;
-                } else {
-                    self.stage_rows(ctx, sent, entries, payloads, int8)?;
-                    ctx.put(dst, at, &self.stage)?;
-                }
+                self.put_chunk(ctx, sent, entries, payloads, (dst, at), (direct, int8))?;
                 done = rows.end;
                 fault_point!("a2e.chunk");
                 ctx.signal(d, slot, progress(epoch, done))?;
@@ -439,7 +443,7 @@ impl DispatchSender {
     }
 
     /// Writes call `epoch` to this rank's relay: route table, one record, then every row
-    /// (grouped by destination in expert-rank order) in chunks, signalling as it goes.
+    /// (grouped by destination in the relay's [`wire_order`]) in chunks, signalling as it goes.
     fn write_relayed(
         &mut self,
         ctx: &Context,
@@ -470,25 +474,49 @@ impl DispatchSender {
         let base = layout.relay_a2e(m, buf);
         let direct = ctx.mapped(relay);
         let chunk = chunk_rows(stride, ctx.cfg.chunk_bytes);
-        let mut done = 0;
-        loop {
-            let rows = done..(done + chunk).min(count);
-            let at = base + rows.start * stride;
-            if direct && !int8 {
-                self.put_rows(ctx, plan_rows, rows.clone(), payloads, relay, at)?;
-            } else if direct {
-                self.put_rows_int8(ctx, sent, rows.clone(), payloads, relay, at)?;
-            } else {
-                self.stage_rows(ctx, sent, rows.clone(), payloads, int8)?;
-                ctx.put(relay, at, &self.stage)?;
-            }
-            done = rows.end;
-            fault_point!("a2e.chunk");
-            ctx.signal(relay, slot, progress(epoch, done))?;
+        if count == 0 {
+            ctx.signal(relay, slot, progress(epoch, 0))?;
             fault_point!("a2e.signal");
-            if done == count {
-                return Ok(());
+            return Ok(());
+        }
+        // Rows signalled so far: the progress counts them in the wire order.
+        let mut done = 0;
+        for j in wire_order(ctx, relay) {
+            let entries = plan_rows.entries(ctx.experts()[j]);
+            let mut at_row = 0;
+            while at_row < entries.len() {
+                let n = chunk.min(entries.len() - at_row);
+                let rows = entries.start + at_row..entries.start + at_row + n;
+                let at = base + (sent.offsets[j] + at_row) * stride;
+                self.put_chunk(ctx, sent, rows, payloads, (relay, at), (direct, int8))?;
+                at_row += n;
+                done += n;
+                fault_point!("a2e.chunk");
+                ctx.signal(relay, slot, progress(epoch, done))?;
+                fault_point!("a2e.signal");
             }
+        }
+        Ok(())
+    }
+
+    /// Writes the full rows of plan `entries` into `dst`'s window at `at`: straight in where
+    /// this rank maps it (`direct`), quantizing when `int8`, else staged then put.
+    fn put_chunk(
+        &mut self,
+        ctx: &Context,
+        sent: &Sent,
+        entries: Range<usize>,
+        payloads: Payloads<'_>,
+        (dst, at): (usize, usize),
+        (direct, int8): (bool, bool),
+    ) -> Result<()> {
+        if direct && !int8 {
+            self.put_rows(ctx, &sent.layout, entries, payloads, dst, at)
+        } else if direct {
+            self.put_rows_int8(ctx, sent, entries, payloads, dst, at)
+        } else {
+            self.stage_rows(ctx, sent, entries, payloads, int8)?;
+            ctx.put(dst, at, &self.stage)
         }
     }
 

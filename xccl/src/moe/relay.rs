@@ -3,9 +3,10 @@
 //! With a [`crate::topology::RelayPlan`], attention rank `a` (member slot `m` of relay `r`)
 //! sends its whole A2E call to `r` only: its route table (token count, rows per expert rank)
 //! into `r`'s table area, one [`Record`] (the total row count), then its rows, grouped by
-//! destination in expert-rank order, in chunks into `r`'s member area, signalling
-//! `a2e_ready[a]` on `r` as it goes. Rows are the direct path's rows (one per (token,
-//! destination rank), payload, token index, local-expert mask and weights, INT8 or not).
+//! destination in the relay's [`wire_order`] (the expert ranks after `r` first, `r`'s own rows
+//! last), in chunks into `r`'s member area, signalling `a2e_ready[a]` on `r` as it goes. Rows
+//! are the direct path's rows (one per (token, destination rank), payload, token index,
+//! local-expert mask and weights, INT8 or not).
 //!
 //! The relay ([`Relay::begin_forward`] and [`Relay::forward_pass`], inside the loop of its own
 //! A2E receive) checks each member's rows chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
@@ -28,8 +29,8 @@
 //! E2A: every expert rank writes one record per relay (the rows it sends through it), then its
 //! replies for the tokens of relay `r`'s members into `r`'s member areas at the offsets the
 //! header named, member after member, in chunks with a progress signal each. The relay
-//! ([`Relay::combine_e2a`], inside its own E2A send) counts the contributions as the chunks
-//! land ([`Reduction`]). On a fabric with load/store access and replies in the dtype
+//! ([`Relay::combine_e2a`], around its own E2A send, with a pass after each chunk of its own
+//! replies) counts the contributions as the chunks land ([`Reduction`]). On a fabric with load/store access and replies in the dtype
 //! ([`super::combine::relay_sums_at_members`]) the replies stay where they landed: the relay
 //! writes each member a pull record and signals how many of its tokens are complete, a chunk
 //! at a time, and the member sums each token's contributions on the relay exactly as the direct
@@ -117,6 +118,21 @@ pub(crate) struct Relay {
     scratch: Vec<u8>,
     reductions: Vec<Reduction>,
     work: Work,
+}
+
+/// The order in which a member of relay `relay` sends its rows, and so their order in its
+/// member area there: expert indices after the relay's own first (wrapping), the relay's own
+/// last. A relay's receive ends only once every row of its members is in (it checks them all,
+/// and forwards those it must), so its own rows coming last costs it nothing, while every other
+/// expert rank gets its rows as early as the direct path's first destination does (with the
+/// relay's own rows first, they all waited for the relay's share as well).
+pub(crate) fn wire_order(ctx: &Context, relay: usize) -> impl Iterator<Item = usize> {
+    let n = ctx.experts().len();
+    let own = ctx
+        .topo
+        .expert_index(relay)
+        .expect("relays are expert ranks");
+    (1..=n).map(move |s| (own + s) % n)
 }
 
 /// The hash of a header's entries, carried in its record's offset field.
@@ -649,15 +665,17 @@ impl Reduction {
             at += c;
             at - c
         }));
-        // Rows come grouped by ascending expert index, so each token's list is ascending.
+        // Each token's list in ascending expert index (the rows are in the wire order).
         self.have.clear();
         self.have.resize(t, 0);
         self.rows.clear();
         self.rows.resize(mc.tokens.len(), 0);
-        for (i, &tok) in mc.tokens.iter().enumerate() {
-            let tok = tok as usize;
-            self.rows[(self.start[tok] + self.have[tok]) as usize] = i as u32;
-            self.have[tok] += 1;
+        for (&lo, &c) in mc.offsets.iter().zip(&mc.counts) {
+            for i in lo as usize..(lo + c) as usize {
+                let tok = mc.tokens[i] as usize;
+                self.rows[(self.start[tok] + self.have[tok]) as usize] = i as u32;
+                self.have[tok] += 1;
+            }
         }
         self.have.fill(0);
         self.taken.clear();
@@ -1156,8 +1174,8 @@ fn begin_member(
     mc.tag = rec.tag;
     mc.counts.clear();
     mc.offsets.clear();
+    mc.offsets.resize(n, 0);
     mc.tokens.clear();
-    let mut sum = 0usize;
     for (j, &d) in experts.iter().enumerate() {
         let c = word(j + 1);
         if c as usize > t_count || c as usize > l.recv_rows {
@@ -1167,9 +1185,13 @@ fn begin_member(
                 l.recv_rows
             ));
         }
-        mc.offsets.push(sum as u32);
         mc.counts.push(c);
-        sum += c as usize;
+    }
+    // The rows come in the wire order: each destination's offset in the member's area.
+    let mut sum = 0usize;
+    for j in wire_order(ctx, ctx.rank) {
+        mc.offsets[j] = sum as u32;
+        sum += mc.counts[j] as usize;
     }
     if sum != rec.count as usize {
         return bad(format!(
@@ -1214,7 +1236,9 @@ fn forward_rows(
         }
     };
     let t_count = mc.num_tokens as u32;
-    for (j, &d) in experts.iter().enumerate() {
+    // In the wire order, so the tokens are noted in the order of the rows.
+    for j in wire_order(ctx, ctx.rank) {
+        let d = experts[j];
         let (start, c) = (mc.offsets[j] as usize, mc.counts[j] as usize);
         // This destination's rows within the chunk.
         let (lo, hi) = (start.max(rows.start), (start + c).min(rows.end));
