@@ -2732,8 +2732,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
 fn a_member_sends_the_relays_own_rows_last() {
     use crate::moe::relay::read_header;
     let topo = relayed(1, 3, 6, 1);
-    let c = cfg(16, DType::F32, 2, 8);
-    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut comms = Communicator::local_group(&topo, &cfg(16, DType::F32, 2, 8)).unwrap();
     let mut relay = comms.remove(1);
     let call = RelayedCall::send(&topo, &wl(85, 8, false), 16, &mut comms[0], &mut relay);
     // (count, offset) of the member's rows for each expert rank, from the relay's headers.
