@@ -8,29 +8,30 @@
 //! are the direct path's rows (one per (token, destination rank), payload, token index,
 //! local-expert mask and weights, INT8 or not).
 //!
-//! The relay ([`Relay::begin_forward`] and [`Relay::forward_pass`], inside the loop of its own
-//! A2E receive) checks each member's rows chunk by chunk as they stream in (not after the whole call, nor after a whole source): the
-//! route table when the record arrives, then every row's token. Rows for an expert rank that
-//! maps this rank's window (every expert rank on a load/store fabric such as shm, and the relay
-//! itself) stay where the member pushed them: that rank reads them there, so a relayed row is
-//! copied no more often than a direct one. Rows for any other expert rank `d` go straight
-//! into `d`'s receive area for attention rank `a`, exactly where the direct path would have
-//! pushed them. Once every member's route table is in it writes one header per expert rank: a
-//! record (total rows, a hash of the entries in its offset field) and one `(count, offset,
-//! flags)` entry per member (the offset locates the rows in the member's area and the replies
-//! in its reply area; a flag says whether the rows stayed there). Then, as each chunk is checked
-//! (and forwarded), it signals `a2e_ready[r]` on every expert rank with the rows of its members
-//! that rank may read, counted in member order, so expert ranks read while the members write.
-//! An expert rank therefore polls one signal per relay, not one per attention rank. The relay
-//! keeps the token index of every row for the E2A. While rows are
-//! read in place the members' A2E buffers here stay reserved: their credit goes out when the
-//! readers have credited the call, at the end of its E2A ([`Relay::combine_e2a`]).
+//! The relay ([`Relay::begin_forward`] and [`Relay::forward_pass`], inside the loop of its own A2E
+//! receive) checks each member's rows chunk by chunk as they stream in (not after the whole call,
+//! nor after a whole source): the route table when the record arrives, then every row's token. Rows
+//! for an expert rank that maps this rank's window (every expert rank on a load/store fabric such
+//! as shm, and the relay itself) stay where the member pushed them: that rank reads them there, so
+//! a relayed row is copied no more often than a direct one. Rows for any other expert rank `d` go
+//! straight into `d`'s receive area for attention rank `a`, exactly where the direct path would
+//! have pushed them. Once every member's route table is in it writes one header per expert rank: a
+//! record (total rows, a hash of the entries in its offset field) and one `(count, offset, flags)`
+//! entry per member (the offset locates the rows in the member's area and the replies in its reply
+//! area; a flag says whether the rows stayed there). Then, as each chunk is checked (and
+//! forwarded), it signals `a2e_ready[r]` on every expert rank with the rows of its members that
+//! rank may read, counted in member order, so expert ranks read while the members write. An expert
+//! rank therefore polls one signal per relay, not one per attention rank. The relay keeps the token
+//! index of every row for the E2A. While rows are read in place the members' A2E buffers here stay
+//! reserved: their credit goes out when the readers have credited the call, at the end of its E2A
+//! ([`Relay::combine_e2a`]).
 //!
 //! E2A: every expert rank writes one record per relay (the rows it sends through it), then its
 //! replies for the tokens of relay `r`'s members into `r`'s member areas at the offsets the
 //! header named, member after member, in chunks with a progress signal each. The relay
 //! ([`Relay::combine_e2a`], around its own E2A send, with a pass after each chunk of its own
-//! replies) counts the contributions as the chunks land ([`Reduction`]). On a fabric with load/store access and replies in the dtype
+//! replies) counts the contributions as the chunks land ([`Reduction`]). On a fabric with
+//! load/store access and replies in the dtype
 //! ([`super::combine::relay_sums_at_members`]) the replies stay where they landed: the relay
 //! writes each member a pull record and signals how many of its tokens are complete, a chunk
 //! at a time, and the member sums each token's contributions on the relay exactly as the direct
