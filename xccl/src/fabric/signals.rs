@@ -420,6 +420,8 @@ impl ControlArea {
         // When the spin phase ended (the yield phase's clock starts there).
         let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
+        // Whether a look found the awaited value missing (the wait then waited).
+        let mut missed = false;
         let result = loop {
             // Spinning reads only the awaited slots (through `poll`), never the doorbell, so a
             // signaller's doorbell bump does not bounce a line the waiter keeps reading.
@@ -427,6 +429,7 @@ impl ControlArea {
                 None => break Ok(()),
                 Some(w) => w,
             };
+            missed = true;
             if progress != Some(waiting.progress) {
                 if progress.is_some() && plan.restart_on_progress {
                     // A part landed: wait for the next one from the first phase again (a slow
@@ -527,6 +530,9 @@ impl ControlArea {
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         };
+        if missed && result.is_ok() {
+            tally.took_ns = Some(start.elapsed().as_nanos() as u64);
+        }
         state.finish(&plan, &tally);
         result
     }
@@ -555,6 +561,9 @@ struct Tally {
     restarts: u32,
     /// The wake-up latency of the last sleep that a signaller ended, if any.
     wake_ns: Option<u64>,
+    /// How long the wait took, when it ended with what it waited for after at least one look
+    /// that found it missing.
+    took_ns: Option<u64>,
 }
 
 /// How the next wait runs, from the policy and what earlier waits observed.
@@ -603,6 +612,8 @@ const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
 pub struct WaitState {
     /// Smoothed wake-up latency of a futex sleep, ns.
     wake_ns: std::sync::atomic::AtomicU64,
+    /// Smoothed length of the waits that waited (did not end at their first look), ns.
+    wait_ns: std::sync::atomic::AtomicU64,
     /// No yield phase before this time (`CLOCK_MONOTONIC` ns), and the next back-off, ns.
     yield_off_until: std::sync::atomic::AtomicU64,
     yield_backoff: std::sync::atomic::AtomicU64,
@@ -616,6 +627,7 @@ impl Default for WaitState {
     fn default() -> Self {
         WaitState {
             wake_ns: std::sync::atomic::AtomicU64::new(FIRST_WAKE_NS),
+            wait_ns: Default::default(),
             yield_off_until: Default::default(),
             yield_backoff: Default::default(),
             counts: Default::default(),
@@ -726,11 +738,16 @@ impl WaitState {
         // signal (no spin phase, `spin_budget`: even the shortest one, the 32 polls between two
         // looks at the clock, took about 9 us of a shared core a wait, measured), a yield hands
         // it over, so yield for at least one wake-up latency (what a futex hand-off costs)
-        // before sleeping.
+        // before sleeping, and for twice as long as this rank's waits have lately taken: a
+        // sleep costs the signaller a futex wake on its own critical path as well as the
+        // sleeper's wake-up, and with the phase shorter than a typical wait every wait paid
+        // both (`XCCL_WAIT=sleep` at 2A:2E T=1: 40-58 us round trips with 0.4-1.1 sleeps per
+        // call, against 19 us without sleeps; `docs/performance.md`). At most 50 us.
         let yield_for = if self.oversubscribed {
-            policy
-                .yield_for
-                .max(Duration::from_nanos(wake.min(MAX_HANDOFF_YIELD_NS)))
+            let waits = 2 * self.wait_ns.load(Relaxed);
+            policy.yield_for.max(Duration::from_nanos(
+                wake.max(waits).min(MAX_HANDOFF_YIELD_NS),
+            ))
         } else {
             policy.yield_for
         };
@@ -774,6 +791,12 @@ impl WaitState {
         add(3, tally.slow_yields);
         add(4, tally.sleeps);
         add(6, tally.restarts);
+        if let Some(took) = tally.took_ns {
+            // Smoothed over about 8 waits, as the wake-up latency.
+            let old = self.wait_ns.load(Relaxed);
+            let new = (old * 7 + took.min(MAX_WAKE_NS)) / 8;
+            self.wait_ns.store(new, Relaxed);
+        }
         if let Some(w) = tally.wake_ns {
             self.counts[5].fetch_add(1, Relaxed);
             // Smoothed over about 8 wake-ups, bounded so one stall cannot stop spinning.
@@ -859,10 +882,11 @@ mod loom_tests;
 /// once while staying runnable, so the signal is seen without a futex wake-up (a syscall for the
 /// signaller and a scheduler wake-up for the waiter). So when the ranks on the host outnumber
 /// the cores this process may run on ([`WaitState::for_ranks_on_host`]), every policy, the ones
-/// a user picks included, does not spin, and yields for at least one wake-up latency
-/// (at most 50 us; the policy's own cap when longer) before it sleeps: a policy without a yield
-/// phase (`sleep`) then pays at most twice what a futex hand-off costs before its sleep, and
-/// the yields stop as soon as one is slow (another task ran a slice), as above. With a core per
+/// a user picks included, does not spin, and yields for at least one wake-up latency and twice
+/// the length of the rank's recent waits (at most 50 us; the policy's own cap when longer)
+/// before it sleeps: a policy without a yield phase (`sleep`) then sleeps only in waits longer
+/// than its usual ones, paying at most the hand-off's cost and 50 us before its sleep, and the
+/// yields stop as soon as one is slow (another task ran a slice), as above. With a core per
 /// rank, a policy without a spin phase (`yield`) spins for up to the spin budget (one wake-up
 /// latency) first, as every policy does: such a spin takes the core from nobody, and a reply
 /// that comes within it is seen without a yield or a wake-up.
@@ -1154,6 +1178,45 @@ mod plan_tests {
             Duration::from_nanos(MAX_HANDOFF_YIELD_NS)
         );
         assert_eq!(over.counters().spin_ns, 0);
+    }
+
+    /// Where ranks outnumber the cores, the yield phase before a sleep covers twice the
+    /// length of the rank's recent waits (at most 50 us). With one wake-up latency of yielding
+    /// (5-14 us measured) and waits of 15-20 us, `XCCL_WAIT=sleep` at 2A:2E T=1 slept in up to
+    /// every wait (0.4-1.1 sleeps per call, round trips 40-67 us against 19 us).
+    #[test]
+    fn the_yield_phase_of_ranks_outnumbering_cores_covers_their_recent_waits() {
+        let over = WaitState {
+            oversubscribed: true,
+            ..WaitState::default()
+        };
+        let first_wake = Duration::from_nanos(FIRST_WAKE_NS);
+        let plan = over.plan(WaitPolicy::SHARED);
+        assert_eq!(plan.yield_for, first_wake, "no wait seen yet");
+        let waited = |ns: u64| Tally {
+            yields: 3,
+            took_ns: Some(ns),
+            ..Tally::default()
+        };
+        for _ in 0..32 {
+            over.finish(&plan, &waited(18_000));
+        }
+        let y = over.plan(WaitPolicy::SHARED).yield_for;
+        assert!(y > first_wake && y <= Duration::from_micros(36), "{y:?}");
+        // Long waits (a peer computing) lengthen it to 50 us, no more.
+        for _ in 0..32 {
+            over.finish(&plan, &waited(5_000_000));
+        }
+        let cap = Duration::from_nanos(MAX_HANDOFF_YIELD_NS);
+        assert_eq!(over.plan(WaitPolicy::SHARED).yield_for, cap);
+        // A policy with a longer phase keeps it; with a core per rank the policy's own stands.
+        let longer = WaitPolicy::OVERSUBSCRIBED;
+        assert_eq!(over.plan(longer).yield_for, longer.yield_for);
+        let own = WaitState::default();
+        for _ in 0..32 {
+            own.finish(&plan, &waited(18_000));
+        }
+        assert_eq!(own.plan(WaitPolicy::SHARED).yield_for, Duration::ZERO);
     }
 
     #[test]
