@@ -405,6 +405,11 @@ impl ControlArea {
         poll: &mut dyn FnMut() -> Option<Waiting>,
         liveness: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
+        // A wait whose first look finds it done reads no clock and plans no phases.
+        if poll().is_none() {
+            state.finish_at_first_look();
+            return Ok(());
+        }
         let start = Instant::now();
         let plan = state.plan(policy);
         let mut tally = Tally::default();
@@ -420,8 +425,6 @@ impl ControlArea {
         // When the spin phase ended (the yield phase's clock starts there).
         let mut spun_until: Option<Instant> = None;
         let mut last_check = start;
-        // Whether a look found the awaited value missing (the wait then waited).
-        let mut missed = false;
         let result = loop {
             // Spinning reads only the awaited slots (through `poll`), never the doorbell, so a
             // signaller's doorbell bump does not bounce a line the waiter keeps reading.
@@ -429,7 +432,6 @@ impl ControlArea {
                 None => break Ok(()),
                 Some(w) => w,
             };
-            missed = true;
             if progress != Some(waiting.progress) {
                 if progress.is_some() && plan.restart_on_progress {
                     // A part landed: wait for the next one from the first phase again (a slow
@@ -530,7 +532,8 @@ impl ControlArea {
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         };
-        if missed && result.is_ok() {
+        // Here the first look found it missing: the wait waited.
+        if result.is_ok() {
             tally.took_ns = Some(start.elapsed().as_nanos() as u64);
         }
         state.finish(&plan, &tally);
@@ -775,6 +778,11 @@ impl WaitState {
             // showed no gain above the noise (`docs/performance.md`).
             restart_on_progress: !self.oversubscribed,
         }
+    }
+
+    /// Counts a wait that found what it waited for at its first look.
+    fn finish_at_first_look(&self) {
+        self.counts[0].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Folds one finished wait (`tally`) into the estimates and counters.
@@ -1080,6 +1088,46 @@ mod policy_tests {
             );
             assert!(start.elapsed() < Duration::from_secs(2), "{policy:?}");
         }
+    }
+
+    /// A wait whose first look finds what it waits for is counted and returns before any clock
+    /// read or phase plan, so it leaves the wait-length estimate alone; a wait that waited moves
+    /// it (the yield phase of ranks outnumbering cores follows it).
+    #[test]
+    fn a_wait_done_at_its_first_look_is_counted_and_only_waits_that_waited_are_timed() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
+        // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
+        let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
+        let state = WaitState::default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let wait = |poll: &mut dyn FnMut() -> Option<Waiting>| {
+            area.wait_with(WaitPolicy::SHARED, &state, deadline, poll, &|_| Ok(()))
+        };
+        let mut looks = 0;
+        let done_at_once = wait(&mut || {
+            looks += 1;
+            None
+        });
+        assert!(done_at_once.is_ok() && looks == 1);
+        assert_eq!(state.counters().waits, 1);
+        assert_eq!(
+            state.wait_ns.load(Relaxed),
+            0,
+            "an immediate wait is not timed"
+        );
+        let mut looks = 0;
+        let start = Instant::now();
+        let waited = wait(&mut || {
+            looks += 1;
+            (start.elapsed() < Duration::from_micros(200)).then(|| Waiting::on(1, "later"))
+        });
+        assert!(waited.is_ok() && looks > 1);
+        assert_eq!(state.counters().waits, 2);
+        assert!(
+            state.wait_ns.load(Relaxed) >= 200_000 / 8,
+            "a wait that waited is timed"
+        );
     }
 
     /// A wait for parts that land one by one (rows streaming in) restarts its phases at every

@@ -212,22 +212,23 @@ impl Context {
         };
         // An interrupt ends the fabric's wait by reporting it done; the error is returned below.
         let mut interrupted: Option<Waiting> = None;
-        let mut next_check = Instant::now() + INTERRUPT_CHECK_EVERY;
+        // The first interrupt check comes at once (a wait that waits at all has time for it).
+        let mut next_check: Option<Instant> = None;
         let result = self.fabric.wait_until(deadline, &mut || {
             let w = poll();
-            // The clock is read only when the awaited peer changes (or the wait ends), so a
-            // spinning poll costs no clock read; and for the interrupt check, which only a
-            // binding installs.
+            // The clock is read only when the awaited peer changes (or the wait ends after
+            // waiting), so a spinning poll, and a wait whose first look finds it done, costs no
+            // clock read; and for the interrupt check, which only a binding installs.
             let same_peer = matches!((&w, &last), (Some(w), Some((p, _))) if w.peer == *p);
-            if !same_peer {
+            if !same_peer && (w.is_some() || last.is_some()) {
                 let now = Instant::now();
                 charge(&mut last, now);
                 last = w.as_ref().map(|w| (w.peer, now));
             }
             if let (Some(w), Some(check)) = (&w, &self.interrupt) {
                 let now = Instant::now();
-                if now >= next_check {
-                    next_check = now + INTERRUPT_CHECK_EVERY;
+                if next_check.is_none_or(|at| now >= at) {
+                    next_check = Some(now + INTERRUPT_CHECK_EVERY);
                     if check() {
                         interrupted = Some(*w);
                         return None;
@@ -236,7 +237,9 @@ impl Context {
             }
             w
         });
-        charge(&mut last, Instant::now());
+        if last.is_some() {
+            charge(&mut last, Instant::now());
+        }
         result?;
         match interrupted {
             Some(w) => Err(Error::Interrupted {
