@@ -212,7 +212,8 @@ impl Context {
         };
         // An interrupt ends the fabric's wait by reporting it done; the error is returned below.
         let mut interrupted: Option<Waiting> = None;
-        // The first interrupt check comes at once (a wait that waits at all has time for it).
+        // The first interrupt check comes one period after the first look that found
+        // something missing (the clock is not read before).
         let mut next_check: Option<Instant> = None;
         let result = self.fabric.wait_until(deadline, &mut || {
             let w = poll();
@@ -227,12 +228,16 @@ impl Context {
             }
             if let (Some(w), Some(check)) = (&w, &self.interrupt) {
                 let now = Instant::now();
-                if next_check.is_none_or(|at| now >= at) {
-                    next_check = Some(now + INTERRUPT_CHECK_EVERY);
-                    if check() {
-                        interrupted = Some(*w);
-                        return None;
+                match next_check {
+                    None => next_check = Some(now + INTERRUPT_CHECK_EVERY),
+                    Some(at) if now >= at => {
+                        next_check = Some(now + INTERRUPT_CHECK_EVERY);
+                        if check() {
+                            interrupted = Some(*w);
+                            return None;
+                        }
                     }
+                    Some(_) => {}
                 }
             }
             w
