@@ -486,7 +486,7 @@ fn describe_wait(args: &Args, policy: WaitPolicy) -> String {
     let over = xccl::fabric::WaitState::for_ranks_on_host(args.world_size()).oversubscribed();
     if host && over {
         format!(
-            "{}; {} ranks outnumber the cores: no spinning, yield >= one wake-up (<= 50 us)",
+            "{}; {} ranks outnumber the cores: no spinning, yield >= one wake-up and twice the recent waits (<= 50 us)",
             policy.describe(),
             args.world_size()
         )
