@@ -111,6 +111,8 @@ pub(crate) struct Relay {
     calls: VecDeque<RelayCall>,
     /// The A2E call being forwarded ([`Relay::begin_forward`]).
     forwarding: Option<Forwarding>,
+    /// The last call's forwarding state, kept so the next one reuses its vectors.
+    spare_forwarding: Option<Forwarding>,
     /// The E2A call whose replies its members may still be summing here
     /// ([`relay_sums_at_members`]): the expert ranks' credit for it waits for theirs
     /// ([`Relay::release_e2a`]).
@@ -280,13 +282,24 @@ impl Relay {
         call.readers.clear();
         call.readers
             .extend(experts.iter().copied().filter(|&d| ctx.mapped(d)));
+        // The last call's state, its vectors reused: a call allocates nothing here.
+        let mut f = self.spare_forwarding.take().unwrap_or_else(|| Forwarding {
+            call: RelayCall::default(),
+            started,
+            recs: Vec::new(),
+            done: Vec::new(),
+            missing: 0,
+            unread: 0,
+            told: Vec::new(),
+            forwarded: Vec::new(),
+            next_check: started,
+        });
         // With DP domains, members outside the call's domain send nothing: empty routes.
         let call_no = ctx.call_of(epoch);
-        let done: Vec<bool> = members
-            .iter()
-            .map(|&ai| !ctx.topo.in_call(attention[ai], call_no))
-            .collect();
-        for (mc, _) in call.members.iter_mut().zip(&done).filter(|(_, d)| **d) {
+        f.done.clear();
+        f.done
+            .extend((members.iter()).map(|&ai| !ctx.topo.in_call(attention[ai], call_no)));
+        for (mc, _) in call.members.iter_mut().zip(&f.done).filter(|(_, d)| **d) {
             mc.num_tokens = 0;
             mc.int8 = false;
             mc.tag = 0;
@@ -296,18 +309,18 @@ impl Relay {
             mc.offsets.resize(n, 0);
             mc.tokens.clear();
         }
-        let missing = done.iter().filter(|d| !**d).count();
-        self.forwarding = Some(Forwarding {
-            call,
-            started,
-            recs: vec![None; g],
-            done,
-            missing,
-            unread: missing,
-            told: vec![None; n],
-            forwarded: vec![0; g],
-            next_check: Instant::now() + AWAITED_CHECK_EVERY,
-        });
+        f.missing = f.done.iter().filter(|d| !**d).count();
+        f.unread = f.missing;
+        f.recs.clear();
+        f.recs.resize(g, None);
+        f.told.clear();
+        f.told.resize(n, None);
+        f.forwarded.clear();
+        f.forwarded.resize(g, 0);
+        f.call = call;
+        f.started = started;
+        f.next_check = started + AWAITED_CHECK_EVERY;
+        self.forwarding = Some(f);
         Ok(())
     }
 
@@ -331,7 +344,8 @@ impl Relay {
             credit_members(ctx, plan.members(k), f.call.epoch)?;
         }
         ctx.stats.borrow_mut().relay_forward += f.started.elapsed();
-        self.calls.push_back(f.call);
+        self.calls.push_back(std::mem::take(&mut f.call));
+        self.spare_forwarding = Some(f);
         Ok(None)
     }
 
