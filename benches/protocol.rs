@@ -46,7 +46,7 @@ fn memcpy_bench(
 
 fn layout(c: &mut Criterion) {
     let topo = Topology::contiguous(1, 2, EXPERTS).expect("topology");
-    for t in [128usize, 512] {
+    for t in [1usize, 128, 512] {
         // A new routing each call, as every layer brings: one routing repeated would let the
         // branch predictor learn it, which no real call sees.
         let routings: Vec<_> = (0..ROUTINGS)

@@ -72,6 +72,10 @@ pub struct Topology {
     local: Vec<Vec<usize>>,
     /// Maximum of `local[r].len()` over all ranks.
     max_local: usize,
+    /// Per expert, its [`RouteKey`] when that does not depend on the source (one replica, or
+    /// none: [`RouteKey::ORPHANED`]), else [`RouteKey::REPLICATED`]: the dispatch layout routes
+    /// each selection with one load instead of two lookups and a branch on the replica count.
+    route_keys: Vec<RouteKey>,
     /// Precomputed [`Topology::fingerprint`].
     fingerprint: u64,
     /// The relay plan, when A2E and E2A go through relays ([`Topology::with_relays`]).
@@ -81,6 +85,31 @@ pub struct Topology {
     domains: Vec<Vec<usize>>,
     /// For each attention index, its domain and its position in it.
     domain_of: Vec<(usize, usize)>,
+}
+
+/// Where one selection of an expert goes: (destination rank, local expert) packed as
+/// `dst << 32 | local` (both are counted in `u32` on the wire), or one of two markers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RouteKey(u64);
+
+impl RouteKey {
+    /// An expert without a replica ([`Topology::is_orphaned`]): its selections are dropped.
+    pub(crate) const ORPHANED: RouteKey = RouteKey(u64::MAX);
+    /// An expert with several replicas: the route depends on the source.
+    const REPLICATED: RouteKey = RouteKey(u64::MAX - 1);
+
+    fn new(dst: usize, local: usize) -> Self {
+        RouteKey(((dst as u64) << 32) | local as u64)
+    }
+
+    /// The destination rank and local expert (not for [`RouteKey::ORPHANED`]).
+    #[inline(always)]
+    pub(crate) fn split(self) -> (usize, usize) {
+        (
+            (self.0 >> 32) as usize,
+            (self.0 & u64::from(u32::MAX)) as usize,
+        )
+    }
 }
 
 /// A topology after ranks left it ([`Topology::shrink`]).
@@ -409,6 +438,14 @@ impl TopologyBuilder {
 
         let num_attention = attention.len();
         let fingerprint = fingerprint_of(&roles, &map);
+        let route_keys = replica_start
+            .windows(2)
+            .map(|w| match w[1] - w[0] {
+                0 => RouteKey::ORPHANED,
+                1 => RouteKey::new(replica_rank[w[0]], replica_local[w[0]]),
+                _ => RouteKey::REPLICATED,
+            })
+            .collect();
         Ok(Topology {
             roles,
             role_index,
@@ -420,6 +457,7 @@ impl TopologyBuilder {
             replica_local,
             local,
             max_local,
+            route_keys,
             fingerprint,
             relays: None,
             domains: vec![(0..num_attention).collect()],
@@ -707,6 +745,24 @@ impl Topology {
             start + attention_index % count
         };
         (self.replica_rank[r], self.replica_local[r])
+    }
+
+    /// [`route_from_index`](Topology::route_from_index) as a [`RouteKey`], or
+    /// [`RouteKey::ORPHANED`] for an expert without a replica (no panic).
+    ///
+    /// # Panics
+    ///
+    /// If `expert >= num_experts()`.
+    #[inline(always)]
+    pub(crate) fn route_key(&self, attention_index: usize, expert: usize) -> RouteKey {
+        match self.route_keys[expert] {
+            RouteKey::REPLICATED => {
+                let start = self.replica_start[expert];
+                let r = start + attention_index % (self.replica_start[expert + 1] - start);
+                RouteKey::new(self.replica_rank[r], self.replica_local[r])
+            }
+            key => key,
+        }
     }
 
     /// Number of `u64` words in a per-token local-expert bitmask: `ceil(max_local_experts / 64)`,
@@ -1204,6 +1260,8 @@ pub(crate) mod tests {
                 prop_assert!(!reps.is_empty());
                 for &src in t.attention_ranks() {
                     let (dst, j) = t.route(src, e);
+                    let index = t.attention_index(src).unwrap();
+                    prop_assert_eq!(t.route_key(index, e).split(), (dst, j));
                     prop_assert_eq!(t.role(dst), Role::Expert);
                     prop_assert!(reps.contains(&dst));
                     prop_assert_eq!(t.local_experts(dst)[j], e);
@@ -1232,6 +1290,36 @@ pub(crate) mod tests {
             .replicas(&[(0, 1), (1, 1), (2, 1), (3, 1)])
             .build()
             .unwrap()
+    }
+
+    /// The layout's route keys: the replica [`Topology::route`] picks for each source, through
+    /// the per-expert keys the topology keeps (one replica) or the replica choice (several),
+    /// and the orphaned marker for an expert no rank hosts any more.
+    #[test]
+    fn route_keys_follow_each_sources_replica_and_mark_orphaned_experts() {
+        let t = shrinkable();
+        for e in 0..6 {
+            for index in 0..2 {
+                let key = t.route_key(index, e);
+                assert_ne!(key, RouteKey::ORPHANED);
+                assert_eq!(key.split(), t.route_from_index(index, e), "expert {e}");
+            }
+        }
+        // Experts 0..4 have two replicas: the two sources take different ones.
+        assert_ne!(t.route_key(0, 0), t.route_key(1, 0));
+        let s = t.shrink(&[4], true).unwrap();
+        let n = &s.topology;
+        for e in 0..6 {
+            for index in 0..2 {
+                let key = n.route_key(index, e);
+                if s.orphaned.contains(&e) {
+                    assert_eq!(key, RouteKey::ORPHANED, "expert {e}");
+                } else {
+                    assert_eq!(key.split(), n.route_from_index(index, e), "expert {e}");
+                }
+            }
+        }
+        assert_eq!(s.orphaned, vec![4, 5]);
     }
 
     #[test]

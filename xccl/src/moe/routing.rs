@@ -27,22 +27,8 @@
 
 use std::ops::Range;
 
-use crate::topology::Topology;
+use crate::topology::{RouteKey, Topology};
 use crate::{Error, Result};
-
-/// The route key of a (destination rank, local expert) pair, `dst << 32 | local`; both fit in
-/// 32 bits (ranks and local experts are counted in `u32` on the wire).
-fn slot_key((dst, local): (usize, usize)) -> u64 {
-    ((dst as u64) << 32) | local as u64
-}
-
-/// The (destination rank, local expert) pair of a [`slot_key`].
-fn split_key(key: u64) -> (usize, usize) {
-    ((key >> 32) as usize, (key & u64::from(u32::MAX)) as usize)
-}
-
-/// Route-table entry of an expert without a replica ([`Topology::is_orphaned`]).
-const ORPHANED: u64 = u64::MAX;
 
 /// One attention rank's routing for one call, grouped by destination rank.
 ///
@@ -72,13 +58,13 @@ pub struct DispatchLayout {
     entry_of: Vec<usize>,
     /// Scratch: per expert, the last token (stamp) that selected it (duplicates are merged).
     expert_stamp: Vec<usize>,
-    /// Scratch: one token's route keys, one per slot ([`ORPHANED`] for `-1` too).
-    keys: Vec<u64>,
+    /// Stamps taken by the calls so far: a call's stamps are above every stamp in the tables.
+    stamp_base: usize,
+    /// Scratch: one token's route keys, one per slot ([`RouteKey::ORPHANED`] for `-1` too).
+    keys: Vec<RouteKey>,
     /// Scratch: entries per destination while counting (at `d + 1`), then the next free entry
     /// per destination while filling.
     cursor: Vec<usize>,
-    /// Scratch: per expert, its [`slot_key`] from the call's source (or [`ORPHANED`]).
-    routes: Vec<u64>,
     /// Slots that selected an expert without a replica ([`Topology::is_orphaned`]), dropped.
     dropped: usize,
 }
@@ -150,42 +136,37 @@ impl DispatchLayout {
         }
         // Pass 1, which also validates: route every slot and count the entries per destination
         // (into `cursor`, scratch), one per (token, destination). `self`'s results are untouched
-        // until every slot has passed, so an error leaves them as they were. Stamps (token + 1
-        // here, num_tokens + token + 1 in pass 2) mark the destinations and experts a token has
+        // until every slot has passed, so an error leaves them as they were. Stamps (base + token
+        // + 1 here, base + num_tokens + token + 1 in pass 2) mark the destinations and experts a token has
         // already touched, so no slot list is stored or sorted: each call brings a new routing,
         // whose sort branches the predictor cannot learn (sorting each token's slots, as this
         // did before, took 1.3-1.4x as long in `benches/protocol.rs` `layout/T` and 1.5-1.9x as
         // long timed inside the A2E send, docs/performance.md).
         let num_experts = topo.num_experts();
         let world = topo.world_size();
-        // Per expert, its (dst, local) key from this source, or `ORPHANED`: one table per call
-        // when the call routes at least as many slots as there are experts.
-        self.routes.clear();
-        if n >= num_experts {
-            self.routes.extend((0..num_experts).map(|e| {
-                if topo.is_orphaned(e) {
-                    ORPHANED
-                } else {
-                    slot_key(topo.route_from_index(attention_index, e))
-                }
-            }));
-        }
-        let routes = &self.routes;
-        let route = |e: usize| -> u64 {
-            match routes.get(e) {
-                Some(&key) => key,
-                None if topo.is_orphaned(e) => ORPHANED,
-                None => slot_key(topo.route_from_index(attention_index, e)),
-            }
-        };
+        // The topology keeps every expert's route where it does not depend on the source.
+        let route = |e: usize| topo.route_key(attention_index, e);
         self.cursor.clear();
         self.cursor.resize(world + 1, 0);
-        self.dst_stamp.clear();
-        self.dst_stamp.resize(world, 0);
-        self.entry_of.clear();
-        self.entry_of.resize(world, 0);
-        self.expert_stamp.clear();
-        self.expert_stamp.resize(num_experts, 0);
+        // Stamps only grow from call to call, so a stamp table holds no value of this call
+        // before this call writes it: the tables are cleared only when their sizes change (or,
+        // in theory, when the stamps would run out), not per call (at T=1 the clearing was a
+        // good part of the layout). The call's stamps are taken before anything can fail.
+        let stamps = 2 * num_tokens;
+        if self.dst_stamp.len() != world
+            || self.expert_stamp.len() != num_experts
+            || self.stamp_base > usize::MAX - stamps
+        {
+            self.dst_stamp.clear();
+            self.dst_stamp.resize(world, 0);
+            self.entry_of.clear();
+            self.entry_of.resize(world, 0);
+            self.expert_stamp.clear();
+            self.expert_stamp.resize(num_experts, 0);
+            self.stamp_base = 0;
+        }
+        let base = self.stamp_base;
+        self.stamp_base += stamps;
         let mut dropped = 0;
         let mut valid = true;
         let (cursor, dst_stamp) = (&mut self.cursor[..], &mut self.dst_stamp[..]);
@@ -193,7 +174,7 @@ impl DispatchLayout {
         if k > 0 {
             let rows = topk_idx.chunks_exact(k).zip(topk_weights.chunks_exact(k));
             for (t, (ids, ws)) in rows.enumerate() {
-                let stamp = t + 1;
+                let stamp = base + t + 1;
                 let mut repeats = false;
                 for (&id, &w) in ids.iter().zip(ws) {
                     if id == -1 {
@@ -206,13 +187,13 @@ impl DispatchLayout {
                         continue;
                     }
                     let key = route(e);
-                    if key == ORPHANED {
+                    if key == RouteKey::ORPHANED {
                         dropped += 1;
                         continue;
                     }
                     repeats |= expert_stamp[e] == stamp;
                     expert_stamp[e] = stamp;
-                    let dst = split_key(key).0;
+                    let dst = key.split().0;
                     if dst_stamp[dst] != stamp {
                         dst_stamp[dst] = stamp;
                         cursor[dst + 1] += 1;
@@ -258,25 +239,25 @@ impl DispatchLayout {
         self.cursor.clear();
         self.cursor.extend_from_slice(&self.dest_start[..world]);
         self.keys.clear();
-        self.keys.resize(k, ORPHANED);
+        self.keys.resize(k, RouteKey::ORPHANED);
         let (cursor, dst_stamp) = (&mut self.cursor[..], &mut self.dst_stamp[..]);
         let (entry_of, expert_stamp) = (&mut self.entry_of[..], &mut self.expert_stamp[..]);
         let (tokens, masks) = (&mut self.tokens[..], &mut self.masks[..]);
         let (weights, keys) = (&mut self.weights[..], &mut self.keys[..]);
         for t in 0..num_tokens {
-            let stamp = num_tokens + t + 1;
+            let stamp = base + num_tokens + t + 1;
             let ids = &topk_idx[t * k..][..k];
             let ws = &topk_weights[t * k..][..k];
             for (key, &id) in keys.iter_mut().zip(ids) {
                 *key = if id == -1 {
-                    ORPHANED
+                    RouteKey::ORPHANED
                 } else {
                     route(id as usize)
                 };
-                if *key == ORPHANED {
+                if *key == RouteKey::ORPHANED {
                     continue;
                 }
-                let (dst, local) = split_key(*key);
+                let (dst, local) = key.split();
                 if dst_stamp[dst] != stamp {
                     dst_stamp[dst] = stamp;
                     entry_of[dst] = cursor[dst];
@@ -286,10 +267,10 @@ impl DispatchLayout {
                 masks[entry_of[dst] * mask_words + local / 64] |= 1u64 << (local % 64);
             }
             for ((&key, &id), &w) in keys.iter().zip(ids).zip(ws) {
-                if key == ORPHANED {
+                if key == RouteKey::ORPHANED {
                     continue;
                 }
-                let (dst, local) = split_key(key);
+                let (dst, local) = key.split();
                 let entry = entry_of[dst];
                 let mask = &masks[entry * mask_words..][..mask_words];
                 let below = mask[..local / 64]
@@ -702,11 +683,10 @@ mod tests {
         assert_eq!(dump(&from1), vec![(0, 3, vec![0], vec![1.0])]);
     }
 
-    /// Calls routing at least as many slots as there are experts route through a per-call table;
-    /// smaller ones ask the topology per slot. Both must give every token the same entries,
-    /// replicas and orphaned experts included.
+    /// A call's layout is its tokens' one-token layouts put together (entries per destination in
+    /// token order), replicas and orphaned experts included.
     #[test]
-    fn routes_through_the_per_call_table_match_routes_asked_per_slot() {
+    fn a_calls_layout_is_the_layouts_of_its_tokens_one_by_one() {
         // Attention ranks 0, 1; expert ranks 2, 3, 4; experts 0 and 1 on 2 and 3, experts 4 and 5
         // on 4 only (orphaned once 4 has left).
         let t = TopologyBuilder::contiguous(2, 3, 6)
@@ -733,7 +713,6 @@ mod tests {
             let mut per_token = Vec::new();
             let mut dropped = 0;
             for tok in 0..40 {
-                // 3 slots < 6 experts: no table.
                 let one =
                     &DispatchLayout::build(&t, src, 1, &idx[tok * 3..][..3], &w[tok * 3..][..3], 3)
                         .unwrap();
@@ -789,6 +768,37 @@ mod tests {
         assert_eq!(l.masks, fresh.masks);
         assert_eq!(l.weights, fresh.weights);
         assert_eq!(l.num_tokens(), 7);
+    }
+
+    /// One layout rebuilt call after call (as an attention rank's is), with failed calls and a
+    /// change of topology between them, gives every call the layout a fresh one gives: the
+    /// stamps a call leaves behind never pass for the next call's.
+    #[test]
+    fn a_layout_rebuilt_call_after_call_matches_fresh_builds() {
+        let small = Topology::contiguous(2, 3, 12).unwrap();
+        let wide = Topology::contiguous(1, 5, 40).unwrap();
+        let mut l = DispatchLayout::default();
+        for call in 0..60u64 {
+            let (topo, src, experts) = if call % 20 < 10 {
+                (&small, 1, 12)
+            } else {
+                (&wide, 0, 40)
+            };
+            let tokens = 1 + (call as usize * 7) % 13;
+            let skew = (call % 3 == 0).then_some(1.5);
+            let (mut idx, w) = random_routing(call, tokens, 4, experts, skew);
+            if call % 7 == 3 {
+                // A bad id in the last token: the call fails in the first pass.
+                idx[tokens * 4 - 1] = experts as i32;
+                assert!(l.build_into(topo, src, tokens, &idx, &w, 4).is_err());
+                continue;
+            }
+            l.build_into(topo, src, tokens, &idx, &w, 4).unwrap();
+            let fresh = DispatchLayout::build(topo, src, tokens, &idx, &w, 4).unwrap();
+            assert_eq!(dump(&l), dump(&fresh), "call {call}");
+            assert_eq!(l.dest_start, fresh.dest_start, "call {call}");
+            assert_eq!(l.weights, fresh.weights, "call {call}");
+        }
     }
 
     #[test]
