@@ -64,7 +64,7 @@ use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
 use crate::moe::slots::Slots;
 use crate::moe::stats::Stats;
-use crate::moe::view::{TokenView, ViewParts};
+use crate::moe::view::{TokenView, ViewParts, ViewRows};
 use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
@@ -1123,6 +1123,13 @@ impl Communicator {
         self.expert("A2E receive", |ctx, dispatch, _| {
             dispatch.recv_tokens(ctx, batch, on_arrival, ctx.call_deadline())
         })
+    }
+
+    /// Keeps the buffers of a view that replied for the next view (expert ranks).
+    pub(crate) fn keep_view_buffers(&mut self, parts: (ViewRows, TokenBatch)) {
+        if let Side::Expert { dispatch, .. } = &mut self.side {
+            *dispatch.spare_view = Some(parts);
+        }
     }
 
     /// A2E receive without a copy: waits for every attention rank's rows of this call and

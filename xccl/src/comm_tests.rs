@@ -1817,8 +1817,8 @@ fn a_relay_header_with_unknown_flags_or_rows_outside_the_members_area_names_the_
         let rec = Record::new(1, count, entries_hash(&entry), WireMode::Push);
         ctx.put(2, at + 32, &entry).unwrap();
         ctx.put_record(2, at, &rec).unwrap();
-        let mut out = Vec::new();
-        match read_header(ctx, 1, 0, 1, &mut out) {
+        let (mut out, mut bytes) = (Vec::new(), Vec::new());
+        match read_header(ctx, (1, 0), 1, &mut out, &mut bytes) {
             Err(Error::Protocol { peer: 1, detail }) => {
                 assert!(!says.is_empty() && detail.contains(says), "{detail}")
             }
@@ -2738,8 +2738,8 @@ fn a_member_sends_the_relays_own_rows_last() {
     // (count, offset) of the member's rows for each expert rank, from the relay's headers.
     let mut placed = Vec::new();
     for ctx in [relay.ctx(), comms[1].ctx(), comms[2].ctx()] {
-        let mut entries = Vec::new();
-        read_header(ctx, 1, 0, call.handle.epoch(), &mut entries).unwrap();
+        let (mut entries, mut bytes) = (Vec::new(), Vec::new());
+        read_header(ctx, (1, 0), call.handle.epoch(), &mut entries, &mut bytes).unwrap();
         assert!(entries[0].count > 0, "rank {} has rows", ctx.rank);
         placed.push((entries[0].count, entries[0].offset));
     }

@@ -83,6 +83,8 @@ pub struct Topology {
     /// Attention indices per DP domain ([`Topology::with_domains`]); one domain of every
     /// attention rank without domains.
     domains: Vec<Vec<usize>>,
+    /// The global ranks of each domain's attention ranks (`domains` mapped to ranks).
+    domain_ranks: Vec<Vec<usize>>,
     /// For each attention index, its domain and its position in it.
     domain_of: Vec<(usize, usize)>,
 }
@@ -437,6 +439,7 @@ impl TopologyBuilder {
         let max_local = local.iter().map(Vec::len).max().unwrap_or(0);
 
         let num_attention = attention.len();
+        let attention_ranks = attention.clone();
         let fingerprint = fingerprint_of(&roles, &map);
         let route_keys = replica_start
             .windows(2)
@@ -461,6 +464,7 @@ impl TopologyBuilder {
             fingerprint,
             relays: None,
             domains: vec![(0..num_attention).collect()],
+            domain_ranks: vec![attention_ranks],
             domain_of: (0..num_attention).map(|a| (0, a)).collect(),
         })
     }
@@ -834,11 +838,13 @@ impl Topology {
             )));
         }
         self.domains = vec![Vec::new(); count];
+        self.domain_ranks = vec![Vec::new(); count];
         self.domain_of.clear();
         for a in 0..m {
             let d = a * count / m;
             self.domain_of.push((d, self.domains[d].len()));
             self.domains[d].push(a);
+            self.domain_ranks[d].push(self.attention[a]);
         }
         let mut h = self.fingerprint;
         fnv(&mut h, b"domains");
@@ -871,6 +877,11 @@ impl Topology {
     /// `epoch_base`): every attention rank without domains, else domain `call % D`'s.
     pub fn call_sources(&self, call: u64) -> &[usize] {
         &self.domains[(call % self.domains.len() as u64) as usize]
+    }
+
+    /// [`call_sources`](Topology::call_sources) as global ranks.
+    pub fn call_source_ranks(&self, call: u64) -> &[usize] {
+        &self.domain_ranks[(call % self.domains.len() as u64) as usize]
     }
 
     /// Whether global rank `rank` (an attention rank) takes part in call `call`.

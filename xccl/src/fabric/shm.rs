@@ -36,7 +36,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -226,6 +226,9 @@ pub(crate) enum Liveness {
     Kill(i32),
 }
 
+/// Pidfds one `poll` of [`Liveness::check_all`] looks at (an array on the stack).
+const POLL_BATCH: usize = 64;
+
 impl Liveness {
     pub(crate) fn open(pid: u32, peer: usize) -> Result<Self> {
         if pid == std::process::id() {
@@ -251,12 +254,18 @@ impl Liveness {
         }
     }
 
-    /// Checks every peer process but `me` with one `poll` over all their pidfds (falling back
-    /// to one check each); the error names the lowest dead rank.
+    /// Checks every peer process but `me`, with one `poll` per [`POLL_BATCH`] of their pidfds
+    /// (one check each where there is no pidfd); the error names the lowest dead rank. Nothing
+    /// is allocated: waits run this while they wait, calls in steady state allocate nothing.
     fn check_all(segments: &[Segment], me: usize) -> Result<()> {
-        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        let mut fds = Vec::with_capacity(segments.len());
-        let mut ranks = Vec::with_capacity(segments.len());
+        let none = libc::pollfd {
+            fd: -1,
+            events: 0,
+            revents: 0,
+        };
+        let mut fds = [none; POLL_BATCH];
+        let mut ranks = [0usize; POLL_BATCH];
+        let mut n = 0;
         for (peer, s) in segments.iter().enumerate() {
             match &s.liveness {
                 _ if peer == me => {}
@@ -264,22 +273,45 @@ impl Liveness {
                 _ if s.control.departed() => {}
                 Liveness::SameProcess => {}
                 Liveness::PidFd(fd) => {
-                    fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-                    ranks.push(peer);
+                    fds[n] = libc::pollfd {
+                        fd: fd.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    ranks[n] = peer;
+                    n += 1;
+                    if n == POLL_BATCH {
+                        Self::poll_batch(segments, &mut fds[..n], &ranks[..n])?;
+                        n = 0;
+                    }
                 }
                 Liveness::Kill(_) => s.liveness.check(peer, s.pid)?,
             }
         }
+        Self::poll_batch(segments, &mut fds[..n], &ranks[..n])
+    }
+
+    /// One `poll` of the pidfds `fds` of peers `ranks`: the first that is readable (its
+    /// process exited) is an error, unless it departed cleanly meanwhile.
+    fn poll_batch(segments: &[Segment], fds: &mut [libc::pollfd], ranks: &[usize]) -> Result<()> {
         if fds.is_empty() {
             return Ok(());
         }
-        match poll(&mut fds, PollTimeout::ZERO) {
-            Ok(0) | Err(Errno::EINTR) => Ok(()),
-            Ok(_) => {
+        // SAFETY: `fds` is an exclusive slice of `fds.len()` initialized `pollfd`s (at most
+        // POLL_BATCH, so the count fits `nfds_t`); their descriptors are pidfds the segments own
+        // and keep open for this call; timeout 0 never blocks.
+        let ready = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 0) };
+        match ready {
+            0 => Ok(()),
+            r if r < 0 => match Errno::last() {
+                Errno::EINTR => Ok(()),
+                e => Err(Error::os("polling the pidfds of the peer processes", e)),
+            },
+            _ => {
                 let dead = fds
                     .iter()
-                    .zip(&ranks)
-                    .find(|(fd, _)| fd.revents().is_some_and(|r| !r.is_empty()))
+                    .zip(ranks)
+                    .find(|(fd, _)| fd.revents != 0)
                     .map_or(ranks[0], |(_, &r)| r);
                 if segments[dead].control.departed() {
                     // It left cleanly between the two reads.
@@ -290,7 +322,6 @@ impl Liveness {
                     detail: format!("process {} exited", segments[dead].pid),
                 })
             }
-            Err(e) => Err(Error::os("polling the pidfds of the peer processes", e)),
         }
     }
 

@@ -166,11 +166,32 @@ impl Received {
     /// The batch now holds call `epoch` of `ctx`, waiting for its reply.
     pub(crate) fn received(&mut self, ctx: &Context, epoch: u64) {
         self.epoch = epoch;
+        if let Some(live) = self.live.as_mut().and_then(Arc::get_mut) {
+            // The last call's, answered and shared with no clone ([`Received::release_live`]):
+            // reused, so a receive allocates nothing for it.
+            live.epoch = epoch;
+            *live.answered.get_mut() = false;
+            live.link = AbortLink::of(ctx);
+            return;
+        }
         self.live = Some(Arc::new(LiveCall {
             epoch,
             answered: AtomicBool::new(false),
             link: AbortLink::of(ctx),
         }));
+    }
+
+    /// Lets go of the call the batch held, before a receive refills it: kept for
+    /// [`Received::received`] to reuse when it was answered and no clone of the batch shares
+    /// it, else dropped here (which aborts the job when it was not answered and this was its
+    /// last holder, as any drop of it does).
+    pub(crate) fn release_live(&mut self) {
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        if Arc::get_mut(&mut live).is_some_and(|l| *l.answered.get_mut()) {
+            self.live = Some(live);
+        }
     }
 
     /// The call was replied to (or the batch handed to the C ABI): no batch holding it aborts
@@ -406,6 +427,7 @@ impl TokenBatch {
 
     /// Clears everything and reserves per-source bookkeeping for `sources` sources.
     pub(crate) fn reset(&mut self, comm: u64, dtype: DType, hidden: usize, topk: usize) {
+        self.recv.release_live();
         self.recv = Received {
             comm,
             epoch: 0,
@@ -415,7 +437,7 @@ impl TokenBatch {
             arrival_order: std::mem::take(&mut self.recv.arrival_order),
             int8: false,
             tag: None,
-            live: None,
+            live: self.recv.live.take(),
         };
         self.recv.sources.clear();
         self.recv.arrival_order.clear();

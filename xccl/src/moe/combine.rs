@@ -31,7 +31,7 @@
 
 use std::time::Instant;
 
-use super::batch::{ExpertBatch, SourceInfo};
+use super::batch::{AlignedBytes, ExpertBatch, SourceInfo};
 use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::Sent;
@@ -97,7 +97,10 @@ pub(crate) struct CombineSender {
     /// Reply rows computed here: one chunk in the dtype, put at once; with INT8 replies every
     /// token's quantized row, computed (and checked) before the first put.
     stage: Vec<u8>,
-    quant: Quantizer,
+    pub(crate) quant: Quantizer,
+    /// One reply row a view's caller fills before it goes out (lent by
+    /// [`CombineSender::take_scratch`]).
+    scratch: AlignedBytes,
     /// The epoch whose registered output `prepare_output` handed out.
     output_for: Option<u64>,
 }
@@ -113,7 +116,7 @@ impl CombineSender {
     ) -> Result<()> {
         ctx.wait_credits(
             epoch,
-            &ctx.previous_sources(epoch),
+            ctx.previous_sources(epoch),
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier combine)",
             deadline,
@@ -156,6 +159,17 @@ impl CombineSender {
         self.stage = stage;
     }
 
+    /// Lends the one-row scratch (aligned for every dtype), until
+    /// [`CombineSender::give_scratch`].
+    pub(crate) fn take_scratch(&mut self) -> AlignedBytes {
+        std::mem::take(&mut self.scratch)
+    }
+
+    /// Returns the scratch [`CombineSender::take_scratch`] lent.
+    pub(crate) fn give_scratch(&mut self, scratch: AlignedBytes) {
+        self.scratch = scratch;
+    }
+
     /// Whether the registered output of call `epoch` was prepared (and so may be sent).
     pub(crate) fn take_output(&mut self, epoch: u64) -> bool {
         if self.output_for == Some(epoch) {
@@ -191,7 +205,7 @@ impl CombineSender {
         self.quantize_all(ctx, &replies, int8, sources)?;
         ctx.wait_credits(
             epoch,
-            &ctx.previous_sources(epoch),
+            ctx.previous_sources(epoch),
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier combine)",
             deadline,
@@ -268,6 +282,22 @@ impl CombineSender {
         }
         let tokens = call_tokens(sources);
         let (p, stride) = (ctx.layout.e2a_stride, ctx.layout.e2a_stride_for(true));
+        match replies {
+            Replies::Quantized(q) if q.len() != tokens * stride => {
+                return Err(Error::invalid(format!(
+                    "{} bytes of INT8 replies for {tokens} tokens of {stride} bytes",
+                    q.len()
+                )))
+            }
+            Replies::Fill(_) => {
+                return Err(Error::invalid(
+                    "INT8 replies are quantized before the send, not filled in place",
+                ))
+            }
+            // Quantized by the caller (a view's, in the stage it borrowed) or staged already.
+            Replies::Quantized(_) | Replies::Staged => return Ok(()),
+            Replies::Reduce { .. } | Replies::Tokens(_) => {}
+        }
         let mut stage = std::mem::take(&mut self.stage);
         stage.resize(tokens * stride, 0);
         let rows = stage.chunks_exact_mut(stride).enumerate();
@@ -279,14 +309,7 @@ impl CombineSender {
             Replies::Tokens(reduced) => rows.into_iter().try_for_each(|(t, slot)| {
                 quantize_reply(&mut self.quant, ctx, &reduced[t * p..(t + 1) * p], t, slot)
             }),
-            Replies::Quantized(q) if q.len() != tokens * stride => Err(Error::invalid(format!(
-                "{} bytes of INT8 replies for {tokens} tokens of {stride} bytes",
-                q.len()
-            ))),
-            Replies::Fill(_) => Err(Error::invalid(
-                "INT8 replies are quantized before the send, not filled in place",
-            )),
-            Replies::Quantized(_) | Replies::Staged => Ok(()),
+            _ => unreachable!("handled above"),
         };
         self.stage = stage;
         staged

@@ -348,10 +348,9 @@ impl Context {
 
     /// The global ranks of the attention ranks that took part in the call whose buffers call
     /// `epoch` reuses (`epoch - max_in_flight`): the ones whose credits free them.
-    pub(crate) fn previous_sources(&self, epoch: u64) -> Vec<usize> {
+    pub(crate) fn previous_sources(&self, epoch: u64) -> &[usize] {
         let prev = epoch.saturating_sub(self.cfg.max_in_flight as u64);
-        let all = self.attention();
-        self.call_sources(prev).iter().map(|&i| all[i]).collect()
+        self.topo.call_source_ranks(self.call_of(prev))
     }
 
     /// The attention ranks, in rank order.

@@ -29,8 +29,9 @@ use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use super::regions;
-use super::relay::{read_header, wire_order, Relay};
+use super::relay::{read_header, wire_order, HeaderEntry, Relay};
 use super::routing::DispatchLayout;
+use super::view::ViewRows;
 use crate::fabric::Waiting;
 use crate::{Error, Result};
 
@@ -74,6 +75,10 @@ pub(crate) struct DispatchSender {
     /// One encoded INT8 row (payload, scale, metadata).
     qrow: Vec<u8>,
     quant: Quantizer,
+    /// Scratch: the rows' `max |x|` of the call being planned (INT8 A2E).
+    amax: Vec<f32>,
+    /// Scratch: the route table of a call through a relay.
+    table: Vec<u8>,
     /// The user tag the next call carries to every expert rank it reaches.
     tag: u64,
     /// The landing buffer of the last call sent.
@@ -92,6 +97,8 @@ impl DispatchSender {
             row: Vec::new(),
             qrow: Vec::new(),
             quant: Quantizer::default(),
+            amax: Vec::new(),
+            table: Vec::new(),
             tag: 0,
             last_landing: 0,
         }
@@ -166,11 +173,13 @@ impl DispatchSender {
                 ctx.cfg.max_tokens_per_rank
             )));
         }
-        let mut amax = Vec::new();
+        // Filled here and swapped into the call's `Sent` (whose old list comes back as the
+        // next call's scratch): no allocation per call.
+        let amax = &mut self.amax;
+        amax.clear();
         if ctx.cfg.a2e_quant == Quant::Int8 {
             // INT8 needs finite rows: checked for every token before anything is written, and
             // each row's `max |x|` kept for the quantizing copies.
-            amax.reserve(num_tokens);
             for t in 0..num_tokens {
                 let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
                 match self.quant.amax(ctx.cfg.dtype, x) {
@@ -212,7 +221,7 @@ impl DispatchSender {
         }
         ctx.stats.borrow_mut().dropped_slots += sent.layout.dropped() as u64;
         sent.num_tokens = num_tokens;
-        sent.amax = amax;
+        std::mem::swap(&mut sent.amax, &mut self.amax);
         // Each destination's first row in the message: in expert-rank order, or through a relay
         // in its wire order.
         let experts = ctx.experts();
@@ -459,12 +468,13 @@ impl DispatchSender {
         let relay = plan.relay_rank_of(src_index);
         let m = plan.member_slot(src_index);
         let plan_rows = &sent.layout;
-        let mut table = Vec::with_capacity(4 * (1 + ctx.experts().len()));
+        let table = &mut self.table;
+        table.clear();
         table.extend_from_slice(&(sent.num_tokens as u32).to_le_bytes());
         for &d in ctx.experts() {
             table.extend_from_slice(&(plan_rows.count(d) as u32).to_le_bytes());
         }
-        ctx.put(relay, layout.relay_table(m, buf), &table)?;
+        ctx.put(relay, layout.relay_table(m, buf), table)?;
         let count = plan_rows.total_entries();
         let rec = Record::a2e(epoch, count as u32, 0, WireMode::Push, int8, 0, self.tag);
         ctx.put_record(relay, layout.record(src_index, buf), &rec)?;
@@ -972,7 +982,7 @@ impl Received {
     fn begin(&mut self, comm: u64, ranks: &[usize]) {
         self.comm = comm;
         self.epoch = 0;
-        self.live = None;
+        self.release_live();
         self.sources.clear();
         self.sources.extend(ranks.iter().map(|&rank| SourceInfo {
             rank,
@@ -1018,6 +1028,8 @@ pub(crate) struct DispatchReceiver {
     /// For each of `unreplied`, the landing buffer of each source's rows (by attention index;
     /// `None` where it sent nothing): buffers a new call's record may not name.
     landings: VecDeque<Vec<Option<usize>>>,
+    /// Lists of `landings` whose calls were replied to, for the next calls to fill.
+    spare_landings: Vec<Vec<Option<usize>>>,
     reader: RowReader,
     messages: Vec<Option<Message>>,
     /// Per source of the call being received: rows handled so far, and whether it is complete
@@ -1031,6 +1043,22 @@ pub(crate) struct DispatchReceiver {
     row_experts: Vec<(u32, f32)>,
     /// The relay's state (used when this rank is a relay).
     pub(crate) relay: Box<Relay>,
+    /// The buffers of the last view that replied, for the next view (boxed once: they are
+    /// large, and only views use them).
+    pub(crate) spare_view: Box<Option<(ViewRows, TokenBatch)>>,
+    /// Scratch of a receive through relays (boxed once: only relayed jobs use it).
+    relayed: Box<RelayedScratch>,
+}
+
+/// What a receive through relays keeps per relay, kept between calls (no allocation per call).
+#[derive(Debug, Default)]
+struct RelayedScratch {
+    /// Per relay: the rows its header announced, once read; whether all are in.
+    totals: Vec<Option<usize>>,
+    done: Vec<bool>,
+    /// The entries of the header read last, and its raw bytes.
+    entries: Vec<HeaderEntry>,
+    bytes: Vec<u8>,
 }
 
 impl DispatchReceiver {
@@ -1040,6 +1068,7 @@ impl DispatchReceiver {
             last_epoch: epoch_base,
             unreplied: VecDeque::new(),
             landings: VecDeque::new(),
+            spare_landings: Vec::new(),
             reader: RowReader::default(),
             messages: Vec::new(),
             handled: Vec::new(),
@@ -1048,6 +1077,8 @@ impl DispatchReceiver {
             row_start: Vec::new(),
             row_experts: Vec::new(),
             relay: Box::default(),
+            spare_view: Box::new(None),
+            relayed: Box::default(),
         }
     }
 
@@ -1133,7 +1164,7 @@ impl DispatchReceiver {
     /// The oldest call has been replied to.
     pub(crate) fn replied(&mut self) {
         self.unreplied.pop_front();
-        self.landings.pop_front();
+        self.spare_landings.extend(self.landings.pop_front());
     }
 
     /// Tells every attention rank (every relay, with relays) that this rank is done with their
@@ -1300,10 +1331,17 @@ impl DispatchReceiver {
         self.handled.clear();
         self.handled.resize(attention.len(), 0);
         // Per relay: the rows its header announced, once read; whether all are in.
-        let mut totals: Vec<Option<usize>> = vec![None; relays.len()];
-        let mut done = vec![false; relays.len()];
+        let RelayedScratch {
+            totals,
+            done,
+            entries,
+            bytes,
+        } = &mut *self.relayed;
+        totals.clear();
+        totals.resize(relays.len(), None);
+        done.clear();
+        done.resize(relays.len(), false);
         let mut missing = relays.len();
-        let mut entries = Vec::new();
         let mut failure: Option<Error> = None;
         let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
         // Headers and rows seen so far (`Waiting::progress`).
@@ -1328,9 +1366,9 @@ impl DispatchReceiver {
                 let total = match totals[k] {
                     Some(total) => total,
                     None => {
-                        let rec = read_header(ctx, r, k, epoch, &mut entries)?;
+                        let rec = read_header(ctx, (r, k), epoch, entries, bytes)?;
                         parts += 1;
-                        for (m, (&ai, e)) in plan.members(k).iter().zip(&entries).enumerate() {
+                        for (m, (&ai, e)) in plan.members(k).iter().zip(&*entries).enumerate() {
                             if !ctx.topo.in_call(attention[ai], call_no) {
                                 // Outside the call's DP domain: nothing may come from it.
                                 if e.count > 0 {
@@ -1486,7 +1524,9 @@ impl DispatchReceiver {
     fn received(&mut self, epoch: u64) {
         self.last_epoch = epoch;
         self.unreplied.push_back(epoch);
-        let landings = self.messages.iter().map(|m| m.map(|m| m.landing)).collect();
+        let mut landings = self.spare_landings.pop().unwrap_or_default();
+        landings.clear();
+        landings.extend(self.messages.iter().map(|m| m.map(|m| m.landing)));
         self.landings.push_back(landings);
     }
 
@@ -1516,8 +1556,6 @@ impl DispatchReceiver {
     fn arrange_expert_major(&mut self, ctx: &Context, batch: &mut ExpertBatch) -> Result<()> {
         let local = ctx.topo.local_experts(ctx.rank).len();
         let payload = ctx.layout.a2e.payload;
-        let messages: Vec<Message> = self.messages.iter().filter_map(|m| *m).collect();
-
         // Pass 1: decode and validate every row; count rows per local expert.
         self.row_token.clear();
         self.row_start.clear();
@@ -1531,7 +1569,7 @@ impl DispatchReceiver {
             info.first_token = first_token;
             first_token += m.map_or(0, |m| m.count());
         }
-        for msg in &messages {
+        for msg in self.messages.iter().flatten() {
             self.reader.prepare(ctx, msg, 0..msg.count())?;
             for r in 0..msg.count() {
                 let token = self.reader.decode(ctx, msg, r)?;
@@ -1570,7 +1608,7 @@ impl DispatchReceiver {
         let out = batch.rows.bytes_mut();
         let (qrows, scales) = (&mut batch.qrows, &mut batch.scales);
         let mut n = 0;
-        for msg in &messages {
+        for msg in self.messages.iter().flatten() {
             self.reader.prepare(ctx, msg, 0..msg.count())?;
             for r in 0..msg.count() {
                 let token = self.row_token[n];
@@ -1675,8 +1713,9 @@ impl DispatchReceiver {
         &mut self,
         ctx: &Context,
         meta: &mut TokenBatch,
+        messages: &mut Vec<Message>,
         deadline: Instant,
-    ) -> Result<(u64, Vec<Message>)> {
+    ) -> Result<u64> {
         meta.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
         meta.recv.begin(ctx.id, ctx.attention());
         let recv = &mut meta.recv;
@@ -1686,24 +1725,23 @@ impl DispatchReceiver {
         })?;
         // Every source in rank order; those outside the call's DP domain as empty messages.
         let buf = ctx.layout.buffer(epoch);
-        let messages: Vec<Message> = (self.messages.iter().enumerate())
-            .map(|(i, m)| {
-                m.unwrap_or(Message {
-                    index: i,
-                    src: ctx.attention()[i],
-                    rec: Record::default(),
-                    mode: WireMode::Push,
-                    buf,
-                    landing: buf,
-                    int8: false,
-                    on_relay: None,
-                })
+        messages.clear();
+        messages.extend((self.messages.iter().enumerate()).map(|(i, m)| {
+            m.unwrap_or(Message {
+                index: i,
+                src: ctx.attention()[i],
+                rec: Record::default(),
+                mode: WireMode::Push,
+                buf,
+                landing: buf,
+                int8: false,
+                on_relay: None,
             })
-            .collect();
+        }));
         let total: usize = messages.iter().map(Message::count).sum();
         meta.grow(total, 0, false);
         let mut first = 0;
-        for msg in &messages {
+        for msg in messages.iter() {
             meta.recv.sources[msg.index].first_token = first;
             self.reader.prepare(ctx, msg, 0..msg.count())?;
             for r in 0..msg.count() {
@@ -1714,6 +1752,6 @@ impl DispatchReceiver {
         }
         self.received(epoch);
         meta.recv.received(ctx, epoch);
-        Ok((epoch, messages))
+        Ok(epoch)
     }
 }

@@ -121,6 +121,27 @@ pub(crate) struct Relay {
     scratch: Vec<u8>,
     reductions: Vec<Reduction>,
     work: Work,
+    /// The per-call lists of [`Relay::combine_e2a`], kept between calls.
+    combining: Combining,
+}
+
+/// What [`Relay::combine_e2a`] keeps per expert rank and per member during one call: lists
+/// kept in the relay between calls, so a relayed E2A allocates nothing for them.
+#[derive(Debug, Default)]
+struct Combining {
+    /// Per expert index: rows dispatched to it through this relay, whether its record was
+    /// read, rows of it landed, and its rows for the members before the current one.
+    expected: Vec<usize>,
+    seen: Vec<bool>,
+    landed: Vec<usize>,
+    before: Vec<usize>,
+    /// Per member: its global rank, whether it takes part in the call, whether it has all
+    /// its rows.
+    member_ranks: Vec<usize>,
+    in_call: Vec<bool>,
+    finished: Vec<bool>,
+    /// The members whose reply areas were in use by the call this one's buffers follow.
+    credit_from: Vec<usize>,
 }
 
 /// The order in which a member of relay `relay` sends its rows, and so their order in its
@@ -174,13 +195,14 @@ const ENTRY_IN_PLACE: u32 = 2;
 /// Reads and checks the header relay `relay` (index `k`) wrote for call `epoch` into this
 /// expert rank's window: every entry's rows must fit the receive area (`recv_rows`) and its
 /// reply offset the member's reply area (`attention_rows`), the counts must add up to the
-/// record's and the entries hash to the value the record carries.
+/// record's and the entries hash to the value the record carries. The entries go to `out`;
+/// `bytes` is scratch.
 pub(crate) fn read_header(
     ctx: &Context,
-    relay: usize,
-    k: usize,
+    (relay, k): (usize, usize),
     epoch: u64,
     out: &mut Vec<HeaderEntry>,
+    bytes: &mut Vec<u8>,
 ) -> Result<Record> {
     let l = &ctx.layout;
     let plan = ctx.topo.relay_plan().expect("relayed");
@@ -201,9 +223,10 @@ pub(crate) fn read_header(
             "relay header of epoch {epoch} is not a push message"
         ));
     }
-    let mut bytes = vec![0u8; g * RELAY_ENTRY];
-    ctx.get(ctx.rank, at + 32, &mut bytes)?;
-    if entries_hash(&bytes) != rec.offset {
+    bytes.clear();
+    bytes.resize(g * RELAY_ENTRY, 0);
+    ctx.get(ctx.rank, at + 32, bytes)?;
+    if entries_hash(bytes) != rec.offset {
         return bad(format!(
             "relay header of epoch {epoch}: its entries do not match the hash in its record"
         ));
@@ -293,6 +316,7 @@ impl Relay {
             told: Vec::new(),
             forwarded: Vec::new(),
             next_check: started,
+            bytes: Vec::new(),
         });
         // With DP domains, members outside the call's domain send nothing: empty routes.
         let call_no = ctx.call_of(epoch);
@@ -384,22 +408,37 @@ impl Relay {
         let attention = ctx.attention();
         let n = experts.len();
         let g = members.len();
-        let expected: Vec<usize> = (0..n)
-            .map(|j| call.members.iter().map(|mc| mc.counts[j] as usize).sum())
-            .collect();
-        let member_ranks: Vec<usize> = members.iter().map(|&ai| attention[ai]).collect();
+        // The lists go back into `self.combining` at the end (an error drops them).
+        let mut lists = std::mem::take(&mut self.combining);
+        let Combining {
+            expected,
+            seen,
+            landed,
+            before,
+            member_ranks,
+            in_call,
+            finished,
+            credit_from,
+        } = &mut lists;
+        expected.clear();
+        expected.extend((0..n).map(|j| {
+            call.members
+                .iter()
+                .map(|mc| mc.counts[j] as usize)
+                .sum::<usize>()
+        }));
+        member_ranks.clear();
+        member_ranks.extend(members.iter().map(|&ai| attention[ai]));
         let call_no = ctx.call_of(epoch);
-        let in_call: Vec<bool> = (member_ranks.iter())
-            .map(|&a| ctx.topo.in_call(a, call_no))
-            .collect();
+        in_call.clear();
+        in_call.extend(member_ranks.iter().map(|&a| ctx.topo.in_call(a, call_no)));
         // The members' reply areas must be free before the first reduced row goes out.
         let previous = ctx.previous_sources(epoch);
-        let credit_from: Vec<usize> = (member_ranks.iter().copied())
-            .filter(|a| previous.contains(a))
-            .collect();
+        credit_from.clear();
+        credit_from.extend((member_ranks.iter().copied()).filter(|a| previous.contains(a)));
         ctx.wait_credits(
             epoch,
-            &credit_from,
+            credit_from,
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank has not consumed an earlier relayed combine)",
             deadline,
@@ -408,13 +447,14 @@ impl Relay {
         let hidden = ctx.cfg.hidden;
         // Expert rank `j` writes the replies for the members in member order: its rows for
         // member `m` follow those for the members before it.
-        let mut before = vec![0usize; n];
+        before.clear();
+        before.resize(n, 0);
         let my_index = ctx
             .topo
             .expert_index(ctx.rank)
             .expect("a relay is an expert rank");
         for (m, (red, mc)) in self.reductions.iter_mut().zip(&call.members).enumerate() {
-            red.begin(mc, &before, hidden);
+            red.begin(mc, before, hidden);
             for (b, &c) in before.iter_mut().zip(&mc.counts) {
                 *b += c as usize;
             }
@@ -439,10 +479,13 @@ impl Relay {
         // one call's replies through a relay must agree: the first record read sets it.
         let at_members = relay_sums_at_members(ctx);
         let mut int8: Option<bool> = at_members.then_some(false);
-        let mut seen = vec![false; n];
+        seen.clear();
+        seen.resize(n, false);
         let mut unseen = n;
-        let mut landed = vec![0usize; n];
-        let mut finished: Vec<bool> = in_call.iter().map(|&c| !c).collect();
+        landed.clear();
+        landed.resize(n, 0);
+        finished.clear();
+        finished.extend(in_call.iter().map(|&c| !c));
         let mut unfinished = finished.iter().filter(|f| !**f).count();
         let mut failure = None;
         let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
@@ -567,6 +610,7 @@ impl Relay {
         } else {
             credit_experts(ctx, epoch)?;
         }
+        self.combining = lists;
         let call = self.calls.pop_front().expect("checked above");
         if !call.readers.is_empty() {
             // Every expert rank replied, so each has read its rows of this call in place (an
@@ -598,13 +642,16 @@ impl Relay {
         let plan = ctx.topo.relay_plan().expect("relayed");
         let k = plan.relay_index(ctx.rank).expect("a relay");
         let call = ctx.call_of(epoch);
-        let members: Vec<usize> = (plan.members(k).iter())
-            .map(|&ai| ctx.attention()[ai])
-            .filter(|&a| ctx.topo.in_call(a, call))
-            .collect();
+        let members = &mut self.combining.credit_from;
+        members.clear();
+        members.extend(
+            (plan.members(k).iter())
+                .map(|&ai| ctx.attention()[ai])
+                .filter(|&a| ctx.topo.in_call(a, call)),
+        );
         ctx.wait_credited(
             epoch,
-            &members,
+            members,
             ctx.slots.e2a_credit(0),
             "E2A credit (attention rank is still summing its replies on this relay)",
             deadline,
@@ -988,6 +1035,8 @@ struct Forwarding {
     /// Per member, its rows checked (and forwarded) so far.
     forwarded: Vec<usize>,
     next_check: Instant,
+    /// Scratch of a route table read and of the header entries written.
+    bytes: Vec<u8>,
 }
 
 impl Forwarding {
@@ -1022,7 +1071,8 @@ impl Forwarding {
                     });
                 }
                 ctx.note_rows_received(a, rec.count as usize);
-                begin_member(ctx, epoch, m, ai, &rec, &mut self.call.members[m])?;
+                let mc = &mut self.call.members[m];
+                begin_member(ctx, epoch, (m, ai), &rec, mc, &mut self.bytes)?;
                 self.recs[m] = Some(rec);
                 self.unread -= 1;
             }
@@ -1044,7 +1094,8 @@ impl Forwarding {
         }
         if self.unread == 0 {
             if self.told.iter().all(Option::is_none) {
-                write_headers(ctx, k, epoch, &self.call.members, &self.call.readers)?;
+                let (members, readers) = (&self.call.members, &self.call.readers);
+                write_headers(ctx, k, epoch, (members, readers), &mut self.bytes)?;
             }
             let (members, told) = (&self.call.members, &mut self.told);
             signal_progress(ctx, epoch, members, &self.forwarded, told)?;
@@ -1075,18 +1126,20 @@ impl Forwarding {
 /// Writes relay `k`'s header of call `epoch` into every expert rank's window: a record (rows
 /// for that rank, the hash of the entries) and one `(count, offset, flags)` entry per member of
 /// `members` (route tables read); rotated by `k` to spread incast. Each rank learns of it from the
-/// first progress signal [`signal_progress`] sends. `readers` read their rows in place.
+/// first progress signal [`signal_progress`] sends. `readers` read their rows in place;
+/// `entries` is scratch.
 fn write_headers(
     ctx: &Context,
     k: usize,
     epoch: u64,
-    members: &[MemberCall],
-    readers: &[usize],
+    (members, readers): (&[MemberCall], &[usize]),
+    entries: &mut Vec<u8>,
 ) -> Result<()> {
     let l = &ctx.layout;
     let experts = ctx.experts();
     let n = experts.len();
-    let mut entries = vec![0u8; members.len() * RELAY_ENTRY];
+    entries.clear();
+    entries.resize(members.len() * RELAY_ENTRY, 0);
     for step in 0..n {
         let j = (k + step) % n;
         let d = experts[j];
@@ -1103,8 +1156,8 @@ fn write_headers(
             e[16..24].copy_from_slice(&mc.tag.to_le_bytes());
         }
         let at = l.relay_header(k, l.buffer(epoch));
-        let rec = Record::new(epoch, total, entries_hash(&entries), WireMode::Push);
-        ctx.put(d, at + 32, &entries)?;
+        let rec = Record::new(epoch, total, entries_hash(entries), WireMode::Push);
+        ctx.put(d, at + 32, entries)?;
         ctx.put_record(d, at, &rec)?;
         fault_point!("relay.header");
     }
@@ -1159,14 +1212,14 @@ fn credit_members(ctx: &Context, members: &[usize], epoch: u64) -> Result<()> {
 }
 
 /// Reads and checks member `m`'s (attention index `ai`) route table for call `epoch` against
-/// its record, noting its token count and rows per expert rank in `mc`.
+/// its record, noting its token count and rows per expert rank in `mc` (`table`: scratch).
 fn begin_member(
     ctx: &Context,
     epoch: u64,
-    m: usize,
-    ai: usize,
+    (m, ai): (usize, usize),
     rec: &Record,
     mc: &mut MemberCall,
+    table: &mut Vec<u8>,
 ) -> Result<()> {
     let l = &ctx.layout;
     let buf = l.buffer(epoch);
@@ -1174,8 +1227,9 @@ fn begin_member(
     let n = experts.len();
     let a = ctx.attention()[ai];
     let bad = |detail: String| Err(Error::Protocol { peer: a, detail });
-    let mut table = vec![0u8; 4 * (n + 1)];
-    ctx.get(ctx.rank, l.relay_table(m, buf), &mut table)?;
+    table.clear();
+    table.resize(4 * (n + 1), 0);
+    ctx.get(ctx.rank, l.relay_table(m, buf), table)?;
     let word = |i: usize| u32::from_le_bytes(table[4 * i..4 * i + 4].try_into().expect("4"));
     let t_count = word(0) as usize;
     if t_count > ctx.cfg.max_tokens_per_rank {

@@ -37,7 +37,7 @@ impl PeerStats {
 
 /// Counters of one rank: of one call ([`crate::Communicator::last_call_stats`]) or of every
 /// call so far ([`crate::Communicator::total_stats`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     /// Calls counted.
     pub calls: u64,
@@ -62,6 +62,40 @@ pub struct Stats {
     pub dropped_slots: u64,
     /// Per global rank (this rank's own entry counts writes into its own window).
     pub peers: Vec<PeerStats>,
+}
+
+impl Clone for Stats {
+    fn clone(&self) -> Self {
+        let mut s = Stats::default();
+        s.clone_from(self);
+        s
+    }
+
+    /// Field by field, reusing `self.peers` (every call copies its counters this way: no
+    /// allocation once the per-peer table has its size).
+    fn clone_from(&mut self, source: &Self) {
+        // Destructured, so a field added later cannot be left out.
+        let Stats {
+            calls,
+            records_written,
+            records_polled,
+            relay_rows_forwarded,
+            relay_forward,
+            relay_combine,
+            relay_reduce,
+            dropped_slots,
+            peers,
+        } = source;
+        self.calls = *calls;
+        self.records_written = *records_written;
+        self.records_polled = *records_polled;
+        self.relay_rows_forwarded = *relay_rows_forwarded;
+        self.relay_forward = *relay_forward;
+        self.relay_combine = *relay_combine;
+        self.relay_reduce = *relay_reduce;
+        self.dropped_slots = *dropped_slots;
+        self.peers.clone_from(peers);
+    }
 }
 
 /// A peer waited on more than this many times as long as the median of the peers waited on
@@ -164,5 +198,31 @@ mod tests {
         t.add(&s);
         t.add(&s);
         assert_eq!(t.peers[3].waited, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn a_copy_of_the_counters_has_every_field_of_its_source() {
+        let s = Stats {
+            calls: 1,
+            records_written: 2,
+            records_polled: 3,
+            relay_rows_forwarded: 4,
+            relay_forward: Duration::from_micros(5),
+            relay_combine: Duration::from_micros(6),
+            relay_reduce: Duration::from_micros(7),
+            dropped_slots: 8,
+            peers: vec![
+                PeerStats {
+                    records: 9,
+                    ..PeerStats::default()
+                };
+                3
+            ],
+        };
+        let mut t = Stats::new(5);
+        t.records_polled = 99;
+        t.clone_from(&s);
+        assert_eq!(t, s);
+        assert_eq!(s.clone(), s);
     }
 }

@@ -18,12 +18,12 @@
 //! first write poisons the communicator and aborts the job.
 
 use super::batch::{SourceInfo, TokenBatch};
-use super::combine::{quantize_reply, Replies};
+use super::combine::{quantize_reply, CombineSender, Replies};
 use super::config::TransferMode;
 use super::context::Context;
 use super::dispatch::{DispatchReceiver, Message};
 use super::dtype::Element;
-use super::quant::{dequantize_to, Quant, Quantizer};
+use super::quant::{dequantize_to, Quant};
 use super::regions;
 use crate::{Communicator, Error, Result};
 
@@ -42,12 +42,17 @@ pub struct TokenView<'c> {
 }
 
 /// Where a view's rows are: each source's message, and the rows fetched for sources whose
-/// windows are not mapped here.
-struct ViewRows {
+/// windows are not mapped here. Kept by the receiver between views (with the view's metadata,
+/// [`DispatchReceiver::spare_view`]), so a view allocates nothing once these have grown.
+#[derive(Debug, Default)]
+pub(crate) struct ViewRows {
     messages: Vec<Message>,
     landing: Vec<u8>,
     /// Per source: where its payloads start in `landing`, if fetched.
     fetched: Vec<Option<usize>>,
+    /// Scratch of a fetch: one raw row, and its elements widened to f32.
+    raw: Vec<u8>,
+    wide: Vec<f32>,
 }
 
 impl ViewRows {
@@ -82,13 +87,17 @@ impl ViewParts {
         receiver: &mut DispatchReceiver,
         deadline: std::time::Instant,
     ) -> Result<Self> {
-        let mut meta = TokenBatch::new();
-        let (epoch, messages) = receiver.recv_view(ctx, &mut meta, deadline)?;
-        let mut rows = ViewRows {
-            fetched: vec![None; messages.len()],
-            messages,
-            landing: Vec::new(),
+        let (mut rows, mut meta) = receiver.spare_view.take().unwrap_or_default();
+        let epoch = match receiver.recv_view(ctx, &mut meta, &mut rows.messages, deadline) {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                *receiver.spare_view = Some((rows, meta));
+                return Err(e);
+            }
         };
+        rows.fetched.clear();
+        rows.fetched.resize(rows.messages.len(), None);
+        rows.landing.clear();
         if let Err(e) = Self::fetch(ctx, &meta, &mut rows) {
             // The call fails (and poisons) with `e`: not with the drop of its metadata.
             meta.recv.answered();
@@ -108,15 +117,15 @@ impl ViewParts {
             // Not mapped here, or INT8 (dequantized once into the dtype): fetched.
             let at = rows.landing.len();
             rows.landing.resize(at + msg.count() * p, 0);
-            let mut raw = vec![0u8; msg.payload_len(ctx)];
-            let mut wide = Vec::new();
+            let (raw, wide) = (&mut rows.raw, &mut rows.wide);
+            raw.resize(msg.payload_len(ctx), 0);
             for r in 0..msg.count() {
                 let token = meta.src_token()[info.first_token() + r];
                 let (rank, off) = msg.payload_at(ctx, r, token);
                 let out = &mut rows.landing[at + r * p..at + (r + 1) * p];
                 if msg.int8 {
-                    ctx.get(rank, off, &mut raw)?;
-                    dequantize_to(&raw, ctx.cfg.dtype, &mut wide, out);
+                    ctx.get(rank, off, raw)?;
+                    dequantize_to(raw, ctx.cfg.dtype, wide, out);
                 } else {
                     ctx.get(rank, off, out)?;
                 }
@@ -234,68 +243,96 @@ impl<'c> TokenView<'c> {
             }
             receiver.check_reply(ctx, ctx.id, epoch)?;
             let deadline = ctx.call_deadline();
-            let n = meta.num_tokens();
-            let mut scratch: Vec<T> = vec![T::from_f32(0.0); ctx.cfg.hidden];
-            if ctx.cfg.e2a_quant == Quant::Int8 {
-                // Every row computed and quantized before anything is written: a non-finite
-                // row fails here, with nothing sent.
-                let stride = ctx.layout.e2a_stride_for(true);
-                let mut stage = sender.take_stage();
-                stage.resize(n * stride, 0);
-                let mut quant = Quantizer::default();
-                let staged =
-                    stage
-                        .chunks_exact_mut(stride)
-                        .enumerate()
-                        .try_for_each(|(t, slot)| {
-                            fill(t, row_of::<T>(ctx, rows, meta, t)?, &mut scratch);
-                            quantize_reply(&mut quant, ctx, bytemuck::cast_slice(&scratch), t, slot)
-                        });
-                let sources = meta.sources();
-                let sent = staged.and_then(|()| {
-                    let replies = Replies::Quantized(&stage);
-                    sender.send(ctx, epoch, sources, mode, replies, deadline)
-                });
-                sender.give_stage(stage);
-                sent?;
-            } else {
-                // Every row is found before anything is written (none can fail later).
-                for t in 0..n {
-                    row_of::<T>(ctx, rows, meta, t)?;
-                }
-                let p = ctx.layout.e2a_stride;
-                let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
-                    let input = row_of::<T>(ctx, rows, meta, t)?;
-                    // SAFETY: the sender waited for the credit of this buffer's previous use
-                    // from every attention rank before writing anything (where credits are
-                    // implied, each attention rank named this buffer free in its record), and
-                    // signals the progress covering this row only after this closure returns;
-                    // until then nobody reads or writes the row, and the slice does not outlive
-                    // this call.
-                    match unsafe { regions::exclusive(ctx, dst, at, p)? } {
-                        Some(out) => match bytemuck::try_cast_slice_mut::<u8, T>(out) {
-                            Ok(out) => fill(t, input, out),
-                            // Not aligned for `T` (never on the fabrics xccl has): via a row.
-                            Err(_) => {
-                                fill(t, input, &mut scratch);
-                                out.copy_from_slice(bytemuck::cast_slice(&scratch));
-                            }
-                        },
-                        None => {
-                            fill(t, input, &mut scratch);
-                            ctx.put(dst, at, bytemuck::cast_slice(&scratch))?;
-                        }
-                    }
-                    Ok(())
-                };
-                let replies = Replies::Fill(&mut write);
-                sender.send(ctx, epoch, meta.sources(), mode, replies, deadline)?;
-            }
+            // One reply row, lent by the sender (aligned for `T`): given back below, whatever
+            // the outcome.
+            let mut scratch_bytes = sender.take_scratch();
+            scratch_bytes.resize(ctx.cfg.hidden * std::mem::size_of::<T>());
+            let scratch: &mut [T] = bytemuck::cast_slice_mut(scratch_bytes.bytes_mut());
+            let sent = send_reply(
+                ctx,
+                sender,
+                rows,
+                meta,
+                (epoch, mode, deadline),
+                scratch,
+                &mut fill,
+            );
+            sender.give_scratch(scratch_bytes);
+            sent?;
             *replied = true;
             meta.recv.answered();
             receiver.replied();
             receiver.credit(ctx, epoch)
         })
+    }
+}
+
+/// The reply of [`TokenView::e2a_send`]: every row filled (and with INT8 replies quantized)
+/// and sent, `scratch` holding one row where a reply cannot be written in place.
+fn send_reply<T: Element>(
+    ctx: &Context,
+    sender: &mut CombineSender,
+    rows: &ViewRows,
+    meta: &TokenBatch,
+    (epoch, mode, deadline): (u64, TransferMode, std::time::Instant),
+    scratch: &mut [T],
+    fill: &mut impl FnMut(usize, &[T], &mut [T]),
+) -> Result<()> {
+    let n = meta.num_tokens();
+    if ctx.cfg.e2a_quant == Quant::Int8 {
+        // Every row computed and quantized before anything is written: a non-finite
+        // row fails here, with nothing sent.
+        let stride = ctx.layout.e2a_stride_for(true);
+        let mut stage = sender.take_stage();
+        stage.resize(n * stride, 0);
+        let mut quant = std::mem::take(&mut sender.quant);
+        let staged = stage
+            .chunks_exact_mut(stride)
+            .enumerate()
+            .try_for_each(|(t, slot)| {
+                fill(t, row_of::<T>(ctx, rows, meta, t)?, scratch);
+                quantize_reply(&mut quant, ctx, bytemuck::cast_slice(scratch), t, slot)
+            });
+        sender.quant = quant;
+        let sources = meta.sources();
+        let sent = staged.and_then(|()| {
+            let replies = Replies::Quantized(&stage);
+            sender.send(ctx, epoch, sources, mode, replies, deadline)
+        });
+        sender.give_stage(stage);
+        sent
+    } else {
+        // Every row is found before anything is written (none can fail later).
+        for t in 0..n {
+            row_of::<T>(ctx, rows, meta, t)?;
+        }
+        let p = ctx.layout.e2a_stride;
+        let mut write = |ctx: &Context, t: usize, dst: usize, at: usize| -> Result<()> {
+            let input = row_of::<T>(ctx, rows, meta, t)?;
+            // SAFETY: the sender waited for the credit of this buffer's previous use
+            // from every attention rank before writing anything (where credits are
+            // implied, each attention rank named this buffer free in its record), and
+            // signals the progress covering this row only after this closure returns;
+            // until then nobody reads or writes the row, and the slice does not outlive
+            // this call.
+            match unsafe { regions::exclusive(ctx, dst, at, p)? } {
+                Some(out) => match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+                    Ok(out) => fill(t, input, out),
+                    // Not aligned for `T` (never on the fabrics xccl has): via a row.
+                    Err(_) => {
+                        fill(t, input, scratch);
+                        out.copy_from_slice(bytemuck::cast_slice(scratch));
+                    }
+                },
+                None => {
+                    fill(t, input, scratch);
+                    ctx.put(dst, at, bytemuck::cast_slice(scratch))?;
+                }
+            }
+            Ok(())
+        };
+        let replies = Replies::Fill(&mut write);
+        sender.send(ctx, epoch, meta.sources(), mode, replies, deadline)
     }
 }
 
@@ -336,13 +373,22 @@ impl Drop for TokenView<'_> {
     /// Unreplied (and the communicator not failed already): poisons the communicator and
     /// aborts the job, naming this rank and the epoch.
     fn drop(&mut self) {
-        if !self.replied && self.comm.poisoned().is_none() {
-            let reason = format!(
-                "expert rank {} dropped its view of A2E epoch {} without replying",
-                self.comm.rank(),
-                self.epoch
-            );
-            self.comm.abort(&reason);
+        if !self.replied {
+            if self.comm.poisoned().is_none() {
+                let reason = format!(
+                    "expert rank {} dropped its view of A2E epoch {} without replying",
+                    self.comm.rank(),
+                    self.epoch
+                );
+                self.comm.abort(&reason);
+            }
+            return;
         }
+        // Replied: the buffers go back to the receiver for the next view.
+        let parts = (
+            std::mem::take(&mut self.rows),
+            std::mem::take(&mut self.meta),
+        );
+        self.comm.keep_view_buffers(parts);
     }
 }

@@ -291,8 +291,14 @@ fn source_states<T: Element>(
 }
 
 /// The reply of one received token: [`test_expert`] of each local expert (rounded to the
-/// dtype), weighted and summed as the protocol documents ([`reduce_on_expert`]).
-fn token_reply<T: Element>(locals: &[usize], experts: &[u32], weights: &[f32], x: &[T]) -> Vec<T> {
+/// dtype), weighted and summed as the protocol documents ([`reduce_on_expert`]). `experts` are
+/// the token's local experts (indices into `locals`, the rank's global expert ids).
+pub fn token_reply<T: Element>(
+    locals: &[usize],
+    experts: &[u32],
+    weights: &[f32],
+    x: &[T],
+) -> Vec<T> {
     let outputs: Vec<(f32, Vec<T>)> = experts
         .iter()
         .zip(weights)
