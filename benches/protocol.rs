@@ -5,8 +5,8 @@
 //!   ranks, a different routing each call (bytes = the routing read: `T * K * (4 + 4)`);
 //! - `record`: `Record::new` + `Record::validate` (32 bytes);
 //! - `row_meta`: `A2eRow::encode_meta` + `decode_meta` (the metadata bytes of one row);
-//! - `roundtrip_local`: one A2E + E2A over the `local` fabric, 1A:1E, T=128, H=7168, bf16, with
-//!   the identity as expert (bytes = rows sent x H x 2, both directions).
+//! - `roundtrip_local`: one A2E + E2A over the `local` fabric, 1A:1E, T=128, H=7168 and T=1,
+//!   H=16, bf16, with the identity as expert (bytes = rows sent x H x 2, both directions).
 //!
 //! Run: `cargo bench -p xccl-benches --bench protocol -- --warm-up-time 1 --measurement-time 2`.
 
@@ -22,7 +22,7 @@ use xccl::moe::routing::DispatchLayout;
 use xccl::moe::rows::A2eRow;
 use xccl::testing::harness::Workload;
 use xccl::testing::reference::random_routing;
-use xccl::{Communicator, DType, ExpertBatch, MoeConfig, Topology, TransferMode};
+use xccl::{Communicator, DType, ExpertBatch, MoeConfig, TokenBatch, Topology, TransferMode};
 
 const K: usize = 8;
 const EXPERTS: usize = 64;
@@ -118,49 +118,66 @@ fn row_meta(c: &mut Criterion) {
 }
 
 fn roundtrip_local(c: &mut Criterion) {
-    const T: usize = 128;
-    const H: usize = 7168;
+    roundtrip_local_at(c, 128, 7168, false);
+    // One token of 16 elements, token-major as a decode step's: the copies cost nothing, what
+    // is left is the four calls' own fixed work, which no bandwidth hides.
+    roundtrip_local_at(c, 1, 16, true);
+}
+
+/// [`roundtrip_local`] with `t` tokens of hidden size `h` (the routing of round 0 every call),
+/// the expert rank receiving expert-major, or token-major when `tokens`.
+fn roundtrip_local_at(c: &mut Criterion, t: usize, h: usize, tokens: bool) {
     let topo = Topology::contiguous(1, 1, EXPERTS).expect("topology");
-    let cfg = MoeConfig::new(H, DType::BF16, K, T);
+    let cfg = MoeConfig::new(h, DType::BF16, K, t);
     let mut comms = Communicator::local_group(&topo, &cfg).expect("local group");
     let mut expert = comms.pop().expect("expert rank");
     let mut attention = comms.pop().expect("attention rank");
     let wl = Workload {
         seed: 3,
-        tokens: T,
+        tokens: t,
         vary: false,
         skew: None,
         shared_experts: 0,
     };
     let input = wl.input(&topo, K, 0, 0);
-    let x: Vec<bf16> = slice_from_f32(&wl.hidden_states(0, 0, T, H));
-    let mut out = vec![bf16::ZERO; T * H];
+    let x: Vec<bf16> = slice_from_f32(&wl.hidden_states(0, 0, t, h));
+    let mut out = vec![bf16::ZERO; t * h];
     // One row per (token, destination rank); with one expert rank every token is one row.
-    let bytes = 2 * T * H * 2;
+    let bytes = 2 * t * h * 2;
 
     let (tx, rx) = mpsc::channel::<u64>();
     let server = std::thread::spawn(move || {
-        let mut batch = ExpertBatch::new();
+        let (mut batch, mut token_batch) = (ExpertBatch::new(), TokenBatch::new());
         while let Ok(n) = rx.recv() {
             for _ in 0..n {
-                expert.a2e_recv(&mut batch).expect("a2e_recv");
-                let rows = batch.rows::<bf16>().expect("rows");
-                expert.e2a_send(&batch, rows).expect("e2a_send");
+                if tokens {
+                    let tb = &mut token_batch;
+                    expert
+                        .a2e_recv_tokens(tb, &mut |_, _| {})
+                        .expect("a2e_recv_tokens");
+                    let rows = tb.rows::<bf16>().expect("rows");
+                    expert.e2a_send_tokens(tb, rows).expect("e2a_send_tokens");
+                } else {
+                    expert.a2e_recv(&mut batch).expect("a2e_recv");
+                    let rows = batch.rows::<bf16>().expect("rows");
+                    expert.e2a_send(&batch, rows).expect("e2a_send");
+                }
             }
         }
     });
 
     let mut group = c.benchmark_group("roundtrip_local");
     group.throughput(Throughput::Bytes(bytes as u64));
-    group.bench_function("a2e_e2a_1A1E_T128_H7168_bf16", |b| {
+    let layout = if tokens { "tokens" } else { "experts" };
+    group.bench_function(format!("a2e_e2a_1A1E_T{t}_H{h}_bf16_{layout}"), |b| {
         b.iter_custom(|iters| {
             tx.send(iters).expect("expert thread alive");
             let start = Instant::now();
             for _ in 0..iters {
-                let h = attention
+                let handle = attention
                     .a2e_send(&x, &input.topk_idx, &input.topk_weights)
                     .expect("a2e_send");
-                attention.e2a_recv(&h, &mut out).expect("e2a_recv");
+                attention.e2a_recv(&handle, &mut out).expect("e2a_recv");
             }
             start.elapsed()
         })

@@ -58,7 +58,7 @@ use crate::fabric::{Capabilities, Fabric, Waiting};
 use crate::moe::batch::{A2eHandle, ExpertBatch, TokenBatch};
 use crate::moe::combine::{CombineReceiver, CombineSender, Replies};
 use crate::moe::config::{MoeConfig, TransferMode};
-use crate::moe::context::Context;
+use crate::moe::context::{CheckDue, Context};
 use crate::moe::dispatch::{DispatchReceiver, DispatchSender};
 use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
@@ -852,7 +852,8 @@ impl Communicator {
                 let peer = (ctx.rank + step) % world;
                 ctx.signal(peer, ctx.slots.barrier(ctx.rank), generation)?;
             }
-            let mut next = std::time::Instant::now();
+            // Checked at the first miss, as before.
+            let mut next = CheckDue::at(std::time::Instant::now());
             let mut failure = None;
             let arrived = |p: usize| ctx.slot_value(ctx.slots.barrier(p)) >= generation;
             ctx.wait(ctx.call_deadline(), &mut || {

@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use super::batch::{AlignedBytes, ExpertBatch, SourceInfo};
 use super::config::TransferMode;
-use super::context::Context;
+use super::context::{CheckDue, Context};
 use super::dispatch::Sent;
 use super::dtype::MAX_FUSED_ROWS;
 use super::progress::{chunk_rows, progress, Progress};
@@ -807,7 +807,7 @@ impl CombineReceiver {
         let (recs, delivered) = (&mut self.recs, &mut self.delivered);
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
-        let mut next_check = Instant::now() + super::context::AWAITED_CHECK_EVERY;
+        let mut next_check = CheckDue::default();
         self.sums.begin(ctx, hl, experts);
         let sums = &mut self.sums;
         // Whether every window a reply row can be in is mapped here (then rows are read where

@@ -25,6 +25,36 @@ use crate::{Error, Result};
 /// between sleeps).
 pub(crate) const AWAITED_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
+/// When a wait next checks that the peers it awaits are alive ([`Context::check_awaited`]).
+/// Unset until the wait's first look that finds something missing, which sets it one period
+/// later: a wait done at its first look reads no clock for it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct CheckDue(Option<Instant>);
+
+impl CheckDue {
+    /// Due at `at` (a check at the first miss when `at` has passed).
+    pub(crate) fn at(at: Instant) -> Self {
+        CheckDue(Some(at))
+    }
+
+    /// Whether a check is due now; if so (or at the first miss), the next one is set a period
+    /// from now.
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        match self.0 {
+            Some(at) if now < at => false,
+            Some(_) => {
+                self.0 = Some(now + AWAITED_CHECK_EVERY);
+                true
+            }
+            None => {
+                self.0 = Some(now + AWAITED_CHECK_EVERY);
+                false
+            }
+        }
+    }
+}
+
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
     /// Shared only weakly: with the handles and batches of live calls (their abort path when
@@ -256,18 +286,17 @@ impl Context {
     }
 
     /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most
-    /// once per [`AWAITED_CHECK_EVERY`] (tracked in `next`): the fabric's wait loop checks only
+    /// once per [`AWAITED_CHECK_EVERY`] (tracked in `next`, first due a period after the wait's
+    /// first miss): the fabric's wait loop checks only
     /// the first awaited peer, this catches a dead one further down the list.
     pub(crate) fn check_awaited(
         &self,
         missing: impl IntoIterator<Item = usize>,
-        next: &mut Instant,
+        next: &mut CheckDue,
     ) -> Result<()> {
-        let now = Instant::now();
-        if now < *next {
+        if !next.due() {
             return Ok(());
         }
-        *next = now + AWAITED_CHECK_EVERY;
         missing
             .into_iter()
             .try_for_each(|p| self.fabric.check_peer(p))
@@ -291,14 +320,12 @@ impl Context {
     pub(crate) fn check_awaited_again(
         &self,
         missing: impl IntoIterator<Item = usize>,
-        next: &mut Instant,
+        next: &mut CheckDue,
         still_missing: &dyn Fn(usize) -> bool,
     ) -> Result<()> {
-        let now = Instant::now();
-        if now < *next {
+        if !next.due() {
             return Ok(());
         }
-        *next = now + AWAITED_CHECK_EVERY;
         missing
             .into_iter()
             .try_for_each(|p| match self.fabric.check_peer(p) {
@@ -420,7 +447,7 @@ impl Context {
         what: &'static str,
         deadline: Instant,
     ) -> Result<()> {
-        let mut next = Instant::now() + AWAITED_CHECK_EVERY;
+        let mut next = CheckDue::default();
         let mut failure = None;
         self.wait(deadline, &mut || {
             let lagging = || {
@@ -438,5 +465,26 @@ impl Context {
             Some(Waiting::on(first, what))
         })?;
         failure.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wait's liveness checks: none at its first miss (which only sets the first one a period
+    /// later), none before that, one once it has passed; a check due from the start (the
+    /// barrier's) runs at the first miss.
+    #[test]
+    fn the_first_liveness_check_of_a_wait_is_due_a_period_after_its_first_miss() {
+        let mut due = CheckDue::default();
+        assert!(!due.due(), "the first miss only starts the period");
+        assert!(!due.due(), "within the period");
+        let set = due.0.expect("set at the first miss");
+        assert!(set > Instant::now() + AWAITED_CHECK_EVERY / 2);
+        due.0 = Some(Instant::now());
+        assert!(due.due(), "once the period has passed");
+        assert!(!due.due(), "and then a period later again");
+        assert!(CheckDue::at(Instant::now()).due());
     }
 }

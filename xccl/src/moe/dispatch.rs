@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
-use super::context::Context;
+use super::context::{CheckDue, Context};
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -1221,7 +1221,7 @@ impl DispatchReceiver {
         }
         let mut missing = part.len();
         let mut failure: Option<Error> = None;
-        let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
+        let mut next_check = CheckDue::default();
         // Where credits are implied each record names its landing buffer (one its sender knows
         // free); elsewhere the call's buffer is the landing buffer too.
         let implied = ctx.implied_credits();
@@ -1343,7 +1343,7 @@ impl DispatchReceiver {
         done.resize(relays.len(), false);
         let mut missing = relays.len();
         let mut failure: Option<Error> = None;
-        let mut next_check = start + super::context::AWAITED_CHECK_EVERY;
+        let mut next_check = CheckDue::default();
         // Headers and rows seen so far (`Waiting::progress`).
         let mut parts = 0u64;
         let (messages, reader, handled) = (&mut self.messages, &mut self.reader, &mut self.handled);

@@ -68,7 +68,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::combine::relay_sums_at_members;
-use super::context::{Context, AWAITED_CHECK_EVERY};
+use super::context::{CheckDue, Context};
 use super::dtype::MAX_FUSED_ROWS;
 use super::hash::Fnv;
 use super::progress::{chunk_rows, progress, Progress};
@@ -315,7 +315,7 @@ impl Relay {
             unread: 0,
             told: Vec::new(),
             forwarded: Vec::new(),
-            next_check: started,
+            next_check: CheckDue::default(),
             bytes: Vec::new(),
         });
         // With DP domains, members outside the call's domain send nothing: empty routes.
@@ -343,7 +343,7 @@ impl Relay {
         f.forwarded.resize(g, 0);
         f.call = call;
         f.started = started;
-        f.next_check = started + AWAITED_CHECK_EVERY;
+        f.next_check = CheckDue::default();
         self.forwarding = Some(f);
         Ok(())
     }
@@ -488,7 +488,7 @@ impl Relay {
         finished.extend(in_call.iter().map(|&c| !c));
         let mut unfinished = finished.iter().filter(|f| !**f).count();
         let mut failure = None;
-        let mut next_check = Instant::now() + AWAITED_CHECK_EVERY;
+        let mut next_check = CheckDue::default();
         let mut busy = std::time::Duration::ZERO;
         let (reductions, work) = (&mut self.reductions, &mut self.work);
         let mut pass = || -> Result<Option<Waiting>> {
@@ -1034,7 +1034,7 @@ struct Forwarding {
     told: Vec<Option<usize>>,
     /// Per member, its rows checked (and forwarded) so far.
     forwarded: Vec<usize>,
-    next_check: Instant,
+    next_check: CheckDue,
     /// Scratch of a route table read and of the header entries written.
     bytes: Vec<u8>,
 }
