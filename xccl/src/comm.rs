@@ -853,7 +853,7 @@ impl Communicator {
                 ctx.signal(peer, ctx.slots.barrier(ctx.rank), generation)?;
             }
             // Checked at the first miss, as before.
-            let mut next = CheckDue::at(std::time::Instant::now());
+            let mut next = CheckDue::now();
             let mut failure = None;
             let arrived = |p: usize| ctx.slot_value(ctx.slots.barrier(p)) >= generation;
             ctx.wait(ctx.call_deadline(), &mut || {

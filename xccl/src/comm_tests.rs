@@ -803,13 +803,13 @@ fn a_wait_that_finds_a_peer_gone_after_an_abort_reached_it_reports_the_abort() {
     let (attn, expert) = pair(&c);
     drop(expert);
     let ctx = attn.ctx();
-    let mut due = CheckDue::at(std::time::Instant::now());
+    let mut due = CheckDue::now();
     let gone = ctx.check_awaited([1], &mut due).unwrap_err();
     assert!(matches!(gone, Error::PeerFailed { peer: 1, .. }), "{gone}");
     ctx.fabric.abort("stop the job");
     for err in [
-        ctx.check_awaited([1], &mut CheckDue::at(std::time::Instant::now())),
-        ctx.check_awaited_again([1], &mut CheckDue::at(std::time::Instant::now()), &|_| true),
+        ctx.check_awaited([1], &mut CheckDue::now()),
+        ctx.check_awaited_again([1], &mut CheckDue::now(), &|_| true),
         ctx.all_done([1], &|_| Ok(false)).map(|_| ()),
     ] {
         let err = err.unwrap_err();

@@ -29,7 +29,7 @@ pub mod shm;
 mod signals;
 mod window;
 
-pub(crate) use signals::AlignedBuf;
+pub(crate) use signals::{clock_ns, AlignedBuf};
 pub use signals::{ControlArea, WaitCounters, WaitPolicy, WaitState, Waiting};
 pub use window::Window;
 

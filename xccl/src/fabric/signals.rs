@@ -544,12 +544,17 @@ impl ControlArea {
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the host, so a signaller's
 /// time and its sleeper's can be compared.
 fn now_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// Clock `clock` in nanoseconds (0 if the clock does not exist).
+pub(crate) fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    // SAFETY: `ts` is a valid timespec to write; an unknown clock leaves it 0 (EINVAL).
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 

@@ -25,34 +25,45 @@ use crate::{Error, Result};
 /// between sleeps).
 pub(crate) const AWAITED_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// When a wait next checks that the peers it awaits are alive ([`Context::check_awaited`]).
-/// Unset until the wait's first look that finds something missing, which sets it one period
-/// later: a wait done at its first look reads no clock for it.
+/// When a wait next checks that the peers it awaits are alive ([`Context::check_awaited`]),
+/// on the coarse clock ([`coarse_now_ns`]: the protocol's waits look at it on every look, so it
+/// must cost next to nothing). Unset until the wait's first look that finds something
+/// missing, which sets it one period later: a wait done at its first look reads no clock.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct CheckDue(Option<Instant>);
+pub(crate) struct CheckDue(Option<u64>);
 
 impl CheckDue {
-    /// Due at `at` (a check at the first miss when `at` has passed).
-    pub(crate) fn at(at: Instant) -> Self {
-        CheckDue(Some(at))
+    /// Due at once: the first miss checks.
+    pub(crate) fn now() -> Self {
+        CheckDue(Some(0))
     }
 
     /// Whether a check is due now; if so (or at the first miss), the next one is set a period
     /// from now.
     fn due(&mut self) -> bool {
-        let now = Instant::now();
+        let now = coarse_now_ns();
+        let period = AWAITED_CHECK_EVERY.as_nanos() as u64;
         match self.0 {
             Some(at) if now < at => false,
             Some(_) => {
-                self.0 = Some(now + AWAITED_CHECK_EVERY);
+                self.0 = Some(now + period);
                 true
             }
             None => {
-                self.0 = Some(now + AWAITED_CHECK_EVERY);
+                self.0 = Some(now + period);
                 false
             }
         }
     }
+}
+
+/// `CLOCK_MONOTONIC_COARSE` in nanoseconds: the time of the kernel's last tick (a few ms of
+/// resolution), read without the timestamp counter, so several times cheaper than
+/// [`Instant::now`] (every look of a protocol wait that finds something missing asks it whether
+/// a liveness check is due; a check every 20 ms needs no finer clock).
+fn coarse_now_ns() -> u64 {
+    // CLOCK_MONOTONIC_COARSE exists on Linux since 2.6.32 (without it: 0, a check at every miss).
+    crate::fabric::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
 }
 
 /// The shared state of one rank's protocol.
@@ -477,14 +488,15 @@ mod tests {
     /// barrier's) runs at the first miss.
     #[test]
     fn the_first_liveness_check_of_a_wait_is_due_a_period_after_its_first_miss() {
+        let period = AWAITED_CHECK_EVERY.as_nanos() as u64;
         let mut due = CheckDue::default();
         assert!(!due.due(), "the first miss only starts the period");
         assert!(!due.due(), "within the period");
         let set = due.0.expect("set at the first miss");
-        assert!(set > Instant::now() + AWAITED_CHECK_EVERY / 2);
-        due.0 = Some(Instant::now());
+        assert!(set >= coarse_now_ns() + period / 2);
+        due.0 = Some(coarse_now_ns());
         assert!(due.due(), "once the period has passed");
         assert!(!due.due(), "and then a period later again");
-        assert!(CheckDue::at(Instant::now()).due());
+        assert!(CheckDue::now().due());
     }
 }
