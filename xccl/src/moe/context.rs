@@ -298,8 +298,8 @@ impl Context {
 
     /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most
     /// once per [`AWAITED_CHECK_EVERY`] (tracked in `next`, first due a period after the wait's
-    /// first miss): the fabric's wait loop checks only
-    /// the first awaited peer, this catches a dead one further down the list.
+    /// first miss): the fabric's wait loop checks only the first awaited peer, this catches a
+    /// dead one further down the list.
     pub(crate) fn check_awaited(
         &self,
         missing: impl IntoIterator<Item = usize>,
