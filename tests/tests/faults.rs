@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use xccl::testing::fault::{self, FAULT_ENV, FIRED_MARK};
 use xccl::testing::harness::{
-    attention_round, expert_round, expert_round_tokens_with, first_difference, Buffers, Workload,
+    attention_round, expert_round, expert_round_tokens, expert_round_tokens_with, first_difference,
+    token_replies, Buffers, Workload,
 };
 use xccl::testing::reference::{expected_combine_quant, test_expert, SplitMix64};
 use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
@@ -67,6 +68,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             fault_run(ctx, if *q == "int8" { shape.int8() } else { shape })
         }
         ["stop_timeout"] => stopped_expert_times_out(ctx),
+        ["stop_attention"] => stopped_attention_times_out(ctx),
         ["stop_resume", m, n] => stopped_and_resumed(ctx, p(m)?, p(n)?),
         _ => Err(format!("unknown scenario {scenario:?}")),
     }
@@ -576,7 +578,8 @@ fn an_expert_rank_killed_after_crediting_one_of_two_attention_ranks_is_named_by_
 }
 
 /// Waits in `call` (retried) until it stops timing out; the first timeout must name `peer`, and
-/// is announced (`timed out naming rank <peer>`) so the parent can resume it.
+/// is announced (`timed out naming rank <peer> (<what it waited for>)`) so the parent can resume
+/// it.
 fn retry_after_timeout<R>(
     comm: &mut Communicator,
     peer: usize,
@@ -585,10 +588,10 @@ fn retry_after_timeout<R>(
     let mut announced = false;
     loop {
         match call(comm) {
-            Err(Error::Timeout { peer: p, .. }) if p == peer => {
+            Err(Error::Timeout { peer: p, what, .. }) if p == peer => {
                 if !announced {
                     announce(&format!(
-                        "rank {} timed out naming rank {peer}",
+                        "rank {} timed out naming rank {peer} ({what})",
                         comm.rank()
                     ));
                     announced = true;
@@ -611,9 +614,11 @@ fn retry_after_timeout<R>(
     }
 }
 
-/// 2A:1E, timeout 1 s; expert rank 2 stops itself (`XCCL_FAULT=e2a.record:1:stop`, set by the
-/// parent) after its first E2A record, before the rows. Both attention ranks' E2A receives time
-/// out naming rank 2, are retried until the parent resumes it, and check their results.
+/// 2A:1E, timeout 1 s; expert rank 2 stops itself in its first E2A where the parent's
+/// `XCCL_FAULT` says (`e2a.record:1:stop`: after the record to rank 0, before its signal;
+/// `e2a.chunk:1:stop`: after the rows to rank 0, before theirs). Both attention ranks' E2A
+/// receives time out naming rank 2, are retried until the parent resumes it, and check their
+/// results.
 fn stopped_expert_times_out(ctx: &ChildCtx) -> Result<(), String> {
     let shape = Shape::new(2, 1, 0);
     let (mut comm, wl) =
@@ -661,6 +666,42 @@ fn stopped_expert_times_out(ctx: &ChildCtx) -> Result<(), String> {
     comm.barrier().map_err(|e| e.to_string())
 }
 
+/// 1A:1E, timeout 1 s; attention rank 0 stops itself (`XCCL_FAULT=a2e.chunk:1:stop`, set by the
+/// parent) in its first A2E after its record, the record's signal and its rows, before the rows'
+/// signal. The expert rank's receive times out naming rank 0 and what it still waited for (the
+/// rows: it read the record while they were written), is retried until the parent resumes
+/// rank 0, and the job completes with every round checked.
+fn stopped_attention_times_out(ctx: &ChildCtx) -> Result<(), String> {
+    let shape = Shape::new(1, 1, 0);
+    let (mut comm, wl) =
+        joined(ctx, shape, Duration::from_secs(1), 0x5711, false).map_err(|e| e.to_string())?;
+    let mut tokens = TokenBatch::new();
+    for round in 0..3 {
+        let verdict = match comm.role() {
+            Role::Attention => {
+                // Resumed after the expert rank timed out, well within its own 20 s.
+                comm.set_timeout(Duration::from_secs(20))
+                    .map_err(|e| e.to_string())?;
+                attention_round::<bf16>(&mut comm, &wl, round).map_err(|e| e.to_string())?
+            }
+            Role::Expert if round == 0 => {
+                retry_after_timeout(&mut comm, 0, |c| {
+                    c.a2e_recv_tokens(&mut tokens, &mut |_, _| {})
+                })?;
+                let locals = comm.topology().local_experts(comm.rank()).to_vec();
+                let replies = token_replies::<bf16>(&locals, &tokens);
+                comm.e2a_send_tokens(&tokens, &replies)
+                    .map_err(|e| e.to_string())?;
+                Ok(())
+            }
+            Role::Expert => expert_round_tokens::<bf16>(&mut comm, &wl, round, &mut tokens, true)
+                .map_err(|e| e.to_string())?,
+        };
+        verdict?;
+    }
+    comm.barrier().map_err(|e| e.to_string())
+}
+
 /// `M`A:`N`E, timeout 20 s, 12 checked rounds; the rank the parent arms stops itself mid-call
 /// and is resumed by the parent after a while well below the timeout. Nobody notices.
 fn stopped_and_resumed(ctx: &ChildCtx, m: usize, n: usize) -> Result<(), String> {
@@ -700,17 +741,61 @@ fn spawn_with_fault(scenario: &str, size: usize, rank: usize, spec: &str) -> Job
     spawn_armed(scenario, size, &|r| (r == rank).then(|| spec.to_string()))
 }
 
+/// Runs `scenario` on `size` ranks with `spec` on rank `stopped`, waits until it has stopped
+/// itself and each rank of `lines` has printed its line (the waiting ranks' timeouts), resumes
+/// it, and expects the job to complete.
+fn stop_then_resume(
+    scenario: &str,
+    size: usize,
+    stopped: usize,
+    spec: &str,
+    lines: &[(usize, &str)],
+) -> Job {
+    let mut job = spawn_with_fault(scenario, size, stopped, spec);
+    job.wait_stopped(stopped, Duration::from_secs(30));
+    for &(r, line) in lines {
+        job.wait_for_line(r, line, Duration::from_secs(30));
+    }
+    job.signal(stopped, libc::SIGCONT);
+    job.expect_success(Duration::from_secs(60));
+    let point = spec.split(':').next().expect("a point");
+    assert!(job
+        .output(stopped)
+        .contains(&format!("point={point} hit=1 action=stop")));
+    job
+}
+
 #[test]
 fn a_stopped_expert_makes_each_waiting_rank_time_out_naming_it_then_the_job_completes() {
-    let mut job = spawn_with_fault("stop_timeout", 3, 2, "e2a.record:1:stop");
-    job.wait_stopped(2, Duration::from_secs(30));
-    for r in [0, 1] {
-        job.wait_for_line(r, "timed out naming rank 2", Duration::from_secs(30));
-    }
-    job.signal(2, libc::SIGCONT);
-    job.expect_success(Duration::from_secs(60));
-    assert!(job.output(2).contains("point=e2a.record hit=1 action=stop"));
+    let waiting = "timed out naming rank 2 (E2A record)";
+    let job = stop_then_resume(
+        "stop_timeout",
+        3,
+        2,
+        "e2a.record:1:stop",
+        &[(0, waiting), (1, waiting)],
+    );
     assert!(shm_entries(&xccl::fabric::shm::segment_prefix(job.job_id())).is_empty());
+}
+
+#[test]
+fn an_attention_rank_reads_an_e2a_record_while_its_rows_are_written() {
+    // Stopped after its rows to rank 0 and before their signal, expert rank 2 has signalled that
+    // message's record: rank 0 waits for the rows, rank 1 (whose message comes next) for its
+    // record.
+    let lines = [
+        (0, "timed out naming rank 2 (E2A rows)"),
+        (1, "timed out naming rank 2 (E2A record)"),
+    ];
+    stop_then_resume("stop_timeout", 3, 2, "e2a.chunk:1:stop", &lines);
+}
+
+#[test]
+fn an_expert_rank_reads_an_a2e_record_while_its_rows_are_written() {
+    // Stopped after its rows and before their signal, the attention rank has signalled its
+    // record: the expert rank's timeout names the rows it waits for, not the record.
+    let lines = [(1, "timed out naming rank 0 (A2E rows)")];
+    stop_then_resume("stop_attention", 2, 0, "a2e.chunk:1:stop", &lines);
 }
 
 #[test]

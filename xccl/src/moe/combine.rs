@@ -247,6 +247,10 @@ impl CombineSender {
                 fault_point!("e2a.signal");
                 continue;
             }
+            if count > 0 && ctx.record_signals() {
+                // The record's own signal: the receiver checks it while the rows are written.
+                ctx.signal(s, slot, progress(epoch, 0))?;
+            }
             let mut done = 0;
             loop {
                 let rows = done..(done + chunk).min(count);
@@ -823,7 +827,7 @@ impl CombineReceiver {
                 }
                 let p = Progress::of(ctx.slot_value(ctx.slots.e2a_ready(d)), epoch);
                 if p == Progress::NotYet {
-                    waiting.get_or_insert(Waiting::on(d, "E2A rows"));
+                    waiting.get_or_insert(Waiting::on(d, "E2A record"));
                     continue;
                 }
                 if recs[j].is_none() {

@@ -415,6 +415,15 @@ impl Context {
         self.topo.relay_plan().is_none() && self.topo.num_domains() == 1
     }
 
+    /// Whether a message's record gets a progress signal of its own (no rows yet) before its
+    /// rows are written: where a signal is a store (fabrics with load/store access), so the
+    /// receiver checks the record and reserves the rows while they are written (0.15-0.2 us of a
+    /// 1A:1E T=1 round trip, `docs/performance.md`). Over a network each signal is one more
+    /// operation on the wire, and the record's checks are small beside the rows' flight.
+    pub(crate) fn record_signals(&self) -> bool {
+        self.fabric.capabilities().load_store
+    }
+
     /// How many landing buffers an A2E record may name ([`crate::moe::record::Record::landing`]):
     /// `max_in_flight` where credits are implied (the attention rank picks them), else 1 (it
     /// names none: its field is 0 and the call's buffer is `epoch % max_in_flight`).

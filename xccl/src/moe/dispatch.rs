@@ -427,6 +427,11 @@ impl DispatchSender {
                 fault_point!("a2e.signal");
                 continue;
             }
+            if count > 0 && ctx.record_signals() {
+                // The record's own signal (no rows yet): the receiver reads and checks it, and
+                // reserves the rows, while this rank writes them.
+                ctx.signal(d, slot, progress(epoch, 0))?;
+            }
             let (dst, base) = match mode {
                 WireMode::Push => (d, layout.a2e_recv(src_index, sent.landing)),
                 _ => (ctx.rank, layout.a2e_stage(buf) + sent.offsets[j] * stride),
