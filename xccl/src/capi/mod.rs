@@ -263,6 +263,9 @@ impl Fabric for SharedFabric {
     fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
         self.0.signal(peer, slot, value)
     }
+    fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
+        self.0.signal_quiet(peer, slot, value)
+    }
     fn signal_value(&self, slot: usize) -> u64 {
         self.0.signal_value(slot)
     }

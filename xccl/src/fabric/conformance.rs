@@ -39,11 +39,26 @@ fn pattern(src: usize, dst: usize, len: usize, salt: u8) -> Vec<u8> {
 /// Every rank puts a distinct pattern into every peer's window, then signals; every rank waits
 /// for all signals and finds every pattern intact (put-with-signal ordering).
 pub fn put_then_signal_is_visible(f: &dyn Fabric, round: u64) -> Result<()> {
+    put_then_signal(f, round, false)
+}
+
+/// [`put_then_signal_is_visible`] with [`Fabric::signal_quiet`]: a quiet signal orders the
+/// puts before it as a signal does, and a waiter sees it (one that slept through it, within
+/// its next look).
+pub fn put_then_quiet_signal_is_visible(f: &dyn Fabric, round: u64) -> Result<()> {
+    put_then_signal(f, round, true)
+}
+
+fn put_then_signal(f: &dyn Fabric, round: u64, quiet: bool) -> Result<()> {
     let (me, n) = (f.rank(), f.world_size());
     let chunk = (MIN_WINDOW / n.max(1)).min(4096);
     for peer in 0..n {
         f.put(peer, me * chunk, &pattern(me, peer, chunk, round as u8))?;
-        f.signal(peer, me, round)?;
+        if quiet {
+            f.signal_quiet(peer, me, round)?;
+        } else {
+            f.signal(peer, me, round)?;
+        }
     }
     f.flush()?;
     let deadline = deadline_after(TIMEOUT);
@@ -222,6 +237,7 @@ pub fn run_all(f: &dyn Fabric) -> Result<()> {
     for round in 1..=3 {
         put_then_signal_is_visible(f, round)?;
     }
+    put_then_quiet_signal_is_visible(f, 4)?;
     get_reads_peer_window(f)?;
     signal_ping_pong(f, 2_000)?;
     wait_times_out_naming_peer(f)?;

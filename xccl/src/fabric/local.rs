@@ -195,6 +195,10 @@ impl Fabric for LocalFabric {
         self.peer(peer)?.control.store(slot, value, peer)
     }
 
+    fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.peer(peer)?.control.store_quiet(slot, value, peer)
+    }
+
     fn signal_value(&self, slot: usize) -> u64 {
         self.world.ranks[self.rank].control.load(slot)
     }

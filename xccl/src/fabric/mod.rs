@@ -89,6 +89,14 @@ pub trait Fabric: Send + Sync {
     /// Stores `value` into `peer`'s signal slot `slot`, after every earlier put to `peer`.
     fn signal(&self, peer: usize, slot: usize, value: u64) -> Result<()>;
 
+    /// [`Fabric::signal`] that need not wake a waiter asleep on `peer`'s slots: for a value it may
+    /// act on early but need not (a record ahead of its rows), always followed by a
+    /// [`Fabric::signal`] that wakes it. A spinning waiter sees it as any other value. Fabrics
+    /// without sleeping waiters signal as usual (the default).
+    fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.signal(peer, slot, value)
+    }
+
     /// Current value of this rank's slot `slot`; data signalled with it is visible.
     fn signal_value(&self, slot: usize) -> u64;
 

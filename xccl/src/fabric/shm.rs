@@ -796,6 +796,10 @@ impl Fabric for ShmFabric {
         self.segment(peer)?.control.store(slot, value, peer)
     }
 
+    fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.segment(peer)?.control.store_quiet(slot, value, peer)
+    }
+
     fn signal_value(&self, slot: usize) -> u64 {
         self.segments[self.rank].control.load(slot)
     }

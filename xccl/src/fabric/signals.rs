@@ -258,6 +258,18 @@ impl ControlArea {
         Ok(())
     }
 
+    /// [`ControlArea::store`] without the wake-up: the Release store alone, for a value a later
+    /// `store` to the area follows ([`crate::fabric::Fabric::signal_quiet`]). A sleeper sleeps
+    /// on through it, and that later store wakes it.
+    pub fn store_quiet(&self, slot: usize, value: u64, owner: usize) -> Result<()> {
+        // SYNC POINT: Release, as in `store` (pairs with the Acquire load in `load`).
+        self.slot(slot, owner)?.store(
+            value,
+            sync::weakened(Ordering::Release, Mutant::SignalStore),
+        );
+        Ok(())
+    }
+
     /// Current value of slot `slot` (Acquire: data put before the signal is visible after).
     pub fn load(&self, slot: usize) -> u64 {
         match self.slot(slot, 0) {

@@ -209,6 +209,29 @@ fn loom_a_waiter_going_to_sleep_as_the_signal_arrives_is_always_woken() {
 }
 
 #[test]
+fn loom_a_waiter_sleeping_through_a_quiet_signal_is_woken_by_the_signal_after_it() {
+    // A record's own signal is quiet (no wake-up), the rows' signal after it is not: a waiter
+    // for the rows never sleeps through both.
+    loom::model(|| {
+        let receiver = Rank::new(RECEIVER, 1);
+        let send = {
+            let receiver = receiver.clone();
+            thread::spawn(move || {
+                receiver
+                    .area
+                    .store_quiet(READY, 1, SENDER)
+                    .expect("quiet signal");
+                receiver.area.store(READY, 2, SENDER).expect("signal");
+            })
+        };
+        receiver
+            .wait(|| (receiver.area.load(READY) != 2).then_some(Waiting::on(SENDER, "the rows")))
+            .expect("woken by the second signal");
+        send.join().expect("sender");
+    });
+}
+
+#[test]
 fn loom_a_waiter_for_two_senders_sleeping_between_their_signals_is_woken_by_the_last() {
     loom::model(|| {
         let receiver = Rank::new(RECEIVER, 2);

@@ -249,7 +249,7 @@ impl CombineSender {
             }
             if count > 0 && ctx.record_signals() {
                 // The record's own signal: the receiver checks it while the rows are written.
-                ctx.signal(s, slot, progress(epoch, 0))?;
+                ctx.signal_quiet(s, slot, progress(epoch, 0))?;
             }
             let mut done = 0;
             loop {

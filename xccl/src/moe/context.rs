@@ -212,6 +212,13 @@ impl Context {
         self.fabric.signal(peer, slot, value)
     }
 
+    /// [`Context::signal`] that wakes no sleeping waiter ([`crate::fabric::Fabric::signal_quiet`]):
+    /// a record's own signal, which the signal of its rows follows.
+    pub(crate) fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.published.set(true);
+        self.fabric.signal_quiet(peer, slot, value)
+    }
+
     /// `get` from `rank`'s window (this rank's own included).
     pub(crate) fn get(&self, rank: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
         if rank != self.rank {
@@ -416,10 +423,11 @@ impl Context {
     }
 
     /// Whether a message's record gets a progress signal of its own (no rows yet) before its
-    /// rows are written: where a signal is a store (fabrics with load/store access), so the
-    /// receiver checks the record and reserves the rows while they are written (0.15-0.2 us of a
-    /// 1A:1E T=1 round trip, `docs/performance.md`). Over a network each signal is one more
-    /// operation on the wire, and the record's checks are small beside the rows' flight.
+    /// rows are written: where a signal is a store (fabrics with load/store access), so a
+    /// spinning receiver checks the record and reserves the rows while they are written (0.1-0.2
+    /// us of a 1A:1E T=1 round trip, `docs/performance.md`). The signal is quiet: a sleeping
+    /// receiver is woken once, by the rows. Over a network each signal is one more operation on
+    /// the wire, and the record's checks are small beside the rows' flight.
     pub(crate) fn record_signals(&self) -> bool {
         self.fabric.capabilities().load_store
     }

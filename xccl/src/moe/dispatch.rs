@@ -430,7 +430,7 @@ impl DispatchSender {
             if count > 0 && ctx.record_signals() {
                 // The record's own signal (no rows yet): the receiver reads and checks it, and
                 // reserves the rows, while this rank writes them.
-                ctx.signal(d, slot, progress(epoch, 0))?;
+                ctx.signal_quiet(d, slot, progress(epoch, 0))?;
             }
             let (dst, base) = match mode {
                 WireMode::Push => (d, layout.a2e_recv(src_index, sent.landing)),
