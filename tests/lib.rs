@@ -249,6 +249,12 @@ impl Job {
             }
             self.poll();
             if let Some(st) = self.ranks[rank].status {
+                // Its last lines may still be in the pipes (the reader threads can lag behind
+                // the exit on a loaded machine): read them to their end before deciding.
+                self.drain_output(rank, Duration::from_secs(10));
+                if self.output(rank).lines().any(|l| l.ends_with(line)) {
+                    return;
+                }
                 panic!(
                     "{}: rank {rank} exited ({st}) before printing {line:?}\n{}",
                     self.scenario,
@@ -361,6 +367,23 @@ impl Job {
             .iter()
             .map(|r| r.status.expect("every rank exited"))
             .collect()
+    }
+
+    /// Waits (at most `bound`) until the reader threads of exited rank `rank` have read its
+    /// pipes to the end, and joins those that have.
+    fn drain_output(&mut self, rank: usize, bound: Duration) {
+        let deadline = Instant::now() + bound;
+        let readers = &mut self.ranks[rank].readers;
+        while readers.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        for h in std::mem::take(readers) {
+            if h.is_finished() {
+                let _ = h.join();
+            } else {
+                readers.push(h);
+            }
+        }
     }
 
     fn join_readers(&mut self) {
