@@ -616,9 +616,9 @@ fn retry_after_timeout<R>(
 
 /// 2A:1E, timeout 1 s; expert rank 2 stops itself in its first E2A where the parent's
 /// `XCCL_FAULT` says (`e2a.record:1:stop`: after the record to rank 0, before its signal;
-/// `e2a.chunk:1:stop`: after the rows to rank 0, before theirs). Both attention ranks' E2A
-/// receives time out naming rank 2, are retried until the parent resumes it, and check their
-/// results.
+/// `e2a.chunk:1:stop`: after the first chunk of rows to rank 0, before its signal). Both
+/// attention ranks' E2A receives time out naming rank 2, are retried until the parent resumes
+/// it, and check their results.
 fn stopped_expert_times_out(ctx: &ChildCtx) -> Result<(), String> {
     let shape = Shape::new(2, 1, 0);
     let (mut comm, wl) =
@@ -667,10 +667,10 @@ fn stopped_expert_times_out(ctx: &ChildCtx) -> Result<(), String> {
 }
 
 /// 1A:1E, timeout 1 s; attention rank 0 stops itself (`XCCL_FAULT=a2e.chunk:1:stop`, set by the
-/// parent) in its first A2E after its record, the record's signal and its rows, before the rows'
-/// signal. The expert rank's receive times out naming rank 0 and what it still waited for (the
-/// rows: it read the record while they were written), is retried until the parent resumes
-/// rank 0, and the job completes with every round checked.
+/// parent) in its first A2E after its record, the record's signal and its first chunk of rows,
+/// before that chunk's signal. The expert rank's receive times out naming rank 0 and what it
+/// still waited for (the rows: it read the record while they were written), is retried until
+/// the parent resumes rank 0, and the job completes with every round checked.
 fn stopped_attention_times_out(ctx: &ChildCtx) -> Result<(), String> {
     let shape = Shape::new(1, 1, 0);
     let (mut comm, wl) =
@@ -780,9 +780,9 @@ fn a_stopped_expert_makes_each_waiting_rank_time_out_naming_it_then_the_job_comp
 
 #[test]
 fn an_attention_rank_reads_an_e2a_record_while_its_rows_are_written() {
-    // Stopped after its rows to rank 0 and before their signal, expert rank 2 has signalled that
-    // message's record: rank 0 waits for the rows, rank 1 (whose message comes next) for its
-    // record.
+    // Stopped after its first chunk of rows to rank 0 and before that chunk's signal, expert
+    // rank 2 has signalled that message's record: rank 0 waits for the rows, rank 1 (whose
+    // message comes next) for its record.
     let lines = [
         (0, "timed out naming rank 2 (E2A rows)"),
         (1, "timed out naming rank 2 (E2A record)"),
@@ -792,8 +792,9 @@ fn an_attention_rank_reads_an_e2a_record_while_its_rows_are_written() {
 
 #[test]
 fn an_expert_rank_reads_an_a2e_record_while_its_rows_are_written() {
-    // Stopped after its rows and before their signal, the attention rank has signalled its
-    // record: the expert rank's timeout names the rows it waits for, not the record.
+    // Stopped after its first chunk of rows and before that chunk's signal, the attention rank
+    // has signalled its record: the expert rank's timeout names the rows it waits for, not the
+    // record.
     let lines = [(1, "timed out naming rank 0 (A2E rows)")];
     stop_then_resume("stop_attention", 2, 0, "a2e.chunk:1:stop", &lines);
 }
