@@ -761,9 +761,8 @@ impl Topology {
     pub(crate) fn route_key(&self, attention_index: usize, expert: usize) -> RouteKey {
         match self.route_keys[expert] {
             RouteKey::REPLICATED => {
-                let start = self.replica_start[expert];
-                let r = start + attention_index % (self.replica_start[expert + 1] - start);
-                RouteKey::new(self.replica_rank[r], self.replica_local[r])
+                let (dst, local) = self.route_from_index(attention_index, expert);
+                RouteKey::new(dst, local)
             }
             key => key,
         }

@@ -62,8 +62,18 @@ impl CheckDue {
 /// [`Instant::now`] (every look of a protocol wait that finds something missing asks it whether
 /// a liveness check is due; a check every 20 ms needs no finer clock).
 fn coarse_now_ns() -> u64 {
-    // CLOCK_MONOTONIC_COARSE exists on Linux since 2.6.32 (without it: 0, a check at every miss).
-    crate::fabric::clock_ns(libc::CLOCK_MONOTONIC_COARSE)
+    first_clock_ns(&[libc::CLOCK_MONOTONIC_COARSE, libc::CLOCK_MONOTONIC])
+}
+
+/// The first of `clocks` this kernel has, in nanoseconds (0 if none). A clock it lacks reads
+/// 0, and a clock stuck at 0 would never make a check due: CLOCK_MONOTONIC_COARSE exists on
+/// Linux since 2.6.32, CLOCK_MONOTONIC stands in for it before.
+fn first_clock_ns(clocks: &[libc::clockid_t]) -> u64 {
+    clocks
+        .iter()
+        .map(|&c| crate::fabric::clock_ns(c))
+        .find(|&t| t != 0)
+        .unwrap_or(0)
 }
 
 /// The shared state of one rank's protocol.
@@ -515,5 +525,17 @@ mod tests {
         assert!(due.due(), "once the period has passed");
         assert!(!due.due(), "and then a period later again");
         assert!(CheckDue::now().due());
+    }
+
+    /// A kernel without the coarse clock: the checks' clock falls back to CLOCK_MONOTONIC,
+    /// which advances, instead of reading 0 forever (no check would ever be due).
+    #[test]
+    fn a_missing_clock_falls_back_to_the_next_one() {
+        let missing: libc::clockid_t = -1000;
+        assert_eq!(crate::fabric::clock_ns(missing), 0, "no such clock");
+        let t = first_clock_ns(&[missing, libc::CLOCK_MONOTONIC]);
+        assert!(t > 0);
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        assert!(first_clock_ns(&[missing, libc::CLOCK_MONOTONIC]) > t);
     }
 }

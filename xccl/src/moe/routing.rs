@@ -136,12 +136,12 @@ impl DispatchLayout {
         }
         // Pass 1, which also validates: route every slot and count the entries per destination
         // (into `cursor`, scratch), one per (token, destination). `self`'s results are untouched
-        // until every slot has passed, so an error leaves them as they were. Stamps (base + token
-        // + 1 here, base + num_tokens + token + 1 in pass 2) mark the destinations and experts a token has
-        // already touched, so no slot list is stored or sorted: each call brings a new routing,
-        // whose sort branches the predictor cannot learn (sorting each token's slots, as this
-        // did before, took 1.3-1.4x as long in `benches/protocol.rs` `layout/T` and 1.5-1.9x as
-        // long timed inside the A2E send, docs/performance.md).
+        // until every slot has passed, so an error leaves them as they were. Stamps (base +
+        // token + 1 here, base + num_tokens + token + 1 in pass 2) mark the destinations and
+        // experts a token has already touched, so no slot list is stored or sorted: each call
+        // brings a new routing, whose sort branches the predictor cannot learn (sorting each
+        // token's slots, as this did before, took 1.3-1.4x as long in `benches/protocol.rs`
+        // `layout/T` and 1.5-1.9x as long timed inside the A2E send, docs/performance.md).
         let num_experts = topo.num_experts();
         let world = topo.world_size();
         // The topology keeps every expert's route where it does not depend on the source.
