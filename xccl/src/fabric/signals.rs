@@ -544,8 +544,11 @@ impl ControlArea {
             }
             self.sleepers().fetch_sub(1, Ordering::SeqCst);
         };
-        // Here the first look found it missing: the wait waited.
-        if result.is_ok() {
+        // Here the first look found it missing: the wait waited. How long is kept only where
+        // it bounds a phase (the yield phase of ranks outnumbering cores): with a core per rank
+        // the clock read would sit between the signal and the caller's next step, on every
+        // round trip's critical path, for nothing.
+        if result.is_ok() && state.oversubscribed {
             tally.took_ns = Some(start.elapsed().as_nanos() as u64);
         }
         state.finish(&plan, &tally);
@@ -632,7 +635,8 @@ const MAX_YIELD_BACKOFF_NS: u64 = 1_000_000_000;
 pub struct WaitState {
     /// Smoothed wake-up latency of a futex sleep, ns.
     wake_ns: std::sync::atomic::AtomicU64,
-    /// Smoothed length of the waits that waited (did not end at their first look), ns.
+    /// Smoothed length of the waits that waited (did not end at their first look), ns; kept
+    /// only when `oversubscribed`, whose yield phase it bounds.
     wait_ns: std::sync::atomic::AtomicU64,
     /// No yield phase before this time (`CLOCK_MONOTONIC` ns), and the next back-off, ns.
     yield_off_until: std::sync::atomic::AtomicU64,
@@ -1109,42 +1113,57 @@ mod policy_tests {
 
     /// A wait whose first look finds what it waits for is counted and returns before any clock
     /// read or phase plan, so it leaves the wait-length estimate alone; a wait that waited moves
-    /// it (the yield phase of ranks outnumbering cores follows it).
+    /// it where ranks outnumber cores (their yield phase follows it), and only there: with a
+    /// core per rank the estimate bounds nothing, and the clock read it took came right after
+    /// the signal, on the critical path of every call.
     #[test]
-    fn a_wait_done_at_its_first_look_is_counted_and_only_waits_that_waited_are_timed() {
+    fn only_waits_that_waited_are_timed_and_only_where_ranks_outnumber_cores() {
         use std::sync::atomic::Ordering::Relaxed;
         let buf = AlignedBuf::zeroed(ControlArea::bytes_for(1)).unwrap();
         // SAFETY: zeroed, page-aligned, sized by `bytes_for`, outlives `area`.
         let area = unsafe { ControlArea::init(buf.ptr(), 1, 0, 1, std::process::id()) };
-        let state = WaitState::default();
         let deadline = Instant::now() + Duration::from_secs(10);
-        let wait = |poll: &mut dyn FnMut() -> Option<Waiting>| {
-            area.wait_with(WaitPolicy::SHARED, &state, deadline, poll, &|_| Ok(()))
-        };
-        let mut looks = 0;
-        let done_at_once = wait(&mut || {
-            looks += 1;
-            None
-        });
-        assert!(done_at_once.is_ok() && looks == 1);
-        assert_eq!(state.counters().waits, 1);
-        assert_eq!(
-            state.wait_ns.load(Relaxed),
-            0,
-            "an immediate wait is not timed"
-        );
-        let mut looks = 0;
-        let start = Instant::now();
-        let waited = wait(&mut || {
-            looks += 1;
-            (start.elapsed() < Duration::from_micros(200)).then(|| Waiting::on(1, "later"))
-        });
-        assert!(waited.is_ok() && looks > 1);
-        assert_eq!(state.counters().waits, 2);
-        assert!(
-            state.wait_ns.load(Relaxed) >= 200_000 / 8,
-            "a wait that waited is timed"
-        );
+        for oversubscribed in [true, false] {
+            let state = WaitState {
+                oversubscribed,
+                ..WaitState::default()
+            };
+            let wait = |poll: &mut dyn FnMut() -> Option<Waiting>| {
+                area.wait_with(WaitPolicy::SHARED, &state, deadline, poll, &|_| Ok(()))
+            };
+            let mut looks = 0;
+            let done_at_once = wait(&mut || {
+                looks += 1;
+                None
+            });
+            assert!(done_at_once.is_ok() && looks == 1);
+            assert_eq!(state.counters().waits, 1);
+            assert_eq!(
+                state.wait_ns.load(Relaxed),
+                0,
+                "an immediate wait is not timed"
+            );
+            let mut looks = 0;
+            let start = Instant::now();
+            let waited = wait(&mut || {
+                looks += 1;
+                (start.elapsed() < Duration::from_micros(200)).then(|| Waiting::on(1, "later"))
+            });
+            assert!(waited.is_ok() && looks > 1);
+            assert_eq!(state.counters().waits, 2);
+            if oversubscribed {
+                assert!(
+                    state.wait_ns.load(Relaxed) >= 200_000 / 8,
+                    "a wait that waited is timed where ranks outnumber cores"
+                );
+            } else {
+                assert_eq!(
+                    state.wait_ns.load(Relaxed),
+                    0,
+                    "with a core per rank no wait is timed"
+                );
+            }
+        }
     }
 
     /// A wait for parts that land one by one (rows streaming in) restarts its phases at every

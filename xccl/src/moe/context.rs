@@ -89,11 +89,24 @@ pub(crate) struct Context {
     /// A per-process unique id of this communicator, stamped on handles and batches.
     pub(crate) id: u64,
     published: Cell<bool>,
+    /// The clock reading of the current look of a wait ([`Context::look_time`]).
+    look: Cell<LookClock>,
     /// Counters of the current call.
     pub(crate) stats: RefCell<Stats>,
     /// The caller's interrupt check (`Communicator::set_interrupt_check`), polled by every
     /// wait at most every [`INTERRUPT_CHECK_EVERY`].
     pub(crate) interrupt: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+}
+
+/// Where [`Context::look_time`] stands.
+#[derive(Clone, Copy, Debug)]
+enum LookClock {
+    /// Not in a look of a wait: every ask reads the clock.
+    Outside,
+    /// In a look that has not read the clock yet.
+    Unread,
+    /// In a look that read it.
+    Read(Instant),
 }
 
 /// How often a wait asks the caller's interrupt check whether to stop (a sleeping wait wakes
@@ -146,6 +159,7 @@ impl Context {
             slots,
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             published: Cell::new(false),
+            look: Cell::new(LookClock::Outside),
             stats: RefCell::new(Stats::new(topo_world)),
             interrupt: None,
         })
@@ -274,18 +288,19 @@ impl Context {
         // something missing (the clock is not read before).
         let mut next_check: Option<Instant> = None;
         let result = self.fabric.wait_until(deadline, &mut || {
+            self.look.set(LookClock::Unread);
             let w = poll();
             // The clock is read only when the awaited peer changes (or the wait ends after
             // waiting), so a spinning poll, and a wait whose first look finds it done, costs no
             // clock read; and for the interrupt check, which only a binding installs.
             let same_peer = matches!((&w, &last), (Some(w), Some((p, _))) if w.peer == *p);
             if !same_peer && (w.is_some() || last.is_some()) {
-                let now = Instant::now();
+                let now = self.look_time();
                 charge(&mut last, now);
                 last = w.as_ref().map(|w| (w.peer, now));
             }
             if let (Some(w), Some(check)) = (&w, &self.interrupt) {
-                let now = Instant::now();
+                let now = self.look_time();
                 match next_check {
                     None => next_check = Some(now + INTERRUPT_CHECK_EVERY),
                     Some(at) if now >= at => {
@@ -300,6 +315,7 @@ impl Context {
             }
             w
         });
+        self.look.set(LookClock::Outside);
         if last.is_some() {
             charge(&mut last, Instant::now());
         }
@@ -311,6 +327,27 @@ impl Context {
             }),
             None => Ok(()),
         }
+    }
+
+    /// The time of the current look of a wait ([`Context::wait`]): the clock is read once per
+    /// look, by its first asker, so the arrivals a look finds and the wait's accounting of it
+    /// share one reading (a read costs about 30 ns in a VM, and the last look's come between
+    /// the peer's signal and the caller's next step). Outside a wait it reads the clock.
+    pub(crate) fn look_time(&self) -> Instant {
+        match self.look.get() {
+            LookClock::Read(t) => t,
+            LookClock::Outside => Instant::now(),
+            LookClock::Unread => {
+                let t = Instant::now();
+                self.look.set(LookClock::Read(t));
+                t
+            }
+        }
+    }
+
+    /// Time from `start` to [`Context::look_time`].
+    pub(crate) fn look_since(&self, start: Instant) -> std::time::Duration {
+        self.look_time().saturating_duration_since(start)
     }
 
     /// Checks that every peer in `missing` (the peers a wait still waits for) is alive, at most
@@ -525,6 +562,49 @@ mod tests {
         assert!(due.due(), "once the period has passed");
         assert!(!due.due(), "and then a period later again");
         assert!(CheckDue::now().due());
+    }
+
+    /// Every ask of one look of a wait gets one clock reading (the arrivals a look finds and
+    /// the wait's accounting share it: the last look's reads are on every call's critical
+    /// path), each look reads anew, and outside a wait every ask reads the clock.
+    #[test]
+    fn a_look_of_a_wait_reads_the_clock_once_and_the_next_look_anew() {
+        use crate::fabric::local::LocalFabric;
+        use crate::DType;
+        let topo = Arc::new(Topology::contiguous(1, 1, 2).unwrap());
+        let cfg = MoeConfig::new(8, DType::F32, 1, 1);
+        let lens = WindowLayout::new(&topo, &cfg).window_lens();
+        let slots = Slots::new(topo.world_size()).count();
+        let fabric = LocalFabric::create(&lens, slots).unwrap().remove(0);
+        let ctx = Context::new(Box::new(fabric), topo, cfg).unwrap();
+        let pause = || std::thread::sleep(std::time::Duration::from_millis(2));
+        let mut looks: Vec<(Instant, Instant)> = Vec::new();
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        ctx.wait(deadline, &mut || {
+            let first = ctx.look_time();
+            pause();
+            looks.push((first, ctx.look_time()));
+            (looks.len() < 2).then(|| Waiting::on(1, "the second look"))
+        })
+        .unwrap();
+        assert_eq!(looks.len(), 2);
+        for (first, again) in &looks {
+            assert_eq!(first, again, "one reading per look");
+        }
+        assert!(
+            looks[1].0 > looks[0].0,
+            "the second look read the clock anew"
+        );
+        let outside = ctx.look_time();
+        pause();
+        assert!(
+            ctx.look_time() > outside,
+            "outside a wait every ask reads the clock"
+        );
+        assert!(
+            outside > looks[1].0,
+            "the last look's reading does not outlive the wait"
+        );
     }
 
     /// A kernel without the coarse clock: the checks' clock falls back to CLOCK_MONOTONIC,

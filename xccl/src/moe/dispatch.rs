@@ -1284,7 +1284,7 @@ impl DispatchReceiver {
                 }
                 done[i] = true;
                 missing -= 1;
-                on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                on(reader, Arrival::Complete(msg, ctx.look_since(start)))?;
             }
             if missing == 0 {
                 return Ok(None);
@@ -1408,7 +1408,7 @@ impl DispatchReceiver {
                             });
                             on(reader, Arrival::Record(msg))?;
                             if e.count == 0 {
-                                on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                                on(reader, Arrival::Complete(msg, ctx.look_since(start)))?;
                             }
                         }
                         *totals[k].insert(rec.count as usize)
@@ -1430,7 +1430,7 @@ impl DispatchReceiver {
                         parts += (have - handled[ai]) as u64;
                         handled[ai] = have;
                         if have == msg.count() {
-                            on(reader, Arrival::Complete(msg, start.elapsed()))?;
+                            on(reader, Arrival::Complete(msg, ctx.look_since(start)))?;
                         }
                     }
                 }
