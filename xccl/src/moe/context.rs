@@ -109,6 +109,15 @@ enum LookClock {
     Read(Instant),
 }
 
+/// Sets [`LookClock::Outside`] when dropped: the end of a wait's looks.
+struct LookEnd<'a>(&'a Cell<LookClock>);
+
+impl Drop for LookEnd<'_> {
+    fn drop(&mut self) {
+        self.0.set(LookClock::Outside);
+    }
+}
+
 /// How often a wait asks the caller's interrupt check whether to stop (a sleeping wait wakes
 /// at least every 20 ms, so an interrupt is seen within about 40 ms).
 pub(crate) const INTERRUPT_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
@@ -287,6 +296,9 @@ impl Context {
         // The first interrupt check comes one period after the first look that found
         // something missing (the clock is not read before).
         let mut next_check: Option<Instant> = None;
+        // Whatever ends the wait (its end, an error, a panic in `poll`), no reading of its
+        // looks outlives it.
+        let _outside = LookEnd(&self.look);
         let result = self.fabric.wait_until(deadline, &mut || {
             self.look.set(LookClock::Unread);
             let w = poll();
@@ -315,7 +327,6 @@ impl Context {
             }
             w
         });
-        self.look.set(LookClock::Outside);
         if last.is_some() {
             charge(&mut last, Instant::now());
         }
@@ -566,7 +577,8 @@ mod tests {
 
     /// Every ask of one look of a wait gets one clock reading (the arrivals a look finds and
     /// the wait's accounting share it: the last look's reads are on every call's critical
-    /// path), each look reads anew, and outside a wait every ask reads the clock.
+    /// path), each look reads anew, and outside a wait (also after a look that panicked) every
+    /// ask reads the clock.
     #[test]
     fn a_look_of_a_wait_reads_the_clock_once_and_the_next_look_anew() {
         use crate::fabric::local::LocalFabric;
@@ -604,6 +616,20 @@ mod tests {
         assert!(
             outside > looks[1].0,
             "the last look's reading does not outlive the wait"
+        );
+        // Nor does the reading of a look whose poll panics.
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            ctx.wait(deadline, &mut || {
+                ctx.look_time();
+                panic!("a poll that panics after reading the clock")
+            })
+        }));
+        assert!(unwound.is_err());
+        let after = ctx.look_time();
+        pause();
+        assert!(
+            ctx.look_time() > after,
+            "after a panic in a look every ask reads the clock again"
         );
     }
 
