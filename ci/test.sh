@@ -38,6 +38,15 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 echo "== loom models (bound 2; ci/loom.sh runs bound 3 and the mutants)"
 # Keeps the `--cfg loom` build compiling and its models passing on every run.
 LOOM_MAX_PREEMPTIONS=2 bash ci/loom.sh
+echo "== python venv"
+# Made before the Rust tests: torch's nvidia-cuda-nvrtc is the real NVRTC that compiles the CUDA
+# kernels for sm_80 and sm_90 in `the_kernels_compile_with_nvrtc_for_sm_80_and_sm_90`.
+py=$(ci/python-env.sh)
+if [ -z "${XCCL_NVRTC_LIBRARY:-}" ]; then
+  XCCL_NVRTC_LIBRARY=$(find "$(dirname "$py")/../lib" -name 'libnvrtc.so.1[0-9]' 2>/dev/null | sort | tail -1)
+  export XCCL_NVRTC_LIBRARY
+fi
+echo "NVRTC: ${XCCL_NVRTC_LIBRARY:-not found}"
 echo "== tests"
 cargo test --workspace --release 2>&1 | tee target/test-output.txt
 echo "== C ABI symbols"
@@ -45,8 +54,7 @@ XCCL_LIB_DIR=target/release/deps ci/check-capi.sh
 echo "== python"
 # The package from ./python, installed into target/python-site (never into the cached venv),
 # checked with ruff, tested with pytest and run on the transformers example. The venv (torch,
-# transformers, ...) lives outside the clone; ci/python-env.sh creates it once per machine.
-py=$(ci/python-env.sh)
+# transformers, ...) lives outside the clone; ci/python-env.sh created it above.
 # The venv's tools first (pip's maturin build backend runs `maturin` from PATH).
 export PATH="$(dirname "$py"):$PATH" PYTHONDONTWRITEBYTECODE=1
 site=target/python-site

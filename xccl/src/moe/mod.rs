@@ -23,11 +23,13 @@
 //! | [`batch`] | what the calls hand back |
 //! | `regions` | the only borrows of window memory as slices, each justified by a protocol step |
 //! | [`dtype`] | element types and their f32 conversions |
+//! | [`dataplane`] | who moves and sums row bytes: the host backend, the CUDA kernels and NVRTC |
 
 pub mod batch;
 pub(crate) mod combine;
 pub mod config;
 pub(crate) mod context;
+pub mod dataplane;
 pub(crate) mod dispatch;
 pub mod dtype;
 mod hash;
