@@ -14,7 +14,7 @@
 //! Backends:
 //! - [`host::HostPlane`]: host memory, the functions of [`super::dtype`], [`super::quant`] and
 //!   the fabric's copy, so its bits are the host path's by construction;
-//! - a CUDA backend (device memory, kernels on a stream): `kernels.cu`, compiled at run time by
+//! - [`cuda::CudaPlane`] (device memory, kernels on a stream): `kernels.cu`, compiled at run time by
 //!   NVRTC ([`nvrtc`]), whose per-element arithmetic is `dataplane_abi.h`, shared with the C
 //!   twins the stand-in driver runs, and written without fused multiply-adds. Both give the
 //!   same bits for f32, f16 and bf16 rows: `tests.rs` compares them on random plans.
@@ -30,6 +30,7 @@ use std::time::Instant;
 use super::dtype::DType;
 use crate::Result;
 
+pub mod cuda;
 pub mod host;
 pub mod nvrtc;
 

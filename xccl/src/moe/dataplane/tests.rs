@@ -516,3 +516,237 @@ fn a_kernel_that_does_not_compile_is_an_error_carrying_nvrtcs_log() {
     assert!(err.contains("nvrtcCompileProgram"), "{err}");
     assert!(err.contains("undefined_fn"), "the log: {err}");
 }
+
+/// The CUDA driver the device tests run on: the stand-in (built here with gcc), or the real
+/// `libcuda.so.1` when `XCCL_TEST_REAL_CUDA=1` (the GPU machine's `ci/device-check.sh`).
+fn test_device() -> crate::cuda::Device {
+    let driver = if std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1") {
+        crate::cuda::Driver::get().expect("the real CUDA driver")
+    } else {
+        static STANDIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+        let lib = STANDIN.get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("xccl-dataplane-{}", std::process::id()));
+            crate::testing::build_cuda_standin(&dir).expect("building the stand-in driver")
+        });
+        crate::cuda::Driver::get_from(lib).expect("the stand-in driver")
+    };
+    driver.device(0).expect("device 0")
+}
+
+/// A device copy of `bytes` (at least one byte).
+fn upload(
+    stream: &crate::cuda::Stream,
+    device: &crate::cuda::Device,
+    bytes: &[u8],
+) -> crate::cuda::DeviceMemory {
+    use crate::cuda::DeviceMemory;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mem = DeviceMemory::alloc(device, bytes.len().max(1), || "a test buffer".into()).unwrap();
+    stream
+        .write(&mem, 0, bytes, deadline, 0, &|| "a test upload".into())
+        .unwrap();
+    mem
+}
+
+/// The bytes of `mem`.
+fn download(stream: &crate::cuda::Stream, mem: &crate::cuda::DeviceMemory, len: usize) -> Vec<u8> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut out = vec![0u8; len];
+    stream
+        .read(mem, 0, &mut out, deadline, 0, &|| "a test download".into())
+        .unwrap();
+    out
+}
+
+/// Every operation of the CUDA plane, on the stand-in driver here and on the real GPU in
+/// `ci/device-check.sh`, gives the host plane's bits: sums (both inits, INT8 terms), copies,
+/// quantize (a non-finite row named after completion) and dequantize.
+#[test]
+fn the_cuda_plane_gives_the_host_planes_bits() {
+    use super::cuda::CudaPlane;
+    use crate::cuda::{DeviceRegion, Stream};
+    use std::time::{Duration, Instant};
+
+    let device = test_device();
+    let io = Stream::new(&device).unwrap();
+    let mut plane =
+        CudaPlane::new(&device, Stream::new(&device).unwrap(), 0, Duration::from_secs(30)).unwrap();
+    let mut host = HostPlane::new();
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let mut rng = Rng(0x5eed_0f_cafe);
+    for dtype in DTYPES {
+        for hidden in [1, 7, 256, 7168] {
+            let nrows = if hidden > 1000 { 6 } else { 40 };
+            // Sums: every source uploaded, the descriptors rebuilt with device addresses.
+            let mut p = SumPlan::random(&mut rng, dtype, hidden, nrows);
+            // SAFETY: the plan's descriptors address its own live buffers.
+            unsafe { host.sum_rows(dtype, hidden, &p.rows, &p.terms) }.unwrap();
+            let sources: Vec<_> = p.sources.iter().map(|s| upload(&io, &device, s)).collect();
+            let out = upload(&io, &device, &vec![0x5A; p.out.len()]);
+            let stride = (hidden * dtype.size()) as u64;
+            let rows: Vec<SumRow> = (p.rows.iter().enumerate())
+                .map(|(r, row)| SumRow {
+                    dst: out.ptr().addr() + r as u64 * stride,
+                    ..*row
+                })
+                .collect();
+            let mut terms = Vec::new();
+            for (_, spec) in &p.spec {
+                for &(s, weight) in spec {
+                    terms.push(SumTerm {
+                        src: sources[s].ptr().addr(),
+                        weight,
+                        int8: p.int8[s] as u32,
+                    });
+                }
+            }
+            // SAFETY: every address lies in a live device buffer of the right size.
+            unsafe { plane.sum_rows(dtype, hidden, &rows, &terms) }.unwrap();
+            plane.complete(deadline()).unwrap();
+            assert_eq!(
+                download(&io, &out, p.out.len()),
+                p.out,
+                "sum {dtype:?} hidden {hidden}"
+            );
+            p.out.clear();
+
+            // Copies: the sum's output moved in two runs, one unaligned.
+            let len = p.sources.first().map_or(0, |s| s.len());
+            let moved = upload(&io, &device, &vec![0; len + 3]);
+            if len > 0 {
+                let runs = [
+                    CopyRun {
+                        src: sources[0].ptr().addr(),
+                        dst: moved.ptr().addr() + 3,
+                        len: len as u64,
+                    },
+                ];
+                // SAFETY: both ranges lie in live device buffers and do not overlap.
+                unsafe { plane.copy_runs(&runs) }.unwrap();
+                plane.complete(deadline()).unwrap();
+                assert_eq!(download(&io, &moved, len + 3)[3..], p.sources[0][..]);
+            }
+
+            // Quantize with one non-finite row, then dequantize.
+            let qrows = 5;
+            let mut src: Vec<u8> = (0..qrows)
+                .flat_map(|_| random_row(&mut rng, dtype, hidden))
+                .collect();
+            let row_len = hidden * dtype.size();
+            let inf = round_to(dtype, f32::NEG_INFINITY);
+            let bad_at = 3 * row_len + (hidden - 1) * dtype.size();
+            src[bad_at..bad_at + inf.len()].copy_from_slice(&inf);
+            let qlen = int8_payload(hidden);
+            let mut q_host = vec![0u8; qrows * qlen];
+            let hq: Vec<QuantRow> = (0..qrows)
+                .filter(|&r| r != 3)
+                .map(|r| QuantRow {
+                    src: src.as_ptr() as u64 + (r * row_len) as u64,
+                    dst: q_host.as_mut_ptr() as u64 + (r * qlen) as u64,
+                })
+                .collect();
+            // SAFETY: live host buffers of the right sizes.
+            unsafe { host.quantize(dtype, hidden, &hq) }.unwrap();
+            let (dsrc, dq) = (
+                upload(&io, &device, &src),
+                upload(&io, &device, &vec![0; qrows * qlen]),
+            );
+            let rows_of = |from: &crate::cuda::DeviceMemory,
+                           to: &crate::cuda::DeviceMemory,
+                           from_len: usize,
+                           to_len: usize,
+                           skip: Option<usize>| {
+                (0..qrows)
+                    .filter(|&r| Some(r) != skip)
+                    .map(|r| QuantRow {
+                        src: from.ptr().addr() + (r * from_len) as u64,
+                        dst: to.ptr().addr() + (r * to_len) as u64,
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let all = rows_of(&dsrc, &dq, row_len, qlen, None);
+            // SAFETY: live device buffers of the right sizes.
+            unsafe { plane.quantize(dtype, hidden, &all) }.unwrap();
+            let err = plane.complete(deadline()).unwrap_err().to_string();
+            assert!(
+                err.contains("row 3 ") && err.contains(&format!("at {}", hidden - 1)),
+                "{err}"
+            );
+            let good = rows_of(&dsrc, &dq, row_len, qlen, Some(3));
+            // SAFETY: as above.
+            unsafe { plane.quantize(dtype, hidden, &good) }.unwrap();
+            plane.complete(deadline()).unwrap();
+            let q_dev = download(&io, &dq, qrows * qlen);
+            for r in (0..qrows).filter(|&r| r != 3) {
+                assert_eq!(
+                    q_dev[r * qlen..(r + 1) * qlen],
+                    q_host[r * qlen..(r + 1) * qlen],
+                    "quantize {dtype:?} hidden {hidden} row {r}"
+                );
+            }
+            let mut d_host = vec![0u8; qrows * row_len];
+            let hd: Vec<QuantRow> = (0..qrows)
+                .filter(|&r| r != 3)
+                .map(|r| QuantRow {
+                    src: q_host.as_ptr() as u64 + (r * qlen) as u64,
+                    dst: d_host.as_mut_ptr() as u64 + (r * row_len) as u64,
+                })
+                .collect();
+            // SAFETY: live host buffers of the right sizes.
+            unsafe { host.dequantize(dtype, hidden, &hd) }.unwrap();
+            let dd = upload(&io, &device, &vec![0; qrows * row_len]);
+            let drows = rows_of(&dq, &dd, qlen, row_len, Some(3));
+            // SAFETY: live device buffers of the right sizes.
+            unsafe { plane.dequantize(dtype, hidden, &drows) }.unwrap();
+            plane.complete(deadline()).unwrap();
+            let d_dev = download(&io, &dd, qrows * row_len);
+            for r in (0..qrows).filter(|&r| r != 3) {
+                assert_eq!(
+                    d_dev[r * row_len..(r + 1) * row_len],
+                    d_host[r * row_len..(r + 1) * row_len],
+                    "dequantize {dtype:?} hidden {hidden} row {r}"
+                );
+            }
+        }
+    }
+}
+
+/// A plan larger than the descriptor staging area is completed in pieces and still right:
+/// no descriptor list is overwritten before its kernel ran.
+#[test]
+fn the_cuda_plane_stages_more_descriptors_than_its_area_holds() {
+    use super::cuda::CudaPlane;
+    use crate::cuda::{DeviceRegion, Stream};
+    use std::time::{Duration, Instant};
+
+    let device = test_device();
+    let io = Stream::new(&device).unwrap();
+    let mut plane =
+        CudaPlane::new(&device, Stream::new(&device).unwrap(), 0, Duration::from_secs(30)).unwrap();
+    // 3 * 4000 runs of 24 bytes: more than the initial 64 KiB area, in several operations.
+    let n = 4000usize;
+    let src: Vec<u8> = (0..3 * n).map(|i| (i * 31 % 251) as u8).collect();
+    let dsrc = upload(&io, &device, &src);
+    let ddst = upload(&io, &device, &vec![0; 3 * n]);
+    for part in 0..3 {
+        let runs: Vec<CopyRun> = (0..n)
+            .map(|i| {
+                let at = (part * n + i) as u64;
+                CopyRun {
+                    src: dsrc.ptr().addr() + at,
+                    // Reversed, so a run done twice or from a stale descriptor shows.
+                    dst: ddst.ptr().addr() + (3 * n) as u64 - 1 - at,
+                    len: 1,
+                }
+            })
+            .collect();
+        // SAFETY: one-byte runs inside live device buffers, no two destinations alike.
+        unsafe { plane.copy_runs(&runs) }.unwrap();
+    }
+    plane
+        .complete(Instant::now() + Duration::from_secs(30))
+        .unwrap();
+    let got = download(&io, &ddst, 3 * n);
+    let want: Vec<u8> = src.iter().rev().copied().collect();
+    assert_eq!(got, want);
+}
