@@ -2,6 +2,8 @@
 //! serving.
 //!
 //! Layers, bottom up (each imports only the ones below it):
+//! - [`cuda`]: the safe layer over the CUDA driver (opened at run time): devices, device
+//!   memory, streams, events, IPC handles, modules and kernel launches.
 //! - [`fabric`]: one-sided memory-semantic transport (`put`, `get`, `signal`, `wait`) over
 //!   shared memory ([`fabric::shm`]) or threads in one process ([`fabric::local`]).
 //! - [`bootstrap`]: rendezvous of the ranks of one job (unique id or launcher environment),
@@ -30,6 +32,7 @@ macro_rules! fault_point {
 pub mod bootstrap;
 pub mod capi;
 pub mod comm;
+pub mod cuda;
 pub mod error;
 pub mod fabric;
 #[cfg(any(test, feature = "fuzzing"))]

@@ -141,52 +141,7 @@ impl Acl {
     }
 }
 
-/// Why the runtime could not be loaded.
-#[derive(Debug, Clone)]
-pub enum LoadError {
-    /// No candidate file opened; each tried path with the loader's message.
-    NotFound {
-        /// `(path, dlerror text)` per candidate, in search order.
-        tried: Vec<(PathBuf, String)>,
-    },
-    /// A library opened but lacks required functions.
-    MissingSymbols {
-        /// The file that opened.
-        path: PathBuf,
-        /// The required functions it lacks.
-        missing: Vec<&'static str>,
-    },
-}
-
-impl std::fmt::Display for LoadError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LoadError::NotFound { tried } => {
-                write!(
-                    f,
-                    "{LIBRARY} not found: set {HOME_ENV} to the CANN toolkit root (the directory \
-                     whose lib64/ holds {LIBRARY}, e.g. {DEFAULT_PREFIX}), or add that lib64 to \
-                     LD_LIBRARY_PATH (source CANN's set_env.sh); tried "
-                )?;
-                for (i, (path, why)) in tried.iter().enumerate() {
-                    if i > 0 {
-                        f.write_str("; ")?;
-                    }
-                    write!(f, "{} ({why})", path.display())?;
-                }
-                Ok(())
-            }
-            LoadError::MissingSymbols { path, missing } => write!(
-                f,
-                "{} lacks required functions {}: CANN too old or not an Ascend runtime",
-                path.display(),
-                missing.join(", ")
-            ),
-        }
-    }
-}
-
-impl std::error::Error for LoadError {}
+pub use crate::LoadError;
 
 /// The paths [`load`] tries, in order (see the module docs).
 pub fn candidates() -> Vec<PathBuf> {
@@ -237,6 +192,7 @@ pub fn load() -> Result<Arc<Acl>, LoadError> {
                     return Err(LoadError::MissingSymbols {
                         path: acl.path,
                         missing,
+                        verdict: "CANN too old or not an Ascend runtime",
                     });
                 }
                 let acl = Arc::new(acl);
@@ -246,7 +202,14 @@ pub fn load() -> Result<Arc<Acl>, LoadError> {
             Err(e) => tried.push((path, e.to_string())),
         }
     }
-    Err(LoadError::NotFound { tried })
+    Err(LoadError::NotFound {
+        hint: format!(
+            "{LIBRARY} not found: set {HOME_ENV} to the CANN toolkit root (the directory whose \
+             lib64/ holds {LIBRARY}, e.g. {DEFAULT_PREFIX}), or add that lib64 to \
+             LD_LIBRARY_PATH (source CANN's set_env.sh)"
+        ),
+        tried,
+    })
 }
 
 #[cfg(test)]
@@ -270,6 +233,7 @@ mod tests {
     #[test]
     fn missing_library_error_names_library_and_variable() {
         let e = LoadError::NotFound {
+            hint: format!("{LIBRARY} not found: set {HOME_ENV}"),
             tried: vec![(
                 PathBuf::from("/nowhere/lib64/libascendcl.so"),
                 "no such file".into(),

@@ -28,25 +28,63 @@ pub fn bootstrap_handshake(
 /// concurrent run never loads a half-written one. Errors say what failed (gcc's output).
 pub fn build_ascend_standin(home: &std::path::Path) -> Result<(), String> {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let lib64 = home.join("lib64");
-    std::fs::create_dir_all(&lib64).map_err(|e| format!("creating {}: {e}", lib64.display()))?;
-    let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
+    build_c_library(
+        &home.join("lib64"),
+        "libascendcl.so",
+        &[repo.join("tests/ascend_standin/acl_standin.c")],
+        &repo.join("xccl-sys/include"),
+        &[],
+    )
+}
+
+/// Builds the CUDA stand-in driver (`tests/cuda_standin/cuda_standin.c` with the kernels of
+/// `tests/cuda_standin/kernels.c`, the only driver the CUDA layer and the cuda fabric are tested
+/// against) with gcc as `<dir>/libcuda.so.1`, for `XCCL_CUDA_LIBRARY=<dir>/libcuda.so.1`;
+/// returns that path. Compiled with `-ffp-contract=off`, so the kernels' C does not fuse
+/// `a*b+c` (as xccl's host path does not). Written under a temporary name and renamed, as
+/// [`build_ascend_standin`]. Errors say what failed (gcc's output).
+pub fn build_cuda_standin(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    let crate_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let src = crate_dir.join("../tests/cuda_standin");
+    // The kernels' per-element arithmetic is the header the CUDA kernels include.
+    let abi = format!("-I{}", crate_dir.join("src/moe/dataplane").display());
+    build_c_library(
+        dir,
+        "libcuda.so.1",
+        &[src.join("cuda_standin.c"), src.join("kernels.c")],
+        &src,
+        &["-ffp-contract=off", &abi],
+    )?;
+    Ok(dir.join("libcuda.so.1"))
+}
+
+/// Compiles `sources` with gcc into the shared library `<dir>/<name>`, through a temporary
+/// file renamed into place.
+fn build_c_library(
+    dir: &std::path::Path,
+    name: &str,
+    sources: &[std::path::PathBuf],
+    include: &std::path::Path,
+    flags: &[&str],
+) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let tmp = dir.join(format!("{name}.{}.tmp", std::process::id()));
     let out = std::process::Command::new("gcc")
         .args(["-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden"])
+        .args(flags)
         .arg("-I")
-        .arg(repo.join("xccl-sys/include"))
+        .arg(include)
         .arg("-o")
         .arg(&tmp)
-        .arg(repo.join("tests/ascend_standin/acl_standin.c"))
+        .args(sources)
         .args(["-lpthread", "-lrt"])
         .output()
         .map_err(|e| format!("running gcc (install gcc to build the stand-in): {e}"))?;
     if !out.status.success() {
         return Err(format!(
-            "building the stand-in runtime failed:\n{}",
+            "building the stand-in {name} failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         ));
     }
-    std::fs::rename(&tmp, lib64.join("libascendcl.so"))
-        .map_err(|e| format!("installing the stand-in: {e}"))
+    std::fs::rename(&tmp, dir.join(name)).map_err(|e| format!("installing the stand-in: {e}"))
 }

@@ -218,7 +218,13 @@ impl DataPlane for CudaPlane {
             self.launch(
                 f,
                 rows.len(),
-                &mut [arg(&mut r), arg(&mut t), arg(&mut n), arg(&mut dt), arg(&mut h)],
+                &mut [
+                    arg(&mut r),
+                    arg(&mut t),
+                    arg(&mut n),
+                    arg(&mut dt),
+                    arg(&mut h),
+                ],
             )
         }
     }
@@ -243,17 +249,18 @@ impl DataPlane for CudaPlane {
             self.launch(
                 f,
                 rows.len(),
-                &mut [arg(&mut r), arg(&mut n), arg(&mut dt), arg(&mut h), arg(&mut bad)],
+                &mut [
+                    arg(&mut r),
+                    arg(&mut n),
+                    arg(&mut dt),
+                    arg(&mut h),
+                    arg(&mut bad),
+                ],
             )
         }
     }
 
-    unsafe fn dequantize(
-        &mut self,
-        dtype: DType,
-        hidden: usize,
-        rows: &[QuantRow],
-    ) -> Result<()> {
+    unsafe fn dequantize(&mut self, dtype: DType, hidden: usize, rows: &[QuantRow]) -> Result<()> {
         if rows.is_empty() {
             return Ok(());
         }

@@ -569,11 +569,16 @@ fn the_cuda_plane_gives_the_host_planes_bits() {
 
     let device = test_device();
     let io = Stream::new(&device).unwrap();
-    let mut plane =
-        CudaPlane::new(&device, Stream::new(&device).unwrap(), 0, Duration::from_secs(30)).unwrap();
+    let mut plane = CudaPlane::new(
+        &device,
+        Stream::new(&device).unwrap(),
+        0,
+        Duration::from_secs(30),
+    )
+    .unwrap();
     let mut host = HostPlane::new();
     let deadline = || Instant::now() + Duration::from_secs(30);
-    let mut rng = Rng(0x5eed_0f_cafe);
+    let mut rng = Rng(0x5eed_0fca_fe00);
     for dtype in DTYPES {
         for hidden in [1, 7, 256, 7168] {
             let nrows = if hidden > 1000 { 6 } else { 40 };
@@ -614,13 +619,11 @@ fn the_cuda_plane_gives_the_host_planes_bits() {
             let len = p.sources.first().map_or(0, |s| s.len());
             let moved = upload(&io, &device, &vec![0; len + 3]);
             if len > 0 {
-                let runs = [
-                    CopyRun {
-                        src: sources[0].ptr().addr(),
-                        dst: moved.ptr().addr() + 3,
-                        len: len as u64,
-                    },
-                ];
+                let runs = [CopyRun {
+                    src: sources[0].ptr().addr(),
+                    dst: moved.ptr().addr() + 3,
+                    len: len as u64,
+                }];
                 // SAFETY: both ranges lie in live device buffers and do not overlap.
                 unsafe { plane.copy_runs(&runs) }.unwrap();
                 plane.complete(deadline()).unwrap();
@@ -721,8 +724,13 @@ fn the_cuda_plane_stages_more_descriptors_than_its_area_holds() {
 
     let device = test_device();
     let io = Stream::new(&device).unwrap();
-    let mut plane =
-        CudaPlane::new(&device, Stream::new(&device).unwrap(), 0, Duration::from_secs(30)).unwrap();
+    let mut plane = CudaPlane::new(
+        &device,
+        Stream::new(&device).unwrap(),
+        0,
+        Duration::from_secs(30),
+    )
+    .unwrap();
     // 3 * 4000 runs of 24 bytes: more than the initial 64 KiB area, in several operations.
     let n = 4000usize;
     let src: Vec<u8> = (0..3 * n).map(|i| (i * 31 % 251) as u8).collect();
