@@ -28,12 +28,18 @@
 //! - With INT8 replies (`MoeConfig::e2a_quant`), the expert quantizes each reduced row (see
 //!   `moe::quant`) and the attention rank dequantizes inside the sum: `f32(r)` above becomes
 //!   `f32(q) * scale`, and a single INT8 contribution is dequantized and rounded once.
+//!
+//! The expert side's weighted sums are planned here (which rows, which weights, in which order:
+//! [`super::dataplane::SumRow`]s) and executed by the data plane ([`super::dataplane`]), whose
+//! host and CUDA backends give the same bits; the attention side still sums on the host.
 
 use std::time::Instant;
 
 use super::batch::{AlignedBytes, ExpertBatch, SourceInfo};
 use super::config::TransferMode;
 use super::context::{CheckDue, Context};
+use super::dataplane::host::HostPlane;
+use super::dataplane::{DataPlane, SumRow, SumTerm};
 use super::dispatch::Sent;
 use super::dtype::MAX_FUSED_ROWS;
 use super::progress::{chunk_rows, progress, Progress};
@@ -92,8 +98,13 @@ pub(crate) fn own_replies_in_place<'a>(ctx: &Context, replies: &Replies<'a>) -> 
 /// The expert side of E2A.
 #[derive(Debug, Default)]
 pub(crate) struct CombineSender {
-    acc: Vec<f32>,
+    /// One reduced reply row (INT8 replies are quantized from it).
     row: Vec<u8>,
+    /// Executes the weighted sums this side plans (host memory today).
+    plane: HostPlane,
+    /// The plan of one [`CombineSender::reduce_rows`] (scratch, reused).
+    sum_rows: Vec<SumRow>,
+    sum_terms: Vec<SumTerm>,
     /// Reply rows computed here: one chunk in the dtype, put at once; with INT8 replies every
     /// token's quantized row, computed (and checked) before the first put.
     stage: Vec<u8>,
@@ -199,7 +210,6 @@ impl CombineSender {
         let staged = matches!(replies, Replies::Staged);
         let int8 = !staged && ctx.cfg.e2a_quant == Quant::Int8;
         let p = ctx.layout.e2a_stride;
-        self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(p, 0);
         // The whole reply is quantized (so checked) before anything is written.
         self.quantize_all(ctx, &replies, int8, sources)?;
@@ -307,7 +317,10 @@ impl CombineSender {
         let rows = stage.chunks_exact_mut(stride).enumerate();
         let staged = match replies {
             Replies::Reduce { batch, out } => rows.into_iter().try_for_each(|(t, slot)| {
-                self.reduce(ctx, batch, out, t);
+                let mut row = std::mem::take(&mut self.row);
+                let reduced = self.reduce_rows(ctx, batch, out, t, 1, &mut row, p);
+                self.row = row;
+                reduced?;
                 quantize_reply(&mut self.quant, ctx, &self.row, t, slot)
             }),
             Replies::Tokens(reduced) => rows.into_iter().try_for_each(|(t, slot)| {
@@ -348,11 +361,9 @@ impl CombineSender {
             Replies::Reduce { batch, out } => {
                 let mut stage = std::mem::take(&mut self.stage);
                 stage.resize(n * stride, 0);
-                for k in 0..n {
-                    self.reduce(ctx, batch, out, first + k);
-                    stage[k * stride..k * stride + p].copy_from_slice(&self.row);
-                }
-                let sent = ctx.put(dst, at, &stage);
+                let sent = self
+                    .reduce_rows(ctx, batch, out, first, n, &mut stage, stride)
+                    .and_then(|()| ctx.put(dst, at, &stage));
                 self.stage = stage;
                 sent?;
             }
@@ -399,7 +410,6 @@ impl CombineSender {
         }
         let l = &ctx.layout;
         let int8 = ctx.cfg.e2a_quant == Quant::Int8;
-        self.acc.resize(ctx.cfg.hidden, 0.0);
         self.row.resize(l.e2a_stride, 0);
         // The whole reply is quantized (so checked) before anything is written.
         self.quantize_all(ctx, &replies, int8, sources)?;
@@ -460,17 +470,60 @@ impl CombineSender {
         Ok(())
     }
 
-    /// Reduces token `t` of `batch` into `self.row`: `acc = 0; acc += w_j * y_j` over its rows,
-    /// then one rounding to the wire dtype.
-    fn reduce(&mut self, ctx: &Context, batch: &ExpertBatch, out: &[u8], t: usize) {
-        let dtype = ctx.cfg.dtype;
+    /// Reduces tokens `first..first + n` of `batch` into the rows of `dst` (`stride` bytes
+    /// apart, from its start): for each, `acc = 0; acc += w_j * y_j` over its rows (expert
+    /// outputs `out`, in the batch's order), then one rounding to the wire dtype. The plan (which
+    /// rows, which weights, in which order) is built here; the data plane executes it.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_rows(
+        &mut self,
+        ctx: &Context,
+        batch: &ExpertBatch,
+        out: &[u8],
+        first: usize,
+        n: usize,
+        dst: &mut [u8],
+        stride: usize,
+    ) -> Result<()> {
         let p = ctx.layout.e2a_stride;
-        self.acc.fill(0.0);
-        for &r in batch.token_rows(t) {
-            let r = r as usize;
-            dtype.accumulate(&out[r * p..(r + 1) * p], batch.weight[r], &mut self.acc);
+        assert!(stride >= p, "reduce_rows: rows overlap");
+        assert!(
+            n == 0 || dst.len() >= (n - 1) * stride + p,
+            "reduce_rows: dst too short"
+        );
+        let (rows, terms) = (&mut self.sum_rows, &mut self.sum_terms);
+        rows.clear();
+        terms.clear();
+        for k in 0..n {
+            let start = terms.len() as u32;
+            for &r in batch.token_rows(first + k) {
+                let r = r as usize;
+                let row = &out[r * p..(r + 1) * p];
+                terms.push(SumTerm {
+                    src: row.as_ptr() as u64,
+                    weight: batch.weight[r],
+                    int8: 0,
+                });
+            }
+            rows.push(SumRow {
+                dst: dst.as_mut_ptr() as u64 + (k * stride) as u64,
+                first_term: start,
+                num_terms: terms.len() as u32 - start,
+                init_first: 0,
+                reserved: 0,
+            });
         }
-        dtype.from_f32(&self.acc, &mut self.row);
+        // SAFETY: every term is a whole row of `out` (sliced just above) and every destination
+        // a whole row of `dst` (its length checked above), which the exclusive borrow keeps from
+        // every other access for the call; the host plane completes before it returns.
+        unsafe {
+            self.plane.sum_rows(
+                ctx.cfg.dtype,
+                ctx.cfg.hidden,
+                &self.sum_rows,
+                &self.sum_terms,
+            )
+        }
     }
 }
 
