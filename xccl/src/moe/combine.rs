@@ -100,8 +100,9 @@ pub(crate) fn own_replies_in_place<'a>(ctx: &Context, replies: &Replies<'a>) -> 
 pub(crate) struct CombineSender {
     /// One reduced reply row (INT8 replies are quantized from it).
     row: Vec<u8>,
-    /// Executes the weighted sums this side plans (host memory today).
-    plane: HostPlane,
+    /// Executes the weighted sums this side plans (host memory today; boxed, as the device
+    /// backend will be).
+    plane: Box<HostPlane>,
     /// The plan of one [`CombineSender::reduce_rows`] (scratch, reused).
     sum_rows: Vec<SumRow>,
     sum_terms: Vec<SumTerm>,
