@@ -64,7 +64,7 @@ use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
 use crate::moe::slots::Slots;
 use crate::moe::stats::Stats;
-use crate::moe::view::{TokenView, ViewParts, ViewRows};
+use crate::moe::view::{ViewParts, ViewRows};
 use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
@@ -74,6 +74,8 @@ pub mod shrink;
 pub(crate) use shrink::Origin;
 use shrink::ShrinkInfo;
 pub use shrink::{ShrinkOptions, ShrinkStep};
+mod view;
+pub use view::TokenView;
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
