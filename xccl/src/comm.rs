@@ -663,9 +663,7 @@ impl Communicator {
 
     /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
-        if timeout.is_zero() {
-            return Err(Error::invalid("timeout must be positive"));
-        }
+        crate::moe::config::check_timeout(timeout)?;
         self.ctx.cfg.timeout = timeout;
         Ok(())
     }

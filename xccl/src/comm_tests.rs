@@ -2749,3 +2749,20 @@ fn a_member_sends_the_relays_own_rows_last() {
     };
     assert_eq!((at2, at3, own_at), (0, c2, c2 + c3), "own {own}");
 }
+
+#[test]
+fn a_communicator_refuses_a_timeout_past_the_limit_at_init_and_later() {
+    let topo = Topology::contiguous(1, 1, 2).unwrap();
+    let long = MoeConfig {
+        timeout: Duration::MAX,
+        ..cfg(8, DType::F32, 1, 4)
+    };
+    let err = Communicator::local_group(&topo, &long).err().unwrap();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("365 days")),
+        "{err}"
+    );
+    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 1, 4)).unwrap();
+    let err = comms[0].set_timeout(Duration::MAX).unwrap_err();
+    assert!(err.to_string().contains("365 days"), "{err}");
+}

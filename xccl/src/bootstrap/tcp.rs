@@ -21,6 +21,7 @@ use super::root::{RootHandle, MAX_KEPT_ABORTS};
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
 use super::{Exchange, Survivors};
+use crate::fabric::deadline_after;
 use crate::{AbortNotice, Error, Result};
 
 /// How long a rank whose round timed out waits for the root to say who is missing.
@@ -167,7 +168,7 @@ impl TcpBootstrap {
             )));
         }
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = deadline_after(timeout);
         let stream = loop {
             let mut stream = connect_retrying(root, rank, deadline, start)?;
             match handshake(&mut stream, root, job_id, key, rank, size, deadline) {
@@ -257,7 +258,7 @@ impl TcpBootstrap {
         }
         let round = calls.next_round;
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = deadline_after(timeout);
         if let Some(err) = self.settled_error(&lock(&self.shared.inbox), round, what, kind) {
             return Err(err);
         }
@@ -618,7 +619,7 @@ pub(crate) fn raw_handshake(
     size: usize,
     timeout: Duration,
 ) -> Result<()> {
-    let deadline = Instant::now() + timeout;
+    let deadline = deadline_after(timeout);
     handshake(
         stream,
         id.root_addr(),
@@ -878,6 +879,20 @@ mod tests {
             report.exit
         );
         assert!(report.rejected.is_empty(), "{:?}", report.rejected);
+    }
+
+    #[test]
+    fn timeouts_of_duration_max_saturate_in_the_root_the_connect_and_the_rounds() {
+        let mut cfg = RootConfig::new(random_job_id());
+        cfg.idle_timeout = Duration::from_secs(5);
+        cfg.hello_timeout = Duration::MAX;
+        let (id, _root) = UniqueId::start_root(localhost(), cfg).unwrap();
+        let b = TcpBootstrap::connect(&id, 0, 1, Duration::MAX).unwrap();
+        assert_eq!(
+            b.allgather(b"solo", Duration::MAX).unwrap(),
+            vec![b"solo".to_vec()]
+        );
+        b.barrier(Duration::MAX).unwrap();
     }
 
     #[test]

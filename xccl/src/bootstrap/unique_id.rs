@@ -316,16 +316,12 @@ mod tests {
 
     #[test]
     fn an_ids_hash_does_not_cover_its_key_and_equality_does() {
-        use std::hash::{BuildHasher, Hash, Hasher};
+        use std::hash::BuildHasher;
         let addr: SocketAddr = "10.1.2.3:29500".parse().unwrap();
         let a = UniqueId::from_parts(7, &JobKey::from_bytes([1; 32]), addr);
         let b = UniqueId::from_parts(7, &JobKey::from_bytes([2; 32]), addr);
         let state = std::collections::hash_map::RandomState::new();
-        let hash = |id: &UniqueId| {
-            let mut h = state.build_hasher();
-            id.hash(&mut h);
-            h.finish()
-        };
+        let hash = |id: &UniqueId| state.hash_one(id);
         assert_eq!(hash(&a), hash(&b), "the hash must not depend on the key");
         assert_ne!(a, b, "ids with different keys are different ids");
         assert_eq!(a, UniqueId::from_bytes(&a.to_bytes()).unwrap());

@@ -197,9 +197,13 @@ pub(crate) fn departed(peer: usize, alive: Result<()>) -> crate::Error {
     }
 }
 
-/// Deadline `timeout` from now (saturating far in the future).
+/// The longest timeout a call, a communicator or a bootstrap accepts: 365 days.
+/// [`deadline_after`] saturates at it, so a longer one never overflows a deadline.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(86_400 * 365);
+
+/// Deadline `timeout` from now (saturating at [`MAX_TIMEOUT`] from now, so it never overflows).
 pub fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+    now.checked_add(timeout.min(MAX_TIMEOUT))
+        .unwrap_or_else(|| now + Duration::from_secs(3600))
 }
