@@ -283,10 +283,33 @@ impl Communicator {
     }
 
     /// Builds this rank's communicator on an initialised fabric. Collective: every rank calls it.
+    /// The safe constructors ([`Communicator::init_shm`], [`Communicator::init_ofi`],
+    /// [`Communicator::init_ascend`], [`Communicator::local_group`]) build the fabric themselves.
     ///
     /// Fails if the fabric's windows are too small, or if any peer was given a different
     /// topology or config (naming that peer, the field and both values).
-    pub fn new(fabric: Box<dyn Fabric>, topo: Arc<Topology>, cfg: MoeConfig) -> Result<Self> {
+    ///
+    /// # Safety
+    /// The communicator lends ranges of the windows out as slices (`a2e_input`, a view's reply):
+    /// for as long as it lives, nothing in this process may use `fabric`'s windows except the
+    /// communicators of this job — no other handle to `fabric` (a forwarding fabric's clone of
+    /// its inner one) may put, get or borrow a window, nor may another endpoint of the same
+    /// in-process world outside a communicator. `fabric` itself keeps the [`Fabric`] contract.
+    pub unsafe fn new(
+        fabric: Box<dyn Fabric>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
+        Self::from_fabric(fabric, topo, cfg)
+    }
+
+    /// [`Communicator::new`] for the crate's own fabrics, which nothing else in the process uses
+    /// (the C ABI's forwarding fabric keeps a clone only to abort).
+    pub(crate) fn from_fabric(
+        fabric: Box<dyn Fabric>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
         let ctx = Context::new(fabric, topo, cfg)?;
         let base = ctx.cfg.epoch_base;
         let side = match ctx.topo.role(ctx.rank) {
@@ -380,7 +403,8 @@ impl Communicator {
             }
         };
         agree::agree(&**exchange, &topo, &cfg, timeout)?;
-        let built = fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::new(f, topo, cfg));
+        let built =
+            fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::from_fabric(f, topo, cfg));
         match built {
             Ok(mut comm) => {
                 comm.origin = origin;
@@ -467,7 +491,7 @@ impl Communicator {
     /// one communicator per rank, in rank order (move each to its own thread).
     pub fn local_group(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
-        let fabrics = LocalFabric::create(&lens, Self::signal_slots(topo))?;
+        let fabrics = LocalFabric::group(&lens, Self::signal_slots(topo))?;
         Self::init_group(fabrics, topo, cfg)
     }
 
@@ -479,7 +503,7 @@ impl Communicator {
         caps: Capabilities,
     ) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
-        let fabrics = LocalFabric::create_with(&lens, Self::signal_slots(topo), caps)?;
+        let fabrics = LocalFabric::group_with(&lens, Self::signal_slots(topo), caps)?;
         Self::init_group(fabrics, topo, cfg)
     }
 
@@ -496,7 +520,7 @@ impl Communicator {
                 .map(|f| {
                     let topo = topo.clone();
                     let cfg = cfg.clone();
-                    s.spawn(move || Communicator::new(Box::new(f), topo, cfg))
+                    s.spawn(move || Communicator::from_fabric(Box::new(f), topo, cfg))
                 })
                 .collect();
             handles

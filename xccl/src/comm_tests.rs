@@ -413,12 +413,12 @@ fn mismatched_config_is_caught_at_init_naming_the_peer() {
         .zip(Communicator::window_lens(&topo, &b).unwrap())
         .map(|(x, y)| (*x).max(y))
         .collect();
-    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let mut fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let f1 = fabrics.pop().unwrap();
     let f0 = fabrics.pop().unwrap();
     let t2 = topo.clone();
-    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t2, b).err());
-    let e0 = Communicator::new(Box::new(f0), topo, a).err();
+    let h = std::thread::spawn(move || Communicator::from_fabric(Box::new(f1), t2, b).err());
+    let e0 = Communicator::from_fabric(Box::new(f0), topo, a).err();
     let e1 = h.join().unwrap();
     match e0 {
         Some(Error::Protocol { peer: 1, detail }) => assert!(
@@ -2554,7 +2554,8 @@ struct Hooked {
     log: Option<SignalLog>,
 }
 
-impl crate::fabric::Fabric for Hooked {
+// SAFETY: forwards every method to a local fabric, adding only a hook that writes no window.
+unsafe impl crate::fabric::Fabric for Hooked {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -2648,18 +2649,18 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
     let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
     let c = cfg(8, DType::F32, 2, 4);
     let lens = Communicator::window_lens(&topo, &c).unwrap();
-    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let mut fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let f1 = fabrics.pop().unwrap();
     let f0 = fabrics.pop().unwrap();
     let meanwhile = Meanwhile::default();
     let (t1, c1) = (topo.clone(), c.clone());
-    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t1, c1).unwrap());
+    let h = std::thread::spawn(move || Communicator::from_fabric(Box::new(f1), t1, c1).unwrap());
     let racing = Hooked {
         inner: f0,
         races: Some((1, meanwhile.clone())),
         log: None,
     };
-    let mut rank0 = Communicator::new(Box::new(racing), topo, c).unwrap();
+    let mut rank0 = Communicator::from_fabric(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
     let left = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = left.clone();
@@ -2689,7 +2690,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
     let mut c = cfg(h, DType::F32, 2, 8);
     c.chunk_bytes = 1; // a progress signal per row
     let lens = Communicator::window_lens(&topo, &c).unwrap();
-    let fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let log = SignalLog::default();
     let mut comms = on_every_rank(fabrics, |f| {
         let log = (crate::fabric::Fabric::rank(&f) == 1).then(|| log.clone());
@@ -2698,7 +2699,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
             races: None,
             log,
         };
-        Communicator::new(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
     });
     let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
     let wl = wl(84, 8, false);
