@@ -35,6 +35,9 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A panic inside a call (in the library, or in a user's callback it runs, such as
+//!   `on_arrival`) poisons the communicator and aborts the job naming this rank and the call,
+//!   as any failure after publishing does; the panic then goes on unwinding to the caller.
 //! - A call's E2A is checked whole before its first write: an E2A reply with a NaN or an
 //!   infinity under INT8 is rejected with nothing sent (call again with finite rows).
 //! - A live call given up on from outside (an [`A2eHandle`] dropped before its E2A receive, the
@@ -129,6 +132,51 @@ impl std::fmt::Debug for AbortHandle {
         f.debug_struct("AbortHandle")
             .field("live", &(self.fabric.strong_count() > 0))
             .finish()
+    }
+}
+
+/// Armed for the length of one call: dropped without [`UnwindGuard::finish`] (the call
+/// unwound, from a panic in the library or in a user's callback run inside it), it poisons the
+/// communicator and aborts the job naming this rank and the call, so the peers hear of it at
+/// once rather than at their deadline, as the C ABI's calls do.
+struct UnwindGuard<'a> {
+    fabric: &'a dyn Fabric,
+    poisoned: &'a mut Option<Error>,
+    what: &'a str,
+    finished: bool,
+}
+
+impl<'a> UnwindGuard<'a> {
+    fn new(fabric: &'a dyn Fabric, poisoned: &'a mut Option<Error>, what: &'a str) -> Self {
+        UnwindGuard {
+            fabric,
+            poisoned,
+            what,
+            finished: false,
+        }
+    }
+
+    /// The call returned (with a result or an error): nothing to do.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for UnwindGuard<'_> {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let rank = self.fabric.rank();
+        let reason = format!("rank {rank}: panic inside {}", self.what);
+        tracing::error!(
+            rank,
+            reason,
+            "xccl: a call panicked; communicator poisoned, job aborted"
+        );
+        self.fabric.abort(&reason);
+        self.poisoned
+            .get_or_insert(Error::Aborted { by: rank, reason });
     }
 }
 
@@ -750,9 +798,14 @@ impl Communicator {
         }
     }
 
-    /// Runs one call: fails fast when poisoned, and gives a failed call its defined state (see
-    /// the module docs).
-    fn call<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+    /// Runs one call named `what`: fails fast when poisoned, and gives a failed call its
+    /// defined state (see the module docs); a panic inside it (a user's callback, such as
+    /// `on_arrival`) poisons the communicator and aborts the job ([`UnwindGuard`]).
+    fn call<R>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&Context, &mut Side) -> Result<R>,
+    ) -> Result<R> {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
@@ -760,7 +813,9 @@ impl Communicator {
             return Err(self.fail(notice.to_error(self.ctx.topo.world_size())));
         }
         self.ctx.begin_call();
+        let guard = UnwindGuard::new(&*self.ctx.fabric, &mut self.poisoned, what);
         let result = f(&self.ctx, &mut self.side);
+        guard.finish();
         if !self.in_barrier {
             self.last_stats.clone_from(&self.ctx.stats.borrow());
             self.total_stats.add(&self.last_stats);
@@ -782,7 +837,11 @@ impl Communicator {
 
     /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
     /// publishes nothing and counts nothing in the stats.
-    fn probe<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+    fn probe<R>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&Context, &mut Side) -> Result<R>,
+    ) -> Result<R> {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
@@ -791,7 +850,10 @@ impl Communicator {
         }
         // Nothing of this look is a call: the last call's counters were copied already.
         self.ctx.begin_call();
-        f(&self.ctx, &mut self.side).map_err(|e| self.fail(e))
+        let guard = UnwindGuard::new(&*self.ctx.fabric, &mut self.poisoned, what);
+        let result = f(&self.ctx, &mut self.side);
+        guard.finish();
+        result.map_err(|e| self.fail(e))
     }
 
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
@@ -870,7 +932,7 @@ impl Communicator {
     }
 
     fn barrier_call(&mut self, generation: u64) -> Result<()> {
-        self.call(|ctx, _| {
+        self.call("barrier", |ctx, _| {
             let world = ctx.topo.world_size();
             for step in 1..world {
                 let peer = (ctx.rank + step) % world;
@@ -902,7 +964,7 @@ impl Communicator {
         f: impl FnOnce(&Context, &mut DispatchSender, &mut CombineReceiver) -> Result<R>,
     ) -> Result<R> {
         let rank = self.ctx.rank;
-        self.call(|ctx, side| match side {
+        self.call(call, |ctx, side| match side {
             Side::Attention { dispatch, combine } => f(ctx, dispatch, combine),
             Side::Expert { .. } => Err(wrong_role(rank, Role::Expert, call)),
         })
@@ -916,7 +978,7 @@ impl Communicator {
         f: impl FnOnce(&Context, &mut DispatchReceiver, &mut CombineSender) -> Result<R>,
     ) -> Result<R> {
         let rank = self.ctx.rank;
-        self.call(|ctx, side| match side {
+        self.call(call, |ctx, side| match side {
             Side::Expert { dispatch, combine } => f(ctx, dispatch, combine),
             Side::Attention { .. } => Err(wrong_role(rank, Role::Attention, call)),
         })
@@ -1054,7 +1116,7 @@ impl Communicator {
     /// [`Communicator::e2a_recv`]'s rules: a wrong handle changes nothing; a dead peer or an
     /// abort poisons the communicator. Polling counts nothing in the stats.
     pub fn e2a_ready(&mut self, handle: &A2eHandle) -> Result<bool> {
-        self.probe(|ctx, side| match side {
+        self.probe("E2A test", |ctx, side| match side {
             Side::Attention { dispatch, .. } => {
                 CombineReceiver::ready(ctx, dispatch.oldest(ctx, handle)?)
             }
@@ -1068,7 +1130,7 @@ impl Communicator {
     /// in). Errors follow the receive's rules: a dead peer, an abort or a bad record poisons
     /// the communicator. Polling counts nothing in the stats.
     pub fn a2e_ready(&mut self) -> Result<bool> {
-        self.probe(|ctx, side| match side {
+        self.probe("A2E test", |ctx, side| match side {
             Side::Expert { dispatch, .. } => dispatch.ready(ctx),
             Side::Attention { .. } => Err(wrong_role(ctx.rank, Role::Attention, "A2E test")),
         })

@@ -2767,3 +2767,35 @@ fn a_communicator_refuses_a_timeout_past_the_limit_at_init_and_later() {
     let err = comms[0].set_timeout(Duration::MAX).unwrap_err();
     assert!(err.to_string().contains("365 days"), "{err}");
 }
+
+/// Found by review: a panic in a user's `on_arrival` (after the call had published, through
+/// relays or not) neither poisoned the communicator nor told the peers, who waited out their
+/// timeout.
+#[test]
+fn a_panic_in_an_arrival_callback_poisons_the_communicator_and_aborts_the_job_at_once() {
+    let c = MoeConfig {
+        timeout: Duration::from_secs(20),
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let (mut attn, mut expert) = pair(&c);
+    let (input, x) = input_of(0);
+    let h = attn
+        .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let mut batch = TokenBatch::new();
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        expert.a2e_recv_tokens(&mut batch, &mut |_, _| panic!("user callback"))
+    }));
+    assert!(unwound.is_err());
+    let poisoned = expert.poisoned().map(|e| e.to_string()).unwrap_or_default();
+    assert!(poisoned.contains("panic inside A2E receive"), "{poisoned}");
+    assert!(expert.a2e_recv_tokens(&mut batch, &mut |_, _| {}).is_err());
+    let start = std::time::Instant::now();
+    let mut out = vec![0f32; x.len()];
+    let err = attn.e2a_recv(&h, &mut out).unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("panic inside A2E receive")),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
+}
