@@ -7,7 +7,8 @@
 #
 # Targets: bootstrap (frame reader, payload decoders, unique id), record (metadata records and
 # check_region against a window layout), row (A2E row metadata), routing (dispatch layout),
-# config (string parsers, MoeConfig::validate), c_config (the C xcclConfig_t parse).
+# config (string parsers, MoeConfig::validate), c_config (the C xcclConfig_t parse),
+# handshake (the rank's side of the bootstrap handshake against arbitrary root replies).
 #
 # cargo-fuzz passes nightly-only flags to rustc (-Zsanitizer=address and friends). This
 # machine has a stable toolchain only, so the script sets RUSTC_BOOTSTRAP=1, which makes the
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 secs=${1:-60}
 shift || true
-all=(bootstrap record row routing config c_config)
+all=(bootstrap record row routing config c_config handshake)
 if [ $# -gt 0 ]; then targets=("$@"); else targets=("${all[@]}"); fi
 
 command -v cargo-fuzz >/dev/null 2>&1 || cargo install cargo-fuzz --locked

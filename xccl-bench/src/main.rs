@@ -205,7 +205,9 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         );
         Box::new(fabric)
     };
-    let mut comm = Communicator::new(fabric, Arc::new(topo), cfg).map_err(e)?;
+    // SAFETY: the fabric was built just above and is moved in: nothing else holds it, and this
+    // process is one rank of the job (the limits run on a fabric of their own).
+    let mut comm = unsafe { Communicator::new(fabric, Arc::new(topo), cfg) }.map_err(e)?;
     let records = comm.a2e_records_per_call();
     // The limits, on a fabric of their own over the same bootstrap, same processes, their
     // blocks alternating with the calls' (`--blocks`).
@@ -411,10 +413,12 @@ fn run_local(args: &Args) -> Result<i32, String> {
     // The limits on a local fabric of their own, each rank's blocks alternating with its calls'.
     let plan = limit::Plan::of(args).map_err(e)?;
     let size = args.world_size();
-    let limit_fabrics = xccl::fabric::local::LocalFabric::create(
-        &vec![plan.window_len(); size],
-        limit::slots(size),
-    )
+    // SAFETY: a world of its own, used only by the limit plan, whose ranks order every access
+    // to a window range by a signal they waited for (`limit`'s module docs); no communicator
+    // uses it.
+    let limit_fabrics = unsafe {
+        xccl::fabric::local::LocalFabric::create(&vec![plan.window_len(); size], limit::slots(size))
+    }
     .map_err(e)?;
     let pb = progress(args);
     type RankResult = Result<(RankReport, Vec<u8>, Vec<u64>), String>;

@@ -35,6 +35,9 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A panic inside a call (in the library, or in a user's callback it runs, such as
+//!   `on_arrival`) poisons the communicator and aborts the job naming this rank and the call,
+//!   as any failure after publishing does; the panic then goes on unwinding to the caller.
 //! - A call's E2A is checked whole before its first write: an E2A reply with a NaN or an
 //!   infinity under INT8 is rejected with nothing sent (call again with finite rows).
 //! - A live call given up on from outside (an [`A2eHandle`] dropped before its E2A receive, the
@@ -64,7 +67,7 @@ use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
 use crate::moe::slots::Slots;
 use crate::moe::stats::Stats;
-use crate::moe::view::{TokenView, ViewParts, ViewRows};
+use crate::moe::view::{ViewParts, ViewRows};
 use crate::moe::window_layout::{WindowLayout, HANDSHAKE_BYTES};
 use crate::topology::{Role, Topology};
 use crate::{Error, Result};
@@ -74,6 +77,8 @@ pub mod shrink;
 pub(crate) use shrink::Origin;
 use shrink::ShrinkInfo;
 pub use shrink::{ShrinkOptions, ShrinkStep};
+mod view;
+pub use view::TokenView;
 
 const HANDSHAKE_MAGIC: u64 = u64::from_le_bytes(*b"XCCLHND2");
 /// Words of the handshake: magic, topology fingerprint, world size, rank, then the config's
@@ -127,6 +132,51 @@ impl std::fmt::Debug for AbortHandle {
         f.debug_struct("AbortHandle")
             .field("live", &(self.fabric.strong_count() > 0))
             .finish()
+    }
+}
+
+/// Armed for the length of one call: dropped without [`UnwindGuard::finish`] (the call
+/// unwound, from a panic in the library or in a user's callback run inside it), it poisons the
+/// communicator and aborts the job naming this rank and the call, so the peers hear of it at
+/// once rather than at their deadline, as the C ABI's calls do.
+struct UnwindGuard<'a> {
+    fabric: &'a dyn Fabric,
+    poisoned: &'a mut Option<Error>,
+    what: &'a str,
+    finished: bool,
+}
+
+impl<'a> UnwindGuard<'a> {
+    fn new(fabric: &'a dyn Fabric, poisoned: &'a mut Option<Error>, what: &'a str) -> Self {
+        UnwindGuard {
+            fabric,
+            poisoned,
+            what,
+            finished: false,
+        }
+    }
+
+    /// The call returned (with a result or an error): nothing to do.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for UnwindGuard<'_> {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        let rank = self.fabric.rank();
+        let reason = format!("rank {rank}: panic inside {}", self.what);
+        tracing::error!(
+            rank,
+            reason,
+            "xccl: a call panicked; communicator poisoned, job aborted"
+        );
+        self.fabric.abort(&reason);
+        self.poisoned
+            .get_or_insert(Error::Aborted { by: rank, reason });
     }
 }
 
@@ -281,10 +331,33 @@ impl Communicator {
     }
 
     /// Builds this rank's communicator on an initialised fabric. Collective: every rank calls it.
+    /// The safe constructors ([`Communicator::init_shm`], [`Communicator::init_ofi`],
+    /// [`Communicator::init_ascend`], [`Communicator::local_group`]) build the fabric themselves.
     ///
     /// Fails if the fabric's windows are too small, or if any peer was given a different
     /// topology or config (naming that peer, the field and both values).
-    pub fn new(fabric: Box<dyn Fabric>, topo: Arc<Topology>, cfg: MoeConfig) -> Result<Self> {
+    ///
+    /// # Safety
+    /// The communicator lends ranges of the windows out as slices (`a2e_input`, a view's reply):
+    /// for as long as it lives, nothing in this process may use `fabric`'s windows except the
+    /// communicators of this job — no other handle to `fabric` (a forwarding fabric's clone of
+    /// its inner one) may put, get or borrow a window, nor may another endpoint of the same
+    /// in-process world outside a communicator. `fabric` itself keeps the [`Fabric`] contract.
+    pub unsafe fn new(
+        fabric: Box<dyn Fabric>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
+        Self::from_fabric(fabric, topo, cfg)
+    }
+
+    /// [`Communicator::new`] for the crate's own fabrics, which nothing else in the process uses
+    /// (the C ABI's forwarding fabric keeps a clone only to abort).
+    pub(crate) fn from_fabric(
+        fabric: Box<dyn Fabric>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+    ) -> Result<Self> {
         let ctx = Context::new(fabric, topo, cfg)?;
         let base = ctx.cfg.epoch_base;
         let side = match ctx.topo.role(ctx.rank) {
@@ -378,7 +451,8 @@ impl Communicator {
             }
         };
         agree::agree(&**exchange, &topo, &cfg, timeout)?;
-        let built = fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::new(f, topo, cfg));
+        let built =
+            fabric(len, Self::signal_slots(&topo)).and_then(|f| Self::from_fabric(f, topo, cfg));
         match built {
             Ok(mut comm) => {
                 comm.origin = origin;
@@ -465,7 +539,7 @@ impl Communicator {
     /// one communicator per rank, in rank order (move each to its own thread).
     pub fn local_group(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
-        let fabrics = LocalFabric::create(&lens, Self::signal_slots(topo))?;
+        let fabrics = LocalFabric::group(&lens, Self::signal_slots(topo))?;
         Self::init_group(fabrics, topo, cfg)
     }
 
@@ -477,7 +551,7 @@ impl Communicator {
         caps: Capabilities,
     ) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
-        let fabrics = LocalFabric::create_with(&lens, Self::signal_slots(topo), caps)?;
+        let fabrics = LocalFabric::group_with(&lens, Self::signal_slots(topo), caps)?;
         Self::init_group(fabrics, topo, cfg)
     }
 
@@ -494,7 +568,7 @@ impl Communicator {
                 .map(|f| {
                     let topo = topo.clone();
                     let cfg = cfg.clone();
-                    s.spawn(move || Communicator::new(Box::new(f), topo, cfg))
+                    s.spawn(move || Communicator::from_fabric(Box::new(f), topo, cfg))
                 })
                 .collect();
             handles
@@ -661,9 +735,7 @@ impl Communicator {
 
     /// Changes the deadline of later calls (a whole call shares one deadline).
     pub fn set_timeout(&mut self, timeout: Duration) -> Result<()> {
-        if timeout.is_zero() {
-            return Err(Error::invalid("timeout must be positive"));
-        }
+        crate::moe::config::check_timeout(timeout)?;
         self.ctx.cfg.timeout = timeout;
         Ok(())
     }
@@ -726,9 +798,14 @@ impl Communicator {
         }
     }
 
-    /// Runs one call: fails fast when poisoned, and gives a failed call its defined state (see
-    /// the module docs).
-    fn call<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+    /// Runs one call named `what`: fails fast when poisoned, and gives a failed call its
+    /// defined state (see the module docs); a panic inside it (a user's callback, such as
+    /// `on_arrival`) poisons the communicator and aborts the job ([`UnwindGuard`]).
+    fn call<R>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&Context, &mut Side) -> Result<R>,
+    ) -> Result<R> {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
@@ -736,7 +813,9 @@ impl Communicator {
             return Err(self.fail(notice.to_error(self.ctx.topo.world_size())));
         }
         self.ctx.begin_call();
+        let guard = UnwindGuard::new(&*self.ctx.fabric, &mut self.poisoned, what);
         let result = f(&self.ctx, &mut self.side);
+        guard.finish();
         if !self.in_barrier {
             self.last_stats.clone_from(&self.ctx.stats.borrow());
             self.total_stats.add(&self.last_stats);
@@ -758,7 +837,11 @@ impl Communicator {
 
     /// Runs a non-blocking look (`e2a_ready`, `a2e_ready`): like [`Communicator::call`] but
     /// publishes nothing and counts nothing in the stats.
-    fn probe<R>(&mut self, f: impl FnOnce(&Context, &mut Side) -> Result<R>) -> Result<R> {
+    fn probe<R>(
+        &mut self,
+        what: &str,
+        f: impl FnOnce(&Context, &mut Side) -> Result<R>,
+    ) -> Result<R> {
         if let Some(e) = &self.poisoned {
             return Err(e.duplicate());
         }
@@ -767,7 +850,10 @@ impl Communicator {
         }
         // Nothing of this look is a call: the last call's counters were copied already.
         self.ctx.begin_call();
-        f(&self.ctx, &mut self.side).map_err(|e| self.fail(e))
+        let guard = UnwindGuard::new(&*self.ctx.fabric, &mut self.poisoned, what);
+        let result = f(&self.ctx, &mut self.side);
+        guard.finish();
+        result.map_err(|e| self.fail(e))
     }
 
     /// Poisons the communicator with `e` when the failed call left a state that cannot be
@@ -846,7 +932,7 @@ impl Communicator {
     }
 
     fn barrier_call(&mut self, generation: u64) -> Result<()> {
-        self.call(|ctx, _| {
+        self.call("barrier", |ctx, _| {
             let world = ctx.topo.world_size();
             for step in 1..world {
                 let peer = (ctx.rank + step) % world;
@@ -878,7 +964,7 @@ impl Communicator {
         f: impl FnOnce(&Context, &mut DispatchSender, &mut CombineReceiver) -> Result<R>,
     ) -> Result<R> {
         let rank = self.ctx.rank;
-        self.call(|ctx, side| match side {
+        self.call(call, |ctx, side| match side {
             Side::Attention { dispatch, combine } => f(ctx, dispatch, combine),
             Side::Expert { .. } => Err(wrong_role(rank, Role::Expert, call)),
         })
@@ -892,7 +978,7 @@ impl Communicator {
         f: impl FnOnce(&Context, &mut DispatchReceiver, &mut CombineSender) -> Result<R>,
     ) -> Result<R> {
         let rank = self.ctx.rank;
-        self.call(|ctx, side| match side {
+        self.call(call, |ctx, side| match side {
             Side::Expert { dispatch, combine } => f(ctx, dispatch, combine),
             Side::Attention { .. } => Err(wrong_role(rank, Role::Attention, call)),
         })
@@ -1030,7 +1116,7 @@ impl Communicator {
     /// [`Communicator::e2a_recv`]'s rules: a wrong handle changes nothing; a dead peer or an
     /// abort poisons the communicator. Polling counts nothing in the stats.
     pub fn e2a_ready(&mut self, handle: &A2eHandle) -> Result<bool> {
-        self.probe(|ctx, side| match side {
+        self.probe("E2A test", |ctx, side| match side {
             Side::Attention { dispatch, .. } => {
                 CombineReceiver::ready(ctx, dispatch.oldest(ctx, handle)?)
             }
@@ -1044,7 +1130,7 @@ impl Communicator {
     /// in). Errors follow the receive's rules: a dead peer, an abort or a bad record poisons
     /// the communicator. Polling counts nothing in the stats.
     pub fn a2e_ready(&mut self) -> Result<bool> {
-        self.probe(|ctx, side| match side {
+        self.probe("A2E test", |ctx, side| match side {
             Side::Expert { dispatch, .. } => dispatch.ready(ctx),
             Side::Attention { .. } => Err(wrong_role(ctx.rank, Role::Attention, "A2E test")),
         })

@@ -413,12 +413,12 @@ fn mismatched_config_is_caught_at_init_naming_the_peer() {
         .zip(Communicator::window_lens(&topo, &b).unwrap())
         .map(|(x, y)| (*x).max(y))
         .collect();
-    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let mut fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let f1 = fabrics.pop().unwrap();
     let f0 = fabrics.pop().unwrap();
     let t2 = topo.clone();
-    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t2, b).err());
-    let e0 = Communicator::new(Box::new(f0), topo, a).err();
+    let h = std::thread::spawn(move || Communicator::from_fabric(Box::new(f1), t2, b).err());
+    let e0 = Communicator::from_fabric(Box::new(f0), topo, a).err();
     let e1 = h.join().unwrap();
     match e0 {
         Some(Error::Protocol { peer: 1, detail }) => assert!(
@@ -2554,7 +2554,8 @@ struct Hooked {
     log: Option<SignalLog>,
 }
 
-impl crate::fabric::Fabric for Hooked {
+// SAFETY: forwards every method to a local fabric, adding only a hook that writes no window.
+unsafe impl crate::fabric::Fabric for Hooked {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -2648,18 +2649,18 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
     let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
     let c = cfg(8, DType::F32, 2, 4);
     let lens = Communicator::window_lens(&topo, &c).unwrap();
-    let mut fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let mut fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let f1 = fabrics.pop().unwrap();
     let f0 = fabrics.pop().unwrap();
     let meanwhile = Meanwhile::default();
     let (t1, c1) = (topo.clone(), c.clone());
-    let h = std::thread::spawn(move || Communicator::new(Box::new(f1), t1, c1).unwrap());
+    let h = std::thread::spawn(move || Communicator::from_fabric(Box::new(f1), t1, c1).unwrap());
     let racing = Hooked {
         inner: f0,
         races: Some((1, meanwhile.clone())),
         log: None,
     };
-    let mut rank0 = Communicator::new(Box::new(racing), topo, c).unwrap();
+    let mut rank0 = Communicator::from_fabric(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
     let left = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = left.clone();
@@ -2689,7 +2690,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
     let mut c = cfg(h, DType::F32, 2, 8);
     c.chunk_bytes = 1; // a progress signal per row
     let lens = Communicator::window_lens(&topo, &c).unwrap();
-    let fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let log = SignalLog::default();
     let mut comms = on_every_rank(fabrics, |f| {
         let log = (crate::fabric::Fabric::rank(&f) == 1).then(|| log.clone());
@@ -2698,7 +2699,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
             races: None,
             log,
         };
-        Communicator::new(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
     });
     let (mut other, mut relay, mut att) = (comms.remove(2), comms.remove(1), comms.remove(0));
     let wl = wl(84, 8, false);
@@ -2748,4 +2749,53 @@ fn a_member_sends_the_relays_own_rows_last() {
         unreachable!()
     };
     assert_eq!((at2, at3, own_at), (0, c2, c2 + c3), "own {own}");
+}
+
+#[test]
+fn a_communicator_refuses_a_timeout_past_the_limit_at_init_and_later() {
+    let topo = Topology::contiguous(1, 1, 2).unwrap();
+    let long = MoeConfig {
+        timeout: Duration::MAX,
+        ..cfg(8, DType::F32, 1, 4)
+    };
+    let err = Communicator::local_group(&topo, &long).err().unwrap();
+    assert!(
+        matches!(&err, Error::InvalidArgument(m) if m.contains("365 days")),
+        "{err}"
+    );
+    let mut comms = Communicator::local_group(&topo, &cfg(8, DType::F32, 1, 4)).unwrap();
+    let err = comms[0].set_timeout(Duration::MAX).unwrap_err();
+    assert!(err.to_string().contains("365 days"), "{err}");
+}
+
+/// Found by review: a panic in a user's `on_arrival` (after the call had published, through
+/// relays or not) neither poisoned the communicator nor told the peers, who waited out their
+/// timeout.
+#[test]
+fn a_panic_in_an_arrival_callback_poisons_the_communicator_and_aborts_the_job_at_once() {
+    let c = MoeConfig {
+        timeout: Duration::from_secs(20),
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let (mut attn, mut expert) = pair(&c);
+    let (input, x) = input_of(0);
+    let h = attn
+        .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let mut batch = TokenBatch::new();
+    let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        expert.a2e_recv_tokens(&mut batch, &mut |_, _| panic!("user callback"))
+    }));
+    assert!(unwound.is_err());
+    let poisoned = expert.poisoned().map(|e| e.to_string()).unwrap_or_default();
+    assert!(poisoned.contains("panic inside A2E receive"), "{poisoned}");
+    assert!(expert.a2e_recv_tokens(&mut batch, &mut |_, _| {}).is_err());
+    let start = std::time::Instant::now();
+    let mut out = vec![0f32; x.len()];
+    let err = attn.e2a_recv(&h, &mut out).unwrap_err();
+    assert!(
+        matches!(&err, Error::Aborted { by: 1, reason } if reason.contains("panic inside A2E receive")),
+        "{err}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
 }

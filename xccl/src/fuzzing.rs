@@ -18,6 +18,8 @@
 //! - [`config`]: the string parsers round-trip their names; [`MoeConfig::validate`] never
 //!   panics, and a config it accepts has a window layout whose sizes do not overflow.
 //! - [`c_config`]: the C `xcclConfig_t` parse never panics, whatever the fields say.
+//! - [`handshake`]: the rank's side of the bootstrap handshake, against a root that answers with
+//!   the fuzzer's bytes, fails with an error (never a panic) and never admits the rank.
 //!
 //! The input is read with [`Input`], a cursor that yields zeros once the bytes run out, so every
 //! byte string is a valid input. The regression tests of the crashes the fuzzers found call
@@ -40,13 +42,14 @@ use crate::{DType, MoeConfig, Quant, Topology, TopologyBuilder, TransferMode};
 pub type Entry = fn(&[u8]);
 
 /// Every entry point by the name of its fuzz target in `fuzz/fuzz_targets/`.
-pub const ENTRIES: [(&str, Entry); 6] = [
+pub const ENTRIES: [(&str, Entry); 7] = [
     ("bootstrap", bootstrap),
     ("record", record),
     ("row", row),
     ("routing", routing),
     ("config", config),
     ("c_config", c_config),
+    ("handshake", handshake),
 ];
 
 /// A cursor over fuzz bytes; reads past the end yield zeros.
@@ -182,6 +185,9 @@ pub fn bootstrap(data: &[u8]) {
     while let Ok(frame) = wire::read_frame(&mut stream, None, &stop, result_max, &accept) {
         assert!(accept(frame.kind));
         assert!(frame.payload.len() as u64 <= wire::max_payload(frame.kind, result_max));
+        if let Some(exact) = wire::exact_payload(frame.kind) {
+            assert_eq!(frame.payload.len() as u64, exact);
+        }
         payload_decoders(&frame.payload, size);
     }
     payload_decoders(rest, size);
@@ -570,6 +576,33 @@ pub fn c_config(data: &[u8]) {
     let _ = unsafe { c::parse(&config, nranks) };
 }
 
+/// The rank's side of the handshake against a "root" whose replies are `data`: whatever it
+/// sends, the handshake fails without a panic, and it never admits the rank (the bytes cannot
+/// hold a proof of the key over this rank's fresh nonce).
+pub fn handshake(data: &[u8]) {
+    /// A peer that answers with fixed bytes and swallows what it is sent.
+    struct Scripted<'a>(&'a [u8]);
+    impl std::io::Read for Scripted<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.0.read(buf)
+        }
+    }
+    impl std::io::Write for Scripted<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let key = crate::bootstrap::JobKey::from_bytes([7; 32]);
+    let root = std::net::SocketAddr::from(([127, 0, 0, 1], 29500));
+    let deadline = crate::fabric::deadline_after(std::time::Duration::from_secs(5));
+    let admitted =
+        crate::bootstrap::tcp::handshake_over(&mut Scripted(data), root, 1, &key, (1, 2), deadline);
+    assert!(admitted.is_err(), "admitted by a root that holds no key");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -641,6 +674,29 @@ mod tests {
             "002a000000000000000000000100000000000000000000ff7fff29ff000003b0ffffad9eff080100",
             "0002",
         )));
+    }
+
+    /// `frames` as a root would send them.
+    fn frames(frames: &[(Kind, Vec<u8>)]) -> Vec<u8> {
+        let mut data = Vec::new();
+        for (kind, payload) in frames {
+            wire::write_frame_to(&mut data, *kind, 0, payload).unwrap();
+        }
+        data
+    }
+
+    /// Found by review: a challenge shorter than a nonce panicked the rank (`copy_from_slice`)
+    /// before any proof of the key; so did any frame a reader used at a fixed length.
+    #[test]
+    fn challenges_and_welcomes_of_the_wrong_length_fail_the_handshake_without_a_panic() {
+        for n in [0, 5, 31, 33] {
+            handshake(&frames(&[(Kind::Challenge, vec![1; n])]));
+            let welcome = vec![2; n];
+            handshake(&frames(&[
+                (Kind::Challenge, vec![1; 32]),
+                (Kind::Welcome, welcome),
+            ]));
+        }
     }
 
     #[test]

@@ -49,14 +49,13 @@ mod api_tests;
 #[cfg(test)]
 mod comm_tests;
 
-pub use comm::{AbortHandle, Communicator, ShrinkOptions, ShrinkStep};
+pub use comm::{AbortHandle, Communicator, ShrinkOptions, ShrinkStep, TokenView};
 pub use error::{AbortNotice, Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};
 pub use moe::dtype::{DType, Element};
 pub use moe::quant::Quant;
 pub use moe::stats::{PeerStats, Stats};
-pub use moe::view::TokenView;
 pub use topology::{RelayPlan, Role, ShrunkTopology, Topology, TopologyBuilder};
 
 /// The README's Rust example, compiled and run as a doc-test.

@@ -212,6 +212,16 @@ impl LaunchEnv {
             // Bound to the address the ranks were told, not to every interface.
             let bind = self.root;
             let listener = TcpListener::bind(bind).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::AddrInUse {
+                    return Error::Bootstrap(format!(
+                        "rank 0 cannot start the bootstrap root: port {} of {} is taken by \
+                         another program (address from {}), so the job cannot start there; set \
+                         {ROOT_ENV} to a free port",
+                        bind.port(),
+                        bind.ip(),
+                        self.root_source
+                    ));
+                }
                 Error::os(
                     format!(
                         "rank 0 binding the bootstrap root to {bind} (address from {}; it must be \
@@ -369,6 +379,23 @@ pub(crate) mod tests {
         assert!(keyed.authenticated);
         assert_eq!(keyed.key.to_hex(), TEST_KEY);
         assert!(!format!("{keyed:?}").contains(TEST_KEY));
+    }
+
+    #[test]
+    fn a_root_port_taken_by_another_program_fails_rank_0_naming_the_port() {
+        let squatter = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = squatter.local_addr().unwrap().port();
+        let root = format!("127.0.0.1:{port}");
+        let e = detect(&[("XCCL_RANK", "0"), ("XCCL_SIZE", "2"), ("XCCL_ROOT", &root)])
+            .unwrap()
+            .unwrap();
+        let err = e.connect(Duration::from_secs(2)).err().unwrap().to_string();
+        assert!(
+            err.contains(&format!(
+                "port {port} of 127.0.0.1 is taken by another program"
+            )) && err.contains("cannot start"),
+            "{err}"
+        );
     }
 
     #[test]

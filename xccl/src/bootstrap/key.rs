@@ -17,6 +17,7 @@ use std::io::Read;
 
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
 use crate::{Error, Result};
 
@@ -127,13 +128,9 @@ impl JobKey {
         JobKey(h.finalize().into())
     }
 
-    /// Whether two keys are equal, in constant time.
+    /// Whether two keys are equal, in constant time (`subtle`).
     pub fn same_as(&self, other: &JobKey) -> bool {
-        let mut diff = 0u8;
-        for (a, b) in self.0.iter().zip(&other.0) {
-            diff |= a ^ b;
-        }
-        diff == 0
+        self.0.ct_eq(&other.0).into()
     }
 
     fn mac(&self) -> HmacSha256 {

@@ -25,7 +25,7 @@ mod generation;
 pub mod key;
 mod roles;
 pub mod root;
-mod tcp;
+pub(crate) mod tcp;
 mod thread;
 mod unique_id;
 pub(crate) mod wire;

@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use super::key::{self, HelloFields, JobKey, Side, NONCE_LEN};
 use super::wire::{self, Absence, Frame, Kind, ReadError, READ_TICK};
+use crate::fabric::deadline_after;
 use crate::{AbortNotice, Error, Result};
 
 /// Settings of a root service.
@@ -450,7 +451,7 @@ fn authenticate(
     intake: &Intake,
 ) -> Option<(u64, u64, [u8; key::MAC_LEN])> {
     let hello_timeout = intake.hello_timeout;
-    let deadline = Instant::now() + hello_timeout;
+    let deadline = deadline_after(hello_timeout);
     let stop = &intake.stop;
     let hello = match wire::read_frame(stream, Some(deadline), stop, 0, &|k| k == Kind::Hello) {
         Ok(frame) => wire::decode_hello(&frame.payload),

@@ -10,6 +10,7 @@
 //! root, so the bootstrap refuses further collectives with [`Error::Bootstrap`]; abort messages
 //! still flow.
 
+use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -21,6 +22,7 @@ use super::root::{RootHandle, MAX_KEPT_ABORTS};
 use super::unique_id::UniqueId;
 use super::wire::{self, Absence, Kind, ReadError, MAX_BLOB, READ_TICK};
 use super::{Exchange, Survivors};
+use crate::fabric::deadline_after;
 use crate::{AbortNotice, Error, Result};
 
 /// How long a rank whose round timed out waits for the root to say who is missing.
@@ -167,7 +169,7 @@ impl TcpBootstrap {
             )));
         }
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = deadline_after(timeout);
         let stream = loop {
             let mut stream = connect_retrying(root, rank, deadline, start)?;
             match handshake(&mut stream, root, job_id, key, rank, size, deadline) {
@@ -257,7 +259,7 @@ impl TcpBootstrap {
         }
         let round = calls.next_round;
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = deadline_after(timeout);
         if let Some(err) = self.settled_error(&lock(&self.shared.inbox), round, what, kind) {
             return Err(err);
         }
@@ -618,7 +620,7 @@ pub(crate) fn raw_handshake(
     size: usize,
     timeout: Duration,
 ) -> Result<()> {
-    let deadline = Instant::now() + timeout;
+    let deadline = deadline_after(timeout);
     handshake(
         stream,
         id.root_addr(),
@@ -636,7 +638,7 @@ pub(crate) fn raw_handshake(
 }
 
 /// Why a handshake with the root did not admit this rank.
-enum Handshake {
+pub(crate) enum Handshake {
     /// The root closed the connection without an answer (it may be shedding load): retry.
     Dropped(String),
     /// The deadline passed.
@@ -655,22 +657,36 @@ fn handshake(
     size: usize,
     deadline: Instant,
 ) -> std::result::Result<(), Handshake> {
-    let io = |e: std::io::Error| Handshake::Dropped(e.to_string());
     stream
         .set_read_timeout(Some(READ_TICK))
         .and_then(|()| stream.set_write_timeout(Some(CONTROL_WRITE_TIMEOUT)))
         .map_err(|e| Handshake::Failed(Error::os("configuring the bootstrap socket", e)))?;
     wire::tune(stream);
+    handshake_over(stream, root, job_id, key, (rank, size), deadline)
+}
+
+/// The rank's side of the handshake over any byte stream (a socket set up by [`handshake`];
+/// the fuzz target `handshake` plays the root with arbitrary bytes). Whatever the peer sends,
+/// it fails with an error and never panics: every frame's length is checked exactly
+/// ([`wire::exact_payload`]) before it is used.
+pub(crate) fn handshake_over(
+    stream: &mut (impl Read + Write),
+    root: SocketAddr,
+    job_id: u64,
+    key: &JobKey,
+    (rank, size): (usize, usize),
+    deadline: Instant,
+) -> std::result::Result<(), Handshake> {
+    let io = |e: std::io::Error| Handshake::Dropped(e.to_string());
     let mut rank_nonce = [0u8; NONCE_LEN];
     key::random_bytes(&mut rank_nonce).map_err(Handshake::Failed)?;
     let hello = wire::encode_hello(job_id, rank, size, &rank_nonce);
-    wire::write_frame(stream, Kind::Hello, 0, &hello).map_err(io)?;
-    let reply = |stream: &mut TcpStream, expect: Kind| {
-        handshake_reply(stream, expect, root, rank, deadline)
-    };
-    let challenge = reply(stream, Kind::Challenge)?;
-    let mut root_nonce = [0u8; NONCE_LEN];
-    root_nonce.copy_from_slice(&challenge);
+    wire::write_frame_to(stream, Kind::Hello, 0, &hello).map_err(io)?;
+    let challenge = handshake_reply(stream, Kind::Challenge, root, rank, deadline)?;
+    let root_nonce: [u8; NONCE_LEN] = challenge
+        .as_slice()
+        .try_into()
+        .map_err(|_| not_a_root(root, rank, "a challenge of the wrong length"))?;
     let fields = HelloFields {
         job_id,
         rank: rank as u64,
@@ -679,8 +695,8 @@ fn handshake(
         root_nonce,
     };
     let proof = key.hello_mac(Side::Rank, &fields);
-    wire::write_frame(stream, Kind::Auth, 0, &proof).map_err(io)?;
-    let welcome = reply(stream, Kind::Welcome)?;
+    wire::write_frame_to(stream, Kind::Auth, 0, &proof).map_err(io)?;
+    let welcome = handshake_reply(stream, Kind::Welcome, root, rank, deadline)?;
     if !key.verify_hello(Side::Root, &fields, &welcome) {
         return Err(Handshake::Failed(Error::Bootstrap(format!(
             "the root at {root} welcomed rank {rank} without proving it holds this job's key \
@@ -690,9 +706,21 @@ fn handshake(
     Ok(())
 }
 
+/// The refusal of a peer at the root's address that does not speak the bootstrap protocol:
+/// something else holds the root's port, and the job cannot start there. Names the port.
+fn not_a_root(root: SocketAddr, rank: usize, what: impl std::fmt::Display) -> Handshake {
+    Handshake::Failed(Error::Bootstrap(format!(
+        "rank {rank}: the peer at {root} is not an xccl bootstrap root ({what}): another program \
+         holds port {} (taken before this job's root could bind it?), so the job cannot start \
+         there; give the job another root port ({})",
+        root.port(),
+        super::env::ROOT_ENV
+    )))
+}
+
 /// The root's next handshake frame: `expect`, or an ERROR naming why this rank was refused.
 fn handshake_reply(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     expect: Kind,
     root: SocketAddr,
     rank: usize,
@@ -710,6 +738,7 @@ fn handshake_reply(
         Err(ReadError::Timeout) => Err(Handshake::TimedOut),
         Err(ReadError::Eof) => Err(Handshake::Dropped("the root closed the connection".into())),
         Err(ReadError::Io(e)) => Err(Handshake::Dropped(e.to_string())),
+        Err(ReadError::Malformed(m)) => Err(not_a_root(root, rank, m)),
         Err(e) => Err(Handshake::Failed(Error::Bootstrap(format!(
             "hello of rank {rank} to the root at {root} failed: {e}"
         )))),
@@ -878,6 +907,51 @@ mod tests {
             report.exit
         );
         assert!(report.rejected.is_empty(), "{:?}", report.rejected);
+    }
+
+    #[test]
+    fn timeouts_of_duration_max_saturate_in_the_root_the_connect_and_the_rounds() {
+        let mut cfg = RootConfig::new(random_job_id());
+        cfg.idle_timeout = Duration::from_secs(5);
+        cfg.hello_timeout = Duration::MAX;
+        let (id, _root) = UniqueId::start_root(localhost(), cfg).unwrap();
+        let b = TcpBootstrap::connect(&id, 0, 1, Duration::MAX).unwrap();
+        assert_eq!(
+            b.allgather(b"solo", Duration::MAX).unwrap(),
+            vec![b"solo".to_vec()]
+        );
+        b.barrier(Duration::MAX).unwrap();
+    }
+
+    /// Found by review: a stranger holding the root's port first answered with a challenge of
+    /// 0, 5 or 31 bytes, and the rank panicked (`copy_from_slice`) before any proof of the key.
+    #[test]
+    fn a_squatter_on_the_root_port_with_a_short_challenge_fails_the_rank_naming_the_port() {
+        let listener = std::net::TcpListener::bind(localhost()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let lengths = [0usize, 5, 31];
+        let squatter = std::thread::spawn(move || {
+            for n in lengths {
+                let (mut s, _) = listener.accept().unwrap();
+                wire::write_frame(&mut s, Kind::Challenge, 0, &vec![9; n]).unwrap();
+                // Until the rank hangs up.
+                while s.read(&mut [0; 256]).is_ok_and(|got| got > 0) {}
+            }
+        });
+        for _ in lengths {
+            let id = UniqueId::from_parts(random_job_id(), &JobKey::random(), addr);
+            let err = TcpBootstrap::connect(&id, 1, 2, Duration::from_secs(5))
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(
+                err.contains(&format!("port {}", addr.port()))
+                    && err.contains("not an xccl bootstrap root")
+                    && err.contains("Challenge frame"),
+                "{err}"
+            );
+        }
+        squatter.join().unwrap();
     }
 
     #[test]

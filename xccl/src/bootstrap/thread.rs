@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use super::root::MAX_KEPT_ABORTS;
 use super::unique_id::random_job_id;
 use super::{wire, Exchange, JobKey};
+use crate::fabric::deadline_after;
 use crate::{AbortNotice, Error, Result};
 
 /// One rank of an in-process group; implements [`Exchange`].
@@ -92,7 +93,7 @@ impl ThreadExchange {
         let mut next = lock(&self.next_round);
         let round = *next;
         let start = Instant::now();
-        let deadline = start + timeout;
+        let deadline = deadline_after(timeout);
         let mut st = lock(&self.group.state);
         if let Some(err) = self.abort_error(&st) {
             return Err(err);
@@ -281,6 +282,14 @@ mod tests {
         });
         let expected: Vec<Vec<u8>> = (0..4).map(|r| format!("r{r}").into_bytes()).collect();
         assert!(out.iter().all(|o| *o == expected));
+    }
+
+    #[test]
+    fn a_round_with_a_timeout_of_duration_max_saturates() {
+        let out = run(ThreadExchange::group(2), |x| {
+            x.allgather(&[x.rank() as u8], Duration::MAX).unwrap()
+        });
+        assert!(out.iter().all(|o| *o == vec![vec![0], vec![1]]));
     }
 
     #[test]

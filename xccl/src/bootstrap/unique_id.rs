@@ -29,6 +29,7 @@ use std::fmt;
 use std::io::Read;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 use std::str::FromStr;
+use subtle::ConstantTimeEq;
 
 use super::key::JobKey;
 use super::root::{RootConfig, RootHandle};
@@ -47,9 +48,10 @@ pub const SOCKET_ADDR_ENV: &str = "XCCL_SOCKET_ADDR";
 /// An opaque 128-byte job identifier: magic, format version, random job id, the root
 /// service's socket address and the job's secret key. Plain bytes, so it can cross a C ABI or an
 /// MPI broadcast unchanged. Treat it as a secret: whoever holds it can join the job; its `Debug`
-/// output shows the job id and root only.
+/// output shows the job id and root only. Ids compare in constant time (`subtle`), and their
+/// `Hash` covers the public fields only, never the key.
 #[repr(C)]
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy)]
 pub struct UniqueId {
     /// The encoded id; build it with the constructors, check foreign bytes with
     /// [`UniqueId::from_bytes`].
@@ -93,7 +95,7 @@ impl UniqueId {
         b[0..4].copy_from_slice(&MAGIC);
         b[4..6].copy_from_slice(&VERSION.to_le_bytes());
         b[8..16].copy_from_slice(&job_id.to_le_bytes());
-        b[40..72].copy_from_slice(&key.to_bytes());
+        b[KEY_BYTES].copy_from_slice(&key.to_bytes());
         b[16..18].copy_from_slice(&root.port().to_le_bytes());
         match root {
             SocketAddr::V4(a) => {
@@ -119,7 +121,7 @@ impl UniqueId {
     /// The job's secret key.
     pub fn key(&self) -> JobKey {
         let mut k = [0u8; 32];
-        k.copy_from_slice(&self.internal[40..72]);
+        k.copy_from_slice(&self.internal[KEY_BYTES]);
         JobKey::from_bytes(k)
     }
 
@@ -193,6 +195,27 @@ impl UniqueId {
             return Err(Error::Bootstrap("unique id has root port 0".into()));
         }
         Ok(id)
+    }
+}
+
+/// Where the key lies in an id's bytes.
+const KEY_BYTES: std::ops::Range<usize> = 40..72;
+
+/// Constant time over all 128 bytes (the key among them).
+impl PartialEq for UniqueId {
+    fn eq(&self, other: &UniqueId) -> bool {
+        self.internal.ct_eq(&other.internal).into()
+    }
+}
+
+impl Eq for UniqueId {}
+
+/// Hashes the public fields (magic, version, job id, root address) and not the key: a hash
+/// table's timing then tells nothing about it. Equal ids hash alike, as `Eq` requires.
+impl std::hash::Hash for UniqueId {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write(&self.internal[..KEY_BYTES.start]);
+        state.write(&self.internal[KEY_BYTES.end..]);
     }
 }
 
@@ -290,6 +313,21 @@ pub fn bind_addr_from(get: &dyn Fn(&str) -> Option<String>) -> Result<SocketAddr
 mod tests {
     use super::*;
     use crate::bootstrap::env::tests::env;
+
+    #[test]
+    fn an_ids_hash_does_not_cover_its_key_and_equality_does() {
+        use std::hash::BuildHasher;
+        let addr: SocketAddr = "10.1.2.3:29500".parse().unwrap();
+        let a = UniqueId::from_parts(7, &JobKey::from_bytes([1; 32]), addr);
+        let b = UniqueId::from_parts(7, &JobKey::from_bytes([2; 32]), addr);
+        let state = std::collections::hash_map::RandomState::new();
+        let hash = |id: &UniqueId| state.hash_one(id);
+        assert_eq!(hash(&a), hash(&b), "the hash must not depend on the key");
+        assert_ne!(a, b, "ids with different keys are different ids");
+        assert_eq!(a, UniqueId::from_bytes(&a.to_bytes()).unwrap());
+        let other_job = UniqueId::from_parts(8, &JobKey::from_bytes([1; 32]), addr);
+        assert_ne!(hash(&a), hash(&other_job));
+    }
 
     #[test]
     fn id_round_trips_through_bytes_and_hex() {

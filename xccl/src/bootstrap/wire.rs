@@ -121,6 +121,23 @@ pub(crate) fn max_payload(kind: Kind, result_max: u64) -> u64 {
     }
 }
 
+/// The one payload length a frame of `kind` may have, for the kinds of fixed size (hello,
+/// challenge, proof, welcome, and the empty ones); `None` for the kinds of variable size.
+/// [`read_frame`] refuses any other length, so no reader ever sees a short fixed-size payload.
+pub(crate) fn exact_payload(kind: Kind) -> Option<u64> {
+    match kind {
+        Kind::Hello | Kind::Challenge | Kind::Auth | Kind::Welcome => Some(max_payload(kind, 0)),
+        Kind::Query | Kind::Bye | Kind::ByeAck => Some(0),
+        Kind::Data
+        | Kind::Survivors
+        | Kind::Result
+        | Kind::Error
+        | Kind::Status
+        | Kind::Abort
+        | Kind::Failed => None,
+    }
+}
+
 /// Upper bound of a RESULT payload for a job of `size` ranks.
 pub(crate) fn result_max(size: usize) -> u64 {
     // A survivors' round carries one presence byte more per blob.
@@ -245,6 +262,11 @@ pub(crate) fn read_frame(
             "{kind:?} frame of {len} bytes exceeds the limit of {max}"
         )));
     }
+    if let Some(exact) = exact_payload(kind).filter(|&n| n != len) {
+        return Err(ReadError::Malformed(format!(
+            "{kind:?} frame of {len} bytes: it is exactly {exact}"
+        )));
+    }
     let len = usize::try_from(len)
         .map_err(|_| ReadError::Malformed(format!("frame length {len} too large")))?;
     let payload = read_payload(stream, len, deadline, stop).map_err(|e| match e {
@@ -295,6 +317,16 @@ fn read_payload(
 /// caller must close it.
 pub(crate) fn write_frame(
     stream: &mut TcpStream,
+    kind: Kind,
+    round: u64,
+    payload: &[u8],
+) -> io::Result<()> {
+    write_frame_to(stream, kind, round, payload)
+}
+
+/// [`write_frame`] to any writer (the client handshake over a fuzzer's stream).
+pub(crate) fn write_frame_to(
+    stream: &mut impl Write,
     kind: Kind,
     round: u64,
     payload: &[u8],

@@ -229,7 +229,10 @@ unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, name: &str) -> Result<&'a mu
 /// it while a call holds the communicator. Every method forwards, default ones included.
 struct SharedFabric(Arc<dyn Fabric>);
 
-impl Fabric for SharedFabric {
+// SAFETY: every method forwards to the inner fabric (whose contract holds); the clone this
+// module keeps is used only to abort (`xcclCommAbort`), which writes the control area's abort
+// word and reason (atomics), never a window.
+unsafe impl Fabric for SharedFabric {
     fn name(&self) -> &'static str {
         self.0.name()
     }

@@ -18,7 +18,7 @@ fn pair() -> Vec<*mut xcclComm> {
 fn pair_with(cfg: MoeConfig) -> Vec<*mut xcclComm> {
     let topo = Topology::contiguous(1, 1, 2).unwrap();
     let lens = Communicator::window_lens(&topo, &cfg).unwrap();
-    let fabrics = LocalFabric::create(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let topo = Arc::new(topo);
     let comms: Vec<Comm> = std::thread::scope(|s| {
         let joins: Vec<_> = fabrics
@@ -27,7 +27,7 @@ fn pair_with(cfg: MoeConfig) -> Vec<*mut xcclComm> {
                 let (topo, cfg) = (topo.clone(), cfg.clone());
                 s.spawn(move || {
                     let fabric: Arc<dyn Fabric> = Arc::new(f);
-                    let comm = Communicator::new(
+                    let comm = Communicator::from_fabric(
                         Box::new(SharedFabric(fabric.clone())),
                         topo.clone(),
                         cfg.clone(),

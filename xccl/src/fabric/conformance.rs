@@ -251,7 +251,7 @@ mod tests {
     use crate::fabric::local::LocalFabric;
 
     fn on_local(n: usize, check: fn(&dyn Fabric) -> Result<()>) {
-        let fabrics = LocalFabric::create(&vec![MIN_WINDOW; n], min_slots(n)).unwrap();
+        let fabrics = LocalFabric::group(&vec![MIN_WINDOW; n], min_slots(n)).unwrap();
         std::thread::scope(|s| {
             let handles: Vec<_> = fabrics.iter().map(|f| s.spawn(move || check(f))).collect();
             for (rank, h) in handles.into_iter().enumerate() {
@@ -286,7 +286,7 @@ mod tests {
     fn sleeping_waiters_miss_no_wakeup_in_100k_rounds() {
         // Waiters that sleep almost at once: every round crosses the futex path, and a lost
         // wake-up would cost a 20 ms sleep chunk (2,000 s for 100k rounds).
-        let mut fabrics = LocalFabric::create(&[MIN_WINDOW; 2], min_slots(2)).unwrap();
+        let mut fabrics = LocalFabric::group(&[MIN_WINDOW; 2], min_slots(2)).unwrap();
         for f in &mut fabrics {
             f.set_wait_policy(crate::fabric::WaitPolicy {
                 spin_iters: 1,
@@ -318,7 +318,7 @@ mod tests {
 
     #[test]
     fn local_wait_on_dropped_peer_fails_fast_naming_it() {
-        let mut fabrics = LocalFabric::create(&[MIN_WINDOW; 2], 4).unwrap();
+        let mut fabrics = LocalFabric::group(&[MIN_WINDOW; 2], 4).unwrap();
         let f1 = fabrics.pop().unwrap();
         let f0 = fabrics.pop().unwrap();
         let t = std::thread::spawn(move || {

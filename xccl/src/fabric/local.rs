@@ -50,8 +50,37 @@ pub struct LocalFabric {
 impl LocalFabric {
     /// Creates a world of `window_lens.len()` ranks, rank `r` with a window of `window_lens[r]`
     /// bytes and `num_slots` signal slots; returns one endpoint per rank (move each to its thread).
-    pub fn create(window_lens: &[usize], num_slots: usize) -> Result<Vec<LocalFabric>> {
-        Self::create_with(
+    /// [`crate::Communicator::local_group`] builds one for a job, safely.
+    ///
+    /// # Safety
+    /// Every window of the world lives in this process, so a put and another access to the same
+    /// bytes from two threads at once is a data race. Until the endpoints are dropped, every
+    /// access to a window range (put, get, a borrow of a window) must be ordered after every
+    /// earlier conflicting access from another thread by a signal the accessor waited for (the
+    /// [`Fabric`] contract the protocol keeps), and no endpoint of the world may be handed to a
+    /// communicator ([`crate::Communicator::new`]) while another is used outside one.
+    pub unsafe fn create(window_lens: &[usize], num_slots: usize) -> Result<Vec<LocalFabric>> {
+        Self::group(window_lens, num_slots)
+    }
+
+    /// Like [`LocalFabric::create`], advertising `caps`. Without `load_store`, peer windows are
+    /// not handed out and the protocol takes the paths an RDMA fabric takes (stage then `put`,
+    /// `get` into a landing buffer), so those paths are tested without a NIC.
+    ///
+    /// # Safety
+    /// As [`LocalFabric::create`].
+    pub unsafe fn create_with(
+        window_lens: &[usize],
+        num_slots: usize,
+        caps: Capabilities,
+    ) -> Result<Vec<LocalFabric>> {
+        Self::group_with(window_lens, num_slots, caps)
+    }
+
+    /// [`LocalFabric::create`] for the crate, whose callers keep its contract (communicators,
+    /// and tests that order their accesses by signals).
+    pub(crate) fn group(window_lens: &[usize], num_slots: usize) -> Result<Vec<LocalFabric>> {
+        Self::group_with(
             window_lens,
             num_slots,
             Capabilities {
@@ -62,10 +91,8 @@ impl LocalFabric {
         )
     }
 
-    /// Like [`LocalFabric::create`], advertising `caps`. Without `load_store`, peer windows are
-    /// not handed out and the protocol takes the paths an RDMA fabric takes (stage then `put`,
-    /// `get` into a landing buffer), so those paths are tested without a NIC.
-    pub fn create_with(
+    /// [`LocalFabric::create_with`] for the crate (as [`LocalFabric::group`]).
+    pub(crate) fn group_with(
         window_lens: &[usize],
         num_slots: usize,
         caps: Capabilities,
@@ -146,7 +173,10 @@ impl Drop for LocalFabric {
     }
 }
 
-impl Fabric for LocalFabric {
+// SAFETY: put, get and signal touch only the ranges they are given, bounds-checked, in windows
+// that live as long as the world; nothing writes a window but a put addressed to it. Callers
+// outside the crate are bound by `LocalFabric::create`'s contract.
+unsafe impl Fabric for LocalFabric {
     fn name(&self) -> &'static str {
         "local"
     }

@@ -50,7 +50,78 @@ pub struct Capabilities {
 }
 
 /// One-sided transport between the ranks of a job. See the module docs for the contract.
-pub trait Fabric: Send + Sync {
+///
+/// # Safety
+/// The protocol borrows ranges of the windows as Rust slices (`&mut [T]` handed to the caller by
+/// [`crate::Communicator::a2e_input`] and a view's reply, `&[T]` of a view's rows) while a
+/// step of the protocol says nobody else touches them. An implementation must keep that true:
+/// - [`Fabric::put`], [`Fabric::get`] and the signals touch only the bytes they are given
+///   (bounds-checked), and nothing writes a window at any other time: no write of the fabric's
+///   own, no thread or handle outside the calls (a forwarding fabric that keeps a clone of its
+///   inner fabric and writes through it breaks this);
+/// - every [`Window`] returned by [`Fabric::local_window`] and [`Fabric::peer_window`] stays
+///   mapped, readable and writable for as long as the fabric lives.
+///
+/// Keeping the contract of implementations is not enough: a fabric's methods are safe to
+/// call, so whoever else holds the fabric (or another endpoint of the same in-process world)
+/// could write a lent range. Hence [`crate::Communicator::new`], which takes any fabric, is
+/// `unsafe` (its caller promises that nothing outside the job's communicators uses the
+/// fabric's windows), and so are the public constructors of [`local::LocalFabric`], whose
+/// windows are all in this process. The safe constructors (`Communicator::init_shm`,
+/// `init_ofi`, `init_ascend`, `local_group`) build their fabric and hand out no handle to it.
+/// The windows of the `shm`, `ofi` and `ascend` fabrics are written by other processes, a
+/// NIC or a device, outside the Rust abstract machine; the protocol orders those writes.
+///
+/// Safe code can neither implement the trait, nor build a communicator on a fabric it keeps a
+/// handle to, nor make an in-process world of endpoints:
+///
+/// ```compile_fail,E0200
+/// use std::time::{Duration, Instant};
+/// use xccl::fabric::{Capabilities, Fabric, Waiting, Window};
+/// // A forwarding fabric whose owner keeps a clone of the inner one.
+/// struct Forward(std::sync::Arc<dyn Fabric>);
+/// impl Fabric for Forward {
+/// #   fn name(&self) -> &'static str { self.0.name() }
+/// #   fn rank(&self) -> usize { self.0.rank() }
+/// #   fn world_size(&self) -> usize { self.0.world_size() }
+/// #   fn capabilities(&self) -> Capabilities { self.0.capabilities() }
+/// #   fn window_len(&self, r: usize) -> usize { self.0.window_len(r) }
+/// #   fn num_signal_slots(&self) -> usize { self.0.num_signal_slots() }
+/// #   fn local_window(&self) -> Option<Window<'_>> { self.0.local_window() }
+/// #   fn peer_window(&self, p: usize) -> Option<Window<'_>> { self.0.peer_window(p) }
+///     fn put(&self, p: usize, o: usize, d: &[u8]) -> xccl::Result<()> { self.0.put(p, o, d) }
+/// #   fn get(&self, p: usize, o: usize, b: &mut [u8]) -> xccl::Result<()> { self.0.get(p, o, b) }
+/// #   fn signal(&self, p: usize, s: usize, v: u64) -> xccl::Result<()> { self.0.signal(p, s, v) }
+/// #   fn signal_value(&self, s: usize) -> u64 { self.0.signal_value(s) }
+/// #   fn flush(&self) -> xccl::Result<()> { self.0.flush() }
+/// #   fn wait_until(
+/// #       &self,
+/// #       d: Instant,
+/// #       p: &mut dyn FnMut() -> Option<Waiting>,
+/// #   ) -> xccl::Result<()> {
+/// #       self.0.wait_until(d, p)
+/// #   }
+/// #   fn barrier(&self, t: Duration) -> xccl::Result<()> { self.0.barrier(t) }
+/// #   fn abort_reporting(&self, d: Option<usize>, r: &str) { self.0.abort_reporting(d, r) }
+/// #   fn forward_abort(&self, n: &xccl::AbortNotice) { self.0.forward_abort(n) }
+/// #   fn check_peer(&self, p: usize) -> xccl::Result<()> { self.0.check_peer(p) }
+/// }
+/// ```
+///
+/// ```compile_fail,E0133
+/// fn build(
+///     fabric: Box<dyn xccl::fabric::Fabric>,
+///     topo: std::sync::Arc<xccl::Topology>,
+///     cfg: xccl::MoeConfig,
+/// ) -> xccl::Result<xccl::Communicator> {
+///     xccl::Communicator::new(fabric, topo, cfg)
+/// }
+/// ```
+///
+/// ```compile_fail,E0133
+/// let world = xccl::fabric::local::LocalFabric::create(&[4096, 4096], 8);
+/// ```
+pub unsafe trait Fabric: Send + Sync {
     /// Short name of the fabric (`"shm"`, `"local"`, ...).
     fn name(&self) -> &'static str;
 
@@ -197,9 +268,13 @@ pub(crate) fn departed(peer: usize, alive: Result<()>) -> crate::Error {
     }
 }
 
-/// Deadline `timeout` from now (saturating far in the future).
+/// The longest timeout a call, a communicator or a bootstrap accepts: 365 days.
+/// [`deadline_after`] saturates at it, so a longer one never overflows a deadline.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(86_400 * 365);
+
+/// Deadline `timeout` from now (saturating at [`MAX_TIMEOUT`] from now, so it never overflows).
 pub fn deadline_after(timeout: Duration) -> Instant {
     let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365))
+    now.checked_add(timeout.min(MAX_TIMEOUT))
+        .unwrap_or_else(|| now + Duration::from_secs(3600))
 }

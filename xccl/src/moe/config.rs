@@ -7,6 +7,7 @@ use super::hash::Fnv;
 use super::progress::{CHUNK_BYTES, EPOCH_MASK, MAX_PROGRESS_ROWS};
 use super::quant::Quant;
 use super::window_layout::WindowLayout;
+use crate::fabric::MAX_TIMEOUT;
 use crate::topology::Topology;
 use crate::{Error, Result};
 
@@ -79,7 +80,8 @@ pub struct MoeConfig {
     pub max_in_flight: usize,
     /// Default transfer mode (each call may override it).
     pub mode: TransferMode,
-    /// Deadline of a whole call: every wait inside one call shares it.
+    /// Deadline of a whole call: every wait inside one call shares it. Positive and at most
+    /// [`crate::fabric::MAX_TIMEOUT`] (365 days).
     pub timeout: Duration,
     /// Bytes a sender writes between progress signals, so receivers copy while senders write.
     /// A communicator raises it to its fabric's [`crate::fabric::Capabilities::chunk_floor`]
@@ -163,9 +165,7 @@ impl MoeConfig {
                 self.max_in_flight
             )));
         }
-        if self.timeout.is_zero() {
-            return Err(Error::invalid("timeout must be positive"));
-        }
+        check_timeout(self.timeout)?;
         if self.chunk_bytes == 0 {
             return Err(Error::invalid("chunk_bytes must be positive"));
         }
@@ -257,6 +257,20 @@ impl MoeConfig {
     }
 }
 
+/// A call timeout is positive and at most [`MAX_TIMEOUT`] (365 days): the error names the limit.
+pub(crate) fn check_timeout(timeout: Duration) -> Result<()> {
+    if timeout.is_zero() {
+        return Err(Error::invalid("timeout must be positive"));
+    }
+    if timeout > MAX_TIMEOUT {
+        return Err(Error::invalid(format!(
+            "timeout {timeout:?} is too long: at most {} s (365 days)",
+            MAX_TIMEOUT.as_secs()
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,6 +323,22 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_timeout_past_the_limit_is_refused_naming_the_limit() {
+        let topo = Topology::contiguous(1, 1, 4).unwrap();
+        let cfg = MoeConfig {
+            timeout: Duration::MAX,
+            ..MoeConfig::new(8, DType::F32, 2, 4)
+        };
+        let err = cfg.validate(&topo).unwrap_err().to_string();
+        assert!(err.contains("365 days") && err.contains("timeout"), "{err}");
+        let at_limit = MoeConfig {
+            timeout: MAX_TIMEOUT,
+            ..cfg
+        };
+        at_limit.validate(&topo).unwrap();
     }
 
     /// Found by the `config` fuzz target: `hidden * dtype size` overflowed inside the layout

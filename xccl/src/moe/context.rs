@@ -587,7 +587,7 @@ mod tests {
         let cfg = MoeConfig::new(8, DType::F32, 1, 1);
         let lens = WindowLayout::new(&topo, &cfg).window_lens();
         let slots = Slots::new(topo.world_size()).count();
-        let fabric = LocalFabric::create(&lens, slots).unwrap().remove(0);
+        let fabric = LocalFabric::group(&lens, slots).unwrap().remove(0);
         let ctx = Context::new(Box::new(fabric), topo, cfg).unwrap();
         let pause = || std::thread::sleep(std::time::Duration::from_millis(2));
         let mut looks: Vec<(Instant, Instant)> = Vec::new();

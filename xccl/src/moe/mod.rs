@@ -19,7 +19,7 @@
 //! | `relay` | A2E and E2A through relays: the relay's forwarding and its exact reduction |
 //! | [`stats`] | [`Stats`]: records, rows, bytes and waits per peer, per call and in total |
 //! | `combine` | E2A: `CombineSender` (expert), `CombineReceiver` (attention); the exact arithmetic |
-//! | [`view`] | [`TokenView`]: rows read in place until the E2A reply |
+//! | `view` | rows read in place until the E2A reply: where they are, receiving them, the reply (the view itself, `crate::TokenView`, is the communicator's) |
 //! | [`batch`] | what the calls hand back |
 //! | `regions` | the only borrows of window memory as slices, each justified by a protocol step |
 //! | [`dtype`] | element types and their f32 conversions |
@@ -42,11 +42,10 @@ pub mod routing;
 pub mod rows;
 pub mod slots;
 pub mod stats;
-pub mod view;
+pub(crate) mod view;
 pub mod window_layout;
 
 pub use batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use config::{MoeConfig, TransferMode};
 pub use quant::Quant;
 pub use stats::{PeerStats, Stats};
-pub use view::TokenView;

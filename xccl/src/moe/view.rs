@@ -1,23 +1,16 @@
-//! [`TokenView`]: an A2E call's rows read where they landed, with no copy, until the E2A reply.
+//! The protocol's side of a view (`crate::TokenView`, which lives with the communicator):
+//! where an A2E call's rows are read in place until the E2A reply, receiving them, and the
+//! reply's rows.
 //!
 //! A view waits for every source and hands back the rows in place: this rank's receive area
 //! (push), the sender's staging (pull) or the sender's registered input (gather); rows in windows
 //! not mapped in this process are fetched once into a private buffer. The senders' buffers stay
 //! reserved until the view replies — the credits that free them go out then — so the rows cannot
-//! change under the caller. [`TokenView::e2a_send`] hands the caller each token's input row and
-//! the output row where the reply goes (the attention rank's window when it is mapped here), so
-//! an identity expert costs one copy for the whole E2A.
-//!
-//! A view dropped without a successful reply poisons its communicator and aborts the job with a
-//! reason naming this rank and the epoch: the attention ranks wait for that reply, and a silent
-//! drop would leave them to time out without knowing why.
-//!
-//! The reply is a call of the communicator, with its failure state: it is checked whole before
-//! anything is written (with INT8 replies every row is computed and quantized first, so a
-//! non-finite row fails with nothing sent and the view stays as it was), and a failure after the
-//! first write poisons the communicator and aborts the job.
+//! change under the caller. The reply ([`send_reply`]) hands the caller each token's input row
+//! and the output row where the reply goes (the attention rank's window when it is mapped here),
+//! so an identity expert costs one copy for the whole E2A.
 
-use super::batch::{SourceInfo, TokenBatch};
+use super::batch::TokenBatch;
 use super::combine::{quantize_reply, CombineSender, Replies};
 use super::config::TransferMode;
 use super::context::Context;
@@ -25,21 +18,7 @@ use super::dispatch::{DispatchReceiver, Message};
 use super::dtype::Element;
 use super::quant::{dequantize_to, Quant};
 use super::regions;
-use crate::{Communicator, Error, Result};
-
-/// One A2E call's tokens, read in place; answered by [`TokenView::e2a_send`].
-///
-/// It borrows its communicator until it is dropped. Dropped without a successful reply, it
-/// poisons the communicator and aborts the job at once, naming this rank and the epoch (every
-/// peer's wait fails with [`Error::Aborted`]): the attention ranks wait for that reply.
-pub struct TokenView<'c> {
-    comm: &'c mut Communicator,
-    epoch: u64,
-    rows: ViewRows,
-    /// Per token: metadata (source, token index, local experts, weights); no rows.
-    meta: TokenBatch,
-    replied: bool,
-}
+use crate::{Error, Result};
 
 /// Where a view's rows are: each source's message, and the rows fetched for sources whose
 /// windows are not mapped here. Kept by the receiver between views (with the view's metadata,
@@ -75,9 +54,9 @@ impl ViewRows {
 /// What a view needs once its call has been received (owned, so receiving can fail without
 /// holding any borrow).
 pub(crate) struct ViewParts {
-    epoch: u64,
-    rows: ViewRows,
-    meta: TokenBatch,
+    pub(crate) epoch: u64,
+    pub(crate) rows: ViewRows,
+    pub(crate) meta: TokenBatch,
 }
 
 impl ViewParts {
@@ -136,140 +115,9 @@ impl ViewParts {
     }
 }
 
-impl<'c> TokenView<'c> {
-    /// The view of a call `comm` received.
-    pub(crate) fn new(comm: &'c mut Communicator, parts: ViewParts) -> Self {
-        TokenView {
-            comm,
-            epoch: parts.epoch,
-            rows: parts.rows,
-            meta: parts.meta,
-            replied: false,
-        }
-    }
-
-    /// Number of received tokens (source by source, in rank order).
-    pub fn num_tokens(&self) -> usize {
-        self.meta.num_tokens()
-    }
-
-    /// The A2E epoch of the call.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// The user tag of the call: the tag its first source sent (the lowest attention rank
-    /// taking part in the call; every source's is in [`TokenView::sources`]).
-    pub fn tag(&self) -> u64 {
-        self.meta.tag()
-    }
-
-    /// Per-token metadata: `src_rank`, `src_token`, [`TokenBatch::experts_of`], `sources`
-    /// (its rows are empty: read them with [`TokenView::row`]).
-    pub fn meta(&self) -> &TokenBatch {
-        &self.meta
-    }
-
-    /// The sources of this call, in rank order.
-    pub fn sources(&self) -> &[SourceInfo] {
-        self.meta.sources()
-    }
-
-    /// Token `i`'s hidden state, where it landed.
-    ///
-    /// Only until the reply: once [`TokenView::e2a_send`] has returned the senders' buffers,
-    /// they may be overwritten by the next call, so a view that has replied hands out no rows
-    /// (an [`Error::InvalidArgument`]), and a row borrowed before the reply cannot be used after
-    /// it (the reply borrows the view mutably):
-    ///
-    /// ```compile_fail
-    /// # fn f(comm: &mut xccl::Communicator) -> xccl::Result<()> {
-    /// let mut view = comm.a2e_recv_view()?;
-    /// let row: &[f32] = view.row(0)?;
-    /// view.e2a_send(xccl::TransferMode::Push, |_, x: &[f32], out: &mut [f32]| {
-    ///     out.copy_from_slice(x)
-    /// })?;
-    /// let stale = row[0]; // error: `view` is borrowed mutably by the reply
-    /// # let _ = stale;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn row<T: Element>(&self, i: usize) -> Result<&[T]> {
-        if self.replied {
-            return Err(Error::invalid(format!(
-                "the view of A2E epoch {} has replied: its rows were handed back to the senders",
-                self.epoch
-            )));
-        }
-        row_of(self.comm.ctx(), &self.rows, &self.meta, i)
-    }
-
-    /// E2A reply: `fill(i, input, output)` writes token `i`'s reply (its local experts' outputs,
-    /// weighted and summed) into `output`, which is where the reply goes; `input` is the token's
-    /// hidden state in place. Then the records and signals go out, and the senders' A2E buffers
-    /// are released. Replies go in A2E order, like every E2A send.
-    ///
-    /// The reply is checked whole before anything is written: a call rejected then (wrong
-    /// dtype, an older batch not replied to yet, with INT8 replies a row with a NaN or an
-    /// infinity, a timeout waiting for credits) leaves the view as it was and sends nothing:
-    /// call again. A failure after the first write poisons the communicator and aborts the job.
-    /// With INT8 replies `fill` writes into a private row, quantized before the first put.
-    pub fn e2a_send<T: Element>(
-        &mut self,
-        mode: TransferMode,
-        mut fill: impl FnMut(usize, &[T], &mut [T]),
-    ) -> Result<()> {
-        let TokenView {
-            comm,
-            epoch,
-            rows,
-            meta,
-            replied,
-        } = self;
-        let epoch = *epoch;
-        if *replied {
-            return Err(Error::invalid(format!(
-                "the view of A2E epoch {epoch} has already replied"
-            )));
-        }
-        let (rows, meta) = (&*rows, &*meta);
-        comm.expert("E2A send", |ctx, receiver, sender| {
-            if T::DTYPE != ctx.cfg.dtype {
-                return Err(Error::invalid(format!(
-                    "reply dtype {} does not match the communicator's {}",
-                    T::DTYPE.name(),
-                    ctx.cfg.dtype.name()
-                )));
-            }
-            receiver.check_reply(ctx, ctx.id, epoch)?;
-            let deadline = ctx.call_deadline();
-            // One reply row, lent by the sender (aligned for `T`): given back below, whatever
-            // the outcome.
-            let mut scratch_bytes = sender.take_scratch();
-            scratch_bytes.resize(ctx.cfg.hidden * std::mem::size_of::<T>());
-            let scratch: &mut [T] = bytemuck::cast_slice_mut(scratch_bytes.bytes_mut());
-            let sent = send_reply(
-                ctx,
-                sender,
-                rows,
-                meta,
-                (epoch, mode, deadline),
-                scratch,
-                &mut fill,
-            );
-            sender.give_scratch(scratch_bytes);
-            sent?;
-            *replied = true;
-            meta.recv.answered();
-            receiver.replied();
-            receiver.credit(ctx, epoch)
-        })
-    }
-}
-
-/// The reply of [`TokenView::e2a_send`]: every row filled (and with INT8 replies quantized)
+/// The reply of `TokenView::e2a_send`: every row filled (and with INT8 replies quantized)
 /// and sent, `scratch` holding one row where a reply cannot be written in place.
-fn send_reply<T: Element>(
+pub(crate) fn send_reply<T: Element>(
     ctx: &Context,
     sender: &mut CombineSender,
     rows: &ViewRows,
@@ -337,7 +185,7 @@ fn send_reply<T: Element>(
 }
 
 /// Token `i`'s row in place, typed.
-fn row_of<'a, T: Element>(
+pub(crate) fn row_of<'a, T: Element>(
     ctx: &'a Context,
     rows: &'a ViewRows,
     meta: &TokenBatch,
@@ -367,28 +215,4 @@ fn row_of<'a, T: Element>(
             T::DTYPE.name()
         ))
     })
-}
-
-impl Drop for TokenView<'_> {
-    /// Unreplied (and the communicator not failed already): poisons the communicator and
-    /// aborts the job, naming this rank and the epoch.
-    fn drop(&mut self) {
-        if !self.replied {
-            if self.comm.poisoned().is_none() {
-                let reason = format!(
-                    "expert rank {} dropped its view of A2E epoch {} without replying",
-                    self.comm.rank(),
-                    self.epoch
-                );
-                self.comm.abort(&reason);
-            }
-            return;
-        }
-        // Replied: the buffers go back to the receiver for the next view.
-        let parts = (
-            std::mem::take(&mut self.rows),
-            std::mem::take(&mut self.meta),
-        );
-        self.comm.keep_view_buffers(parts);
-    }
 }

@@ -117,8 +117,8 @@ use xccl_sys::ofi as sys;
 use self::endpoint::{CqEntry, Endpoint};
 use super::signals::ABORT_REASON_BYTES;
 use super::{
-    AlignedBuf, Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy, WaitState, Waiting,
-    Window,
+    deadline_after, AlignedBuf, Capabilities, ControlArea, Fabric, WaitCounters, WaitPolicy,
+    WaitState, Waiting, Window,
 };
 use crate::bootstrap::Exchange;
 use crate::{AbortNotice, Error, Result};
@@ -970,7 +970,7 @@ impl Shared {
         if !heartbeat {
             self.outstanding[peer].fetch_add(1, Ordering::AcqRel);
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline_after(self.timeout);
         let r = self.post_retrying(peer, "an RMA write", deadline, &|| {
             // SAFETY: the buffer is owned by op `id`, which stays in the table until its
             // completion is read (or forever, if none comes).
@@ -1113,7 +1113,9 @@ impl Shared {
     }
 }
 
-impl Fabric for OfiFabric {
+// SAFETY: put, get and signal touch only the bounds-checked ranges they are given in windows
+// registered for the fabric's life; the fabric writes no window on its own.
+unsafe impl Fabric for OfiFabric {
     fn name(&self) -> &'static str {
         "ofi"
     }
@@ -1200,7 +1202,7 @@ impl Fabric for OfiFabric {
         if buf.is_empty() {
             return Ok(());
         }
-        let deadline = Instant::now() + s.timeout;
+        let deadline = deadline_after(s.timeout);
         let max = s.max_op;
         for (i, out) in buf.chunks_mut(max).enumerate() {
             let remote = p.remote_base + (p.window_off + offset + i * max) as u64;
@@ -1254,7 +1256,7 @@ impl Fabric for OfiFabric {
         if s.ordering == SignalOrdering::Completion {
             // Ordering by completion: every earlier put to `peer` is delivered before the signal
             // is posted.
-            let deadline = Instant::now() + s.timeout;
+            let deadline = deadline_after(s.timeout);
             s.wait_op(
                 peer,
                 "delivery of earlier puts before a signal",
@@ -1280,7 +1282,7 @@ impl Fabric for OfiFabric {
     }
 
     fn flush(&self) -> Result<()> {
-        self.shared.flush(Instant::now() + self.shared.timeout)
+        self.shared.flush(deadline_after(self.shared.timeout))
     }
 
     fn wait_counters(&self) -> WaitCounters {
