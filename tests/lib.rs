@@ -114,6 +114,84 @@ pub fn shm_entries(prefix: &str) -> Vec<String> {
     v
 }
 
+/// The shared-memory segments of a stand-in runtime (the Ascend or CUDA stand-in) for one job:
+/// a unique prefix (`<tag>-<pid>-<n>`) to pass to the stand-in, whose segments left under it
+/// are removed on drop, also when the test fails.
+pub struct StandinSegments(pub String);
+
+impl StandinSegments {
+    /// A fresh prefix starting with `tag`.
+    pub fn new(tag: &str) -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        StandinSegments(format!(
+            "{tag}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ))
+    }
+
+    /// The segments of this prefix still in `/dev/shm`.
+    pub fn left(&self) -> Vec<String> {
+        shm_entries(&format!("{}-", self.0))
+    }
+}
+
+impl Drop for StandinSegments {
+    fn drop(&mut self) {
+        for name in self.left() {
+            let _ = std::fs::remove_file(std::path::Path::new("/dev/shm").join(name));
+        }
+    }
+}
+
+/// `rounds` checked rounds of [`mixed_round`] on a fresh communicator of an `m`A:`n`E job
+/// (32-wide bf16 rows, top-4 of `4 * max(n, 2)` experts, 16 tokens per rank, varying), made by
+/// `init` (a device fabric's constructor): push and pull, every receive path, the caller's
+/// buffers only (the registered ones are slices of a window the host cannot address). Checks
+/// that the communicator runs on `fabric`.
+pub fn checked_device_rounds(
+    ctx: &ChildCtx,
+    (m, n): (usize, usize),
+    rounds: u64,
+    quant: xccl::Quant,
+    fabric: &str,
+    init: &dyn Fn(
+        Arc<dyn Exchange>,
+        Arc<xccl::Topology>,
+        xccl::MoeConfig,
+    ) -> xccl::Result<xccl::Communicator>,
+) -> Result<(), String> {
+    let mut cfg = xccl::MoeConfig::new(32, xccl::DType::BF16, 4, 16);
+    cfg.timeout = Duration::from_secs(30);
+    cfg.a2e_quant = quant;
+    cfg.e2a_quant = quant;
+    let ex = ctx
+        .connect(Duration::from_secs(30))
+        .map_err(|e| e.to_string())?;
+    let topo = xccl::Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let mut comm = init(ex, Arc::new(topo), cfg).map_err(|e| e.to_string())?;
+    if comm.fabric_name() != fabric {
+        return Err(format!("fabric {}", comm.fabric_name()));
+    }
+    let wl = xccl::testing::harness::Workload {
+        seed: 0xa5c3 + (m * 10 + n) as u64,
+        tokens: 16,
+        vary: true,
+        skew: None,
+        shared_experts: 0,
+    };
+    let mut batch = xccl::ExpertBatch::new();
+    let mut tokens = xccl::TokenBatch::new();
+    for round in 0..rounds {
+        let verdict = mixed_round(&mut comm, &wl, round, false, &mut batch, &mut tokens);
+        verdict
+            .map_err(|e| format!("round {round}: {e}"))?
+            .map_err(|e| format!("round {round}: {e}"))?;
+    }
+    announce(&format!("{rounds} rounds checked"));
+    Ok(())
+}
+
 /// A job id unique on this host while this process lives: pid and a per-process counter.
 pub fn unique_job_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
@@ -484,6 +562,37 @@ pub fn mixed_round(
         xccl::Role::Expert => {
             expert_round_tokens_with::<bf16>(comm, wl, round, tokens, true, buffers)
         }
+    }
+}
+
+/// Rank 1 of a job on fabric `f` SIGKILLs itself right after init; rank 0's wait for a signal
+/// from it must fail naming it within 3 s (the fabric's liveness check).
+pub fn rank_1_killed_after_init(f: &dyn xccl::fabric::Fabric) -> xccl::Result<()> {
+    if f.rank() == 1 {
+        sigkill_self();
+    }
+    let start = Instant::now();
+    let r = f.wait_signal(
+        0,
+        1,
+        "a signal from a dying peer",
+        xccl::fabric::deadline_after(Duration::from_secs(30)),
+        &|v| v > 0,
+    );
+    match r {
+        Err(xccl::Error::PeerFailed { peer: 1, detail })
+            if start.elapsed() < Duration::from_secs(3) =>
+        {
+            announce(&format!("noticed in {:?}: {detail}", start.elapsed()));
+            Ok(())
+        }
+        other => Err(xccl::Error::Protocol {
+            peer: usize::MAX,
+            detail: format!(
+                "expected PeerFailed naming rank 1 within 3 s, got {other:?} after {:?}",
+                start.elapsed()
+            ),
+        }),
     }
 }
 

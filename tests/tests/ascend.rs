@@ -20,7 +20,6 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -30,8 +29,8 @@ use xccl::fabric::ascend::AscendFabric;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::{deadline_after, Fabric};
 use xccl::testing::harness::{attention_round_with, expert_round, Buffers, Workload};
-use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, TokenBatch, Topology};
-use xccl_tests::{announce, child_main, mixed_round, shm_entries, ChildCtx, Job};
+use xccl::{Communicator, DType, Error, ExpertBatch, MoeConfig, Quant, Role, Topology};
+use xccl_tests::{announce, child_main, ChildCtx, Job, StandinSegments};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
@@ -122,37 +121,10 @@ fn checked_rounds(
     rounds: u64,
     quant: Quant,
 ) -> Result<(), String> {
-    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
-    cfg.timeout = Duration::from_secs(30);
-    cfg.a2e_quant = quant;
-    cfg.e2a_quant = quant;
-    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
-    let topo = Arc::new(Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?);
-    let mut comm =
-        Communicator::init_ascend(ex, topo, cfg, ctx.rank as i32).map_err(|e| e.to_string())?;
-    if comm.fabric_name() != "ascend" {
-        return Err(format!("fabric {}", comm.fabric_name()));
-    }
-    let wl = Workload {
-        seed: 0xa5c3 + (m * 10 + n) as u64,
-        tokens: 16,
-        vary: true,
-        skew: None,
-        shared_experts: 0,
-    };
-    let mut batch = ExpertBatch::new();
-    let mut tokens = TokenBatch::new();
-    for round in 0..rounds {
-        // Push and pull, every receive path (expert-major, view, token-major); the caller's
-        // buffers only: registered buffers (`a2e_input`, `e2a_output`) are slices of the
-        // window, which the host cannot address on this fabric.
-        let verdict = mixed_round(&mut comm, &wl, round, false, &mut batch, &mut tokens);
-        verdict
-            .map_err(|e| format!("round {round}: {e}"))?
-            .map_err(|e| format!("round {round}: {e}"))?;
-    }
-    announce(&format!("{rounds} rounds checked"));
-    Ok(())
+    let device = ctx.rank as i32;
+    xccl_tests::checked_device_rounds(ctx, (m, n), rounds, quant, "ascend", &|ex, topo, cfg| {
+        Communicator::init_ascend(ex, topo, cfg, device)
+    })
 }
 
 /// Rank 2 drops its fabric and exits cleanly; rank 0's wait for rank 1 (which signals later)
@@ -366,28 +338,7 @@ fn init_fails(ctx: &ChildCtx) -> xccl::Result<()> {
 }
 
 fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
-    let f = join(ctx)?;
-    if ctx.rank == 1 {
-        xccl_tests::sigkill_self();
-    }
-    let start = Instant::now();
-    let r = f.wait_signal(
-        0,
-        1,
-        "a signal from a dying peer",
-        deadline_after(Duration::from_secs(30)),
-        &|v| v > 0,
-    );
-    match r {
-        Err(Error::PeerFailed { peer: 1, detail }) if start.elapsed() < Duration::from_secs(3) => {
-            announce(&format!("noticed in {:?}: {detail}", start.elapsed()));
-            Ok(())
-        }
-        other => Err(fail(format!(
-            "expected PeerFailed naming rank 1 within 3 s, got {other:?} after {:?}",
-            start.elapsed()
-        ))),
-    }
+    xccl_tests::rank_1_killed_after_init(&join(ctx)?)
 }
 
 /// The fabric used from a thread that did not create it (ACL binds devices per thread), then
@@ -601,33 +552,6 @@ fn standin_home() -> &'static Path {
     })
 }
 
-/// A unique segment prefix for one job; the stand-in's segments left under it are removed on
-/// drop, also when the test fails.
-struct Segments(String);
-
-impl Segments {
-    fn new() -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        Segments(format!(
-            "xccl-acl-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ))
-    }
-
-    fn left(&self) -> Vec<String> {
-        shm_entries(&format!("{}-", self.0))
-    }
-}
-
-impl Drop for Segments {
-    fn drop(&mut self) {
-        for name in self.left() {
-            let _ = std::fs::remove_file(Path::new("/dev/shm").join(name));
-        }
-    }
-}
-
 enum Via {
     /// `ASCEND_HOME_PATH` names the stand-in's root.
     Home,
@@ -635,9 +559,14 @@ enum Via {
     LibraryPath,
 }
 
-fn spawn(scenario: &str, size: usize, via: Via, extra: &[(&str, Option<&str>)]) -> (Job, Segments) {
+fn spawn(
+    scenario: &str,
+    size: usize,
+    via: Via,
+    extra: &[(&str, Option<&str>)],
+) -> (Job, StandinSegments) {
     let home = standin_home();
-    let segs = Segments::new();
+    let segs = StandinSegments::new("xccl-acl");
     let home_s = home.to_string_lossy().into_owned();
     let lib64 = home.join("lib64").to_string_lossy().into_owned();
     let mut env: Vec<(&str, Option<&str>)> = vec![(PREFIX_ENV, Some(&segs.0)), (FAIL_ENV, None)];

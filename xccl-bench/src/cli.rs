@@ -245,6 +245,10 @@ pub enum FabricKind {
     /// Ascend NPUs through the CANN runtime (`libascendcl.so`, found through
     /// `ASCEND_HOME_PATH`); rank r uses device `LOCAL_RANK` when set, else r.
     Ascend,
+    /// NVIDIA GPUs through the CUDA driver (`libcuda.so.1`, or `XCCL_CUDA_LIBRARY`), windows
+    /// in device memory shared by CUDA IPC; rank r uses device `LOCAL_RANK` when set, else
+    /// r % device count. Host buffers move through put/get.
+    Cuda,
 }
 
 impl FabricKind {
@@ -255,6 +259,7 @@ impl FabricKind {
             FabricKind::Local => "local",
             FabricKind::Ofi => "ofi",
             FabricKind::Ascend => "ascend",
+            FabricKind::Cuda => "cuda",
         }
     }
 }

@@ -172,16 +172,27 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         write_routing(args)?;
     }
     let slots = Communicator::signal_slots(&topo);
+    let local_rank: Option<usize> = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let fabric: Box<dyn xccl::fabric::Fabric> = if args.fabric == FabricKind::Ascend {
-        let device = std::env::var("LOCAL_RANK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(env.rank as i32);
+        let device = local_rank.map_or(env.rank as i32, |d| d as i32);
         let ex = env.exchange.clone();
         Box::new(
             xccl::fabric::ascend::AscendFabric::new(ex, lens[env.rank], slots, device)
                 .map_err(e)?,
         )
+    } else if args.fabric == FabricKind::Cuda {
+        let ex = env.exchange.clone();
+        let f = xccl::fabric::cuda::CudaFabric::with_timeout(
+            ex,
+            lens[env.rank],
+            slots,
+            local_rank,
+            args.timeout(),
+        )
+        .map_err(e)?;
+        Box::new(f)
     } else if args.fabric == FabricKind::Ofi {
         let opts = xccl::fabric::ofi::OfiOptions {
             timeout: args.timeout(),

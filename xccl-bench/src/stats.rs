@@ -332,7 +332,10 @@ pub fn sizes(args: &Args, topo: &Topology, ranks: &[RankStats], formula: usize) 
         // through a relay on a load/store fabric rows go straight in, payload then metadata
         // (source index and count, the local-expert mask, K weights).
         let meta = A2E_META_FIXED + 8 * topo.mask_words() + 4 * args.topk;
-        let load_store = !matches!(args.fabric, FabricKind::Ofi | FabricKind::Ascend);
+        let load_store = !matches!(
+            args.fabric,
+            FabricKind::Ofi | FabricKind::Ascend | FabricKind::Cuda
+        );
         let per_row = if topo.relay_plan().is_some() && load_store {
             meta as u64
         } else {

@@ -452,11 +452,17 @@ fn ascend_standin() -> std::path::PathBuf {
     home
 }
 
-#[test]
-fn fabric_ascend_runs_checked_against_the_standin_and_names_the_runtime_without_one() {
-    let home = ascend_standin();
-    let json = tmp("ascend.json");
-    let args = |cmd: &mut Command| {
+/// Runs a small checked benchmark over the device fabric `fabric` with `found` set (the
+/// stand-in reachable), then again with `missing` set (no runtime): the first passes its check,
+/// the second fails with an error containing every word of `named`.
+fn device_fabric_bench(
+    fabric: &str,
+    found: &[(&str, Option<&std::ffi::OsStr>)],
+    missing: &[(&str, Option<&std::ffi::OsStr>)],
+    named: &[&str],
+) {
+    let json = tmp(&format!("{fabric}.json"));
+    let args = |cmd: &mut Command, env: &[(&str, Option<&std::ffi::OsStr>)]| {
         cmd.args([
             "-a",
             "1",
@@ -470,36 +476,84 @@ fn fabric_ascend_runs_checked_against_the_standin_and_names_the_runtime_without_
             "64",
         ])
         .args(["-t", "1,16", "--iters", "5", "--warmup", "1", "--check"])
-        .args(["--timeout", "60", "--fabric", "ascend", "--json"])
-        .arg(&json)
-        .env_remove("ACL_STANDIN_FAIL");
+        .args(["--timeout", "60", "--fabric", fabric, "--json"])
+        .arg(&json);
+        for (k, v) in env {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
     };
     let mut cmd = bench();
-    args(&mut cmd);
-    let prefix = format!("xccl-acl-bench{}", std::process::id());
-    cmd.env("ASCEND_HOME_PATH", &home)
-        .env("ACL_STANDIN_SHM_PREFIX", &prefix);
+    args(&mut cmd, found);
     stdout_of(&mut cmd);
     let v: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("valid json");
     std::fs::remove_file(&json).ok();
     assert_eq!(v["check"], "passed");
     assert_eq!(v["results"].as_array().unwrap().len(), 6);
-    let fabric = v.pointer("/config/fabric").or(v.get("fabric"));
-    assert_eq!(fabric.and_then(|f| f.as_str()), Some("ascend"), "{v}");
+    let got = v.pointer("/config/fabric").or(v.get("fabric"));
+    assert_eq!(got.and_then(|f| f.as_str()), Some(fabric), "{v}");
     // Without a runtime: a clear error naming the library and the variable to set.
     let mut cmd = bench();
-    args(&mut cmd);
-    let out = cmd
-        .env("ASCEND_HOME_PATH", "/nonexistent-ascend-home")
-        .env_remove("LD_LIBRARY_PATH")
-        .output()
-        .expect("xccl-bench runs");
+    args(&mut cmd, missing);
+    let out = cmd.output().expect("xccl-bench runs");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(
-        err.contains("libascendcl.so") && err.contains("ASCEND_HOME_PATH"),
-        "{err}"
+    assert!(named.iter().all(|w| err.contains(w)), "{err}");
+}
+
+#[test]
+fn fabric_ascend_runs_checked_against_the_standin_and_names_the_runtime_without_one() {
+    let home = ascend_standin();
+    let prefix = format!("xccl-acl-bench{}", std::process::id());
+    device_fabric_bench(
+        "ascend",
+        &[
+            ("ACL_STANDIN_FAIL", None),
+            ("ASCEND_HOME_PATH", Some(home.as_os_str())),
+            ("ACL_STANDIN_SHM_PREFIX", Some(prefix.as_ref())),
+        ],
+        &[
+            ("ACL_STANDIN_FAIL", None),
+            (
+                "ASCEND_HOME_PATH",
+                Some("/nonexistent-ascend-home".as_ref()),
+            ),
+            ("LD_LIBRARY_PATH", None),
+        ],
+        &["libascendcl.so", "ASCEND_HOME_PATH"],
     );
     std::fs::remove_dir_all(&home).ok();
+}
+
+#[test]
+fn fabric_cuda_runs_checked_against_the_standin_and_names_the_driver_without_one() {
+    let dir = tmp("cuda-standin");
+    let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let prefix = format!("xccl-cu-bench{}", std::process::id());
+    device_fabric_bench(
+        "cuda",
+        &[
+            ("CUDA_STANDIN_FAIL", None),
+            ("XCCL_CUDA_LIBRARY", Some(lib.as_os_str())),
+            ("CUDA_STANDIN_SHM_PREFIX", Some(prefix.as_ref())),
+        ],
+        &[
+            (
+                "XCCL_CUDA_LIBRARY",
+                Some("/nonexistent/libcuda.so.1".as_ref()),
+            ),
+            ("LD_LIBRARY_PATH", None),
+        ],
+        &["libcuda.so.1", "XCCL_CUDA_LIBRARY"],
+    );
+    let left: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "stand-in segments left: {left:?}");
+    std::fs::remove_dir_all(&dir).ok();
 }

@@ -535,6 +535,29 @@ impl Communicator {
         })
     }
 
+    /// Builds this rank's communicator over the cuda fabric: its window in the memory of GPU
+    /// `device` (`None`: `rank % device count`), reached by its peers through CUDA IPC, the
+    /// control area in host shared memory (see [`crate::fabric::cuda`]). Collective: every rank
+    /// of `exchange` calls it with the same topology and config, one rank per process. Fails
+    /// with [`Error::FabricUnavailable`] naming `libcuda.so.1` where there is no CUDA driver.
+    /// Today the protocol moves host buffers through `put`/`get` on this fabric.
+    pub fn init_cuda(
+        exchange: Arc<dyn Exchange>,
+        topo: Arc<Topology>,
+        cfg: MoeConfig,
+        device: Option<usize>,
+    ) -> Result<Self> {
+        let origin = Origin::Cuda(exchange.clone(), device);
+        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+            Ok(Box::new(crate::fabric::cuda::CudaFabric::new(
+                exchange.clone(),
+                len,
+                slots,
+                device,
+            )?))
+        })
+    }
+
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
     /// one communicator per rank, in rank order (move each to its own thread).
     pub fn local_group(topo: &Topology, cfg: &MoeConfig) -> Result<Vec<Communicator>> {

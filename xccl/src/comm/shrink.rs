@@ -55,6 +55,8 @@ pub(crate) enum Origin {
     Ofi(Arc<dyn Exchange>, OfiOptions),
     /// [`Communicator::init_ascend`] on this device.
     Ascend(Arc<dyn Exchange>, i32),
+    /// [`Communicator::init_cuda`] on this device (or the default one).
+    Cuda(Arc<dyn Exchange>, Option<usize>),
     /// A fabric the caller built ([`Communicator::new`], [`Communicator::local_group`]).
     Fabric,
     /// Built by a crate-internal builder (the C ABI's), which a shrink calls again.
@@ -68,9 +70,11 @@ pub(crate) type Rebuild =
 impl Origin {
     fn exchange(&self) -> Option<Arc<dyn Exchange>> {
         match self {
-            Origin::Shm(e) | Origin::Ofi(e, _) | Origin::Ascend(e, _) | Origin::Built(e, _) => {
-                Some(e.clone())
-            }
+            Origin::Shm(e)
+            | Origin::Ofi(e, _)
+            | Origin::Ascend(e, _)
+            | Origin::Cuda(e, _)
+            | Origin::Built(e, _) => Some(e.clone()),
             Origin::Fabric => None,
         }
     }
@@ -86,6 +90,7 @@ impl Origin {
             Origin::Shm(_) => Communicator::init_shm(exchange, topo, cfg),
             Origin::Ofi(_, opts) => Communicator::init_ofi_with(exchange, topo, cfg, opts),
             Origin::Ascend(_, device) => Communicator::init_ascend(exchange, topo, cfg, *device),
+            Origin::Cuda(_, device) => Communicator::init_cuda(exchange, topo, cfg, *device),
             Origin::Built(_, build) => build(exchange, topo, cfg),
             Origin::Fabric => Err(not_shrinkable()),
         }
@@ -94,7 +99,7 @@ impl Origin {
 
 fn not_shrinkable() -> Error {
     Error::invalid(
-        "shrink needs a communicator made by init_shm, init_ofi or init_ascend over a \
+        "shrink needs a communicator made by init_shm, init_ofi, init_ascend or init_cuda over a \
          bootstrap (one built on a caller's fabric, e.g. local_group, has no bootstrap to agree \
          through)",
     )

@@ -485,7 +485,11 @@ impl DevicePtr {
 /// Device memory this process can address with the driver: a base and a length, valid while
 /// the value lives. Implemented by [`DeviceMemory`] and [`IpcMapping`]; the safe copies of
 /// [`Stream`] take a region and a range-checked offset.
-pub trait DeviceRegion {
+///
+/// # Safety
+/// `ptr()..ptr()+len()` must be device memory this process may read and write, allocated for
+/// as long as the value lives (freeing it waits for queued work that uses it).
+pub unsafe trait DeviceRegion {
     /// The first byte.
     fn ptr(&self) -> DevicePtr;
     /// Bytes.
@@ -565,7 +569,8 @@ impl DeviceMemory {
     }
 }
 
-impl DeviceRegion for DeviceMemory {
+// SAFETY: the allocation lives until `self` drops; cuMemFree waits for work using it.
+unsafe impl DeviceRegion for DeviceMemory {
     fn ptr(&self) -> DevicePtr {
         self.ptr
     }
@@ -614,7 +619,8 @@ impl std::fmt::Debug for IpcMapping {
     }
 }
 
-impl DeviceRegion for IpcMapping {
+// SAFETY: the mapping lives until `self` drops (see `copy` on queued work at release).
+unsafe impl DeviceRegion for IpcMapping {
     fn ptr(&self) -> DevicePtr {
         self.ptr
     }
@@ -895,9 +901,9 @@ impl Stream {
     ) -> Result<()> {
         check_range(dst, dst_offset, len, &what())?;
         check_range(src, src_offset, len, &what())?;
-        // SAFETY: both ranges lie in live regions; freeing either waits for the device
-        // (cuMemFree and cuIpcCloseMemHandle synchronize), so the queued copy never touches
-        // released memory.
+        // SAFETY: both ranges lie in live regions. Releasing a region while the copy is still
+        // queued is left to the driver (cuMemFree synchronizes with the device, as cudaFree
+        // does); xccl's owners synchronize their stream before they release regions.
         unsafe {
             self.copy_dtod_async(
                 dst.ptr().add(dst_offset),

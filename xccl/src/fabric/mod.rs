@@ -13,8 +13,9 @@
 //! Fabrics never fall back silently to another; a missing library is an error naming it.
 //! Implementations: [`local`] (ranks as threads of one process), [`shm`] (processes on one
 //! host, shared memory), [`ofi`] (processes on any hosts, libfabric RMA over verbs, EFA or
-//! tcp) and [`ascend`] (processes on one host, one Ascend NPU each, through the CANN runtime
-//! opened at run time). The conformance suite in [`conformance`] runs against each.
+//! tcp), [`ascend`] (processes on one host, one Ascend NPU each, through the CANN runtime
+//! opened at run time) and [`cuda`] (processes on one host, windows in GPU memory shared by
+//! CUDA IPC, the control area in host shared memory). The conformance suite in [`conformance`] runs against each.
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +24,7 @@ use crate::{AbortNotice, Result};
 pub mod ascend;
 pub mod conformance;
 pub(crate) mod copy;
+pub mod cuda;
 pub mod local;
 pub mod ofi;
 pub mod shm;
@@ -266,6 +268,84 @@ pub(crate) fn departed(peer: usize, alive: Result<()>) -> crate::Error {
         peer,
         detail: format!("left the job (its communicator was destroyed){since}"),
     }
+}
+
+/// Tag of the first init round's blob of a rank whose local setup failed (its error follows).
+const SETUP_FAILED: &[u8; 8] = b"XCCLFAIL";
+
+/// The first round of a device fabric's init: allgathers this rank's advert, or, where its
+/// local setup failed (no library, a driver error), that error, so that no peer waits for it
+/// until the timeout. Every rank sees the same blobs, so every rank that gets the adverts stops
+/// together at the first rank that failed, naming it ([`crate::Error::PeerFailed`]); a rank
+/// whose own setup failed gets `Ok` here and returns its own error.
+pub(crate) fn gather_adverts(
+    exchange: &dyn crate::bootstrap::Exchange,
+    mine: std::result::Result<Vec<u8>, &crate::Error>,
+    timeout: Duration,
+    fabric: &str,
+) -> Result<Vec<Vec<u8>>> {
+    let blob = match &mine {
+        Ok(advert) => advert.clone(),
+        Err(e) => {
+            let mut b = SETUP_FAILED.to_vec();
+            b.extend_from_slice(e.to_string().as_bytes());
+            b
+        }
+    };
+    let blobs = exchange.allgather(&blob, timeout)?;
+    if blobs.len() != exchange.size() {
+        return Err(crate::Error::Bootstrap(format!(
+            "allgather returned {} blobs for {} ranks",
+            blobs.len(),
+            exchange.size()
+        )));
+    }
+    if mine.is_ok() {
+        for (peer, b) in blobs.iter().enumerate() {
+            if b.get(..8) == Some(&SETUP_FAILED[..]) {
+                return Err(crate::Error::PeerFailed {
+                    peer,
+                    detail: format!(
+                        "could not set up the {fabric} fabric: {}",
+                        String::from_utf8_lossy(&b[8..])
+                    ),
+                });
+            }
+        }
+    }
+    Ok(blobs)
+}
+
+/// Allgathers whether each rank's step succeeded; fails naming the first rank that did not (a
+/// rank whose own step failed gets `Ok` and returns its own error).
+pub(crate) fn gather_outcomes<T>(
+    exchange: &dyn crate::bootstrap::Exchange,
+    mine: &Result<T>,
+    timeout: Duration,
+    step: &str,
+) -> Result<()> {
+    let status = match mine {
+        Ok(_) => vec![0u8],
+        Err(e) => {
+            let mut s = vec![1u8];
+            s.extend_from_slice(e.to_string().as_bytes());
+            s
+        }
+    };
+    let outcomes = exchange.allgather(&status, timeout)?;
+    if mine.is_err() {
+        return Ok(());
+    }
+    for (peer, outcome) in outcomes.iter().enumerate() {
+        if outcome.first() != Some(&0) {
+            let why = String::from_utf8_lossy(outcome.get(1..).unwrap_or_default());
+            return Err(crate::Error::PeerFailed {
+                peer,
+                detail: format!("could not {step}: {why}"),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The longest timeout a call, a communicator or a bootstrap accepts: 365 days.

@@ -98,7 +98,7 @@ use std::time::{Duration, Instant};
 
 use super::shm::{host_id, Liveness};
 use super::signals::ControlArea;
-use super::{Capabilities, Fabric, Waiting, Window};
+use super::{gather_adverts, gather_outcomes, Capabilities, Fabric, Waiting, Window};
 use crate::bootstrap::Exchange;
 use crate::{AbortNotice, Error, Result};
 use runtime::{DevPtr, Runtime, Stream};
@@ -137,8 +137,6 @@ const SLOTS_OFF: usize = 384;
 const _: () = assert!(REASON_OFF >= DEAD_OFF + 8 && REASON_OFF + REASON_BYTES <= SLOTS_OFF);
 const _: () = assert!(SLOTS_OFF.is_multiple_of(SLOT_STRIDE) && SLOT_STRIDE >= 2 * LINE);
 const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACL2");
-/// Tag of the round-1 blob of a rank that failed its local setup (its error text follows).
-const FAILED_MAGIC: u64 = u64::from_le_bytes(*b"XCCLACLX");
 const ADVERT_WORDS: usize = 8;
 const KEY_LEN: usize = xccl_sys::acl::ACL_IPC_MEM_KEY_LEN as usize;
 /// Polls before a wait starts to sleep (each poll is a device-to-host copy per slot).
@@ -420,16 +418,13 @@ impl AscendFabric {
         // Local setup; a rank that fails here still takes part in round 1 (with its error
         // instead of an advert), so that no peer waits for it until the timeout.
         let setup = Self::setup_local(window_len, num_slots, device, window_offset, block_len);
-        let blob = match &setup {
-            Ok(local) => local.mine.encode(),
-            Err(e) => {
-                let mut b = FAILED_MAGIC.to_le_bytes().to_vec();
-                b.extend_from_slice(e.to_string().as_bytes());
-                b
-            }
-        };
         // Round 1: adverts.
-        let blobs = exchange.allgather(&blob, timeout);
+        let blobs = gather_adverts(
+            &*exchange,
+            setup.as_ref().map(|local| local.mine.encode()),
+            timeout,
+            "ascend",
+        );
         let Local {
             rt,
             mut owned,
@@ -439,24 +434,6 @@ impl AscendFabric {
             mine,
         } = setup?;
         let blobs = blobs?;
-        if blobs.len() != size {
-            return Err(Error::Bootstrap(format!(
-                "allgather returned {} blobs for {size} ranks",
-                blobs.len()
-            )));
-        }
-        // Every rank sees the same blobs, so all that got here stop here together.
-        for (peer, b) in blobs.iter().enumerate() {
-            if b.get(..8) == Some(&FAILED_MAGIC.to_le_bytes()[..]) {
-                return Err(Error::PeerFailed {
-                    peer,
-                    detail: format!(
-                        "could not set up the ascend fabric: {}",
-                        String::from_utf8_lossy(&b[8..])
-                    ),
-                });
-            }
-        }
         // Round 2: every rank checks the adverts and whitelists every peer's driver pid, and
         // tells the others whether it could (so a mismatch fails every rank at once).
         let checked: Result<Vec<Advert>> = (|| {
@@ -801,38 +778,6 @@ fn check_compatible(peer: usize, ad: &Advert, mine: &Advert, world: usize) -> Re
                 ad.window_offset, ad.num_slots
             ),
         });
-    }
-    Ok(())
-}
-
-/// Allgathers whether each rank's step succeeded; fails naming the first rank that did not.
-fn gather_outcomes<T>(
-    exchange: &dyn Exchange,
-    mine: &Result<T>,
-    timeout: Duration,
-    step: &str,
-) -> Result<()> {
-    let status = match mine {
-        Ok(_) => vec![0u8],
-        Err(e) => {
-            let mut s = vec![1u8];
-            s.extend_from_slice(e.to_string().as_bytes());
-            s
-        }
-    };
-    let outcomes = exchange.allgather(&status, timeout)?;
-    if mine.is_err() {
-        // The caller returns its own error.
-        return Ok(());
-    }
-    for (peer, outcome) in outcomes.iter().enumerate() {
-        if outcome.first() != Some(&0) {
-            let why = String::from_utf8_lossy(outcome.get(1..).unwrap_or_default());
-            return Err(Error::PeerFailed {
-                peer,
-                detail: format!("could not {step}: {why}"),
-            });
-        }
     }
     Ok(())
 }

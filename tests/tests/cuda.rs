@@ -1,0 +1,392 @@
+//! The cuda fabric between real processes, through the real `dlopen` and FFI path, against a
+//! **stand-in** of the CUDA driver (`tests/cuda_standin/`, built here with gcc as
+//! `libcuda.so.1` and found through `XCCL_CUDA_LIBRARY`; no GPU is involved):
+//! - the conformance suite with 2 and 3 processes, on one device each and with ranks sharing a
+//!   device;
+//! - A2E/E2A (1A:1E, 2A:2E) through `Communicator::init_cuda`, checked bit for bit against the
+//!   reference, the windows in "device memory" reached through `put`/`get`;
+//! - the errors at init, each naming the driver call and the rank, every rank failing together:
+//!   no driver (on every rank, on one rank), an injected driver error, out of device memory, an
+//!   IPC handle the driver refuses; a driver error after init (a signal) naming call and rank;
+//! - a SIGKILLed peer named by the survivor.
+//!
+//! Every job's stand-in segments are checked to be gone from `/dev/shm`.
+//!
+//! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use xccl::bootstrap::{Exchange, RootConfig, UniqueId};
+use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
+use xccl::fabric::cuda::CudaFabric;
+use xccl::fabric::Fabric;
+use xccl::{Communicator, DType, Error, MoeConfig, Quant, Topology};
+use xccl_tests::{announce, child_main, ChildCtx, Job, StandinSegments};
+
+const ENTRY: &str = "child_rank_entry";
+const CONNECT: Duration = Duration::from_secs(30);
+/// The stand-in's failure-injection variable (`<symbol>:<code>[:<skip>]`).
+const FAIL_ENV: &str = "CUDA_STANDIN_FAIL";
+/// Prefix of the stand-in's shared-memory segments.
+const PREFIX_ENV: &str = "CUDA_STANDIN_SHM_PREFIX";
+/// How many devices the stand-in shows.
+const DEVICES_ENV: &str = "CUDA_STANDIN_DEVICES";
+/// The stand-in's device memory limit in bytes.
+const LIMIT_ENV: &str = "CUDA_STANDIN_MEM_LIMIT";
+/// Where xccl looks for the driver first.
+const LIBRARY_ENV: &str = "XCCL_CUDA_LIBRARY";
+
+#[test]
+fn child_rank_entry() {
+    child_main(dispatch);
+}
+
+fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
+    let parts: Vec<&str> = scenario.split(':').collect();
+    let r = match parts.as_slice() {
+        ["conformance", devices] => {
+            let p = devices.parse::<usize>().map_err(|e| e.to_string())?;
+            conformance_rank(ctx, p)
+        }
+        ["moe", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
+        }
+        ["missing_library"] => missing_library(ctx),
+        ["init_fails_on_rank_1", call, code] => {
+            let code = code.parse::<i64>().map_err(|e| e.to_string())?;
+            init_fails_on_rank_1(ctx, call, code)
+        }
+        ["signal_fails"] => signal_fails(ctx),
+        ["killed_after_init"] => killed_after_init(ctx),
+        _ => return Err(format!("unknown scenario {scenario:?}")),
+    };
+    r.map_err(|e| e.to_string())
+}
+
+fn join(ctx: &ChildCtx) -> xccl::Result<CudaFabric> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    CudaFabric::new(ex, MIN_WINDOW, min_slots(ctx.size), None)
+}
+
+fn fail(detail: String) -> Error {
+    Error::Protocol {
+        peer: usize::MAX,
+        detail,
+    }
+}
+
+/// The conformance suite; with `devices` stand-in devices, rank r is on device r % devices.
+fn conformance_rank(ctx: &ChildCtx, devices: usize) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    let caps = f.capabilities();
+    if caps.load_store || !caps.remote_read || f.peer_window(0).is_some() {
+        return Err(fail(format!("unexpected capabilities {caps:?}")));
+    }
+    if f.local_window().is_some() {
+        return Err(fail("the host got a view of device memory".into()));
+    }
+    for r in 0..ctx.size {
+        if f.device_of(r) != Some(r % devices) || f.device_window(r).is_none() {
+            return Err(fail(format!(
+                "rank {r}: device {:?}, window {:?}",
+                f.device_of(r),
+                f.device_window(r)
+            )));
+        }
+    }
+    if f.device_window(ctx.size).is_some() {
+        return Err(fail("a window for a rank out of range".into()));
+    }
+    conformance::run_all(&f)?;
+    announce(&format!(
+        "device {} ({}, sm {:?}) via {}",
+        f.device().ordinal(),
+        f.device().name(),
+        f.device().compute_capability(),
+        f.driver().path().display()
+    ));
+    Ok(())
+}
+
+/// Checked rounds over `init_cuda` (see `xccl_tests::checked_device_rounds`).
+fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(), String> {
+    xccl_tests::checked_device_rounds(
+        ctx,
+        (m, n),
+        rounds,
+        Quant::None,
+        "cuda",
+        &|ex, topo, cfg| Communicator::init_cuda(ex, topo, cfg, None),
+    )
+}
+
+/// No driver anywhere: `init_cuda` fails with FabricUnavailable naming the library.
+fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4)?);
+    let cfg = MoeConfig::new(8, DType::F32, 2, 4);
+    match Communicator::init_cuda(ex, topo, cfg, None) {
+        Err(Error::FabricUnavailable { fabric, detail })
+            if fabric == "cuda"
+                && detail.contains("libcuda.so.1")
+                && detail.contains(LIBRARY_ENV)
+                && detail.contains(&format!("rank {}", ctx.rank)) =>
+        {
+            announce(&format!("unavailable: {detail}"));
+            Ok(())
+        }
+        Err(other) => Err(fail(format!("expected FabricUnavailable, got {other}"))),
+        Ok(_) => Err(fail("the cuda fabric came up without a driver".into())),
+    }
+}
+
+/// Rank 1's init fails in driver call `call` (the parent sets the stand-in up so, or takes its
+/// driver away for `call` "libcuda.so.1"): rank 1 reports the call, the code and itself; rank 0
+/// fails promptly naming rank 1 and the call.
+fn init_fails_on_rank_1(ctx: &ChildCtx, call: &str, code: i64) -> xccl::Result<()> {
+    let start = Instant::now();
+    let r = join(ctx);
+    let took = start.elapsed();
+    match (ctx.rank, r) {
+        (1, Err(e @ Error::Native { .. })) => {
+            let Error::Native {
+                call: c,
+                code: k,
+                context,
+                ..
+            } = &e
+            else {
+                unreachable!()
+            };
+            if *c != call || *k != code || !context.starts_with("rank 1:") {
+                return Err(fail(format!("wrong error: {e}")));
+            }
+            announce(&format!("error: {e}"));
+            Ok(())
+        }
+        (1, Err(e @ Error::FabricUnavailable { .. })) if call == "libcuda.so.1" => {
+            let s = e.to_string();
+            if !s.contains("libcuda.so.1") || !s.contains("rank 1") {
+                return Err(fail(format!("wrong error: {s}")));
+            }
+            Ok(())
+        }
+        (0, Err(Error::PeerFailed { peer: 1, detail }))
+            if detail.contains(call) && took < Duration::from_secs(10) =>
+        {
+            announce(&format!("rank 1 failed: {detail}"));
+            Ok(())
+        }
+        (_, Err(other)) => Err(fail(format!(
+            "rank {}: unexpected error after {took:?}: {other}",
+            ctx.rank
+        ))),
+        (_, Ok(_)) => Err(fail(format!("rank {}: init succeeded", ctx.rank))),
+    }
+}
+
+/// With `CUDA_STANDIN_FAIL=cuStreamQuery:999:1` init succeeds (its one stream query) and the
+/// first signal's stream synchronize fails naming the call, the peer and this rank.
+fn signal_fails(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    let peer = 1 - ctx.rank;
+    match f.signal(peer, 0, 1) {
+        Err(
+            e @ Error::Native {
+                call: "cuStreamQuery",
+                code: 999,
+                ..
+            },
+        ) => {
+            let s = e.to_string();
+            if !s.contains(&format!("rank {}", ctx.rank))
+                || !s.contains(&format!("signal to rank {peer}"))
+                || !s.contains("CUDA_ERROR_UNKNOWN")
+            {
+                return Err(fail(format!("wrong error: {s}")));
+            }
+            announce(&format!("error: {s}"));
+        }
+        other => return Err(fail(format!("expected a driver error, got {other:?}"))),
+    }
+    f.barrier(CONNECT)
+}
+
+fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
+    xccl_tests::rank_1_killed_after_init(&join(ctx)?)
+}
+
+// ---- parent side ----
+
+/// Builds the stand-in once per test process; returns the library's path.
+fn standin() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+        xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// Spawns the job with the stand-in as driver; `per_rank(rank)` adds environment to a rank.
+fn spawn(
+    scenario: &str,
+    size: usize,
+    devices: usize,
+    per_rank: &dyn Fn(usize) -> Vec<(&'static str, Option<String>)>,
+) -> (Job, StandinSegments) {
+    let lib = standin().to_string_lossy().into_owned();
+    let segs = StandinSegments::new("xccl-cu");
+    let devices = devices.to_string();
+    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
+    let job = Job::spawn_with(
+        ENTRY,
+        scenario,
+        size,
+        &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
+        &|rank, cmd| {
+            cmd.env(PREFIX_ENV, &segs.0)
+                .env(LIBRARY_ENV, &lib)
+                .env(DEVICES_ENV, &devices)
+                .env_remove(FAIL_ENV)
+                .env_remove(LIMIT_ENV);
+            for (k, v) in per_rank(rank) {
+                match v {
+                    Some(v) => cmd.env(k, v),
+                    None => cmd.env_remove(k),
+                };
+            }
+        },
+    );
+    (job, segs)
+}
+
+fn run_ok(scenario: &str, size: usize, devices: usize, timeout: Duration) {
+    let start = Instant::now();
+    let (mut job, segs) = spawn(scenario, size, devices, &|_| Vec::new());
+    job.expect_success(timeout);
+    println!(
+        "{scenario} with {size} processes on {devices} device(s): {:?}; rank 0 said: {}",
+        start.elapsed(),
+        job.output(0).trim()
+    );
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+/// Runs `scenario` with rank 1 given `env`, expecting every rank to succeed (each checks its
+/// own error) and nothing left in `/dev/shm`.
+fn run_with_rank_1_env(scenario: &str, env: Vec<(&'static str, Option<String>)>) {
+    let (mut job, segs) = spawn(scenario, 2, 1, &|rank| {
+        if rank == 1 {
+            env.clone()
+        } else {
+            Vec::new()
+        }
+    });
+    job.expect_success(Duration::from_secs(30));
+    println!("rank 0: {}", job.output(0).trim());
+    println!("rank 1: {}", job.output(1).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn cuda_conformance_with_2_processes_on_2_devices() {
+    run_ok("conformance:2", 2, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_conformance_with_2_processes_sharing_one_device() {
+    run_ok("conformance:1", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_conformance_with_3_processes_on_2_devices() {
+    run_ok("conformance:2", 3, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_one_attention_one_expert_matches_reference() {
+    run_ok("moe:1:1:100", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_two_attention_two_expert_matches_reference() {
+    run_ok("moe:2:2:60", 4, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn missing_driver_is_fabric_unavailable_naming_the_library() {
+    let (mut job, segs) = spawn("missing_library", 1, 1, &|_| {
+        vec![
+            (LIBRARY_ENV, Some("/nonexistent/libcuda.so.1".into())),
+            ("LD_LIBRARY_PATH", None),
+        ]
+    });
+    job.expect_success(Duration::from_secs(30));
+    let out = job.output(0);
+    println!("{}", out.trim());
+    assert!(
+        out.contains("/nonexistent/libcuda.so.1"),
+        "the tried path is named: {out}"
+    );
+    assert_eq!(segs.left(), Vec::<String>::new());
+}
+
+#[test]
+fn a_rank_without_the_driver_fails_every_rank_promptly() {
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:libcuda.so.1:0",
+        vec![
+            (LIBRARY_ENV, Some("/nonexistent/libcuda.so.1".into())),
+            ("LD_LIBRARY_PATH", None),
+        ],
+    );
+}
+
+#[test]
+fn an_injected_driver_error_at_init_names_the_call_and_the_rank_on_every_rank() {
+    // The device is open, then its stream cannot be made (a call whose own context does not
+    // name the rank: the fabric adds it).
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:cuStreamCreate:999",
+        vec![(FAIL_ENV, Some("cuStreamCreate:999".into()))],
+    );
+}
+
+#[test]
+fn out_of_device_memory_at_init_names_the_call_and_the_rank_on_every_rank() {
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:cuMemAlloc_v2:2",
+        vec![(LIMIT_ENV, Some("4096".into()))],
+    );
+}
+
+#[test]
+fn an_ipc_handle_the_driver_refuses_fails_every_rank_and_leaves_nothing_mapped() {
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:cuIpcOpenMemHandle_v2:201",
+        vec![(FAIL_ENV, Some("cuIpcOpenMemHandle_v2:201".into()))],
+    );
+}
+
+#[test]
+fn a_driver_error_in_a_signal_names_the_call_the_peer_and_the_rank() {
+    let (mut job, segs) = spawn("signal_fails", 2, 1, &|_| {
+        vec![(FAIL_ENV, Some("cuStreamQuery:999:1".into()))]
+    });
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn sigkilled_peer_is_reported_naming_its_rank() {
+    let (mut job, _segs) = spawn("killed_after_init", 2, 1, &|_| Vec::new());
+    job.wait(Duration::from_secs(30));
+    job.assert_killed(1);
+    job.assert_succeeded(0);
+    println!("survivor: {}", job.output(0).trim());
+}

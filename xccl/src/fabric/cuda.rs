@@ -1,0 +1,630 @@
+//! The CUDA fabric: ranks are processes on one host, one rank per process, any number of ranks
+//! per GPU; each rank's data window is device memory that every other rank maps by CUDA IPC.
+//!
+//! **CI tests the cuda fabric against a stand-in driver** (`tests/cuda_standin/`, host shared
+//! memory behind the driver calls): the calls, their order and the error paths are exercised,
+//! the behaviour of real GPUs is not.
+//!
+//! ## Memory
+//! - The **data window**: `window_len` bytes of `cuMemAlloc`'d memory on this rank's device
+//!   (the config's device, by default `rank % device count`), zeroed at init and exported with
+//!   `cuIpcGetMemHandle`. The handles are allgathered through the bootstrap and every rank opens
+//!   every peer's (`cuIpcOpenMemHandle`, peer access enabled lazily where the peer's device is
+//!   another), ranks on the same device included; its own window it uses directly (the driver
+//!   refuses to open a handle in the process that exported it).
+//! - The **control area** (signal slots, doorbell, abort word and reason, departure marks) is a
+//!   [`ShmFabric`] with an empty window, in host shared memory exactly as the shm fabric has
+//!   it: signals, waits, liveness (pidfds), aborts and the failure rule are that fabric's code.
+//!
+//! ## Transfers (host-driven)
+//! - `put`/`get` with host bytes are host-to-device / device-to-host copies on this rank's
+//!   stream ([`CudaFabric::stream`]), through the stream's host buffer, complete (bounded wait)
+//!   before they return.
+//! - `signal` synchronizes the stream (bounded: work the data plane queued on it, e.g. device
+//!   copies into a peer's window, completes first), then stores into the peer's slot in host
+//!   memory: the value is ordered after every earlier put of this rank.
+//! - `local_window()`/`peer_window()` are `None`: the host cannot address device memory; the
+//!   data plane reaches the windows through [`CudaFabric::device_window`] and the stream.
+//!
+//! ## Init
+//! Each rank opens the driver and its device, creates its stream, allocates, zeroes and exports
+//! its window; round 1 allgathers `{pid, device, host, window length, IPC handle}` or the rank's
+//! error (so a rank without a driver or device memory makes every rank fail at once, naming it);
+//! round 2 reports each rank's check of the adverts; then the control area is made (the shm
+//! fabric's own rounds); round 3 reports each rank's IPC opens. Every error names the driver call
+//! and the rank; whatever a failing rank made is released (nothing stays mapped or allocated).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::shm::{host_id, ShmFabric};
+use super::{
+    deadline_after, gather_adverts, gather_outcomes, Capabilities, Fabric, WaitCounters, Waiting,
+    Window,
+};
+use crate::bootstrap::Exchange;
+use crate::cuda::{
+    Device, DeviceMemory, DevicePtr, DeviceRegion, Driver, IpcExport, IpcMapping, Stream,
+};
+use crate::{AbortNotice, Error, Result};
+
+/// How long [`CudaFabric::new`] waits for the other ranks at each rendezvous step.
+pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Longest a copy or a stream synchronize of the fabric may take before it is an error.
+pub const STREAM_TIMEOUT: Duration = Duration::from_secs(60);
+
+const ADVERT_MAGIC: u64 = u64::from_le_bytes(*b"XCCLCUD1");
+const ADVERT_WORDS: usize = 6;
+const HANDLE_BYTES: usize = 64;
+
+/// What each rank tells the others at init.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Advert {
+    pid: u32,
+    device: usize,
+    host: u64,
+    window_len: usize,
+    handle: [u8; HANDLE_BYTES],
+}
+
+impl Advert {
+    fn encode(&self) -> Vec<u8> {
+        let words: [u64; ADVERT_WORDS] = [
+            ADVERT_MAGIC,
+            u64::from(self.pid),
+            self.device as u64,
+            self.host,
+            self.window_len as u64,
+            0,
+        ];
+        let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        out.extend_from_slice(&self.handle);
+        out
+    }
+
+    fn decode(blob: &[u8], peer: usize) -> Result<Self> {
+        let bad = |detail: String| Error::Protocol { peer, detail };
+        if blob.len() != ADVERT_WORDS * 8 + HANDLE_BYTES {
+            return Err(bad(format!(
+                "cuda advert of {} bytes, expected {}",
+                blob.len(),
+                ADVERT_WORDS * 8 + HANDLE_BYTES
+            )));
+        }
+        let w: Vec<u64> = blob[..ADVERT_WORDS * 8]
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+            .collect();
+        if w[0] != ADVERT_MAGIC {
+            return Err(bad(format!(
+                "cuda advert tag {:#x}, expected {ADVERT_MAGIC:#x} (not an xccl cuda rank?)",
+                w[0]
+            )));
+        }
+        let size = |v: u64, what: &str| {
+            usize::try_from(v).map_err(|_| bad(format!("{what} {v} does not fit in usize")))
+        };
+        let mut handle = [0u8; HANDLE_BYTES];
+        handle.copy_from_slice(&blob[ADVERT_WORDS * 8..]);
+        Ok(Advert {
+            pid: u32::try_from(w[1]).map_err(|_| bad(format!("pid {} out of range", w[1])))?,
+            device: size(w[2], "device")?,
+            host: w[3],
+            window_len: size(w[4], "window length")?,
+            handle,
+        })
+    }
+}
+
+/// A peer's window as this rank reaches it.
+#[derive(Debug)]
+enum PeerWindow {
+    /// This rank's own window (`CudaFabric::window`).
+    Own,
+    /// Another process's window, opened from its IPC handle.
+    Mapped(IpcMapping),
+}
+
+/// What [`CudaFabric::setup_local`] made.
+struct Local {
+    device: Device,
+    stream: Stream,
+    window: DeviceMemory,
+    mine: Advert,
+}
+
+/// One rank's endpoint of the cuda fabric. See the module docs.
+pub struct CudaFabric {
+    rank: usize,
+    window_len: usize,
+    /// Indexed by rank. Declared (so dropped) before the memory and the stream.
+    peers: Vec<PeerWindow>,
+    /// Each rank's device, as advertised.
+    devices: Vec<usize>,
+    /// This rank's window.
+    window: DeviceMemory,
+    stream: Stream,
+    device: Device,
+    /// The control area and the bootstrap: dropped last (its drop marks this rank departed).
+    control: ShmFabric,
+}
+
+impl std::fmt::Debug for CudaFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaFabric")
+            .field("rank", &self.rank)
+            .field("world_size", &self.peers.len())
+            .field("device", &self.device.ordinal())
+            .field("window_len", &self.window_len)
+            .finish()
+    }
+}
+
+/// `e` with the rank named: in a driver error's context, or a missing driver's detail.
+fn on_rank(rank: usize, e: Error) -> Error {
+    match e {
+        Error::Native {
+            library,
+            call,
+            code,
+            message,
+            context,
+        } => Error::Native {
+            library,
+            call,
+            code,
+            message,
+            context: format!("rank {rank}: {context}"),
+        },
+        Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
+            fabric,
+            detail: format!("rank {rank}: {detail}"),
+        },
+        Error::InvalidArgument(m) => Error::InvalidArgument(format!("rank {rank}: {m}")),
+        other => other,
+    }
+}
+
+impl CudaFabric {
+    /// Joins the cuda fabric of the job `exchange` belongs to, with a window of `window_len`
+    /// bytes of device memory on `device` (`None`: `rank % device count`) and `num_slots`
+    /// signal slots (the same on every rank). Collective: every rank of the job calls it.
+    /// Fails with [`Error::FabricUnavailable`] naming `libcuda.so.1` where there is no driver.
+    pub fn new(
+        exchange: Arc<dyn Exchange>,
+        window_len: usize,
+        num_slots: usize,
+        device: Option<usize>,
+    ) -> Result<Self> {
+        Self::with_timeout(
+            exchange,
+            window_len,
+            num_slots,
+            device,
+            DEFAULT_INIT_TIMEOUT,
+        )
+    }
+
+    /// [`CudaFabric::new`] with an explicit timeout for each rendezvous step.
+    pub fn with_timeout(
+        exchange: Arc<dyn Exchange>,
+        window_len: usize,
+        num_slots: usize,
+        device: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let (rank, size) = (exchange.rank(), exchange.size());
+        if rank >= size {
+            return Err(Error::invalid(format!(
+                "rank {rank} out of range for a job of {size} ranks"
+            )));
+        }
+        // Round 1: adverts, or this rank's setup error.
+        let setup = Self::setup_local(rank, window_len, device).map_err(|e| on_rank(rank, e));
+        let blobs = gather_adverts(
+            &*exchange,
+            setup.as_ref().map(|l| l.mine.encode()),
+            timeout,
+            "cuda",
+        );
+        let Local {
+            device,
+            stream,
+            window,
+            mine,
+        } = setup?;
+        let blobs = blobs?;
+        // Round 2: every rank checks the adverts and tells the others.
+        let checked: Result<Vec<Advert>> = blobs
+            .iter()
+            .enumerate()
+            .map(|(peer, b)| {
+                let ad = if peer == rank {
+                    mine.clone()
+                } else {
+                    Advert::decode(b, peer)?
+                };
+                check_compatible(peer, rank, &ad, &mine)?;
+                Ok(ad)
+            })
+            .collect();
+        gather_outcomes(&*exchange, &checked, timeout, "check the cuda adverts")?;
+        let adverts = checked?;
+        // The control area: the shm fabric's own rounds, collective and failing together.
+        let control = ShmFabric::with_timeout(exchange.clone(), 0, num_slots, timeout)?;
+        // Round 3: open every peer's window; report.
+        let opened: Result<Vec<PeerWindow>> = adverts
+            .iter()
+            .enumerate()
+            .map(|(peer, ad)| {
+                if peer == rank {
+                    return Ok(PeerWindow::Own);
+                }
+                let export = IpcExport {
+                    handle: ad.handle,
+                    len: ad.window_len,
+                    device: ad.device,
+                };
+                device
+                    .open_ipc(&export, || {
+                        format!(
+                            "rank {peer}'s window ({} bytes on device {})",
+                            ad.window_len, ad.device
+                        )
+                    })
+                    .map(PeerWindow::Mapped)
+                    .map_err(|e| on_rank(rank, e))
+            })
+            .collect();
+        gather_outcomes(&*exchange, &opened, timeout, "join the cuda fabric")?;
+        let peers = opened?;
+        tracing::debug!(
+            rank,
+            world = size,
+            device = device.ordinal(),
+            window_len,
+            num_slots,
+            library = %device.driver().path().display(),
+            "cuda fabric ready; every peer's window opened"
+        );
+        Ok(CudaFabric {
+            rank,
+            window_len,
+            peers,
+            devices: adverts.iter().map(|a| a.device).collect(),
+            window,
+            stream,
+            device,
+            control,
+        })
+    }
+
+    /// Opens the driver and the device, creates the stream, allocates, zeroes and exports the
+    /// window. What it made is released if a later step fails (owned values).
+    fn setup_local(rank: usize, window_len: usize, device: Option<usize>) -> Result<Local> {
+        let driver = Driver::get()?;
+        let count = driver.device_count()?;
+        if count == 0 {
+            return Err(Error::FabricUnavailable {
+                fabric: "cuda".into(),
+                detail: format!("{} sees no CUDA device", driver.path().display()),
+            });
+        }
+        let ordinal = device.unwrap_or(rank % count);
+        let device = driver.device(ordinal)?;
+        let stream = Stream::new(&device)?;
+        // Device memory is not zeroed: the window starts clear, as the shm fabric's does.
+        let window = DeviceMemory::alloc(&device, window_len.max(1), || {
+            format!("rank {rank}'s window")
+        })?;
+        let what = || format!("zeroing rank {rank}'s window");
+        stream.memset(&window, 0, 0, window.len(), &what)?;
+        stream.synchronize(deadline_after(STREAM_TIMEOUT), rank, &what)?;
+        let export = window.export()?;
+        let mine = Advert {
+            pid: std::process::id(),
+            device: ordinal,
+            host: host_id(),
+            window_len,
+            handle: export.handle,
+        };
+        Ok(Local {
+            device,
+            stream,
+            window,
+            mine,
+        })
+    }
+
+    /// The base address of `rank`'s window as mapped in this process (this rank's own
+    /// allocation for itself); `None` for a rank out of range. For the data plane's device
+    /// copies and kernels: only the driver and kernels may dereference it.
+    pub fn device_window(&self, rank: usize) -> Option<DevicePtr> {
+        match self.peers.get(rank)? {
+            PeerWindow::Own => Some(self.window.ptr()),
+            PeerWindow::Mapped(m) => Some(m.ptr()),
+        }
+    }
+
+    /// The fabric's stream: `put`/`get` copy on it and `signal`/`flush` synchronize it, so
+    /// device work queued on it before a signal is ordered before the signal.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// This rank's device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &Arc<Driver> {
+        self.device.driver()
+    }
+
+    /// The device ordinal `rank` uses, as it advertised at init.
+    pub fn device_of(&self, rank: usize) -> Option<usize> {
+        self.devices.get(rank).copied()
+    }
+
+    /// The process id of `rank`, as it advertised at init.
+    pub fn pid_of(&self, rank: usize) -> Option<u32> {
+        self.control.pid_of(rank)
+    }
+
+    /// The job id of the bootstrap this fabric was built on.
+    pub fn job_id(&self) -> u64 {
+        self.control.job_id()
+    }
+
+    /// `peer`'s window as a device region, after checking `[offset, offset + len)` lies in it.
+    fn region(&self, peer: usize, offset: usize, len: usize) -> Result<&dyn DeviceRegion> {
+        let p = self.peers.get(peer).ok_or_else(|| {
+            Error::invalid(format!(
+                "rank {peer} out of range: the job has {} ranks",
+                self.peers.len()
+            ))
+        })?;
+        let region: &dyn DeviceRegion = match p {
+            PeerWindow::Own => &self.window,
+            PeerWindow::Mapped(m) => m,
+        };
+        let window = if peer == self.rank {
+            self.window_len
+        } else {
+            region.len()
+        };
+        match offset.checked_add(len) {
+            Some(end) if end <= window => Ok(region),
+            _ => Err(Error::OutOfWindow {
+                peer,
+                offset,
+                len,
+                window,
+            }),
+        }
+    }
+
+    /// Waits (bounded) until the work queued on the stream so far completed.
+    fn sync(&self, peer: usize, what: &dyn Fn() -> String) -> Result<()> {
+        self.stream
+            .synchronize(deadline_after(STREAM_TIMEOUT), peer, what)
+    }
+}
+
+impl Drop for CudaFabric {
+    fn drop(&mut self) {
+        // Queued device work that uses the windows completes before they are closed and freed.
+        let _ = self.sync(self.rank, &|| "draining the stream at teardown".into());
+    }
+}
+
+/// Checks that `peer`'s advert can work with this rank's.
+fn check_compatible(peer: usize, rank: usize, ad: &Advert, mine: &Advert) -> Result<()> {
+    if ad.host != 0 && mine.host != 0 && ad.host != mine.host {
+        return Err(Error::FabricUnavailable {
+            fabric: "cuda".into(),
+            detail: format!("rank {peer} runs on another host: CUDA IPC works within one host"),
+        });
+    }
+    if peer != rank && ad.pid == mine.pid {
+        return Err(Error::FabricUnavailable {
+            fabric: "cuda".into(),
+            detail: format!(
+                "rank {peer} runs in this process (pid {}): the cuda fabric takes one rank per \
+                 process (CUDA IPC cannot open a handle in the process that exported it)",
+                mine.pid
+            ),
+        });
+    }
+    Ok(())
+}
+
+// SAFETY: put, get and signal touch only the bounds-checked ranges they are given in device
+// windows allocated or IPC-mapped for the fabric's life; the fabric writes no window on its own,
+// and the host never holds a reference into device memory.
+unsafe impl Fabric for CudaFabric {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.peers.len()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            load_store: false,
+            remote_read: true,
+            chunk_floor: 0,
+        }
+    }
+
+    fn window_len(&self, rank: usize) -> usize {
+        match self.peers.get(rank) {
+            Some(PeerWindow::Own) => self.window_len,
+            Some(PeerWindow::Mapped(m)) => m.len(),
+            None => 0,
+        }
+    }
+
+    fn num_signal_slots(&self) -> usize {
+        self.control.num_signal_slots()
+    }
+
+    fn local_window(&self) -> Option<Window<'_>> {
+        None
+    }
+
+    fn peer_window(&self, _peer: usize) -> Option<Window<'_>> {
+        None
+    }
+
+    fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {
+        let region = self.region(peer, offset, data.len())?;
+        let deadline = deadline_after(STREAM_TIMEOUT);
+        self.stream
+            .write(region, offset, data, deadline, peer, &|| {
+                format!(
+                    "rank {}: put of {} bytes to rank {peer} at offset {offset}",
+                    self.rank,
+                    data.len()
+                )
+            })
+    }
+
+    fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
+        let len = buf.len();
+        let region = self.region(peer, offset, len)?;
+        let deadline = deadline_after(STREAM_TIMEOUT);
+        self.stream.read(region, offset, buf, deadline, peer, &|| {
+            format!(
+                "rank {}: get of {len} bytes from rank {peer} at offset {offset}",
+                self.rank
+            )
+        })
+    }
+
+    fn signal(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.sync(peer, &|| {
+            format!(
+                "rank {}: completing puts before a signal to rank {peer}",
+                self.rank
+            )
+        })?;
+        self.control.signal(peer, slot, value)
+    }
+
+    fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
+        self.sync(peer, &|| {
+            format!(
+                "rank {}: completing puts before a signal to rank {peer}",
+                self.rank
+            )
+        })?;
+        self.control.signal_quiet(peer, slot, value)
+    }
+
+    fn signal_value(&self, slot: usize) -> u64 {
+        self.control.signal_value(slot)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.sync(self.rank, &|| format!("rank {}: flushing puts", self.rank))
+    }
+
+    fn wait_until(
+        &self,
+        deadline: Instant,
+        poll: &mut dyn FnMut() -> Option<Waiting>,
+    ) -> Result<()> {
+        self.control.wait_until(deadline, poll)
+    }
+
+    fn barrier(&self, timeout: Duration) -> Result<()> {
+        self.control.barrier(timeout)
+    }
+
+    fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
+        self.control.abort_reporting(dead, reason)
+    }
+
+    fn forward_abort(&self, notice: &AbortNotice) {
+        self.control.forward_abort(notice)
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<()> {
+        self.control.check_peer(peer)
+    }
+
+    fn wait_counters(&self) -> WaitCounters {
+        self.control.wait_counters()
+    }
+
+    fn aborted(&self) -> Option<AbortNotice> {
+        self.control.aborted()
+    }
+
+    fn check_peers(&self) -> Result<()> {
+        self.control.check_peers()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advert_round_trips_and_rejects_garbage() {
+        let mut handle = [0u8; HANDLE_BYTES];
+        handle[3] = 7;
+        let a = Advert {
+            pid: 42,
+            device: 3,
+            host: 99,
+            window_len: 123,
+            handle,
+        };
+        assert_eq!(Advert::decode(&a.encode(), 3).unwrap(), a);
+        assert!(matches!(
+            Advert::decode(&[0u8; ADVERT_WORDS * 8 + HANDLE_BYTES], 3),
+            Err(Error::Protocol { peer: 3, .. })
+        ));
+        assert!(matches!(
+            Advert::decode(&[1, 2, 3], 5),
+            Err(Error::Protocol { peer: 5, .. })
+        ));
+    }
+
+    #[test]
+    fn ranks_in_one_process_or_on_two_hosts_are_refused_naming_the_peer() {
+        let mine = Advert {
+            pid: 10,
+            device: 0,
+            host: 1,
+            window_len: 8,
+            handle: [0; HANDLE_BYTES],
+        };
+        let twin = Advert { ..mine.clone() };
+        let e = check_compatible(2, 0, &twin, &mine).unwrap_err();
+        assert!(e.to_string().contains("one rank per process"), "{e}");
+        let far = Advert {
+            pid: 11,
+            host: 2,
+            ..mine.clone()
+        };
+        let e = check_compatible(2, 0, &far, &mine).unwrap_err();
+        assert!(e.to_string().contains("rank 2 runs on another host"), "{e}");
+        // Itself, and a peer process on this host, are fine.
+        check_compatible(0, 0, &mine, &mine).unwrap();
+        let peer = Advert {
+            pid: 11,
+            ..mine.clone()
+        };
+        check_compatible(1, 0, &peer, &mine).unwrap();
+    }
+}
