@@ -151,6 +151,19 @@ fn init_fails_on_rank_1(ctx: &ChildCtx, call: &str, code: i64) -> xccl::Result<(
     let start = Instant::now();
     let r = join(ctx);
     let took = start.elapsed();
+    // Whatever init made is released by now: no stand-in segment (own or a peer's) is still
+    // mapped in this process, and none of its own is left in /dev/shm.
+    if r.is_err() {
+        let prefix = std::env::var(PREFIX_ENV).unwrap_or_default();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        if let Some(line) = maps.lines().find(|l| l.contains(&prefix)) {
+            return Err(fail(format!("still mapped after the failed init: {line}")));
+        }
+        let own = xccl_tests::shm_entries(&format!("{prefix}-{}-", std::process::id()));
+        if !own.is_empty() {
+            return Err(fail(format!("left in /dev/shm after the failed init: {own:?}")));
+        }
+    }
     match (ctx.rank, r) {
         (1, Err(e @ Error::Native { .. })) => {
             let Error::Native {

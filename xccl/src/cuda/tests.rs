@@ -12,9 +12,9 @@ use crate::fabric::deadline_after;
 pub(crate) fn standin_device() -> Device {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     let path = PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("xccl-cuda-unit-{}", std::process::id()));
-        let path = crate::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
-        path
+        // One directory for every run: the build renames a finished library into place.
+        let dir = std::env::temp_dir().join("xccl-cuda-standin-unit");
+        crate::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
     });
     Driver::get_from(path)
         .and_then(|d| d.device(0))
