@@ -161,7 +161,9 @@ fn init_fails_on_rank_1(ctx: &ChildCtx, call: &str, code: i64) -> xccl::Result<(
         }
         let own = xccl_tests::shm_entries(&format!("{prefix}-{}-", std::process::id()));
         if !own.is_empty() {
-            return Err(fail(format!("left in /dev/shm after the failed init: {own:?}")));
+            return Err(fail(format!(
+                "left in /dev/shm after the failed init: {own:?}"
+            )));
         }
     }
     match (ctx.rank, r) {
