@@ -6,8 +6,8 @@
 //! - A2E/E2A (1A:1E, 2A:2E) through `Communicator::init_cuda`, checked bit for bit against the
 //!   reference, the windows in "device memory" reached through `put`/`get`;
 //! - the errors at init, each naming the driver call and the rank, every rank failing together:
-//!   no driver (on every rank, on one rank), an injected driver error, out of device memory, an
-//!   IPC handle the driver refuses; a driver error after init (a signal) naming call and rank;
+//!   no driver (on every rank, on one rank), no device, an injected driver error, out of device
+//!   memory, an IPC handle the driver refuses (nothing of a failed init stays mapped); a driver error after init (a signal) naming call and rank;
 //! - a SIGKILLed peer named by the survivor.
 //!
 //! Every job's stand-in segments are checked to be gone from `/dev/shm`.
@@ -358,6 +358,14 @@ fn a_rank_without_the_driver_fails_every_rank_promptly() {
             (LIBRARY_ENV, Some("/nonexistent/libcuda.so.1".into())),
             ("LD_LIBRARY_PATH", None),
         ],
+    );
+}
+
+#[test]
+fn a_rank_without_a_device_fails_every_rank_naming_cuinit() {
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:cuInit:100",
+        vec![(DEVICES_ENV, Some("0".into()))],
     );
 }
 
