@@ -81,11 +81,18 @@ fn accesses_outside_a_region_are_refused_before_any_copy() {
 }
 
 #[test]
-fn device_pointers_are_told_from_host_pointers() {
+fn device_pointers_are_told_from_host_pointers_and_bounded_by_their_allocation() {
     let dev = standin_device();
     let a = DeviceMemory::alloc(&dev, 256, what).unwrap();
     let p = dev.device_pointer(a.ptr().addr() + 16, 64).unwrap();
     assert_eq!(p, a.ptr().add(16));
+    // The last byte of the allocation is in, one more is not.
+    dev.device_pointer(a.ptr().addr() + 16, 240).unwrap();
+    let e = dev.device_pointer(a.ptr().addr() + 16, 241).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("past the end")),
+        "{e}"
+    );
     let host = [0u8; 64];
     let e = dev.device_pointer(host.as_ptr() as u64, 64).unwrap_err();
     assert!(
