@@ -26,7 +26,8 @@
  *   name in xccl_standin_kernels[] (standin_kernels.h, kernels.c: each CUDA kernel of xccl
  *   written again in C), else CUDA_ERROR_NOT_FOUND; cuLaunchKernel runs it on the host with the
  *   launch's kernelParams.
- * - cuPointerGetAttribute knows the stand-in's allocations (device memory, their device) and
+ * - cuPointerGetAttribute knows the stand-in's allocations (device memory, their device, their
+ *   start and size) and
  *   answers CUDA_ERROR_INVALID_VALUE for any other pointer, as the real driver does for host
  *   memory it does not know.
  * - Failure injection: CUDA_STANDIN_FAIL="<symbol>:<code>[:<skip>]" makes <symbol> (the exported
@@ -502,11 +503,15 @@ EXPORT CUresult cuPointerGetAttribute(void *data, unsigned attribute, CUdevicept
     pthread_mutex_lock(&g_lock);
     struct alloc *a = find(p, 1);
     int device = a ? a->device : -1;
+    CUdeviceptr start = a ? (CUdeviceptr)(uintptr_t)a->data : 0;
+    size_t size = a ? a->size : 0;
     pthread_mutex_unlock(&g_lock);
     if (a == NULL) return CUDA_ERROR_INVALID_VALUE; /* host memory the driver does not know */
     switch (attribute) {
-    case 2: *(unsigned *)data = 2; return CUDA_SUCCESS; /* MEMORY_TYPE: DEVICE */
-    case 9: *(int *)data = device; return CUDA_SUCCESS; /* DEVICE_ORDINAL */
+    case 2: *(unsigned *)data = 2; return CUDA_SUCCESS;         /* MEMORY_TYPE: DEVICE */
+    case 9: *(int *)data = device; return CUDA_SUCCESS;         /* DEVICE_ORDINAL */
+    case 11: *(CUdeviceptr *)data = start; return CUDA_SUCCESS; /* RANGE_START_ADDR */
+    case 12: *(size_t *)data = size; return CUDA_SUCCESS;       /* RANGE_SIZE */
     default: return CUDA_ERROR_INVALID_VALUE;
     }
 }

@@ -6,8 +6,8 @@
 //! - A2E/E2A (1A:1E, 2A:2E) through `Communicator::init_cuda`, checked bit for bit against the
 //!   reference, the windows in "device memory" reached through `put`/`get`;
 //! - the errors at init, each naming the driver call and the rank, every rank failing together:
-//!   no driver (on every rank, on one rank), an injected driver error, out of device memory, an
-//!   IPC handle the driver refuses; a driver error after init (a signal) naming call and rank;
+//!   no driver (on every rank, on one rank), no device, an injected driver error, out of device
+//!   memory, an IPC handle the driver refuses (nothing of a failed init stays mapped); a driver error after init (a signal) naming call and rank;
 //! - a SIGKILLed peer named by the survivor.
 //!
 //! Every job's stand-in segments are checked to be gone from `/dev/shm`.
@@ -151,6 +151,21 @@ fn init_fails_on_rank_1(ctx: &ChildCtx, call: &str, code: i64) -> xccl::Result<(
     let start = Instant::now();
     let r = join(ctx);
     let took = start.elapsed();
+    // Whatever init made is released by now: no stand-in segment (own or a peer's) is still
+    // mapped in this process, and none of its own is left in /dev/shm.
+    if r.is_err() {
+        let prefix = std::env::var(PREFIX_ENV).unwrap_or_default();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        if let Some(line) = maps.lines().find(|l| l.contains(&prefix)) {
+            return Err(fail(format!("still mapped after the failed init: {line}")));
+        }
+        let own = xccl_tests::shm_entries(&format!("{prefix}-{}-", std::process::id()));
+        if !own.is_empty() {
+            return Err(fail(format!(
+                "left in /dev/shm after the failed init: {own:?}"
+            )));
+        }
+    }
     match (ctx.rank, r) {
         (1, Err(e @ Error::Native { .. })) => {
             let Error::Native {
@@ -343,6 +358,14 @@ fn a_rank_without_the_driver_fails_every_rank_promptly() {
             (LIBRARY_ENV, Some("/nonexistent/libcuda.so.1".into())),
             ("LD_LIBRARY_PATH", None),
         ],
+    );
+}
+
+#[test]
+fn a_rank_without_a_device_fails_every_rank_naming_cuinit() {
+    run_with_rank_1_env(
+        "init_fails_on_rank_1:cuInit:100",
+        vec![(DEVICES_ENV, Some("0".into()))],
     );
 }
 

@@ -40,7 +40,7 @@ fn child_rank_entry() {
 }
 
 /// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<when>]` (over
-/// shm; `shrink_ofi:...` over libfabric's tcp provider); with the last part, `rank` also dies
+/// shm; `shrink_ofi:...` over libfabric's tcp provider, `shrink_cuda:...` over the cuda fabric); with the last part, `rank` also dies
 /// when its shrink reaches step `when` (`poison`, `agree`, `plan`, `release` or `rebuild`), or
 /// (`again`) inside a call on the shrunk communicator.
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
@@ -51,9 +51,10 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     }
     let parts: Vec<&str> = scenario.split(':').collect();
     let ofi = parts.first() == Some(&"shrink_ofi");
+    let cuda = parts.first() == Some(&"shrink_cuda");
     let (victims, replicas, orphans, late) = match parts.as_slice() {
-        ["shrink" | "shrink_ofi", v, r, o] => (v, r, o, None),
-        ["shrink" | "shrink_ofi", v, r, o, late] => (v, r, o, Some(*late)),
+        ["shrink" | "shrink_ofi" | "shrink_cuda", v, r, o] => (v, r, o, None),
+        ["shrink" | "shrink_ofi" | "shrink_cuda", v, r, o, late] => (v, r, o, Some(*late)),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     let victims = victims
@@ -80,6 +81,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             .transpose()?,
         again: again.map(rank).transpose()?,
         ofi,
+        cuda,
     };
     shrink_scenario(ctx, &setup)
 }
@@ -99,6 +101,8 @@ struct Setup {
     again: Option<usize>,
     /// Over libfabric's tcp provider instead of shared memory.
     ofi: bool,
+    /// Over the cuda fabric (the stand-in driver the parent names in `XCCL_CUDA_LIBRARY`).
+    cuda: bool,
 }
 
 /// Runs checked rounds from `first` until a call fails, dying inside round `first +
@@ -180,6 +184,8 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
             ordering: None,
         };
         Communicator::init_ofi_with(ex, Arc::new(topo.clone()), cfg, &opts)
+    } else if setup.cuda {
+        Communicator::init_cuda(ex, Arc::new(topo.clone()), cfg, None)
     } else {
         Communicator::init_shm(ex, Arc::new(topo.clone()), cfg)
     }
@@ -317,7 +323,9 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         if round == 0 && comm.role() == Role::Attention {
             std::thread::sleep(Duration::from_millis(100));
         }
-        mixed_round(&mut comm, &wl, round, !setup.ofi, &mut batch, &mut tokens)
+        // Registered buffers only where the host addresses the windows.
+        let registered = !setup.ofi && !setup.cuda;
+        mixed_round(&mut comm, &wl, round, registered, &mut batch, &mut tokens)
             .map_err(s)?
             .map_err(|m| format!("after the shrink: {m}"))?;
         if comm.role() == Role::Attention {
@@ -493,7 +501,25 @@ fn shrink_again(
 /// Runs a scenario; the victims must have died by SIGKILL, every survivor succeeded, and no
 /// shared-memory segment of the job or of its generations is left in `/dev/shm`.
 fn run(scenario: &str, victims: &[usize]) -> Job {
-    let mut job = Job::spawn(ENTRY, scenario, M + N);
+    run_with(scenario, victims, &|_| {})
+}
+
+/// [`run`] with each rank's command adjusted by `customize` (environment).
+fn run_with(
+    scenario: &str,
+    victims: &[usize],
+    customize: &dyn Fn(&mut std::process::Command),
+) -> Job {
+    let bind = std::net::SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), 0);
+    let mut job = Job::spawn_with(
+        ENTRY,
+        scenario,
+        M + N,
+        &|job_id| {
+            xccl::bootstrap::UniqueId::start_root(bind, xccl::bootstrap::RootConfig::new(job_id))
+        },
+        &|_, cmd| customize(cmd),
+    );
     job.wait(Duration::from_secs(120));
     for r in 0..M + N {
         if victims.contains(&r) {
@@ -541,6 +567,31 @@ fn survivors_shrink_past_a_killed_expert_rank_over_ofi_and_match_the_reference()
     eprintln!(
         "{}",
         out.lines().find(|l| l.contains("shrank")).unwrap_or("")
+    );
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_expert_rank_over_cuda_and_match_the_reference() {
+    // The cuda fabric over the stand-in driver; the victim's stand-in segments are removed.
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin-shrink");
+    let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let segs = xccl_tests::StandinSegments::new("xccl-cu-shrink");
+    let job = run_with("shrink_cuda:3:rep:keep", &[3], &|cmd| {
+        cmd.env("XCCL_CUDA_LIBRARY", &lib)
+            .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
+            .env_remove("CUDA_STANDIN_FAIL");
+    });
+    assert!(job.output(4).contains("rank 4 shrank to rank 3 in"));
+    let out = job.output(0);
+    eprintln!(
+        "{}",
+        out.lines().find(|l| l.contains("shrank")).unwrap_or("")
+    );
+    let victim = format!("{}-{}-", segs.0, job.pid(3));
+    assert!(
+        segs.left().iter().all(|n| n.starts_with(&victim)),
+        "survivors' stand-in segments left: {:?}",
+        segs.left()
     );
 }
 

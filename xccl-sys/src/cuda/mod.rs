@@ -87,6 +87,10 @@ pub type CUpointer_attribute = c_uint;
 pub const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: CUpointer_attribute = 2;
 /// The device ordinal of a pointer's memory (an `int`).
 pub const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: CUpointer_attribute = 9;
+/// The start address of the allocation holding a pointer (a `CUdeviceptr`).
+pub const CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: CUpointer_attribute = 11;
+/// The size of the allocation holding a pointer (a `size_t`).
+pub const CU_POINTER_ATTRIBUTE_RANGE_SIZE: CUpointer_attribute = 12;
 
 /// `CUmemorytype`: host memory.
 pub const CU_MEMORYTYPE_HOST: c_uint = 1;

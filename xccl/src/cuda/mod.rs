@@ -358,8 +358,9 @@ impl Device {
     }
 
     /// Checks that the `len` bytes at `addr` (a caller's pointer) are device memory of this
-    /// device (`cuPointerGetAttribute`: memory type and device ordinal); the error says what
-    /// the pointer is instead, naming both devices where it is another's.
+    /// device, inside one allocation (`cuPointerGetAttribute`: memory type, device ordinal,
+    /// allocation range); the error says what the pointer is instead, naming both devices where
+    /// it is another's.
     pub fn device_pointer(&self, addr: u64, len: usize) -> Result<DevicePtr> {
         self.bind()?;
         let mut kind: c_uint = 0;
@@ -412,9 +413,35 @@ impl Device {
                 self.ordinal()
             )));
         }
-        if len > 1 && addr.checked_add(len as u64 - 1).is_none() {
+        let mut start: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: `start` is a live `CUdeviceptr` and `size` a live `size_t`, what
+        // RANGE_START_ADDR and RANGE_SIZE write.
+        let codes = unsafe {
+            [
+                (self.api().cuPointerGetAttribute)(
+                    (&mut start as *mut sys::CUdeviceptr).cast(),
+                    sys::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    addr,
+                ),
+                (self.api().cuPointerGetAttribute)(
+                    (&mut size as *mut usize).cast(),
+                    sys::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                    addr,
+                ),
+            ]
+        };
+        for code in codes {
+            self.check(code, "cuPointerGetAttribute", || {
+                format!("reading the allocation that holds pointer {addr:#x}")
+            })?;
+        }
+        let end = start.saturating_add(size as u64);
+        if addr.checked_add(len as u64).is_none_or(|e| e > end) {
             return Err(Error::invalid(format!(
-                "{len} bytes at {addr:#x} wrap the address space"
+                "{len} bytes at {addr:#x} run past the end of their allocation on CUDA device {} \
+                 ({size} bytes at {start:#x})",
+                self.ordinal()
             )));
         }
         Ok(DevicePtr::new(addr, self.ordinal()))

@@ -12,9 +12,9 @@ use crate::fabric::deadline_after;
 pub(crate) fn standin_device() -> Device {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     let path = PATH.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("xccl-cuda-unit-{}", std::process::id()));
-        let path = crate::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
-        path
+        // One directory for every run: the build renames a finished library into place.
+        let dir = std::env::temp_dir().join("xccl-cuda-standin-unit");
+        crate::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
     });
     Driver::get_from(path)
         .and_then(|d| d.device(0))
@@ -81,11 +81,18 @@ fn accesses_outside_a_region_are_refused_before_any_copy() {
 }
 
 #[test]
-fn device_pointers_are_told_from_host_pointers() {
+fn device_pointers_are_told_from_host_pointers_and_bounded_by_their_allocation() {
     let dev = standin_device();
     let a = DeviceMemory::alloc(&dev, 256, what).unwrap();
     let p = dev.device_pointer(a.ptr().addr() + 16, 64).unwrap();
     assert_eq!(p, a.ptr().add(16));
+    // The last byte of the allocation is in, one more is not.
+    dev.device_pointer(a.ptr().addr() + 16, 240).unwrap();
+    let e = dev.device_pointer(a.ptr().addr() + 16, 241).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("past the end")),
+        "{e}"
+    );
     let host = [0u8; 64];
     let e = dev.device_pointer(host.as_ptr() as u64, 64).unwrap_err();
     assert!(
