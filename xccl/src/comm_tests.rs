@@ -2799,3 +2799,51 @@ fn a_panic_in_an_arrival_callback_poisons_the_communicator_and_aborts_the_job_at
     );
     assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
 }
+
+/// The attention side's sum starts from its first contribution, not from zero: a token whose
+/// two expert ranks both reply `-0.0` combines to `-0.0` (`0.0 + -0.0` would be `+0.0`), and a
+/// single contribution comes back with its bits unchanged (a NaN's payload included). The
+/// expert ranks reply token-major, so their rows go out as they wrote them.
+#[test]
+fn combined_rows_keep_the_sign_of_zero_and_a_single_rows_bits() {
+    let topo = Topology::contiguous(1, 2, 2).unwrap();
+    let cfg = MoeConfig::new(4, DType::F32, 2, 4);
+    let mut comms = Communicator::local_group(&topo, &cfg).unwrap();
+    let experts: Vec<Communicator> = comms.drain(1..).collect();
+    let mut attention = comms.pop().unwrap();
+    let nan = f32::from_bits(0x7fa0_1234);
+    let threads: Vec<_> = experts
+        .into_iter()
+        .map(|mut e| {
+            std::thread::spawn(move || {
+                let mut batch = TokenBatch::new();
+                e.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+                // Token 0 (every rank has it) replies -0.0, token 1 (rank 0 only) a NaN.
+                let reduced: Vec<f32> = (0..batch.num_tokens())
+                    .flat_map(|i| [if i == 0 { -0.0 } else { nan }; 4])
+                    .collect();
+                e.e2a_send_tokens(&batch, &reduced).unwrap();
+            })
+        })
+        .collect();
+    // Token 0 to experts 0 and 1 (one on each rank); token 1 to expert 0 alone.
+    let x = vec![1.0f32; 2 * 4];
+    let handle = attention
+        .a2e_send(&x, &[0, 1, 0, -1], &[0.5, 0.5, 1.0, 0.0])
+        .unwrap();
+    let mut out = vec![1.0f32; 2 * 4];
+    attention.e2a_recv(&handle, &mut out).unwrap();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for v in &out[..4] {
+        assert_eq!(v.to_bits(), (-0.0f32).to_bits(), "token 0: -0.0 + -0.0");
+    }
+    for v in &out[4..] {
+        assert_eq!(
+            v.to_bits(),
+            nan.to_bits(),
+            "token 1's single row, bit for bit"
+        );
+    }
+}

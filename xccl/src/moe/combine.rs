@@ -29,9 +29,10 @@
 //!   `moe::quant`) and the attention rank dequantizes inside the sum: `f32(r)` above becomes
 //!   `f32(q) * scale`, and a single INT8 contribution is dequantized and rounded once.
 //!
-//! The expert side's weighted sums are planned here (which rows, which weights, in which order:
-//! [`super::dataplane::SumRow`]s) and executed by the data plane ([`super::dataplane`]), whose
-//! host and CUDA backends give the same bits; the attention side still sums on the host.
+//! Both sides' sums are planned here (which rows, which weights, in which order: one
+//! [`super::dataplane::SumRow`] per token) and executed by the data plane
+//! ([`super::dataplane`]), whose host and CUDA backends give the same bits. The relay's own
+//! reduction (`relay`) still sums on the host.
 
 use std::time::Instant;
 
@@ -41,9 +42,8 @@ use super::context::{CheckDue, Context};
 use super::dataplane::host::HostPlane;
 use super::dataplane::{DataPlane, SumRow, SumTerm};
 use super::dispatch::Sent;
-use super::dtype::MAX_FUSED_ROWS;
 use super::progress::{chunk_rows, progress, Progress};
-use super::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quant, Quantizer};
+use super::quant::{dequantize_to, int8_payload, Quant, Quantizer};
 use super::record::{Record, WireMode};
 use super::routing::DispatchLayout;
 use crate::fabric::Waiting;
@@ -559,15 +559,20 @@ pub(crate) fn quantize_reply(
 }
 
 /// An attention rank's per-token sums: which expert ranks answer each token, in ascending
-/// order, and their rows summed as the module docs say (scratch reused across calls).
+/// order, planned as one [`SumRow`] per token and executed by the data plane (scratch reused
+/// across calls).
 #[derive(Debug, Default)]
 struct TokenSums {
-    acc: Vec<f32>,
-    row: Vec<u8>,
+    /// Contributions fetched from windows not mapped here, one slot each.
+    fetched: Vec<u8>,
     /// Per expert index, the next of its layout entries (rows in token order).
     cursors: Vec<usize>,
     /// The current token's contributions: (expert index, row among that rank's rows).
     contributions: Vec<(usize, usize)>,
+    /// The current token's plan.
+    terms: Vec<SumTerm>,
+    /// Executes the plan (host memory today; boxed, as the device backend will be).
+    plane: Box<HostPlane>,
 }
 
 /// Where contribution `(j, i)` (row `i` of expert index `j`'s replies) lies: its window's rank,
@@ -576,11 +581,7 @@ type RowAt<'a> = dyn Fn(usize, usize) -> (usize, usize, bool) + 'a;
 
 impl TokenSums {
     /// Starts a call whose dispatch layout is `hl` (expert ranks `experts`).
-    fn begin(&mut self, ctx: &Context, hl: &DispatchLayout, experts: &[usize]) {
-        let hidden = ctx.cfg.hidden;
-        self.acc.resize(hidden, 0.0);
-        self.row
-            .resize(ctx.layout.e2a_stride.max(int8_payload(hidden)), 0);
+    fn begin(&mut self, _ctx: &Context, hl: &DispatchLayout, experts: &[usize]) {
         self.cursors.clear();
         self.cursors
             .extend(experts.iter().map(|&d| hl.entries(d).start));
@@ -589,8 +590,8 @@ impl TokenSums {
     /// Writes token `t`'s combined row into `out_row` (tokens in ascending order, each once;
     /// every contribution landed): no contribution gives zeros, one its row (an INT8 row
     /// dequantized and rounded once), several their f32 sum in ascending expert order rounded
-    /// once. Rows are read where they lie when `mapped` (every window they can be in is mapped
-    /// here), else copied.
+    /// once ([`SumRow`] with `init_first`). Rows are read where they lie when `mapped` (every
+    /// window they can be in is mapped here), else fetched first.
     #[allow(clippy::too_many_arguments)]
     fn combine(
         &mut self,
@@ -602,7 +603,7 @@ impl TokenSums {
         row_at: &RowAt<'_>,
         out_row: &mut [u8],
     ) -> Result<()> {
-        let (hidden, dtype, p) = (ctx.cfg.hidden, ctx.cfg.dtype, ctx.layout.e2a_stride);
+        let (hidden, p) = (ctx.cfg.hidden, ctx.layout.e2a_stride);
         self.contributions.clear();
         for (j, &d) in experts.iter().enumerate() {
             let e = self.cursors[j];
@@ -612,74 +613,65 @@ impl TokenSums {
                 self.contributions.push((j, e - r.start));
             }
         }
-        // Several rows in the dtype, lent where they landed: summed and rounded in one pass
-        // (`DType::sum_rows`: the bits of the general sum below).
         let n = self.contributions.len();
-        if (2..=MAX_FUSED_ROWS).contains(&n) && mapped {
-            let mut rows: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
-            let mut lent = 0;
-            for (slot, &(j, i)) in rows.iter_mut().zip(&self.contributions) {
-                let (rank, at, int8) = row_at(j, i);
-                if int8 {
-                    break;
-                }
-                // SAFETY: as for the rows of the general sum below.
-                match unsafe { super::regions::landed(ctx, rank, at, p)? } {
-                    Some(row) => *slot = row,
-                    None => break,
-                }
-                lent += 1;
-            }
-            if lent == n {
-                dtype.sum_rows(&rows[..n], &mut self.acc, out_row);
-                return Ok(());
-            }
+        if !mapped && n == 1 && !row_at(self.contributions[0].0, self.contributions[0].1).2 {
+            // One row in the dtype from a window not mapped here: fetched straight into place.
+            let (j, i) = self.contributions[0];
+            let (rank, at, _) = row_at(j, i);
+            return ctx.get(rank, at, out_row);
         }
-        match n {
-            0 => out_row.fill(0),
-            // One expert rank in the dtype: its row is already the answer.
-            1 if !row_at(self.contributions[0].0, self.contributions[0].1).2 => {
-                let (j, i) = self.contributions[0];
-                let (rank, at, _) = row_at(j, i);
-                ctx.get(rank, at, out_row)?;
-            }
-            // One INT8 row: dequantized and rounded once, in one pass where it can be.
-            1 => {
-                let (j, i) = self.contributions[0];
-                let (rank, at, _) = row_at(j, i);
-                let row = &mut self.row[..int8_payload(hidden)];
-                ctx.get(rank, at, row)?;
-                dequantize_to(row, dtype, &mut self.acc, out_row);
-            }
-            // Otherwise sum in f32 (INT8 rows dequantized inside the sum), reading each row
-            // where it landed when the window is mapped here (no staging copy).
-            _ => {
-                for (c, &(j, i)) in self.contributions.iter().enumerate() {
-                    let (rank, at, int8) = row_at(j, i);
-                    let len = if int8 { int8_payload(hidden) } else { p };
-                    // SAFETY: the caller combines token `t` only once every contribution has
-                    // landed (a progress signal covers it), and its writer writes that buffer
-                    // again only after this call's credit, which goes out after the receive
-                    // returns (or, where credits are implied, once this rank names the buffer as
-                    // the landing buffer of a later A2E, after this call has retired).
-                    let row = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
-                        Some(row) => row,
-                        None => {
-                            ctx.get(rank, at, &mut self.row[..len])?;
-                            &self.row[..len]
-                        }
-                    };
-                    match (c, int8) {
-                        (0, false) => dtype.to_f32(row, &mut self.acc),
-                        (0, true) => dequantize(row, hidden, &mut self.acc),
-                        (_, false) => dtype.accumulate(row, 1.0, &mut self.acc),
-                        (_, true) => dequantize_add(row, hidden, &mut self.acc),
-                    }
-                }
-                dtype.from_f32(&self.acc, out_row);
-            }
+        // Every contribution's address: where it landed, or a slot it is fetched into (all
+        // slots sized before any address is taken, so none moves).
+        let slot = p.max(int8_payload(hidden));
+        if !mapped {
+            self.fetched.resize(n * slot, 0);
         }
-        Ok(())
+        self.terms.clear();
+        for (c, &(j, i)) in self.contributions.iter().enumerate() {
+            let (rank, at, int8) = row_at(j, i);
+            let len = if int8 { int8_payload(hidden) } else { p };
+            // SAFETY: the caller combines token `t` only once every contribution has landed (a
+            // progress signal covers it), and its writer writes that buffer again only after
+            // this call's credit, which goes out after the receive returns (or, where credits
+            // are implied, once this rank names the buffer as the landing buffer of a later
+            // A2E, after this call has retired).
+            let src = match unsafe { super::regions::landed(ctx, rank, at, len)? } {
+                Some(row) => row.as_ptr() as u64,
+                None => {
+                    let into = &mut self.fetched[c * slot..c * slot + len];
+                    ctx.get(rank, at, into)?;
+                    into.as_ptr() as u64
+                }
+            };
+            self.terms.push(SumTerm {
+                src,
+                weight: 1.0,
+                int8: int8 as u32,
+            });
+        }
+        let row = SumRow {
+            dst: out_row.as_mut_ptr() as u64,
+            first_term: 0,
+            num_terms: n as u32,
+            init_first: 1,
+            reserved: 0,
+        };
+        assert_eq!(
+            out_row.len(),
+            p,
+            "combine: an output row of the wrong length"
+        );
+        // SAFETY: every term addresses a whole landed row (or INT8 payload) that nobody writes
+        // until this call's credit (see above) or a fetched slot of `self.fetched`, not resized
+        // since; the destination is `out_row`, borrowed exclusively, of one row's length.
+        unsafe {
+            self.plane.sum_rows(
+                ctx.cfg.dtype,
+                hidden,
+                std::slice::from_ref(&row),
+                &self.terms,
+            )
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use super::{non_finite, CopyRun, DataPlane, Memory, QuantRow, SumRow, SumTerm};
-use crate::moe::dtype::DType;
+use crate::moe::dtype::{DType, MAX_FUSED_ROWS};
 use crate::moe::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quantizer};
 use crate::Result;
 
@@ -91,6 +91,20 @@ impl DataPlane for HostPlane {
                 }
                 [t] if r.init_first != 0 && t.int8 == 0 => {
                     crate::fabric::copy::copy_slice(out, src(t));
+                    continue;
+                }
+                // Several dtype rows added as they are: `DType::sum_rows`, one pass over them
+                // for aligned bf16 (the same bits as the loop below).
+                _ if r.init_first != 0
+                    && ts.len() <= MAX_FUSED_ROWS
+                    && ts.iter().all(|t| t.int8 == 0)
+                    && ts[1..].iter().all(|t| t.weight == 1.0) =>
+                {
+                    let mut fused: [&[u8]; MAX_FUSED_ROWS] = [&[]; MAX_FUSED_ROWS];
+                    for (f, t) in fused.iter_mut().zip(ts) {
+                        *f = src(t);
+                    }
+                    dtype.sum_rows(&fused[..ts.len()], acc, out);
                     continue;
                 }
                 _ => {}
