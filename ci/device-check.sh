@@ -14,8 +14,10 @@
 # - the data plane's kernels, compiled by NVRTC for the device and run on it, against the host
 #   backend bit for bit (`moe::dataplane::tests::the_cuda_plane_*`, XCCL_TEST_REAL_CUDA=1), and
 #   the NVRTC compile check;
-# - the cuda fabric's tests against the real driver where their binary supports it
-#   (`XCCL_TEST_REAL_CUDA=1`; steps whose binary is absent are reported as "absent").
+# - the cuda fabric's tests that hold on one real GPU, against the real driver
+#   (`XCCL_TEST_REAL_CUDA=1`): conformance of two processes sharing the GPU, the data plane
+#   copying and summing rows between two processes' device windows through CUDA IPC, and 1A:1E
+#   A2E/E2A against the reference.
 # Each step's exit code, seconds and last lines go into the report; the script's exit code is
 # the first failing step's.
 set -uo pipefail
@@ -121,7 +123,11 @@ else
   first_fail=${first_fail:-1}
 fi
 if [ -x "$dir/bin/cuda-fabric" ]; then
-  step cuda-fabric 240 "$dir/bin/cuda-fabric" --test-threads 1
+  # The tests that hold on one real GPU (the others inject stand-in failures or want 2 devices).
+  # They re-run the binary as ranks, so CARGO_TARGET_TMPDIR-free paths only.
+  step cuda-fabric 240 "$dir/bin/cuda-fabric" --test-threads 1 \
+    cuda_conformance_with_2_processes_sharing_one_device cuda_plane_ \
+    cuda_one_attention_one_expert_matches_reference
 else
   echo "== cuda-fabric: absent from the pack"
 fi

@@ -61,6 +61,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             init_fails_on_rank_1(ctx, call, code)
         }
         ["signal_fails"] => signal_fails(ctx),
+        ["plane"] => plane_between_windows(ctx),
         ["killed_after_init"] => killed_after_init(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
@@ -235,6 +236,112 @@ fn killed_after_init(ctx: &ChildCtx) -> xccl::Result<()> {
     xccl_tests::rank_1_killed_after_init(&join(ctx)?)
 }
 
+/// Rows of `PLANE_HIDDEN` bf16 elements that rank 0 writes into its window for
+/// [`plane_between_windows`].
+const PLANE_ROWS: usize = 4;
+const PLANE_HIDDEN: usize = 96;
+/// Where rank 1's kernels write their two sums in rank 0's window.
+const PLANE_SUMS_AT: usize = 4096;
+
+/// Rank 0's rows: finite bf16 values, varied in sign and magnitude.
+fn plane_pattern() -> Vec<u8> {
+    (0..PLANE_ROWS * PLANE_HIDDEN)
+        .flat_map(|i| {
+            let v = ((i * 37 % 113) as f32 - 56.0) / 7.0 * (1 << (i % 9)) as f32;
+            half::bf16::from_f32(v).to_le_bytes()
+        })
+        .collect()
+}
+
+/// The two sums rank 1 plans over rows at `base` (a row is `stride` bytes): rows 0, 1 and 2
+/// added as the attention side adds contributions, and rows 3 and 1 weighted (0.5, -2.0) as
+/// the expert side sums its experts' outputs; written at `dst` and `dst + stride`.
+fn plane_sums(base: u64, dst: u64, stride: u64) -> (Vec<xccl::moe::dataplane::SumRow>, Vec<xccl::moe::dataplane::SumTerm>) {
+    use xccl::moe::dataplane::{SumRow, SumTerm};
+    let term = |r: u64, weight: f32| SumTerm {
+        src: base + r * stride,
+        weight,
+        int8: 0,
+    };
+    let rows = vec![
+        SumRow {
+            dst,
+            first_term: 0,
+            num_terms: 3,
+            init_first: 1,
+            reserved: 0,
+        },
+        SumRow {
+            dst: dst + stride,
+            first_term: 3,
+            num_terms: 2,
+            init_first: 0,
+            reserved: 0,
+        },
+    ];
+    let terms = vec![term(0, 1.0), term(1, 1.0), term(2, 1.0), term(3, 0.5), term(1, -2.0)];
+    (rows, terms)
+}
+
+/// The data plane moving and summing rows between two processes' device windows: rank 0 writes
+/// rows into its window; rank 1's `CudaPlane` copies them into its own window and writes two
+/// sums of them back into rank 0's, through the IPC mapping, then signals. Rank 0 checks both
+/// against the host plane bit for bit. The rows never pass through rank 1's host memory.
+fn plane_between_windows(ctx: &ChildCtx) -> xccl::Result<()> {
+    use xccl::moe::dataplane::cuda::CudaPlane;
+    use xccl::moe::dataplane::host::HostPlane;
+    use xccl::moe::dataplane::{CopyRun, DataPlane};
+    let f = join(ctx)?;
+    let timeout = Duration::from_secs(30);
+    let deadline = || Instant::now() + timeout;
+    let stride = (PLANE_HIDDEN * 2) as u64;
+    let pattern = plane_pattern();
+    if ctx.rank == 0 {
+        f.put(0, 0, &pattern)?;
+        f.signal(1, 0, 1)?;
+        f.wait_signal(0, 1, "rank 1's kernels", deadline(), &|v| v == 2)?;
+        let mut sums = vec![0u8; 2 * stride as usize];
+        f.get(0, PLANE_SUMS_AT, &mut sums)?;
+        let mut copied = vec![0u8; pattern.len()];
+        f.get(1, 0, &mut copied)?;
+        if copied != pattern {
+            return Err(fail("rank 1's copy of the rows differs".into()));
+        }
+        let mut want = vec![0u8; sums.len()];
+        let (rows, terms) = plane_sums(pattern.as_ptr() as u64, want.as_mut_ptr() as u64, stride);
+        // SAFETY: every address lies in `pattern` or `want`, alive for the call.
+        unsafe { HostPlane::new().sum_rows(DType::BF16, PLANE_HIDDEN, &rows, &terms) }?;
+        if sums != want {
+            return Err(fail(format!(
+                "the device sums differ from the host plane's: {:02x?} against {:02x?}",
+                &sums[..8],
+                &want[..8]
+            )));
+        }
+        announce("the device plane's copies and sums match the host plane bit for bit");
+    } else {
+        f.wait_signal(0, 0, "rank 0's rows", deadline(), &|v| v == 1)?;
+        let stream = xccl::cuda::Stream::new(f.device())?;
+        let mut plane = CudaPlane::new(f.device(), stream, ctx.rank, timeout)?;
+        let (from, mine) = (f.device_window(0).unwrap(), f.device_window(1).unwrap());
+        let runs = [CopyRun {
+            src: from.addr(),
+            dst: mine.addr(),
+            len: pattern.len() as u64,
+        }];
+        let (rows, terms) = plane_sums(from.addr(), from.addr() + PLANE_SUMS_AT as u64, stride);
+        // SAFETY: every range lies in a window (rank 0's mapped here, this rank's own) well
+        // inside its length, and nobody else writes them until the signal below.
+        unsafe {
+            plane.copy_runs(&runs)?;
+            plane.sum_rows(DType::BF16, PLANE_HIDDEN, &rows, &terms)?;
+        }
+        plane.complete(deadline())?;
+        f.signal(0, 0, 2)?;
+    }
+    f.barrier(timeout)
+}
+
 // ---- parent side ----
 
 /// Builds the stand-in once per test process; returns the library's path.
@@ -253,7 +360,13 @@ fn spawn(
     devices: usize,
     per_rank: &dyn Fn(usize) -> Vec<(&'static str, Option<String>)>,
 ) -> (Job, StandinSegments) {
-    let lib = standin().to_string_lossy().into_owned();
+    // `XCCL_TEST_REAL_CUDA=1` (ci/device-check.sh on a GPU): the real driver, no stand-in.
+    let real = std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1");
+    let lib = if real {
+        None
+    } else {
+        Some(standin().to_string_lossy().into_owned())
+    };
     let segs = StandinSegments::new("xccl-cu");
     let devices = devices.to_string();
     let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
@@ -263,8 +376,11 @@ fn spawn(
         size,
         &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
         &|rank, cmd| {
+            match &lib {
+                Some(lib) => cmd.env(LIBRARY_ENV, lib),
+                None => cmd.env_remove(LIBRARY_ENV),
+            };
             cmd.env(PREFIX_ENV, &segs.0)
-                .env(LIBRARY_ENV, &lib)
                 .env(DEVICES_ENV, &devices)
                 .env_remove(FAIL_ENV)
                 .env_remove(LIMIT_ENV);
@@ -320,6 +436,11 @@ fn cuda_conformance_with_2_processes_sharing_one_device() {
 #[test]
 fn cuda_conformance_with_3_processes_on_2_devices() {
     run_ok("conformance:2", 3, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_plane_copies_and_sums_rows_between_device_windows_of_two_processes() {
+    run_ok("plane", 2, 1, Duration::from_secs(60));
 }
 
 #[test]
