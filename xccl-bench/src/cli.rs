@@ -28,6 +28,10 @@ LIMITS (same run, same fabric, same wait policy)
   limit(us): p50 of streaming the same bytes between processes: attention rank a writes them
   into expert rank M+a's window in --chunk-bytes chunks with a signal per chunk, the expert
   copies each chunk out, then streams them back the same way (min(M,N) pairs at once).
+  With --fabric cuda, limit(us) is instead the device-to-device copy of the same bytes on the
+  devices of those min(M,N) attention ranks (16 copies each way per sample, one synchronize,
+  host clock); without a GPU that fabric runs on the stand-in driver (host memory), whose
+  figures say nothing about GPU speed.
   vs_limit = limit p50 / xccl p50 (1.0 = at the limit). floor: one row each way between every
   attention and every expert rank (the graph of a T=1 call; at 1A:1E a ping-pong), fastest of
   the wait policies, printed beside the T=1 round trip; pair floor: one row per pair, min(M,N)
@@ -247,7 +251,8 @@ pub enum FabricKind {
     Ascend,
     /// NVIDIA GPUs through the CUDA driver (`libcuda.so.1`, or `XCCL_CUDA_LIBRARY`), windows
     /// in device memory shared by CUDA IPC; rank r uses device `LOCAL_RANK` when set, else
-    /// r % device count. Host buffers move through put/get.
+    /// r % device count. Host buffers move through put/get. Its limit is the
+    /// device-to-device copy of the same bytes.
     Cuda,
 }
 

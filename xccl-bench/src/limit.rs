@@ -23,15 +23,24 @@
 //!   pairs need not wait for each other (with two cores, one pair per core), so it is lower than
 //!   what any call whose ranks all exchange can reach; it is printed beside the floor.
 //!
+//! - **Device-to-device copy** (`--fabric cuda`, in place of the streaming limit): the rows
+//!   live in device memory there, so the limit of each token count is what the device itself
+//!   does with the same bytes. Attention rank `a` (for `a` below `min(M, N)`, the pairs of the
+//!   streaming limit) queues [`Plan::copies`] copies of the pair's bytes between two buffers
+//!   of its own device on a stream of its own (`cuMemcpyDtoDAsync`), synchronizes once and reads
+//!   the host clock: `a2e` is that time over the number of copies; `e2a` the same copies back;
+//!   `roundtrip` both. Per iteration the slowest rank counts ([`aggregate`]).
+//!
 //! Every iteration starts with a barrier through the fabric's own signals (as the calls'
 //! `Communicator::barrier` does), and every wait uses the fabric's wait policy, so the limit
 //! and the calls are measured under the same rules.
 
 use std::time::Duration;
 
+use xccl::cuda::{Device, DeviceMemory, Stream};
 use xccl::fabric::{deadline_after, Fabric, WaitPolicy, Waiting};
 
-use crate::cli::Args;
+use crate::cli::{Args, FabricKind};
 use crate::report::percentile;
 use crate::run::{block_rounds, now_ns, round, topology, workload};
 
@@ -61,7 +70,14 @@ pub enum Pattern {
     Pairs(usize),
     /// Every attention rank with every expert rank, one row each way (a T=1 call's graph).
     Exchange,
+    /// Attention rank `a`, for `a` below the count, copies the bytes between two buffers of its
+    /// own device and back ([`DeviceCopy`]); no peer takes part.
+    DeviceCopy(usize),
 }
+
+/// Device-to-device copies queued per timed sample of a [`Pattern::DeviceCopy`] measurement,
+/// before its one synchronize.
+pub const DEVICE_COPIES: usize = 16;
 
 /// One measurement: `bytes` each way per pair of ranks that exchange.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,6 +97,7 @@ impl Measurement {
         match self.pattern {
             Pattern::Pairs(p) => (0..p, m..m + p),
             Pattern::Exchange => (0..m, m..m + n),
+            Pattern::DeviceCopy(p) => (0..p, m..m),
         }
     }
 }
@@ -126,13 +143,16 @@ pub struct Plan {
     pub iters: usize,
     /// Bytes a writer moves between signals (rounded down to whole rows, at least one).
     pub chunk: usize,
+    /// Device copies per timed sample of the [`Pattern::DeviceCopy`] measurements.
+    pub copies: usize,
 }
 
 impl Plan {
     /// The plan of a run: per token count, the mean one-way bytes per attention rank of the
     /// measured iterations (the routing is deterministic; with DP domains, domains taking turns
     /// from the first iteration, which is the calls' share on average), then one row for the
-    /// pair floor and the floor.
+    /// pair floor and the floor. On `--fabric cuda` the token counts' measurements are
+    /// [`Pattern::DeviceCopy`] instead of streams.
     pub fn of(args: &Args) -> xccl::Result<Plan> {
         let topo = topology(args)?;
         let (m, n) = (args.attention, args.experts);
@@ -151,9 +171,14 @@ impl Plan {
             }
             // Rows per pair: the job's rows of one call, shared by the pairs.
             let per_pair = (rows as f64 / args.iters as f64 / pairs as f64).round() as usize;
+            let pattern = if args.fabric == FabricKind::Cuda {
+                Pattern::DeviceCopy(pairs)
+            } else {
+                Pattern::Pairs(pairs)
+            };
             measurements.push(Measurement {
                 bytes: per_pair.max(1) * row,
-                pattern: Pattern::Pairs(pairs),
+                pattern,
                 policy: None,
             });
         }
@@ -172,13 +197,43 @@ impl Plan {
             warmup: args.warmup.max(3),
             iters: args.iters,
             chunk: (args.chunk_bytes / row).max(1) * row,
+            copies: DEVICE_COPIES,
         })
     }
 
-    /// Window bytes every rank of the limit fabric needs.
+    /// What the token counts' limit is: `"device-to-device copy"` or `"streaming"`.
+    pub fn kind(&self) -> &'static str {
+        if self.device_bytes() > 0 {
+            "device-to-device copy"
+        } else {
+            "streaming"
+        }
+    }
+
+    /// Bytes of the largest [`Pattern::DeviceCopy`] measurement (0: none): the size of each
+    /// of the two device buffers of a [`DeviceCopy`].
+    pub fn device_bytes(&self) -> usize {
+        self.measurements
+            .iter()
+            .filter(|m| matches!(m.pattern, Pattern::DeviceCopy(_)))
+            .map(|m| m.bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether `rank` copies on its device in the plan's [`Pattern::DeviceCopy`] measurements.
+    pub fn copies_on_device(&self, rank: usize) -> bool {
+        self.measurements.iter().any(|m| match m.pattern {
+            Pattern::DeviceCopy(p) => rank < p,
+            _ => false,
+        })
+    }
+
+    /// Window bytes every rank of the limit fabric needs (device copies need none).
     pub fn window_len(&self) -> usize {
         self.measurements
             .iter()
+            .filter(|m| !matches!(m.pattern, Pattern::DeviceCopy(_)))
             .map(|m| m.bytes)
             .max()
             .unwrap_or(self.row)
@@ -211,7 +266,8 @@ fn destination_rows(args: &Args, topk_idx: &[i32]) -> usize {
 }
 
 /// Words recorded per rank per iteration: `[start, reader done, end]` in ns (0 when not this
-/// rank's part).
+/// rank's part); for a [`Pattern::DeviceCopy`], the copying rank's `[start, copies done,
+/// copies back done]`.
 pub const WORDS: usize = 3;
 
 /// A barrier through the fabric's signals: everyone signals rank 0, rank 0 releases everyone.
@@ -323,6 +379,51 @@ fn exchange_in(
     f.get(f.rank(), 0, &mut dst[..len])
 }
 
+/// Two buffers of one device and a stream of their own: where a rank times the
+/// [`Pattern::DeviceCopy`] measurements.
+pub struct DeviceCopy {
+    a: DeviceMemory,
+    b: DeviceMemory,
+    stream: Stream,
+    rank: usize,
+}
+
+impl DeviceCopy {
+    /// Allocates two buffers of `bytes` (at least 1) on `device` for rank `rank`, and a stream.
+    pub fn new(device: &Device, bytes: usize, rank: usize) -> xccl::Result<Self> {
+        let what = |which: &str| format!("rank {rank}'s device-copy limit ({which} buffer)");
+        let a = DeviceMemory::alloc(device, bytes.max(1), || what("source"))?;
+        let b = DeviceMemory::alloc(device, bytes.max(1), || what("destination"))?;
+        Ok(DeviceCopy {
+            a,
+            b,
+            stream: Stream::new(device)?,
+            rank,
+        })
+    }
+
+    /// Queues `copies` copies of `bytes` from one buffer into the other (`back`: the other
+    /// way), then waits once (bounded by `timeout`) until the device ran them all.
+    fn copy(&self, bytes: usize, copies: usize, back: bool, timeout: Duration) -> xccl::Result<()> {
+        let (dst, src) = if back {
+            (&self.a, &self.b)
+        } else {
+            (&self.b, &self.a)
+        };
+        let what = || {
+            format!(
+                "rank {}'s device-to-device copy limit ({bytes} bytes)",
+                self.rank
+            )
+        };
+        for _ in 0..copies {
+            self.stream.copy(dst, 0, src, 0, bytes, &what)?;
+        }
+        self.stream
+            .synchronize(deadline_after(timeout), self.rank, &what)
+    }
+}
+
 /// One rank's run of a [`Plan`], block by block ([`crate::run::block_rounds`]): block `b` of
 /// every measurement at a time, so the limits' blocks can alternate with the calls'.
 pub struct LimitRun<'a> {
@@ -339,6 +440,8 @@ pub struct LimitRun<'a> {
     seq_out: u64,
     /// The last barrier's (and exchange's) epoch.
     epoch: u64,
+    /// Where this rank times its [`Pattern::DeviceCopy`] measurements, if it has any.
+    device: Option<DeviceCopy>,
 }
 
 impl<'a> LimitRun<'a> {
@@ -355,7 +458,14 @@ impl<'a> LimitRun<'a> {
             seq_in: 0,
             seq_out: 0,
             epoch: 0,
+            device: None,
         }
+    }
+
+    /// Gives the run the device buffers its [`Pattern::DeviceCopy`] measurements copy between
+    /// (needed on every rank [`Plan::copies_on_device`] names).
+    pub fn set_device(&mut self, device: DeviceCopy) {
+        self.device = Some(device);
     }
 
     /// Runs block `b` (of [`Args::num_blocks`]) of every measurement. Every rank of the
@@ -377,6 +487,22 @@ impl<'a> LimitRun<'a> {
                 let epoch = self.epoch;
                 barrier(f, epoch, timeout)?;
                 let mut w = [0u64; WORDS];
+                if let Pattern::DeviceCopy(_) = meas.pattern {
+                    if writer_first {
+                        let dev = self.device.as_ref().ok_or_else(|| {
+                            xccl::Error::invalid(format!(
+                                "rank {rank}: the device-to-device copy limit has no device"
+                            ))
+                        })?;
+                        w[0] = now_ns();
+                        dev.copy(meas.bytes, plan.copies, false, timeout)?;
+                        w[1] = now_ns();
+                        dev.copy(meas.bytes, plan.copies, true, timeout)?;
+                        w[2] = now_ns();
+                    }
+                    self.record(mi, it, w);
+                    continue;
+                }
                 let (src, dst) = (&self.src[..meas.bytes], &mut self.dst);
                 if meas.pattern == Pattern::Exchange {
                     if writer_first {
@@ -403,12 +529,17 @@ impl<'a> LimitRun<'a> {
                     w[1] = now_ns();
                     self.seq_out = stream_out(f, peer, src, plan.chunk, self.seq_out)?;
                 }
-                let at = (mi * plan.rounds() + it) * WORDS;
-                self.words[at..at + WORDS].copy_from_slice(&w);
+                self.record(mi, it, w);
             }
         }
         f.set_policy(self.own);
         Ok(())
+    }
+
+    /// Stores the words of round `it` of measurement `mi`.
+    fn record(&mut self, mi: usize, it: usize, w: [u64; WORDS]) {
+        let at = (mi * self.plan.rounds() + it) * WORDS;
+        self.words[at..at + WORDS].copy_from_slice(&w);
     }
 
     /// Ends the run (a last barrier, so no rank leaves while another still reads its window)
@@ -483,6 +614,19 @@ pub fn aggregate(args: &Args, plan: &Plan, words: &[Vec<u64>]) -> Vec<Limit> {
             let mut lat: [Vec<f64>; 3] = Default::default();
             let (writers, readers) = meas.ranks(m, args.experts);
             for it in plan.warmup..rounds {
+                if let Pattern::DeviceCopy(_) = meas.pattern {
+                    // Per copy, the slowest copying rank.
+                    let per_copy = |a: usize, b: usize| {
+                        let ns = writers
+                            .clone()
+                            .map(|r| at(r, it, b).saturating_sub(at(r, it, a)));
+                        ns.max().unwrap_or(0) as f64 / plan.copies.max(1) as f64 / 1e3
+                    };
+                    lat[0].push(per_copy(0, 1));
+                    lat[1].push(per_copy(1, 2));
+                    lat[2].push(per_copy(0, 2));
+                    continue;
+                }
                 let (writers, readers) = (writers.clone(), readers.clone());
                 let start = writers.clone().map(|r| at(r, it, 0)).min().unwrap_or(0);
                 let end = writers.map(|r| at(r, it, 2)).max().unwrap_or(0);
@@ -609,6 +753,56 @@ mod tests {
         assert!((8 * 64..=24 * 64).contains(&p.measurements[1].bytes));
         // The exchange window holds a row from each of the 3 expert ranks.
         assert!(p.window_len() >= 3 * 64);
+    }
+
+    #[test]
+    fn cuda_plan_copies_on_the_attention_ranks_devices_and_counts_the_slowest_per_copy() {
+        let a = args(&[
+            "--fabric",
+            "cuda",
+            "-a",
+            "2",
+            "-e",
+            "3",
+            "--num-experts",
+            "6",
+            "-k",
+            "2",
+            "--hidden",
+            "16",
+            "-t",
+            "4",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ]);
+        let p = Plan::of(&a).unwrap();
+        assert_eq!(p.kind(), "device-to-device copy");
+        assert_eq!(p.measurements[0].pattern, Pattern::DeviceCopy(2));
+        assert!(p.copies_on_device(0) && p.copies_on_device(1) && !p.copies_on_device(2));
+        // The shm window holds only the floors' rows; the device buffers the copies' bytes.
+        assert_eq!(p.window_len(), 3 * p.row);
+        assert_eq!(p.device_bytes(), p.measurements[0].bytes);
+        // Rank 0 takes 160 ns per copy there and 320 back, rank 1 twice that: rank 1 counts.
+        let rounds = p.warmup + p.iters;
+        let c = p.copies as u64;
+        let mut words = vec![vec![0u64; p.measurements.len() * rounds * WORDS]; 5];
+        for (r, w) in words.iter_mut().enumerate().take(2) {
+            for it in 0..rounds {
+                let k = r as u64 + 1;
+                let start = 1_000_000 * (it as u64 + 1);
+                w[it * WORDS..(it + 1) * WORDS].copy_from_slice(&[
+                    start,
+                    start + 160 * k * c,
+                    start + 480 * k * c,
+                ]);
+            }
+        }
+        let l = aggregate(&a, &p, &words)[0];
+        assert_eq!(l.p50_us, [0.32, 0.64, 0.96]);
+        assert_eq!(l.p99_us, [0.32, 0.64, 0.96]);
+        assert_eq!(Plan::of(&args(&[])).unwrap().kind(), "streaming");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `xccl-bench`: A2E, E2A and round-trip latency and bandwidth between M attention and N expert
 //! ranks, printed as an nccl-tests style table beside the machine's limits (memcpy, the
-//! cross-process streaming limit, the one-row ping-pong floor), optionally written as JSON and an
-//! SVG plot.
+//! cross-process streaming limit or, with `--fabric cuda`, the device-to-device copy, the
+//! one-row ping-pong floor), optionally written as JSON and an SVG plot.
 //!
 //! With no arguments it runs the DeepSeek-V3 decode shape scaled to one host (H=7168, bf16,
 //! top-8 of 64 experts, 128 tokens per attention rank, 2A:2E) on shared memory, starting its own
@@ -172,6 +172,8 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         write_routing(args)?;
     }
     let slots = Communicator::signal_slots(&topo);
+    // The cuda fabric's device: where this rank times the device-to-device copy limit.
+    let mut device = None;
     let local_rank: Option<usize> = std::env::var("LOCAL_RANK")
         .ok()
         .and_then(|v| v.parse().ok());
@@ -192,6 +194,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
             args.timeout(),
         )
         .map_err(e)?;
+        device = Some(f.device().clone());
         Box::new(f)
     } else if args.fabric == FabricKind::Ofi {
         let opts = xccl::fabric::ofi::OfiOptions {
@@ -237,6 +240,21 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
     };
     limit_fabric.set_wait_policy(policy);
     let mut limit_run = limit::LimitRun::new(env.rank, args, &plan);
+    if plan.copies_on_device(env.rank) {
+        let copier = device
+            .as_ref()
+            .ok_or_else(|| {
+                xccl::Error::invalid("the device-to-device copy limit needs --fabric cuda")
+            })
+            .and_then(|d| limit::DeviceCopy::new(d, plan.device_bytes(), env.rank));
+        match copier {
+            Ok(c) => limit_run.set_device(c),
+            Err(err) => {
+                comm.abort(&format!("xccl-bench limit: {err}"));
+                return Err(format!("measuring the device-to-device copy limit: {err}"));
+            }
+        }
+    }
     let pb = (env.rank == 0).then(|| progress(args));
     let mut limit_block = |b: usize| {
         limit_run.block(&mut limit_fabric, b).inspect_err(|err| {
@@ -607,6 +625,7 @@ fn finish(
         mpi,
         wait_policy: describe_wait(args, policy),
         fi: fi.map(|r| report::FiLimit::of(r, args, plan)),
+        limit: report::LimitPoints::of(args, plan, &limits),
     };
     let mismatches: Vec<&String> = reports.iter().flat_map(|r| &r.mismatches).collect();
     let check = match (args.check, mismatches.is_empty()) {

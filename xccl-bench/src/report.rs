@@ -36,7 +36,8 @@ pub struct ResultRow {
     pub memcpy_gbps: f64,
     /// Metadata records per call in the whole job.
     pub metadata_records: usize,
-    /// p50 of the streaming limit of the same bytes ([`crate::limit`]), microseconds.
+    /// p50 of the limit of the same bytes ([`crate::limit`]: the streaming limit, or on
+    /// `--fabric cuda` the device-to-device copy), microseconds.
     pub limit_us: Option<f64>,
     /// p50 of the MPI baseline for the same routing (`--mpi-baseline`), microseconds.
     pub mpi_us: Option<f64>,
@@ -52,8 +53,8 @@ impl ResultRow {
         }
     }
 
-    /// `limit p50 / p50`: 1.0 is at the streaming limit, above 1 is faster than it (possible
-    /// when a mode makes fewer copies than the limit's writer-copy plus reader-copy).
+    /// `limit p50 / p50`: 1.0 is at the limit, above 1 is faster than it (possible when a mode
+    /// makes fewer copies than the streaming limit's writer-copy plus reader-copy).
     pub fn vs_limit(&self) -> Option<f64> {
         self.limit_us
             .filter(|_| self.p50_us > 0.0)
@@ -73,7 +74,7 @@ pub fn op_index(op: &str) -> usize {
     OPS.iter().position(|o| *o == op).unwrap_or(0)
 }
 
-/// Fills in every row's streaming limit (`limits[s]` is token count `s` of the sweep; measured
+/// Fills in every row's limit (`limits[s]` is token count `s` of the sweep; measured
 /// for rows in the dtype, so INT8 rows get none).
 pub fn attach_limits(args: &Args, rows: &mut [ResultRow], limits: &[Limit]) {
     for r in rows.iter_mut().filter(|r| r.quant == "none") {
@@ -453,6 +454,55 @@ pub struct Extras {
     pub wait_policy: String,
     /// Over ofi: libfabric's `fi_pingpong` in the same run ([`crate::pingpong`]).
     pub fi: Option<FiLimit>,
+    /// The token counts' limit: which one and its figures.
+    pub limit: LimitPoints,
+}
+
+/// The limit of each token count as measured ([`crate::limit`]).
+#[derive(Clone, Debug, Default)]
+pub struct LimitPoints {
+    /// Which limit: `"streaming"` or `"device-to-device copy"` ([`crate::limit::Plan::kind`]).
+    pub kind: &'static str,
+    /// Copying ranks at once (the streaming limit's pairs, or the ranks copying on their
+    /// devices).
+    pub ranks: usize,
+    /// Device copies per timed sample (the device-to-device copy only).
+    pub copies: Option<usize>,
+    /// Per token count: the tokens and the limit measured for them.
+    pub points: Vec<(usize, Limit)>,
+}
+
+impl LimitPoints {
+    /// The limits of the token counts of `args` (the first of `limits`, in `plan`'s order).
+    pub fn of(args: &Args, plan: &crate::limit::Plan, limits: &[Limit]) -> Self {
+        let kind = plan.kind();
+        LimitPoints {
+            kind,
+            ranks: args.attention.min(args.experts),
+            copies: (plan.device_bytes() > 0).then_some(plan.copies),
+            points: args
+                .tokens
+                .iter()
+                .copied()
+                .zip(limits.iter().copied())
+                .collect(),
+        }
+    }
+
+    /// How the limit was measured, in words.
+    pub fn describe(&self) -> String {
+        match self.copies {
+            Some(c) => format!(
+                "device-to-device copy of the same bytes on the device of each of {} attention \
+                 rank(s) at once ({c} copies per sample, one synchronize, host clock)",
+                self.ranks
+            ),
+            None => format!(
+                "streaming the same bytes between processes, {} pair(s) at once",
+                self.ranks
+            ),
+        }
+    }
 }
 
 /// `fi_pingpong`'s figures of an ofi run, and the message size of each sweep point.
@@ -640,6 +690,20 @@ pub fn table(
             p.tokens, p.quant, p.a2e_send, p.a2e_landed, p.e2a_send, p.e2a_landed
         );
     }
+    for (t, l) in &extras.limit.points {
+        s += &format!(
+            "# limit T={t}: {} ({} B per rank): p50/p99 us a2e {:.2}/{:.2}, e2a {:.2}/{:.2}, \
+             roundtrip {:.2}/{:.2}\n",
+            extras.limit.describe(),
+            l.bytes,
+            l.p50_us[0],
+            l.p99_us[0],
+            l.p50_us[1],
+            l.p99_us[1],
+            l.p50_us[2],
+            l.p99_us[2]
+        );
+    }
     if let Some((exchange, pairs)) = &extras.floors {
         let smallest = rows
             .iter()
@@ -794,6 +858,18 @@ pub fn to_json(
                     "load_average_1min": machine.load},
         "memcpy_gbps": memcpy,
         "check": check,
+        "limit": {
+            "kind": extras.limit.kind,
+            "what": extras.limit.describe(),
+            "ranks": extras.limit.ranks,
+            "copies_per_sample": extras.limit.copies,
+            "points": extras.limit.points.iter().map(|(t, l)| json!({
+                "tokens": t,
+                "bytes": l.bytes,
+                "p50_us": op_json(&l.p50_us),
+                "p99_us": op_json(&l.p99_us),
+            })).collect::<Vec<_>>(),
+        },
         "floor": extras.floors.as_ref().map(|(f, _)| json!({
             "pattern": "exchange",
             "attention": extras.floor_shape.0,
@@ -850,6 +926,10 @@ pub fn to_json(
             "metadata_records": r.metadata_records,
         })).collect::<Vec<_>>(),
     })
+}
+
+fn op_json(v: &[f64; 3]) -> serde_json::Value {
+    json!({"a2e": v[0], "e2a": v[1], "roundtrip": v[2]})
 }
 
 fn floor_json(f: &crate::limit::Floor) -> Vec<serde_json::Value> {

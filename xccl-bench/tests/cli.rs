@@ -557,3 +557,59 @@ fn fabric_cuda_runs_checked_against_the_standin_and_names_the_driver_without_one
     assert!(left.is_empty(), "stand-in segments left: {left:?}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn fabric_cuda_limit_is_the_device_to_device_copy_of_the_same_bytes_in_table_and_json() {
+    let dir = tmp("cuda-standin-limit");
+    let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let prefix = format!("xccl-cu-limit{}", std::process::id());
+    let json = tmp("cuda-limit.json");
+    let stdout = stdout_of(
+        bench()
+            .args(["-a", "2", "-e", "2", "--num-experts", "8", "-k", "3"])
+            .args([
+                "--hidden", "64", "-t", "1,16", "--iters", "5", "--warmup", "1",
+            ])
+            .args(["--timeout", "60", "--fabric", "cuda", "--json"])
+            .arg(&json)
+            .env_remove("CUDA_STANDIN_FAIL")
+            .env("XCCL_CUDA_LIBRARY", &lib)
+            .env("CUDA_STANDIN_SHM_PREFIX", &prefix),
+    );
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("valid json");
+    std::fs::remove_file(&json).ok();
+    std::fs::remove_dir_all(&dir).ok();
+    // The table names the limit, per token count.
+    for t in [1, 16] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("# limit T={t}:")))
+            .unwrap_or_else(|| panic!("no limit line for T={t}:\n{stdout}"));
+        assert!(line.contains("device-to-device copy"), "{line}");
+    }
+    let limit = &v["limit"];
+    assert_eq!(limit["kind"], "device-to-device copy", "{v}");
+    assert!(limit["copies_per_sample"].as_u64().unwrap() > 1, "{limit}");
+    let points = limit["points"].as_array().expect("limit points");
+    assert_eq!(points.len(), 2, "{limit}");
+    for (p, t) in points.iter().zip([1, 16]) {
+        assert_eq!(p["tokens"], t);
+        assert!(p["bytes"].as_u64().unwrap() >= 64 * 2, "{p}");
+        for op in ["a2e", "e2a", "roundtrip"] {
+            let p50 = p["p50_us"][op].as_f64().unwrap();
+            assert!(p50 > 0.0 && p["p99_us"][op].as_f64().unwrap() >= p50, "{p}");
+        }
+    }
+    // Every dtype row's limit column holds that limit's positive p50.
+    for r in v["results"].as_array().unwrap() {
+        let t = r["tokens"].as_u64().unwrap();
+        let p = points.iter().find(|p| p["tokens"] == t).unwrap();
+        let limit_us = r["limit_us"].as_f64().expect("limit_us");
+        assert!(limit_us > 0.0, "{r}");
+        assert_eq!(
+            limit_us,
+            p["p50_us"][r["op"].as_str().unwrap()].as_f64().unwrap()
+        );
+    }
+}
