@@ -668,6 +668,27 @@ impl Communicator {
         Ok(())
     }
 
+    /// Runs `f` on this communicator with no call deadline (a year away), then restores the
+    /// configured timeout: for a serving loop's idle receive, which waits for requests as long
+    /// as its peers live. The waits inside still check the peers they wait for, so they end
+    /// when one of them dies or leaves the job ([`Error::PeerFailed`] naming it), when the job
+    /// is aborted, or when the interrupt check fires; never with [`Error::Timeout`].
+    ///
+    /// ```no_run
+    /// # fn serve(comm: &mut xccl::Communicator) -> xccl::Result<()> {
+    /// let mut batch = xccl::ExpertBatch::default();
+    /// comm.without_deadline(|c| c.a2e_recv(&mut batch))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn without_deadline<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let timeout = self.ctx.cfg.timeout;
+        // `deadline_after` saturates a deadline past the clock's range to a year from now.
+        self.ctx.cfg.timeout = Duration::MAX;
+        let r = f(self);
+        self.ctx.cfg.timeout = timeout;
+        r
+    }
+
     /// Metadata records one A2E call writes in the whole job, by formula: one per (attention,
     /// expert) pair, or with relays one per attention rank plus one per (relay, expert rank);
     /// with DP domains only the largest domain's attention ranks count.
