@@ -263,7 +263,7 @@ def run_python(iters: int, counts: list[int], mode: str, inputs: str) -> dict:
         return parse(out.stdout)
 
     root = xccl.UniqueId.new()  # the rendezvous root lives as long as this object
-    uid = str(root)
+    uid = root.hex()
     procs = []
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--mode", mode]

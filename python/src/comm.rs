@@ -7,6 +7,7 @@
 //! 40 ms, leaving the documented state (retryable if the call had published nothing, else
 //! poisoned and the job aborted: see `Communicator.poisoned`).
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
@@ -18,13 +19,15 @@ use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
 use xccl::{Communicator, DType, ExpertBatch, Role, TokenBatch, Topology};
 
 use crate::buffer::{Buffer, HostBytes, Owner};
-use crate::errors::{invalid, to_py};
+use crate::errors::{invalid, panic_message, panicked, to_py};
 use crate::tensor::{expect_rows, topk_ids, Elem, Tensor};
-use crate::topo::{parse_role, role_name, PyConfig, PyTopology};
+use crate::topo::{parse_role, role_name, seconds, PyConfig, PyTopology};
 
 /// A communicator shared by its Python object and the buffers over its window.
 struct Shared {
     comm: Mutex<Communicator>,
+    /// Set when a call panicked (a bug): every later call is refused.
+    broken: AtomicBool,
     /// What the interrupt check caught (KeyboardInterrupt), raised when the call returns.
     pending: Arc<Mutex<Option<PyErr>>>,
 }
@@ -45,6 +48,7 @@ impl Shared {
         })));
         Arc::new(Shared {
             comm: Mutex::new(comm),
+            broken: AtomicBool::new(false),
             pending,
         })
     }
@@ -56,6 +60,8 @@ enum Busy {
     InUse,
     /// A call panicked earlier (a bug): the communicator is unusable.
     Broken,
+    /// This call panicked (a bug): the job was aborted; the payload says why.
+    Panicked(Box<dyn std::any::Any + Send>),
 }
 
 /// Fixed facts of a communicator, kept outside its lock.
@@ -201,14 +207,33 @@ impl PyComm {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        let abort = &self.abort;
+        let rank = self.info.rank;
         let outcome = py.detach(|| {
             let mut comm = match shared.comm.try_lock() {
+                Ok(_) if shared.broken.load(Ordering::Acquire) => return Err(Busy::Broken),
                 Ok(c) => c,
                 Err(TryLockError::WouldBlock) => return Err(Busy::InUse),
                 Err(TryLockError::Poisoned(_)) => return Err(Busy::Broken),
             };
-            let r = f(&mut comm);
-            Ok((r, comm.poisoned().is_some()))
+            // The panic boundary, as the C ABI's: a panic marks the communicator broken (every
+            // later call is refused) and aborts the job at once, so that no peer waits for its
+            // deadline.
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                crate::testing::maybe_panic(crate::testing::Site::Call);
+                f(&mut comm)
+            }));
+            match r {
+                Ok(r) => Ok((r, comm.poisoned().is_some())),
+                Err(payload) => {
+                    abort.abort(&format!(
+                        "rank {rank}: a call panicked ({}), a bug in xccl",
+                        panic_message(payload.as_ref())
+                    ));
+                    shared.broken.store(true, Ordering::Release);
+                    Err(Busy::Panicked(payload))
+                }
+            }
         });
         match outcome {
             Ok((Ok(v), _)) => Ok(v),
@@ -232,6 +257,12 @@ impl PyComm {
                         .into(),
                 ),
                 false,
+            )),
+            Err(Busy::Panicked(payload)) => Err(panicked(
+                py,
+                "a call",
+                &panic_message(payload.as_ref()),
+                true,
             )),
             Err(Busy::Broken) => Err(to_py(
                 py,
@@ -282,7 +313,8 @@ const SIGNAL_POLL: Duration = Duration::from_millis(20);
 /// Where a blocking step on a helper thread leaves its result for the waiting Python thread.
 enum Slot<R> {
     Waiting,
-    Done(R),
+    /// The step's result, or the message of its panic (a bug).
+    Done(Result<R, String>),
     /// The Python thread was interrupted and left: the helper hands its result to this.
     Abandoned(Box<dyn FnOnce(R) + Send>),
 }
@@ -291,7 +323,9 @@ enum Slot<R> {
 /// Python's signal handlers every [`SIGNAL_POLL`], so that Ctrl-C reaches a wait the library
 /// cannot interrupt itself (the bootstrap's rounds in init and shrink). When a handler raises
 /// (KeyboardInterrupt), `interrupted` runs at once, the result `work` returns later goes to
-/// `abandon` (on whichever thread has it), and the exception is raised here.
+/// `abandon` (on whichever thread has it), and the exception is raised here. A panic of `work`
+/// (a bug) ends the wait with an `XcclError` saying so: the helper always hands over a result,
+/// so this wait lasts as long as `work`, whose own waits are bounded.
 fn interruptible<R: Send + 'static>(
     py: Python<'_>,
     what: &str,
@@ -304,13 +338,19 @@ fn interruptible<R: Send + 'static>(
     std::thread::Builder::new()
         .name(format!("xccl-{what}"))
         .spawn(move || {
-            let r = work();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                crate::testing::maybe_panic(crate::testing::Site::Helper);
+                work()
+            }))
+            .map_err(|p| panic_message(p.as_ref()));
             let (slot, cv) = &*helper;
             let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
             match std::mem::replace(&mut *slot, Slot::Waiting) {
                 Slot::Abandoned(f) => {
                     drop(slot);
-                    f(r);
+                    if let Ok(r) = r {
+                        f(r);
+                    }
                 }
                 _ => {
                     *slot = Slot::Done(r);
@@ -340,15 +380,19 @@ fn interruptible<R: Send + 'static>(
             }
         }
     };
+    let done = |r: Result<R, String>| {
+        r.map_err(|m| panicked(py, &format!("the {what} thread"), &m, false))
+    };
     loop {
         if let Some(r) = py.detach(|| take(SIGNAL_POLL).ok()) {
-            return Ok(r);
+            return done(r);
         }
         if let Err(e) = py.check_signals() {
             py.detach(|| {
                 interrupted();
                 match take(Duration::ZERO) {
-                    Ok(r) => abandon(r),
+                    Ok(Ok(r)) => abandon(r),
+                    Ok(Err(_)) => {}
                     Err(mut slot) => *slot = Slot::Abandoned(Box::new(abandon)),
                 }
             });
@@ -456,6 +500,47 @@ fn join_interruptible(
     comm.map(PyComm::wrap).map_err(|e| to_py(py, &e, false))
 }
 
+/// The rendezvous under torchrun, whose agent store already listens on `MASTER_PORT`
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`) unless `XCCL_ROOT` names another address: rank 0
+/// starts the root on a port the OS picks, on `MASTER_ADDR`, and hands the port (not a secret)
+/// to the other ranks through the agent store (`xccl._torchrun`); the key stays in each
+/// rank's environment (`XCCL_JOB_KEY`), the job id is derived as for any launcher. Returns the
+/// id to join with, this rank and the world size; `None` when not under torchrun's agent.
+fn torchrun_root(
+    py: Python<'_>,
+    timeout: Duration,
+) -> PyResult<Option<(xccl::bootstrap::UniqueId, usize, usize)>> {
+    use xccl::bootstrap::{Launcher, RootConfig, UniqueId, ROOT_ENV};
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.trim().is_empty());
+    let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v == "True");
+    if !agent || set(ROOT_ENV) {
+        return Ok(None);
+    }
+    let env = match LaunchEnv::detect().map_err(|e| to_py(py, &e, false))? {
+        Some(env) if env.launcher == Launcher::Torchrun => env,
+        _ => return Ok(None),
+    };
+    let store = py.import("xccl._torchrun")?;
+    let secs = timeout.as_secs_f64();
+    let root = |port| std::net::SocketAddr::new(env.root.ip(), port);
+    let id = if env.rank == 0 {
+        let mut config = RootConfig::with_key(env.job_id, env.key.clone());
+        config.size = Some(env.size);
+        // The root runs detached until every rank has joined and left (or stays idle).
+        let (id, _detached) = py
+            .detach(|| UniqueId::start_root(root(0), config))
+            .map_err(|e| to_py(py, &e, false))?;
+        store.call_method1("publish_root_port", (id.root_addr().port(), secs))?;
+        id
+    } else {
+        let port: u16 = store
+            .call_method1("root_port", (env.rank, secs))?
+            .extract()?;
+        UniqueId::from_parts(env.job_id, &env.key, root(port))
+    };
+    Ok(Some((id, env.rank, env.size)))
+}
+
 /// Joins a job on `fabric` over `exchange`, with the topology built from gathered roles when
 /// `role` is given.
 fn join(
@@ -499,6 +584,99 @@ fn join(
     }
 }
 
+/// The ``timeout`` argument of a receive.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RecvTimeout {
+    /// Not given: the config's timeout.
+    Config,
+    /// ``None``: no deadline; the waits end only at a dead or departed peer, an abort or an
+    /// interrupt ([`Communicator::without_deadline`]).
+    Never,
+    /// Seconds, as given (checked by [`RecvTimeout::checked`]).
+    Seconds(f64),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RecvTimeout {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_none() {
+            return Ok(RecvTimeout::Never);
+        }
+        obj.extract::<f64>().map(RecvTimeout::Seconds).map_err(|_| {
+            invalid(
+                obj.py(),
+                "timeout must be a number of seconds or None (no deadline)",
+            )
+        })
+    }
+}
+
+/// A checked [`RecvTimeout`]: `None` the config's, `Some(None)` no deadline.
+#[derive(Clone, Copy)]
+struct CallTimeout(Option<Option<Duration>>);
+
+impl RecvTimeout {
+    /// Checks the seconds (`(0, MAX_TIMEOUT_S]`, else a `ValueError` naming the range).
+    fn checked(self, py: Python<'_>) -> PyResult<CallTimeout> {
+        Ok(CallTimeout(match self {
+            RecvTimeout::Config => None,
+            RecvTimeout::Never => Some(None),
+            RecvTimeout::Seconds(s) => Some(Some(seconds(py, "timeout", s)?)),
+        }))
+    }
+}
+
+impl CallTimeout {
+    /// Runs `f` on `c` under this timeout; the config's applies again afterwards.
+    fn apply<R>(
+        self,
+        c: &mut Communicator,
+        f: impl FnOnce(&mut Communicator) -> xccl::Result<R>,
+    ) -> xccl::Result<R> {
+        match self.0 {
+            None => f(c),
+            Some(None) => c.without_deadline(f),
+            Some(Some(t)) => {
+                let configured = c.config().timeout;
+                c.set_timeout(t)?;
+                let r = f(c);
+                c.set_timeout(configured)?;
+                r
+            }
+        }
+    }
+}
+
+/// Hex runs this long or longer are taken for secrets (a job key is 64 digits, a unique id
+/// 256) by [`without_hex_runs`].
+const SECRET_HEX_DIGITS: usize = 32;
+
+/// `text` with every run of [`SECRET_HEX_DIGITS`] or more hex digits replaced by
+/// `<hex hidden>`.
+fn without_hex_runs(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut String| {
+        if run.len() >= SECRET_HEX_DIGITS {
+            out.push_str("<hex hidden>");
+        } else {
+            out.push_str(run);
+        }
+        run.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_hexdigit() {
+            run.push(c);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
 /// Stats as a dict.
 fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -519,18 +697,6 @@ fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDi
     }
     d.set_item("peers", peers)?;
     Ok(d)
-}
-
-/// Seconds as a positive duration.
-fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
-    if s.is_finite() && s > 0.0 {
-        Ok(Duration::from_secs_f64(s))
-    } else {
-        Err(invalid(
-            py,
-            format!("{what} must be a positive number of seconds, got {s}"),
-        ))
-    }
 }
 
 #[pymethods]
@@ -583,7 +749,14 @@ impl PyComm {
     /// Joins the job the launcher's environment describes: torchrun (``RANK``,
     /// ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), mpirun or srun (their rank variables
     /// plus ``XCCL_ROOT=host:port``), or ``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``; rank 0 hosts
-    /// the rendezvous on that port. Arguments (and Ctrl-C) as for :meth:`init`.
+    /// the rendezvous on that port. Every rank's environment holds the job's key
+    /// (``XCCL_JOB_KEY``). Arguments (and Ctrl-C) as for :meth:`init`.
+    ///
+    /// Under torchrun, whose agent store already listens on ``MASTER_PORT``
+    /// (``TORCHELASTIC_USE_AGENT_STORE=True``), rank 0 hosts the rendezvous on a port the OS
+    /// picks on ``MASTER_ADDR`` and the other ranks learn it through torchrun's store (the
+    /// port only; the key never leaves the environment): no port to choose. ``XCCL_ROOT``
+    /// still overrides.
     #[staticmethod]
     #[pyo3(signature = (topology, config, *, fabric = "shm", device = None, role = None, timeout = 60.0))]
     fn from_env(
@@ -598,16 +771,22 @@ impl PyComm {
         let role = role.map(|r| parse_role(py, r)).transpose()?;
         let timeout = seconds(py, "timeout", timeout)?;
         let cfg = config.get().cfg.clone();
-        let connect = move || {
-            let env = LaunchEnv::detect()?.ok_or_else(|| {
-                xccl::Error::Bootstrap(
-                    "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, or \
-                     launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
-                        .into(),
-                )
-            })?;
-            env.connect(timeout)
-        };
+        let connect: Box<dyn FnOnce() -> xccl::Result<TcpBootstrap> + Send> =
+            match torchrun_root(py, timeout)? {
+                Some((id, rank, size)) => {
+                    Box::new(move || TcpBootstrap::connect(&id, rank, size, timeout))
+                }
+                None => Box::new(move || {
+                    let env = LaunchEnv::detect()?.ok_or_else(|| {
+                        xccl::Error::Bootstrap(
+                            "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, \
+                             or launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
+                                .into(),
+                        )
+                    })?;
+                    env.connect(timeout)
+                }),
+            };
         join_interruptible(
             py,
             connect,
@@ -868,11 +1047,20 @@ impl PyComm {
 
     /// A2E receive on an expert rank, expert-major: waits for this call's rows from every
     /// attention rank and returns them grouped by local expert (:class:`ExpertBatch`).
-    fn a2e_recv(&self, py: Python<'_>) -> PyResult<PyExpertBatch> {
+    ///
+    /// ``timeout``: seconds for this receive (default: the config's ``timeout``), or ``None``:
+    /// no deadline, for a serving loop waiting for requests. It then waits as long as the
+    /// attention ranks live: only a dead peer or one that left the job
+    /// (:class:`PeerFailedError` naming it), an abort (:class:`AbortedError`) or Ctrl-C
+    /// (``KeyboardInterrupt``) ends it, never :class:`TimeoutError`.
+    #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
+    fn a2e_recv(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyExpertBatch> {
+        let timeout = timeout.checked(py)?;
         let mut batch = Spares::take(&self.spares.expert);
-        self.run(py, |c| c.a2e_recv(&mut batch))?;
+        self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch)))?;
         Ok(PyExpertBatch {
             inner: batch,
+            replied: AtomicBool::new(false),
             spares: self.spares.clone(),
             elem: self.elem(),
             keep_int8: self.info.keep_int8,
@@ -880,12 +1068,18 @@ impl PyComm {
     }
 
     /// A2E receive on an expert rank, token-major: one row per received token, with its local
-    /// experts and weights (:class:`TokenBatch`).
-    fn a2e_recv_tokens(&self, py: Python<'_>) -> PyResult<PyTokenBatch> {
+    /// experts and weights (:class:`TokenBatch`). ``timeout`` as for :meth:`a2e_recv`
+    /// (``None``: no deadline while the peers live).
+    #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
+    fn a2e_recv_tokens(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyTokenBatch> {
+        let timeout = timeout.checked(py)?;
         let mut batch = Spares::take(&self.spares.token);
-        self.run(py, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))?;
+        self.run(py, |c| {
+            timeout.apply(c, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))
+        })?;
         Ok(PyTokenBatch {
             inner: batch,
+            replied: AtomicBool::new(false),
             spares: self.spares.clone(),
             elem: self.elem(),
             hidden: self.info.hidden,
@@ -928,7 +1122,9 @@ impl PyComm {
                 let s = ot.elements::<bf16>();
                 self.run(py, |c| c.e2a_send(b, &s))
             }
-        }
+        }?;
+        batch.get().replied.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
@@ -955,7 +1151,9 @@ impl PyComm {
         self.run(py, |c| {
             let mode = c.config().mode;
             c.e2a_send_tokens_bytes(b, bytes, mode)
-        })
+        })?;
+        batch.get().replied.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// Waits for every rank (collective).
@@ -1006,7 +1204,8 @@ impl PyComm {
 
     /// After a peer failure: every survivor calls ``shrink()``, which agrees on the dead ranks
     /// and returns a new communicator over the survivors (ranks renumbered densely; see
-    /// :meth:`rank_after_shrink`). This communicator is closed. ``drop_orphaned_experts``: drop
+    /// :meth:`rank_after_shrink`). This communicator is closed by the call, whatever its
+    /// outcome: use the one returned from now on. ``drop_orphaned_experts``: drop
     /// the selections of experts left without a replica instead of raising
     /// :class:`ExpertLostError`. ``timeout``: seconds per agreement round (default 60).
     ///
@@ -1075,9 +1274,11 @@ impl PyComm {
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> bool {
         if exc_type.is_some_and(|t| !t.is_none()) && !self.closed() {
+            // The exception's text goes to every peer: a key or an id in it (a long run of hex
+            // digits) is left out.
             let what = exc
                 .and_then(|e| e.repr().ok())
-                .map(|r| r.to_string_lossy().into_owned())
+                .map(|r| without_hex_runs(&r.to_string_lossy()))
                 .unwrap_or_else(|| "an exception".into());
             let _ = self.abort(
                 py,
@@ -1138,6 +1339,10 @@ impl PyComm {
 
 /// What an attention rank keeps between an A2E call and its E2A: pass it to
 /// :meth:`Communicator.e2a_recv` once.
+///
+/// Dropping a handle before its E2A receive aborts the job at once: that call can no longer
+/// be answered, so every rank's current and later calls raise :class:`AbortedError` naming
+/// this rank and the call's epoch (the Rust API's rule).
 #[pyclass(frozen, module = "xccl", name = "A2eHandle")]
 pub struct PyA2eHandle {
     handle: xccl::A2eHandle,
@@ -1216,9 +1421,14 @@ fn sources_list<'py>(
 /// other buffers view it without a copy, stay valid as long as Python holds them (or the
 /// batch), and never change (no peer writes them; they are read-only). Reply with
 /// :meth:`Communicator.e2a_send` once.
+///
+/// Dropping the batch (with every buffer viewing it) before its reply aborts the job at once,
+/// naming this rank and the epoch: the attention ranks would otherwise wait out their timeout.
 #[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
 pub struct PyExpertBatch {
     inner: ExpertBatch,
+    /// Set once its reply went out: only then may the batch be reused.
+    replied: AtomicBool,
     /// Where the batch's memory goes once Python drops it (after every buffer viewing it).
     spares: Arc<Spares>,
     elem: Elem,
@@ -1226,8 +1436,14 @@ pub struct PyExpertBatch {
 }
 
 impl Drop for PyExpertBatch {
+    /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
+    /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
+    /// its reply).
     fn drop(&mut self) {
-        Spares::give(&self.spares.expert, std::mem::take(&mut self.inner));
+        let batch = std::mem::take(&mut self.inner);
+        if self.replied.load(Ordering::Acquire) {
+            Spares::give(&self.spares.expert, batch);
+        }
     }
 }
 
@@ -1413,10 +1629,13 @@ impl PyExpertBatch {
 ///
 /// Token ``i`` selected local experts ``expert_ids[i, :]`` (ascending, padded with -1) with
 /// weights ``expert_weights[i, :]`` (padded with 0). Buffers as for :class:`ExpertBatch`.
-/// Reply with :meth:`Communicator.e2a_send_tokens` once.
+/// Reply with :meth:`Communicator.e2a_send_tokens` once; dropping it before the reply aborts
+/// the job at once, as for :class:`ExpertBatch`.
 #[pyclass(frozen, module = "xccl", name = "TokenBatch")]
 pub struct PyTokenBatch {
     inner: TokenBatch,
+    /// As [`PyExpertBatch::replied`].
+    replied: AtomicBool,
     /// As [`PyExpertBatch::spares`].
     spares: Arc<Spares>,
     elem: Elem,
@@ -1426,8 +1645,14 @@ pub struct PyTokenBatch {
 }
 
 impl Drop for PyTokenBatch {
+    /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
+    /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
+    /// its reply).
     fn drop(&mut self) {
-        Spares::give(&self.spares.token, std::mem::take(&mut self.inner));
+        let batch = std::mem::take(&mut self.inner);
+        if self.replied.load(Ordering::Acquire) {
+            Spares::give(&self.spares.token, batch);
+        }
     }
 }
 
