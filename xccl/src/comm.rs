@@ -739,6 +739,18 @@ impl Communicator {
         });
     }
 
+    /// Leaves the job now, as dropping the communicator does, but keeps this rank's windows
+    /// mapped until it is dropped: for a binding whose buffers (the registered A2E input) still
+    /// point into them. Peers see this rank's departure at once (on fabrics that mark it
+    /// early, [`Fabric::leave`]; the others mark it on drop), and every later call of this
+    /// communicator fails.
+    pub fn leave(&mut self) {
+        self.ctx.fabric.leave();
+        self.poisoned.get_or_insert(Error::invalid(
+            "this communicator left the job (closed); its windows stay mapped while its buffers live",
+        ));
+    }
+
     /// A handle that aborts this communicator's job from any thread, also while a call of this
     /// communicator blocks on another thread (see [`AbortHandle`]).
     pub fn abort_handle(&self) -> AbortHandle {

@@ -486,6 +486,31 @@ fn a_receive_without_deadline_waits_past_the_timeout_and_ends_when_its_peer_leav
     assert_eq!(expert.config().timeout, Duration::from_millis(200));
 }
 
+#[test]
+fn a_communicator_that_left_is_seen_gone_at_once_and_refuses_later_calls() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_secs(20);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    attn.leave();
+    // Still alive and mapped, but gone for its peer: not a 20 s timeout.
+    let start = Instant::now();
+    let err = expert.a2e_recv(&mut ExpertBatch::default()).unwrap_err();
+    assert!(matches!(err, Error::PeerFailed { peer: 0, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    let input = wl(16, 4, false).input(&topo, 2, 0, 0);
+    let err = attn
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap_err();
+    assert!(err.to_string().contains("left the job"), "{err}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
 

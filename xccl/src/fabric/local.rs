@@ -136,6 +136,16 @@ impl LocalFabric {
 
 impl Drop for LocalFabric {
     fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+impl Fabric for LocalFabric {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn leave(&self) {
         let me = &self.world.ranks[self.rank];
         me.control.set_departed();
         me.alive.store(false, Ordering::SeqCst);
@@ -143,12 +153,6 @@ impl Drop for LocalFabric {
         for r in &self.world.ranks {
             r.control.wake();
         }
-    }
-}
-
-impl Fabric for LocalFabric {
-    fn name(&self) -> &'static str {
-        "local"
     }
 
     fn rank(&self) -> usize {
@@ -287,7 +291,7 @@ impl Fabric for LocalFabric {
         } else {
             Err(Error::PeerFailed {
                 peer,
-                detail: "its endpoint was dropped".into(),
+                detail: "its endpoint was dropped (it left the job)".into(),
             })
         }
     }
