@@ -54,6 +54,22 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Lets go of this reference to the communicator; when buffers over its registered input
+    /// still hold it (they keep its window mapped), it leaves the job now
+    /// (`Communicator::leave`) rather than when the last buffer goes. A call running on another
+    /// thread holds it too: then nothing is done here, and the communicator leaves when that
+    /// call's reference goes.
+    fn release(me: Arc<Shared>) {
+        if Arc::strong_count(&me) > 1 {
+            if let Ok(mut c) = me.comm.try_lock() {
+                c.leave();
+            }
+        }
+        drop(me);
+    }
+}
+
 /// Why a call could not start.
 enum Busy {
     /// Another thread is inside a call on this communicator.
@@ -112,6 +128,8 @@ pub struct PyComm {
     /// Batches Python has let go of, reused by the next receive so that steady-state receives
     /// do not allocate (as the C ABI does).
     spares: Arc<Spares>,
+    /// The last batches replied to, whose memory the next receive may take ([`Held`]).
+    recycle: Recycle,
 }
 
 /// At most this many spare batches of each layout are kept.
@@ -150,7 +168,7 @@ impl Drop for PyComm {
         if let Some(shared) = shared {
             // Leaving the job waits (bounded) for the bootstrap root, which may be a thread of
             // this process that logs through Python: release the GIL meanwhile.
-            Python::attach(|py| py.detach(move || drop(shared)));
+            Python::attach(|py| py.detach(move || Shared::release(shared)));
         }
     }
 }
@@ -179,6 +197,7 @@ impl PyComm {
             input_live: Mutex::new(None),
             info,
             spares: Arc::default(),
+            recycle: Recycle::default(),
         }
     }
 
@@ -1056,11 +1075,11 @@ impl PyComm {
     #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
     fn a2e_recv(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyExpertBatch> {
         let timeout = timeout.checked(py)?;
-        let mut batch = Spares::take(&self.spares.expert);
+        let mut batch = recycle(py, &self.recycle.expert, |b| &b.inner)
+            .unwrap_or_else(|| Spares::take(&self.spares.expert));
         self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch)))?;
         Ok(PyExpertBatch {
-            inner: batch,
-            replied: AtomicBool::new(false),
+            inner: Held::new(batch),
             spares: self.spares.clone(),
             elem: self.elem(),
             keep_int8: self.info.keep_int8,
@@ -1073,13 +1092,13 @@ impl PyComm {
     #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
     fn a2e_recv_tokens(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyTokenBatch> {
         let timeout = timeout.checked(py)?;
-        let mut batch = Spares::take(&self.spares.token);
+        let mut batch = recycle(py, &self.recycle.token, |b| &b.inner)
+            .unwrap_or_else(|| Spares::take(&self.spares.token));
         self.run(py, |c| {
             timeout.apply(c, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))
         })?;
         Ok(PyTokenBatch {
-            inner: batch,
-            replied: AtomicBool::new(false),
+            inner: Held::new(batch),
             spares: self.spares.clone(),
             elem: self.elem(),
             hidden: self.info.hidden,
@@ -1099,7 +1118,8 @@ impl PyComm {
         expert_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
-        let b = &batch.get().inner;
+        let held = &batch.get().inner;
+        let b = &*held.get(py)?;
         let ot = Tensor::import(py, expert_out, "expert_out")?;
         expect_rows(
             py,
@@ -1123,7 +1143,12 @@ impl PyComm {
                 self.run(py, |c| c.e2a_send(b, &s))
             }
         }?;
-        batch.get().replied.store(true, Ordering::Release);
+        held.set_replied();
+        *self
+            .recycle
+            .expert
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(batch.clone().unbind());
         Ok(())
     }
 
@@ -1137,7 +1162,8 @@ impl PyComm {
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
-        let b = &batch.get().inner;
+        let held = &batch.get().inner;
+        let b = &*held.get(py)?;
         let rt = Tensor::import(py, reduced, "reduced")?;
         expect_rows(
             py,
@@ -1152,7 +1178,9 @@ impl PyComm {
             let mode = c.config().mode;
             c.e2a_send_tokens_bytes(b, bytes, mode)
         })?;
-        batch.get().replied.store(true, Ordering::Release);
+        held.set_replied();
+        *self.recycle.token.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(batch.clone().unbind());
         Ok(())
     }
 
@@ -1250,13 +1278,15 @@ impl PyComm {
         self.run(py, |c| Ok(c.shrunk_past().to_vec()))
     }
 
-    /// Leaves the job and frees the communicator (windows stay mapped while buffers from
-    /// :meth:`a2e_input` live). Later calls raise; closing twice is fine.
+    /// Leaves the job and frees the communicator: the peers see this rank leave at once, also
+    /// while buffers from :meth:`a2e_input` (or tensors made from them) live, which keep only
+    /// the window's memory mapped (they refuse new exports). Later calls raise; closing twice
+    /// is fine.
     fn close(&self, py: Python<'_>) {
         self.retire_input();
         let shared = self.shared.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(shared) = shared {
-            py.detach(move || drop(shared));
+            py.detach(move || Shared::release(shared));
         }
     }
 
@@ -1382,10 +1412,17 @@ fn as_i32(values: &[u32]) -> Vec<i32> {
     values.iter().map(|&v| v as i32).collect()
 }
 
-/// A buffer viewing `bytes` of batch `owner` (read-only; the batch never changes).
-fn batch_view(owner: &Bound<'_, PyAny>, bytes: &[u8], shape: &[usize], elem: Elem) -> Buffer {
+/// A buffer viewing `bytes` of batch `owner` (read-only; the batch never changes), counted in
+/// the batch's `views`.
+fn batch_view(
+    owner: &Bound<'_, PyAny>,
+    views: &Arc<()>,
+    bytes: &[u8],
+    shape: &[usize],
+    elem: Elem,
+) -> Buffer {
     Buffer::new(
-        Owner::Object(owner.clone().unbind()),
+        Owner::Object(owner.clone().unbind(), views.clone()),
         bytes.as_ptr(),
         shape,
         elem,
@@ -1412,6 +1449,101 @@ fn sources_list<'py>(
     Ok(l)
 }
 
+/// A received batch as its Python object holds it: the batch (locked while a call or a getter
+/// reads it), whether its reply went out, and whether a later receive took its memory.
+///
+/// A replied batch that nothing but the loop variable refers to (no buffer views it) gives its
+/// memory to the next receive of its kind on its communicator ([`Recycle`]), so that a loop
+/// `batch = comm.a2e_recv(); ...; comm.e2a_send(batch, out)` refills one batch, as a Rust loop
+/// does, instead of alternating two (twice the memory the receive writes and the reply reads,
+/// which costs cache misses at large calls). Reading the batch afterwards raises.
+struct Held<B> {
+    batch: Mutex<B>,
+    replied: AtomicBool,
+    recycled: AtomicBool,
+    /// One more reference per live buffer viewing the batch ([`batch_view`]).
+    views: Arc<()>,
+}
+
+impl<B: Default> Held<B> {
+    fn new(batch: B) -> Self {
+        Held {
+            batch: Mutex::new(batch),
+            replied: AtomicBool::new(false),
+            recycled: AtomicBool::new(false),
+            views: Arc::new(()),
+        }
+    }
+
+    /// The batch, or an error once a later receive took its memory.
+    fn get(&self, py: Python<'_>) -> PyResult<std::sync::MutexGuard<'_, B>> {
+        if self.recycled.load(Ordering::Acquire) {
+            return Err(invalid(
+                py,
+                "this batch was replied to and a later receive reused its memory (no buffer \
+                 of it was alive): keep a buffer (batch.rows...) or a copy to read it after \
+                 the next receive",
+            ));
+        }
+        Ok(self.batch.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Its reply went out.
+    fn set_replied(&self) {
+        self.replied.store(true, Ordering::Release);
+    }
+
+    /// The batch's memory for a new receive, if it was replied to and nothing uses it now.
+    fn take_replied(&self) -> Option<B> {
+        let viewed = Arc::strong_count(&self.views) > 1;
+        if viewed || !self.replied.load(Ordering::Acquire) || self.recycled.load(Ordering::Acquire)
+        {
+            return None;
+        }
+        let mut batch = self.batch.try_lock().ok()?;
+        self.recycled.store(true, Ordering::Release);
+        Some(std::mem::take(&mut *batch))
+    }
+
+    /// For the spare pool when the object goes: the batch if it was replied to (and not
+    /// recycled); an unreplied one is dropped here, which aborts the job (Rust's rule).
+    fn take_spare(&mut self) -> Option<B> {
+        let batch = std::mem::take(self.batch.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let reusable = *self.replied.get_mut() && !*self.recycled.get_mut();
+        reusable.then_some(batch)
+    }
+}
+
+/// The batch a receive may refill: the last one this communicator saw replied to, of each
+/// kind (a strong reference, taken back at the next receive).
+#[derive(Default)]
+struct Recycle {
+    expert: Mutex<Option<Py<PyExpertBatch>>>,
+    token: Mutex<Option<Py<PyTokenBatch>>>,
+}
+
+/// Takes the memory of the batch in `slot` when nothing but one other reference (the caller's
+/// loop variable) holds it and it was replied to; `held` reaches its [`Held`].
+fn recycle<T, B: Default>(
+    py: Python<'_>,
+    slot: &Mutex<Option<Py<T>>>,
+    held: impl FnOnce(&T) -> &Held<B>,
+) -> Option<B>
+where
+    T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync,
+{
+    let last = slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+    // SAFETY: `last` is a live object (we hold a reference) and the GIL is held, which
+    // `Py_REFCNT` needs to read a consistent count.
+    let refs = unsafe { pyo3::ffi::Py_REFCNT(last.bind(py).as_ptr()) };
+    // Ours and at most one more (the loop variable), and no buffer views it.
+    if refs <= 2 {
+        held(last.get()).take_replied()
+    } else {
+        None
+    }
+}
+
 /// The rows an expert rank received in one A2E call, grouped by local expert
 /// (:meth:`Communicator.a2e_recv`).
 ///
@@ -1426,9 +1558,7 @@ fn sources_list<'py>(
 /// naming this rank and the epoch: the attention ranks would otherwise wait out their timeout.
 #[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
 pub struct PyExpertBatch {
-    inner: ExpertBatch,
-    /// Set once its reply went out: only then may the batch be reused.
-    replied: AtomicBool,
+    inner: Held<ExpertBatch>,
     /// Where the batch's memory goes once Python drops it (after every buffer viewing it).
     spares: Arc<Spares>,
     elem: Elem,
@@ -1440,8 +1570,7 @@ impl Drop for PyExpertBatch {
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
     /// its reply).
     fn drop(&mut self) {
-        let batch = std::mem::take(&mut self.inner);
-        if self.replied.load(Ordering::Acquire) {
+        if let Some(batch) = self.inner.take_spare() {
             Spares::give(&self.spares.expert, batch);
         }
     }
@@ -1452,44 +1581,51 @@ impl PyExpertBatch {
     /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
     /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
     #[getter]
-    fn tag(&self) -> u64 {
-        self.inner.tag()
+    fn tag(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.tag())
     }
 
     /// The tag of each source attention rank, in rank order (as :attr:`sources`).
     #[getter]
-    fn tags(&self) -> Vec<u64> {
-        self.inner.sources().iter().map(|s| s.tag()).collect()
+    fn tags(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.sources().iter().map(|s| s.tag()).collect())
     }
 
     /// Number of rows (received (token, local expert) pairs).
     #[getter]
-    fn num_rows(&self) -> usize {
-        self.inner.num_rows()
+    fn num_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_rows())
     }
 
     /// Number of received tokens.
     #[getter]
-    fn num_tokens(&self) -> usize {
-        self.inner.num_tokens()
+    fn num_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_tokens())
     }
 
     /// Number of local experts.
     #[getter]
-    fn num_local_experts(&self) -> usize {
-        self.inner.num_local_experts()
+    fn num_local_experts(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_local_experts())
     }
 
     /// The A2E epoch this batch came from.
     #[getter]
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.epoch())
     }
 
     /// Elements per row.
     #[getter]
-    fn hidden(&self) -> usize {
-        self.inner.hidden()
+    fn hidden(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.hidden())
     }
 
     /// The rows, ``[num_rows, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
@@ -1497,12 +1633,14 @@ impl PyExpertBatch {
     #[getter]
     fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
-        let bytes = b.inner.row_bytes();
-        let rows = bytes.len() / (b.inner.hidden().max(1) * b.elem.size());
+        let inner = b.inner.get(slf.py())?;
+        let bytes = inner.row_bytes();
+        let rows = bytes.len() / (inner.hidden().max(1) * b.elem.size());
         Ok(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytes,
-            &[rows, b.inner.hidden()],
+            &[rows, inner.hidden()],
             b.elem,
         ))
     }
@@ -1510,29 +1648,39 @@ impl PyExpertBatch {
     /// With ``keep_int8``: the rows as ``[num_rows, hidden]`` int8 (a value is ``q *
     /// scales[row]``); ``None`` otherwise.
     #[getter]
-    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn int8_rows(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (q, _) = b.inner.int8_rows()?;
+        let inner = b.inner.get(slf.py())?;
+        let (q, _) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
         let bytes: &[u8] = bytemuck::cast_slice(q);
-        Some(batch_view(
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytes,
-            &[b.inner.num_rows(), b.inner.hidden()],
+            &[inner.num_rows(), inner.hidden()],
             Elem::I8,
-        ))
+        )))
     }
 
     /// With ``keep_int8``: one float32 scale per row; ``None`` otherwise.
     #[getter]
-    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn scales(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (_, s) = b.inner.int8_rows()?;
-        Some(batch_view(
+        let inner = b.inner.get(slf.py())?;
+        let (_, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(s),
             &[s.len()],
             Elem::F32,
-        ))
+        )))
     }
 
     /// Whether rows were kept as INT8 (``Config(keep_int8=True)``).
@@ -1543,83 +1691,112 @@ impl PyExpertBatch {
 
     /// Rows per local expert, as a list (like DeepEP's ``num_recv_tokens_per_expert_list``).
     #[getter]
-    fn num_recv_tokens_per_expert_list(&self) -> Vec<usize> {
-        (0..self.inner.num_local_experts())
-            .map(|j| self.inner.expert_rows(j).len())
-            .collect()
+    fn num_recv_tokens_per_expert_list(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            (0..inner.num_local_experts())
+                .map(|j| inner.expert_rows(j).len())
+                .collect()
+        })
     }
 
     /// Rows per local expert, as an int32 :class:`Buffer`.
     #[getter]
-    fn num_recv_tokens_per_expert(&self) -> Buffer {
-        let counts: Vec<i32> = (0..self.inner.num_local_experts())
-            .map(|j| self.inner.expert_rows(j).len() as i32)
-            .collect();
-        Buffer::copy_of(&counts, &[counts.len()], Elem::I32)
+    fn num_recv_tokens_per_expert(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let counts: Vec<i32> = (0..inner.num_local_experts())
+                .map(|j| inner.expert_rows(j).len() as i32)
+                .collect();
+            Buffer::copy_of(&counts, &[counts.len()], Elem::I32)
+        })
     }
 
     /// ``expert_offsets[j]:expert_offsets[j+1]`` are the rows of local expert ``j``.
     #[getter]
-    fn expert_offsets(&self) -> Vec<usize> {
-        let l = self.inner.num_local_experts();
-        let mut v: Vec<usize> = (0..l).map(|j| self.inner.expert_rows(j).start).collect();
-        v.push(if l == 0 {
-            0
-        } else {
-            self.inner.expert_rows(l - 1).end
-        });
-        v
+    fn expert_offsets(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let l = inner.num_local_experts();
+            let mut v: Vec<usize> = (0..l).map(|j| inner.expert_rows(j).start).collect();
+            v.push(if l == 0 {
+                0
+            } else {
+                inner.expert_rows(l - 1).end
+            });
+            v
+        })
     }
 
     /// Per row: the attention rank it came from (int32).
     #[getter]
-    fn src_rank(&self) -> Buffer {
-        let v = as_i32(self.inner.src_rank());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_rank(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_rank());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per row: its token index at that attention rank (int32).
     #[getter]
-    fn src_token(&self) -> Buffer {
-        let v = as_i32(self.inner.src_token());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_token(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_token());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per row: the gating weight of its (token, expert), float32, read-only, no copy.
     #[getter]
-    fn weights(slf: &Bound<'_, Self>) -> Buffer {
-        let w = slf.get().inner.weight();
-        batch_view(slf.as_any(), bytemuck::cast_slice(w), &[w.len()], Elem::F32)
+    fn weights(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
+        let inner = slf.get().inner.get(slf.py())?;
+        let w = inner.weight();
+        Ok(batch_view(
+            slf.as_any(),
+            &slf.get().inner.views,
+            bytemuck::cast_slice(w),
+            &[w.len()],
+            Elem::F32,
+        ))
     }
 
     /// Row indices of received token ``i`` (one per local expert it selected, ascending).
     fn token_rows(&self, py: Python<'_>, i: usize) -> PyResult<Vec<u32>> {
-        if i >= self.inner.num_tokens() {
+        let inner = self.inner.get(py)?;
+        if i >= inner.num_tokens() {
             return Err(invalid(
                 py,
                 format!(
                     "token {i} is outside the batch's {} tokens",
-                    self.inner.num_tokens()
+                    inner.num_tokens()
                 ),
             ));
         }
-        Ok(self.inner.token_rows(i).to_vec())
+        Ok(inner.token_rows(i).to_vec())
     }
 
     /// Per source attention rank, in rank order: ``rank``, ``count`` (tokens),
     /// ``first_token``, ``arrived_after`` (seconds).
     #[getter]
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        sources_list(py, self.inner.sources())
+        let inner = self.inner.get(py)?;
+        sources_list(py, inner.sources())
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let Ok(inner) = self.inner.get(py) else {
+            return "xccl.ExpertBatch(recycled by a later receive)".into();
+        };
+        let per_expert: Vec<usize> = (0..inner.num_local_experts())
+            .map(|j| inner.expert_rows(j).len())
+            .collect();
         format!(
-            "xccl.ExpertBatch(epoch={}, rows={}, tokens={}, per_expert={:?})",
-            self.inner.epoch(),
-            self.inner.num_rows(),
-            self.inner.num_tokens(),
-            self.num_recv_tokens_per_expert_list()
+            "xccl.ExpertBatch(epoch={}, rows={}, tokens={}, per_expert={per_expert:?})",
+            inner.epoch(),
+            inner.num_rows(),
+            inner.num_tokens(),
         )
     }
 }
@@ -1633,9 +1810,7 @@ impl PyExpertBatch {
 /// the job at once, as for :class:`ExpertBatch`.
 #[pyclass(frozen, module = "xccl", name = "TokenBatch")]
 pub struct PyTokenBatch {
-    inner: TokenBatch,
-    /// As [`PyExpertBatch::replied`].
-    replied: AtomicBool,
+    inner: Held<TokenBatch>,
     /// As [`PyExpertBatch::spares`].
     spares: Arc<Spares>,
     elem: Elem,
@@ -1649,8 +1824,7 @@ impl Drop for PyTokenBatch {
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
     /// its reply).
     fn drop(&mut self) {
-        let batch = std::mem::take(&mut self.inner);
-        if self.replied.load(Ordering::Acquire) {
+        if let Some(batch) = self.inner.take_spare() {
             Spares::give(&self.spares.token, batch);
         }
     }
@@ -1661,63 +1835,84 @@ impl PyTokenBatch {
     /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
     /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
     #[getter]
-    fn tag(&self) -> u64 {
-        self.inner.tag()
+    fn tag(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.tag())
     }
 
     /// The tag of each source attention rank, in rank order (as :attr:`sources`).
     #[getter]
-    fn tags(&self) -> Vec<u64> {
-        self.inner.sources().iter().map(|s| s.tag()).collect()
+    fn tags(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.sources().iter().map(|s| s.tag()).collect())
     }
 
     /// Number of received tokens.
     #[getter]
-    fn num_tokens(&self) -> usize {
-        self.inner.num_tokens()
+    fn num_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_tokens())
     }
 
     /// The A2E epoch this batch came from.
     #[getter]
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.epoch())
     }
 
     /// The rows, ``[num_tokens, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
     /// with ``keep_int8``).
     #[getter]
-    fn rows(slf: &Bound<'_, Self>) -> Buffer {
+    fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
-        let bytes = b.inner.row_bytes();
+        let inner = b.inner.get(slf.py())?;
+        let bytes = inner.row_bytes();
         let rows = bytes.len() / (b.hidden.max(1) * b.elem.size());
-        batch_view(slf.as_any(), bytes, &[rows, b.hidden], b.elem)
+        Ok(batch_view(
+            slf.as_any(),
+            &slf.get().inner.views,
+            bytes,
+            &[rows, b.hidden],
+            b.elem,
+        ))
     }
 
     /// With ``keep_int8``: the rows as ``[num_tokens, hidden]`` int8; ``None`` otherwise.
     #[getter]
-    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn int8_rows(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (q, s) = b.inner.int8_rows()?;
+        let inner = b.inner.get(slf.py())?;
+        let (q, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
         let shape = [s.len(), b.hidden];
-        Some(batch_view(
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(q),
             &shape,
             Elem::I8,
-        ))
+        )))
     }
 
     /// With ``keep_int8``: one float32 scale per token; ``None`` otherwise.
     #[getter]
-    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn scales(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (_, s) = b.inner.int8_rows()?;
-        Some(batch_view(
+        let inner = b.inner.get(slf.py())?;
+        let (_, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(s),
             &[s.len()],
             Elem::F32,
-        ))
+        )))
     }
 
     /// Whether rows were kept as INT8.
@@ -1728,72 +1923,89 @@ impl PyTokenBatch {
 
     /// Per token: the attention rank it came from (int32).
     #[getter]
-    fn src_rank(&self) -> Buffer {
-        let v = as_i32(self.inner.src_rank());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_rank(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_rank());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per token: its index at that attention rank (int32).
     #[getter]
-    fn src_token(&self) -> Buffer {
-        let v = as_i32(self.inner.src_token());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_token(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_token());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per token: its local expert indices, ``[num_tokens, topk]`` int32, ascending, padded
     /// with -1.
     #[getter]
-    fn expert_ids(&self) -> Buffer {
-        let (t, k) = (self.inner.num_tokens(), self.topk);
-        let mut v = vec![-1i32; t * k];
-        for i in 0..t {
-            let (ids, _) = self.inner.experts_of(i);
-            for (c, &j) in ids.iter().enumerate() {
-                v[i * k + c] = j as i32;
+    fn expert_ids(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let (t, k) = (inner.num_tokens(), self.topk);
+            let mut v = vec![-1i32; t * k];
+            for i in 0..t {
+                let (ids, _) = inner.experts_of(i);
+                for (c, &j) in ids.iter().enumerate() {
+                    v[i * k + c] = j as i32;
+                }
             }
-        }
-        Buffer::copy_of(&v, &[t, k], Elem::I32)
+            Buffer::copy_of(&v, &[t, k], Elem::I32)
+        })
     }
 
     /// Per token: the gating weights of its local experts, ``[num_tokens, topk]`` float32,
     /// padded with 0.
     #[getter]
-    fn expert_weights(&self) -> Buffer {
-        let (t, k) = (self.inner.num_tokens(), self.topk);
-        let mut v = vec![0f32; t * k];
-        for i in 0..t {
-            let (_, ws) = self.inner.experts_of(i);
-            v[i * k..i * k + ws.len()].copy_from_slice(ws);
-        }
-        Buffer::copy_of(&v, &[t, k], Elem::F32)
+    fn expert_weights(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let (t, k) = (inner.num_tokens(), self.topk);
+            let mut v = vec![0f32; t * k];
+            for i in 0..t {
+                let (_, ws) = inner.experts_of(i);
+                v[i * k..i * k + ws.len()].copy_from_slice(ws);
+            }
+            Buffer::copy_of(&v, &[t, k], Elem::F32)
+        })
     }
 
     /// Local expert indices and weights of token ``i``, as two lists.
     fn experts_of(&self, py: Python<'_>, i: usize) -> PyResult<(Vec<u32>, Vec<f32>)> {
-        if i >= self.inner.num_tokens() {
+        let inner = self.inner.get(py)?;
+        if i >= inner.num_tokens() {
             return Err(invalid(
                 py,
                 format!(
                     "token {i} is outside the batch's {} tokens",
-                    self.inner.num_tokens()
+                    inner.num_tokens()
                 ),
             ));
         }
-        let (ids, ws) = self.inner.experts_of(i);
+        let (ids, ws) = inner.experts_of(i);
         Ok((ids.to_vec(), ws.to_vec()))
     }
 
     /// Per source attention rank, in rank order (as :attr:`ExpertBatch.sources`).
     #[getter]
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        sources_list(py, self.inner.sources())
+        let inner = self.inner.get(py)?;
+        sources_list(py, inner.sources())
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "xccl.TokenBatch(epoch={}, tokens={})",
-            self.inner.epoch(),
-            self.inner.num_tokens()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.inner.get(py) {
+            Ok(inner) => format!(
+                "xccl.TokenBatch(epoch={}, tokens={})",
+                inner.epoch(),
+                inner.num_tokens()
+            ),
+            Err(_) => "xccl.TokenBatch(recycled by a later receive)".into(),
+        }
     }
 }

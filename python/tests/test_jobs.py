@@ -265,3 +265,13 @@ def test_a_launcher_hands_the_unique_id_to_its_children_in_their_environment():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert out.stdout.count("round trip ok") == 2, out.stdout
+
+
+def test_close_leaves_the_job_while_a_tensor_of_the_registered_input_lives(tmp_path):
+    # Before: the buffer kept the whole communicator: no departure mark, the expert waited
+    # out its 20 s timeout.
+    attention, expert = harness.run("close_with_input_alive", 2, tmp_path, **SMALL)
+    assert attention["sum"] == SMALL["max_tokens"] * SMALL["H"], attention
+    assert attention["export"] == "InvalidArgumentError", attention
+    assert expert["error"] == "PeerFailedError" and expert["peer"] == 0, expert
+    assert expert["after"] < 5, expert

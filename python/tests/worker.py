@@ -799,6 +799,19 @@ def error_name(call) -> str:
     return "returned"
 
 
+def timed_error(call) -> dict:
+    """Calls ``call()``: ``error`` (the ``XcclError`` class name, or ``"returned"``), its
+    ``by``, ``peer`` and ``message``, and ``after``, the seconds it took."""
+    t0 = time.monotonic()
+    out = {"error": "returned"}
+    try:
+        call()
+    except xccl.XcclError as e:
+        out.update(error=type(e).__name__, by=getattr(e, "by", None), peer=e.peer, message=str(e))
+    out["after"] = time.monotonic() - t0
+    return out
+
+
 def send_small(comm):
     """Sends one small call (:func:`small_round`); returns its handle."""
     return comm.a2e_send(*small_round(comm))
@@ -848,13 +861,7 @@ def scenario_drop_unreplied():
     with comm:
         if comm.role == "attention":
             h = send_small(comm)
-            t0 = time.monotonic()
-            try:
-                comm.e2a_recv(h)
-                out["error"] = "returned"
-            except xccl.XcclError as e:
-                out.update(error=type(e).__name__, by=getattr(e, "by", None), message=str(e))
-            out["after"] = time.monotonic() - t0
+            out.update(timed_error(lambda: comm.e2a_recv(h)))
             touch("attention-done")
         else:
             batch = comm.a2e_recv()
@@ -899,13 +906,7 @@ def scenario_panic_call():
         else:
             wait_file("attention-joined")
             touch("expert-waiting")
-            t0 = time.monotonic()
-            try:
-                comm.a2e_recv()
-                out["error"] = "returned"
-            except xccl.XcclError as e:
-                out.update(error=type(e).__name__, by=getattr(e, "by", None), message=str(e))
-            out["after"] = time.monotonic() - t0
+            out.update(timed_error(comm.a2e_recv))
     result(**out)
 
 
@@ -980,6 +981,29 @@ def scenario_idle_expert():
             out["after_leave"] = "returned"
         except xccl.XcclError as e:
             out.update(after_leave=type(e).__name__, peer=e.peer)
+        comm.close()
+    result(**out)
+
+
+def scenario_close_with_input_alive():
+    """1A:1E. The attention rank closes its communicator while a tensor made from its
+    registered input (``a2e_input``) lives: the expert sees it leave at once (not at its 20 s
+    timeout); the tensor's memory stays usable and the buffer refuses new exports."""
+    comm = join()
+    out = {}
+    if comm.role == "attention":
+        buf = comm.a2e_input()
+        t = torch.from_dlpack(buf)
+        comm.close()
+        t.fill_(1.0)  # still mapped
+        out["sum"] = float(t.sum())
+        out["export"] = error_name(lambda: torch.from_dlpack(buf))
+        touch("attention-closed")
+        wait_file("expert-done")
+    else:
+        wait_file("attention-closed")
+        out.update(timed_error(comm.a2e_recv))
+        touch("expert-done")
         comm.close()
     result(**out)
 
