@@ -1,7 +1,7 @@
 """The Python layer's cost: the same calls through the package and from Rust, in one run.
 
 Both sides run one attention and one expert rank over shared memory: H=7168 bf16, top-8 of 64
-experts (all on the expert rank), room for 128 tokens per call, expert-major receive and the
+experts (all on the expert rank), room for 512 tokens per call, expert-major receive and the
 identity expert (the expert replies with the rows it got). The Rust side is
 ``target/release/examples/roundtrip`` (``cargo build --release -p xccl --example roundtrip``);
 this script runs the same loops through ``xccl`` with torch tensors (``topk_idx`` int32, the
@@ -42,7 +42,7 @@ import time
 HIDDEN = 7168
 TOPK = 8
 EXPERTS = 64
-MAX_TOKENS = 128
+MAX_TOKENS = 512
 POLL_SLEEP = 20e-6  # between untimed readiness polls, as the Rust example's POLL_SLEEP
 CALLS = ("a2e_send", "a2e_recv", "e2a_send", "e2a_recv")
 
@@ -106,17 +106,13 @@ def workload(tokens: int, inputs: str):
     return x, idx, w, out
 
 
-def one_thread_main(iters: int, counts: list[int], inputs: str) -> None:
-    """``--mode one-thread``: both ranks in this process (joined on two threads), then this
-    thread makes every call of both in turn, so no call waits for a peer, timing each."""
+def joined_pair(topo, cfg):
+    """The attention and the expert communicator of a 1A:1E job, both in this process (joined
+    on two threads). Also used by the package's tests."""
     import threading
-
-    import torch
 
     import xccl
 
-    topo = xccl.Topology(1, 1, EXPERTS)
-    cfg = xccl.Config(HIDDEN, torch.bfloat16, TOPK, MAX_TOKENS)
     root = xccl.UniqueId.new()
     comms = [None, None]
 
@@ -128,7 +124,19 @@ def one_thread_main(iters: int, counts: list[int], inputs: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    attention, expert = comms
+    return comms
+
+
+def one_thread_main(iters: int, counts: list[int], inputs: str) -> None:
+    """``--mode one-thread``: both ranks in this process (joined on two threads), then this
+    thread makes every call of both in turn, so no call waits for a peer, timing each."""
+    import torch
+
+    import xccl
+
+    topo = xccl.Topology(1, 1, EXPERTS)
+    cfg = xccl.Config(HIDDEN, torch.bfloat16, TOPK, MAX_TOKENS)
+    attention, expert = joined_pair(topo, cfg)
     clock = time.perf_counter_ns
     empty = timer_cost(clock)
     with attention, expert:
@@ -263,7 +271,7 @@ def run_python(iters: int, counts: list[int], mode: str, inputs: str) -> dict:
         return parse(out.stdout)
 
     root = xccl.UniqueId.new()  # the rendezvous root lives as long as this object
-    uid = str(root)
+    uid = root.hex()
     procs = []
     for rank in range(2):
         cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(rank), "--mode", mode]

@@ -199,7 +199,9 @@ def run_expert(comm, moe):
     calls = 0
     with torch.no_grad():
         while True:
-            first = comm.a2e_recv()
+            # Idle between requests: no deadline while the attention ranks live (a dead or
+            # departed one, an abort or Ctrl-C ends the wait; never a TimeoutError).
+            first = comm.a2e_recv(timeout=None)
             if first.tag == STOP:  # the attention ranks' last call: 0 tokens, reply and leave
                 comm.e2a_send(first, torch.from_dlpack(first.rows))
                 return {"calls": calls + 1}
@@ -290,7 +292,7 @@ def launch(args):
     # Each UniqueId runs its rendezvous root in this process while the object lives.
     roots = {run: xccl.UniqueId.new() for run in args.runs}
     for c in conns:
-        c.send({run: str(uid) for run, uid in roots.items()})
+        c.send({run: uid.hex() for run, uid in roots.items()})
     outputs, failed = [], False
     deadline = time.monotonic() + args.timeout
     try:

@@ -72,8 +72,9 @@ impl Drop for HostBytes {
 pub(crate) enum Owner {
     /// The binding's own allocation (shared by the buffers viewing it).
     Host(Arc<HostBytes>),
-    /// A batch object (its memory never changes once received).
-    Object(Py<PyAny>),
+    /// A batch object (its memory never changes once received), and the batch's count of
+    /// live views (a receive never recycles a batch while one lives).
+    Object(Py<PyAny>, Arc<()>),
     /// Something else that keeps the memory mapped: the communicator whose registered window
     /// it is (the registered A2E input), which this reference keeps alive even after `close()`.
     Keep(Arc<dyn std::any::Any + Send + Sync>),
@@ -314,7 +315,7 @@ impl Buffer {
         debug_assert_eq!(elem.size(), self.elem.size());
         let owner = match &self.owner {
             Owner::Host(h) => Owner::Host(h.clone()),
-            Owner::Object(o) => Owner::Object(o.clone_ref(py)),
+            Owner::Object(o, views) => Owner::Object(o.clone_ref(py), views.clone()),
             Owner::Keep(k) => Owner::Keep(k.clone()),
         };
         let shape: Vec<usize> = self.shape.iter().map(|&d| d as usize).collect();

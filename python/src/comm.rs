@@ -7,6 +7,7 @@
 //! 40 ms, leaving the documented state (retryable if the call had published nothing, else
 //! poisoned and the job aborted: see `Communicator.poisoned`).
 
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::Duration;
@@ -18,13 +19,15 @@ use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
 use xccl::{Communicator, DType, ExpertBatch, Role, TokenBatch, Topology};
 
 use crate::buffer::{Buffer, HostBytes, Owner};
-use crate::errors::{invalid, to_py};
+use crate::errors::{invalid, panic_message, panicked, to_py};
 use crate::tensor::{expect_rows, topk_ids, Elem, Tensor};
-use crate::topo::{parse_role, role_name, PyConfig, PyTopology};
+use crate::topo::{parse_role, role_name, seconds, PyConfig, PyTopology};
 
 /// A communicator shared by its Python object and the buffers over its window.
 struct Shared {
     comm: Mutex<Communicator>,
+    /// Set when a call panicked (a bug): every later call is refused.
+    broken: AtomicBool,
     /// What the interrupt check caught (KeyboardInterrupt), raised when the call returns.
     pending: Arc<Mutex<Option<PyErr>>>,
 }
@@ -45,8 +48,25 @@ impl Shared {
         })));
         Arc::new(Shared {
             comm: Mutex::new(comm),
+            broken: AtomicBool::new(false),
             pending,
         })
+    }
+}
+
+impl Shared {
+    /// Lets go of this reference to the communicator; when buffers over its registered input
+    /// still hold it (they keep its window mapped), it leaves the job now
+    /// (`Communicator::leave`) rather than when the last buffer goes. A call running on another
+    /// thread holds it too: then nothing is done here, and the communicator leaves when that
+    /// call's reference goes.
+    fn release(me: Arc<Shared>) {
+        if Arc::strong_count(&me) > 1 {
+            if let Ok(mut c) = me.comm.try_lock() {
+                c.leave();
+            }
+        }
+        drop(me);
     }
 }
 
@@ -56,6 +76,8 @@ enum Busy {
     InUse,
     /// A call panicked earlier (a bug): the communicator is unusable.
     Broken,
+    /// This call panicked (a bug): the job was aborted; the payload says why.
+    Panicked(Box<dyn std::any::Any + Send>),
 }
 
 /// Fixed facts of a communicator, kept outside its lock.
@@ -106,6 +128,8 @@ pub struct PyComm {
     /// Batches Python has let go of, reused by the next receive so that steady-state receives
     /// do not allocate (as the C ABI does).
     spares: Arc<Spares>,
+    /// The last batches replied to, whose memory the next receive may take ([`Held`]).
+    recycle: Recycle,
 }
 
 /// At most this many spare batches of each layout are kept.
@@ -144,7 +168,7 @@ impl Drop for PyComm {
         if let Some(shared) = shared {
             // Leaving the job waits (bounded) for the bootstrap root, which may be a thread of
             // this process that logs through Python: release the GIL meanwhile.
-            Python::attach(|py| py.detach(move || drop(shared)));
+            Python::attach(|py| py.detach(move || Shared::release(shared)));
         }
     }
 }
@@ -173,6 +197,7 @@ impl PyComm {
             input_live: Mutex::new(None),
             info,
             spares: Arc::default(),
+            recycle: Recycle::default(),
         }
     }
 
@@ -201,14 +226,33 @@ impl PyComm {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        let abort = &self.abort;
+        let rank = self.info.rank;
         let outcome = py.detach(|| {
             let mut comm = match shared.comm.try_lock() {
+                Ok(_) if shared.broken.load(Ordering::Acquire) => return Err(Busy::Broken),
                 Ok(c) => c,
                 Err(TryLockError::WouldBlock) => return Err(Busy::InUse),
                 Err(TryLockError::Poisoned(_)) => return Err(Busy::Broken),
             };
-            let r = f(&mut comm);
-            Ok((r, comm.poisoned().is_some()))
+            // The panic boundary, as the C ABI's: a panic marks the communicator broken (every
+            // later call is refused) and aborts the job at once, so that no peer waits for its
+            // deadline.
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                crate::testing::maybe_panic(crate::testing::Site::Call);
+                f(&mut comm)
+            }));
+            match r {
+                Ok(r) => Ok((r, comm.poisoned().is_some())),
+                Err(payload) => {
+                    abort.abort(&format!(
+                        "rank {rank}: a call panicked ({}), a bug in xccl",
+                        panic_message(payload.as_ref())
+                    ));
+                    shared.broken.store(true, Ordering::Release);
+                    Err(Busy::Panicked(payload))
+                }
+            }
         });
         match outcome {
             Ok((Ok(v), _)) => Ok(v),
@@ -232,6 +276,12 @@ impl PyComm {
                         .into(),
                 ),
                 false,
+            )),
+            Err(Busy::Panicked(payload)) => Err(panicked(
+                py,
+                "a call",
+                &panic_message(payload.as_ref()),
+                true,
             )),
             Err(Busy::Broken) => Err(to_py(
                 py,
@@ -282,7 +332,8 @@ const SIGNAL_POLL: Duration = Duration::from_millis(20);
 /// Where a blocking step on a helper thread leaves its result for the waiting Python thread.
 enum Slot<R> {
     Waiting,
-    Done(R),
+    /// The step's result, or the message of its panic (a bug).
+    Done(Result<R, String>),
     /// The Python thread was interrupted and left: the helper hands its result to this.
     Abandoned(Box<dyn FnOnce(R) + Send>),
 }
@@ -291,7 +342,9 @@ enum Slot<R> {
 /// Python's signal handlers every [`SIGNAL_POLL`], so that Ctrl-C reaches a wait the library
 /// cannot interrupt itself (the bootstrap's rounds in init and shrink). When a handler raises
 /// (KeyboardInterrupt), `interrupted` runs at once, the result `work` returns later goes to
-/// `abandon` (on whichever thread has it), and the exception is raised here.
+/// `abandon` (on whichever thread has it), and the exception is raised here. A panic of `work`
+/// (a bug) ends the wait with an `XcclError` saying so: the helper always hands over a result,
+/// so this wait lasts as long as `work`, whose own waits are bounded.
 fn interruptible<R: Send + 'static>(
     py: Python<'_>,
     what: &str,
@@ -304,13 +357,19 @@ fn interruptible<R: Send + 'static>(
     std::thread::Builder::new()
         .name(format!("xccl-{what}"))
         .spawn(move || {
-            let r = work();
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                crate::testing::maybe_panic(crate::testing::Site::Helper);
+                work()
+            }))
+            .map_err(|p| panic_message(p.as_ref()));
             let (slot, cv) = &*helper;
             let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
             match std::mem::replace(&mut *slot, Slot::Waiting) {
                 Slot::Abandoned(f) => {
                     drop(slot);
-                    f(r);
+                    if let Ok(r) = r {
+                        f(r);
+                    }
                 }
                 _ => {
                     *slot = Slot::Done(r);
@@ -340,15 +399,19 @@ fn interruptible<R: Send + 'static>(
             }
         }
     };
+    let done = |r: Result<R, String>| {
+        r.map_err(|m| panicked(py, &format!("the {what} thread"), &m, false))
+    };
     loop {
         if let Some(r) = py.detach(|| take(SIGNAL_POLL).ok()) {
-            return Ok(r);
+            return done(r);
         }
         if let Err(e) = py.check_signals() {
             py.detach(|| {
                 interrupted();
                 match take(Duration::ZERO) {
-                    Ok(r) => abandon(r),
+                    Ok(Ok(r)) => abandon(r),
+                    Ok(Err(_)) => {}
                     Err(mut slot) => *slot = Slot::Abandoned(Box::new(abandon)),
                 }
             });
@@ -456,6 +519,47 @@ fn join_interruptible(
     comm.map(PyComm::wrap).map_err(|e| to_py(py, &e, false))
 }
 
+/// The rendezvous under torchrun, whose agent store already listens on `MASTER_PORT`
+/// (`TORCHELASTIC_USE_AGENT_STORE=True`) unless `XCCL_ROOT` names another address: rank 0
+/// starts the root on a port the OS picks, on `MASTER_ADDR`, and hands the port (not a secret)
+/// to the other ranks through the agent store (`xccl._torchrun`); the key stays in each
+/// rank's environment (`XCCL_JOB_KEY`), the job id is derived as for any launcher. Returns the
+/// id to join with, this rank and the world size; `None` when not under torchrun's agent.
+fn torchrun_root(
+    py: Python<'_>,
+    timeout: Duration,
+) -> PyResult<Option<(xccl::bootstrap::UniqueId, usize, usize)>> {
+    use xccl::bootstrap::{Launcher, RootConfig, UniqueId, ROOT_ENV};
+    let set = |k: &str| std::env::var(k).is_ok_and(|v| !v.trim().is_empty());
+    let agent = std::env::var("TORCHELASTIC_USE_AGENT_STORE").is_ok_and(|v| v == "True");
+    if !agent || set(ROOT_ENV) {
+        return Ok(None);
+    }
+    let env = match LaunchEnv::detect().map_err(|e| to_py(py, &e, false))? {
+        Some(env) if env.launcher == Launcher::Torchrun => env,
+        _ => return Ok(None),
+    };
+    let store = py.import("xccl._torchrun")?;
+    let secs = timeout.as_secs_f64();
+    let root = |port| std::net::SocketAddr::new(env.root.ip(), port);
+    let id = if env.rank == 0 {
+        let mut config = RootConfig::with_key(env.job_id, env.key.clone());
+        config.size = Some(env.size);
+        // The root runs detached until every rank has joined and left (or stays idle).
+        let (id, _detached) = py
+            .detach(|| UniqueId::start_root(root(0), config))
+            .map_err(|e| to_py(py, &e, false))?;
+        store.call_method1("publish_root_port", (id.root_addr().port(), secs))?;
+        id
+    } else {
+        let port: u16 = store
+            .call_method1("root_port", (env.rank, secs))?
+            .extract()?;
+        UniqueId::from_parts(env.job_id, &env.key, root(port))
+    };
+    Ok(Some((id, env.rank, env.size)))
+}
+
 /// Joins a job on `fabric` over `exchange`, with the topology built from gathered roles when
 /// `role` is given.
 fn join(
@@ -499,6 +603,99 @@ fn join(
     }
 }
 
+/// The ``timeout`` argument of a receive.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RecvTimeout {
+    /// Not given: the config's timeout.
+    Config,
+    /// ``None``: no deadline; the waits end only at a dead or departed peer, an abort or an
+    /// interrupt ([`Communicator::without_deadline`]).
+    Never,
+    /// Seconds, as given (checked by [`RecvTimeout::checked`]).
+    Seconds(f64),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for RecvTimeout {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_none() {
+            return Ok(RecvTimeout::Never);
+        }
+        obj.extract::<f64>().map(RecvTimeout::Seconds).map_err(|_| {
+            invalid(
+                obj.py(),
+                "timeout must be a number of seconds or None (no deadline)",
+            )
+        })
+    }
+}
+
+/// A checked [`RecvTimeout`]: `None` the config's, `Some(None)` no deadline.
+#[derive(Clone, Copy)]
+struct CallTimeout(Option<Option<Duration>>);
+
+impl RecvTimeout {
+    /// Checks the seconds (`(0, MAX_TIMEOUT_S]`, else a `ValueError` naming the range).
+    fn checked(self, py: Python<'_>) -> PyResult<CallTimeout> {
+        Ok(CallTimeout(match self {
+            RecvTimeout::Config => None,
+            RecvTimeout::Never => Some(None),
+            RecvTimeout::Seconds(s) => Some(Some(seconds(py, "timeout", s)?)),
+        }))
+    }
+}
+
+impl CallTimeout {
+    /// Runs `f` on `c` under this timeout; the config's applies again afterwards.
+    fn apply<R>(
+        self,
+        c: &mut Communicator,
+        f: impl FnOnce(&mut Communicator) -> xccl::Result<R>,
+    ) -> xccl::Result<R> {
+        match self.0 {
+            None => f(c),
+            Some(None) => c.without_deadline(f),
+            Some(Some(t)) => {
+                let configured = c.config().timeout;
+                c.set_timeout(t)?;
+                let r = f(c);
+                c.set_timeout(configured)?;
+                r
+            }
+        }
+    }
+}
+
+/// Hex runs this long or longer are taken for secrets (a job key is 64 digits, a unique id
+/// 256) by [`without_hex_runs`].
+const SECRET_HEX_DIGITS: usize = 32;
+
+/// `text` with every run of [`SECRET_HEX_DIGITS`] or more hex digits replaced by
+/// `<hex hidden>`.
+fn without_hex_runs(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut run = String::new();
+    let flush = |run: &mut String, out: &mut String| {
+        if run.len() >= SECRET_HEX_DIGITS {
+            out.push_str("<hex hidden>");
+        } else {
+            out.push_str(run);
+        }
+        run.clear();
+    };
+    for c in text.chars() {
+        if c.is_ascii_hexdigit() {
+            run.push(c);
+        } else {
+            flush(&mut run, &mut out);
+            out.push(c);
+        }
+    }
+    flush(&mut run, &mut out);
+    out
+}
+
 /// Stats as a dict.
 fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -519,18 +716,6 @@ fn stats_dict<'py>(py: Python<'py>, s: &xccl::Stats) -> PyResult<Bound<'py, PyDi
     }
     d.set_item("peers", peers)?;
     Ok(d)
-}
-
-/// Seconds as a positive duration.
-fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
-    if s.is_finite() && s > 0.0 {
-        Ok(Duration::from_secs_f64(s))
-    } else {
-        Err(invalid(
-            py,
-            format!("{what} must be a positive number of seconds, got {s}"),
-        ))
-    }
 }
 
 #[pymethods]
@@ -583,7 +768,14 @@ impl PyComm {
     /// Joins the job the launcher's environment describes: torchrun (``RANK``,
     /// ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), mpirun or srun (their rank variables
     /// plus ``XCCL_ROOT=host:port``), or ``XCCL_RANK``/``XCCL_SIZE``/``XCCL_ROOT``; rank 0 hosts
-    /// the rendezvous on that port. Arguments (and Ctrl-C) as for :meth:`init`.
+    /// the rendezvous on that port. Every rank's environment holds the job's key
+    /// (``XCCL_JOB_KEY``). Arguments (and Ctrl-C) as for :meth:`init`.
+    ///
+    /// Under torchrun, whose agent store already listens on ``MASTER_PORT``
+    /// (``TORCHELASTIC_USE_AGENT_STORE=True``), rank 0 hosts the rendezvous on a port the OS
+    /// picks on ``MASTER_ADDR`` and the other ranks learn it through torchrun's store (the
+    /// port only; the key never leaves the environment): no port to choose. ``XCCL_ROOT``
+    /// still overrides.
     #[staticmethod]
     #[pyo3(signature = (topology, config, *, fabric = "shm", device = None, role = None, timeout = 60.0))]
     fn from_env(
@@ -598,16 +790,22 @@ impl PyComm {
         let role = role.map(|r| parse_role(py, r)).transpose()?;
         let timeout = seconds(py, "timeout", timeout)?;
         let cfg = config.get().cfg.clone();
-        let connect = move || {
-            let env = LaunchEnv::detect()?.ok_or_else(|| {
-                xccl::Error::Bootstrap(
-                    "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, or \
-                     launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
-                        .into(),
-                )
-            })?;
-            env.connect(timeout)
-        };
+        let connect: Box<dyn FnOnce() -> xccl::Result<TcpBootstrap> + Send> =
+            match torchrun_root(py, timeout)? {
+                Some((id, rank, size)) => {
+                    Box::new(move || TcpBootstrap::connect(&id, rank, size, timeout))
+                }
+                None => Box::new(move || {
+                    let env = LaunchEnv::detect()?.ok_or_else(|| {
+                        xccl::Error::Bootstrap(
+                            "no launcher environment: set XCCL_RANK, XCCL_SIZE and XCCL_ROOT, \
+                             or launch with torchrun, mpirun or srun (plus XCCL_ROOT)"
+                                .into(),
+                        )
+                    })?;
+                    env.connect(timeout)
+                }),
+            };
         join_interruptible(
             py,
             connect,
@@ -868,11 +1066,20 @@ impl PyComm {
 
     /// A2E receive on an expert rank, expert-major: waits for this call's rows from every
     /// attention rank and returns them grouped by local expert (:class:`ExpertBatch`).
-    fn a2e_recv(&self, py: Python<'_>) -> PyResult<PyExpertBatch> {
-        let mut batch = Spares::take(&self.spares.expert);
-        self.run(py, |c| c.a2e_recv(&mut batch))?;
+    ///
+    /// ``timeout``: seconds for this receive (default: the config's ``timeout``), or ``None``:
+    /// no deadline, for a serving loop waiting for requests. It then waits as long as the
+    /// attention ranks live: only a dead peer or one that left the job
+    /// (:class:`PeerFailedError` naming it), an abort (:class:`AbortedError`) or Ctrl-C
+    /// (``KeyboardInterrupt``) ends it, never :class:`TimeoutError`.
+    #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
+    fn a2e_recv(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyExpertBatch> {
+        let timeout = timeout.checked(py)?;
+        let mut batch = recycle(py, &self.recycle.expert, |b| &b.inner)
+            .unwrap_or_else(|| Spares::take(&self.spares.expert));
+        self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch)))?;
         Ok(PyExpertBatch {
-            inner: batch,
+            inner: Held::new(batch),
             spares: self.spares.clone(),
             elem: self.elem(),
             keep_int8: self.info.keep_int8,
@@ -880,12 +1087,18 @@ impl PyComm {
     }
 
     /// A2E receive on an expert rank, token-major: one row per received token, with its local
-    /// experts and weights (:class:`TokenBatch`).
-    fn a2e_recv_tokens(&self, py: Python<'_>) -> PyResult<PyTokenBatch> {
-        let mut batch = Spares::take(&self.spares.token);
-        self.run(py, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))?;
+    /// experts and weights (:class:`TokenBatch`). ``timeout`` as for :meth:`a2e_recv`
+    /// (``None``: no deadline while the peers live).
+    #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
+    fn a2e_recv_tokens(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyTokenBatch> {
+        let timeout = timeout.checked(py)?;
+        let mut batch = recycle(py, &self.recycle.token, |b| &b.inner)
+            .unwrap_or_else(|| Spares::take(&self.spares.token));
+        self.run(py, |c| {
+            timeout.apply(c, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))
+        })?;
         Ok(PyTokenBatch {
-            inner: batch,
+            inner: Held::new(batch),
             spares: self.spares.clone(),
             elem: self.elem(),
             hidden: self.info.hidden,
@@ -905,7 +1118,8 @@ impl PyComm {
         expert_out: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
-        let b = &batch.get().inner;
+        let held = &batch.get().inner;
+        let b = &*held.get(py)?;
         let ot = Tensor::import(py, expert_out, "expert_out")?;
         expect_rows(
             py,
@@ -928,7 +1142,14 @@ impl PyComm {
                 let s = ot.elements::<bf16>();
                 self.run(py, |c| c.e2a_send(b, &s))
             }
-        }
+        }?;
+        held.set_replied();
+        *self
+            .recycle
+            .expert
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(batch.clone().unbind());
+        Ok(())
     }
 
     /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
@@ -941,7 +1162,8 @@ impl PyComm {
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
-        let b = &batch.get().inner;
+        let held = &batch.get().inner;
+        let b = &*held.get(py)?;
         let rt = Tensor::import(py, reduced, "reduced")?;
         expect_rows(
             py,
@@ -955,7 +1177,11 @@ impl PyComm {
         self.run(py, |c| {
             let mode = c.config().mode;
             c.e2a_send_tokens_bytes(b, bytes, mode)
-        })
+        })?;
+        held.set_replied();
+        *self.recycle.token.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(batch.clone().unbind());
+        Ok(())
     }
 
     /// Waits for every rank (collective).
@@ -1006,7 +1232,8 @@ impl PyComm {
 
     /// After a peer failure: every survivor calls ``shrink()``, which agrees on the dead ranks
     /// and returns a new communicator over the survivors (ranks renumbered densely; see
-    /// :meth:`rank_after_shrink`). This communicator is closed. ``drop_orphaned_experts``: drop
+    /// :meth:`rank_after_shrink`). This communicator is closed by the call, whatever its
+    /// outcome: use the one returned from now on. ``drop_orphaned_experts``: drop
     /// the selections of experts left without a replica instead of raising
     /// :class:`ExpertLostError`. ``timeout``: seconds per agreement round (default 60).
     ///
@@ -1051,13 +1278,15 @@ impl PyComm {
         self.run(py, |c| Ok(c.shrunk_past().to_vec()))
     }
 
-    /// Leaves the job and frees the communicator (windows stay mapped while buffers from
-    /// :meth:`a2e_input` live). Later calls raise; closing twice is fine.
+    /// Leaves the job and frees the communicator: the peers see this rank leave at once, also
+    /// while buffers from :meth:`a2e_input` (or tensors made from them) live, which keep only
+    /// the window's memory mapped (they refuse new exports). Later calls raise; closing twice
+    /// is fine.
     fn close(&self, py: Python<'_>) {
         self.retire_input();
         let shared = self.shared.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(shared) = shared {
-            py.detach(move || drop(shared));
+            py.detach(move || Shared::release(shared));
         }
     }
 
@@ -1075,9 +1304,11 @@ impl PyComm {
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> bool {
         if exc_type.is_some_and(|t| !t.is_none()) && !self.closed() {
+            // The exception's text goes to every peer: a key or an id in it (a long run of hex
+            // digits) is left out.
             let what = exc
                 .and_then(|e| e.repr().ok())
-                .map(|r| r.to_string_lossy().into_owned())
+                .map(|r| without_hex_runs(&r.to_string_lossy()))
                 .unwrap_or_else(|| "an exception".into());
             let _ = self.abort(
                 py,
@@ -1138,6 +1369,10 @@ impl PyComm {
 
 /// What an attention rank keeps between an A2E call and its E2A: pass it to
 /// :meth:`Communicator.e2a_recv` once.
+///
+/// Dropping a handle before its E2A receive aborts the job at once: that call can no longer
+/// be answered, so every rank's current and later calls raise :class:`AbortedError` naming
+/// this rank and the call's epoch (the Rust API's rule).
 #[pyclass(frozen, module = "xccl", name = "A2eHandle")]
 pub struct PyA2eHandle {
     handle: xccl::A2eHandle,
@@ -1177,10 +1412,17 @@ fn as_i32(values: &[u32]) -> Vec<i32> {
     values.iter().map(|&v| v as i32).collect()
 }
 
-/// A buffer viewing `bytes` of batch `owner` (read-only; the batch never changes).
-fn batch_view(owner: &Bound<'_, PyAny>, bytes: &[u8], shape: &[usize], elem: Elem) -> Buffer {
+/// A buffer viewing `bytes` of batch `owner` (read-only; the batch never changes), counted in
+/// the batch's `views`.
+fn batch_view(
+    owner: &Bound<'_, PyAny>,
+    views: &Arc<()>,
+    bytes: &[u8],
+    shape: &[usize],
+    elem: Elem,
+) -> Buffer {
     Buffer::new(
-        Owner::Object(owner.clone().unbind()),
+        Owner::Object(owner.clone().unbind(), views.clone()),
         bytes.as_ptr(),
         shape,
         elem,
@@ -1207,6 +1449,101 @@ fn sources_list<'py>(
     Ok(l)
 }
 
+/// A received batch as its Python object holds it: the batch (locked while a call or a getter
+/// reads it), whether its reply went out, and whether a later receive took its memory.
+///
+/// A replied batch that nothing but the loop variable refers to (no buffer views it) gives its
+/// memory to the next receive of its kind on its communicator ([`Recycle`]), so that a loop
+/// `batch = comm.a2e_recv(); ...; comm.e2a_send(batch, out)` refills one batch, as a Rust loop
+/// does, instead of alternating two (twice the memory the receive writes and the reply reads,
+/// which costs cache misses at large calls). Reading the batch afterwards raises.
+struct Held<B> {
+    batch: Mutex<B>,
+    replied: AtomicBool,
+    recycled: AtomicBool,
+    /// One more reference per live buffer viewing the batch ([`batch_view`]).
+    views: Arc<()>,
+}
+
+impl<B: Default> Held<B> {
+    fn new(batch: B) -> Self {
+        Held {
+            batch: Mutex::new(batch),
+            replied: AtomicBool::new(false),
+            recycled: AtomicBool::new(false),
+            views: Arc::new(()),
+        }
+    }
+
+    /// The batch, or an error once a later receive took its memory.
+    fn get(&self, py: Python<'_>) -> PyResult<std::sync::MutexGuard<'_, B>> {
+        if self.recycled.load(Ordering::Acquire) {
+            return Err(invalid(
+                py,
+                "this batch was replied to and a later receive reused its memory (no buffer \
+                 of it was alive): keep a buffer (batch.rows...) or a copy to read it after \
+                 the next receive",
+            ));
+        }
+        Ok(self.batch.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Its reply went out.
+    fn set_replied(&self) {
+        self.replied.store(true, Ordering::Release);
+    }
+
+    /// The batch's memory for a new receive, if it was replied to and nothing uses it now.
+    fn take_replied(&self) -> Option<B> {
+        let viewed = Arc::strong_count(&self.views) > 1;
+        if viewed || !self.replied.load(Ordering::Acquire) || self.recycled.load(Ordering::Acquire)
+        {
+            return None;
+        }
+        let mut batch = self.batch.try_lock().ok()?;
+        self.recycled.store(true, Ordering::Release);
+        Some(std::mem::take(&mut *batch))
+    }
+
+    /// For the spare pool when the object goes: the batch if it was replied to (and not
+    /// recycled); an unreplied one is dropped here, which aborts the job (Rust's rule).
+    fn take_spare(&mut self) -> Option<B> {
+        let batch = std::mem::take(self.batch.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let reusable = *self.replied.get_mut() && !*self.recycled.get_mut();
+        reusable.then_some(batch)
+    }
+}
+
+/// The batch a receive may refill: the last one this communicator saw replied to, of each
+/// kind (a strong reference, taken back at the next receive).
+#[derive(Default)]
+struct Recycle {
+    expert: Mutex<Option<Py<PyExpertBatch>>>,
+    token: Mutex<Option<Py<PyTokenBatch>>>,
+}
+
+/// Takes the memory of the batch in `slot` when nothing but one other reference (the caller's
+/// loop variable) holds it and it was replied to; `held` reaches its [`Held`].
+fn recycle<T, B: Default>(
+    py: Python<'_>,
+    slot: &Mutex<Option<Py<T>>>,
+    held: impl FnOnce(&T) -> &Held<B>,
+) -> Option<B>
+where
+    T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync,
+{
+    let last = slot.lock().unwrap_or_else(|p| p.into_inner()).take()?;
+    // SAFETY: `last` is a live object (we hold a reference) and the GIL is held, which
+    // `Py_REFCNT` needs to read a consistent count.
+    let refs = unsafe { pyo3::ffi::Py_REFCNT(last.bind(py).as_ptr()) };
+    // Ours and at most one more (the loop variable), and no buffer views it.
+    if refs <= 2 {
+        held(last.get()).take_replied()
+    } else {
+        None
+    }
+}
+
 /// The rows an expert rank received in one A2E call, grouped by local expert
 /// (:meth:`Communicator.a2e_recv`).
 ///
@@ -1216,9 +1553,12 @@ fn sources_list<'py>(
 /// other buffers view it without a copy, stay valid as long as Python holds them (or the
 /// batch), and never change (no peer writes them; they are read-only). Reply with
 /// :meth:`Communicator.e2a_send` once.
+///
+/// Dropping the batch (with every buffer viewing it) before its reply aborts the job at once,
+/// naming this rank and the epoch: the attention ranks would otherwise wait out their timeout.
 #[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
 pub struct PyExpertBatch {
-    inner: ExpertBatch,
+    inner: Held<ExpertBatch>,
     /// Where the batch's memory goes once Python drops it (after every buffer viewing it).
     spares: Arc<Spares>,
     elem: Elem,
@@ -1226,8 +1566,13 @@ pub struct PyExpertBatch {
 }
 
 impl Drop for PyExpertBatch {
+    /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
+    /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
+    /// its reply).
     fn drop(&mut self) {
-        Spares::give(&self.spares.expert, std::mem::take(&mut self.inner));
+        if let Some(batch) = self.inner.take_spare() {
+            Spares::give(&self.spares.expert, batch);
+        }
     }
 }
 
@@ -1236,44 +1581,51 @@ impl PyExpertBatch {
     /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
     /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
     #[getter]
-    fn tag(&self) -> u64 {
-        self.inner.tag()
+    fn tag(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.tag())
     }
 
     /// The tag of each source attention rank, in rank order (as :attr:`sources`).
     #[getter]
-    fn tags(&self) -> Vec<u64> {
-        self.inner.sources().iter().map(|s| s.tag()).collect()
+    fn tags(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.sources().iter().map(|s| s.tag()).collect())
     }
 
     /// Number of rows (received (token, local expert) pairs).
     #[getter]
-    fn num_rows(&self) -> usize {
-        self.inner.num_rows()
+    fn num_rows(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_rows())
     }
 
     /// Number of received tokens.
     #[getter]
-    fn num_tokens(&self) -> usize {
-        self.inner.num_tokens()
+    fn num_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_tokens())
     }
 
     /// Number of local experts.
     #[getter]
-    fn num_local_experts(&self) -> usize {
-        self.inner.num_local_experts()
+    fn num_local_experts(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_local_experts())
     }
 
     /// The A2E epoch this batch came from.
     #[getter]
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.epoch())
     }
 
     /// Elements per row.
     #[getter]
-    fn hidden(&self) -> usize {
-        self.inner.hidden()
+    fn hidden(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.hidden())
     }
 
     /// The rows, ``[num_rows, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
@@ -1281,12 +1633,14 @@ impl PyExpertBatch {
     #[getter]
     fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
-        let bytes = b.inner.row_bytes();
-        let rows = bytes.len() / (b.inner.hidden().max(1) * b.elem.size());
+        let inner = b.inner.get(slf.py())?;
+        let bytes = inner.row_bytes();
+        let rows = bytes.len() / (inner.hidden().max(1) * b.elem.size());
         Ok(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytes,
-            &[rows, b.inner.hidden()],
+            &[rows, inner.hidden()],
             b.elem,
         ))
     }
@@ -1294,29 +1648,39 @@ impl PyExpertBatch {
     /// With ``keep_int8``: the rows as ``[num_rows, hidden]`` int8 (a value is ``q *
     /// scales[row]``); ``None`` otherwise.
     #[getter]
-    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn int8_rows(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (q, _) = b.inner.int8_rows()?;
+        let inner = b.inner.get(slf.py())?;
+        let (q, _) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
         let bytes: &[u8] = bytemuck::cast_slice(q);
-        Some(batch_view(
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytes,
-            &[b.inner.num_rows(), b.inner.hidden()],
+            &[inner.num_rows(), inner.hidden()],
             Elem::I8,
-        ))
+        )))
     }
 
     /// With ``keep_int8``: one float32 scale per row; ``None`` otherwise.
     #[getter]
-    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn scales(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (_, s) = b.inner.int8_rows()?;
-        Some(batch_view(
+        let inner = b.inner.get(slf.py())?;
+        let (_, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(s),
             &[s.len()],
             Elem::F32,
-        ))
+        )))
     }
 
     /// Whether rows were kept as INT8 (``Config(keep_int8=True)``).
@@ -1327,83 +1691,112 @@ impl PyExpertBatch {
 
     /// Rows per local expert, as a list (like DeepEP's ``num_recv_tokens_per_expert_list``).
     #[getter]
-    fn num_recv_tokens_per_expert_list(&self) -> Vec<usize> {
-        (0..self.inner.num_local_experts())
-            .map(|j| self.inner.expert_rows(j).len())
-            .collect()
+    fn num_recv_tokens_per_expert_list(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            (0..inner.num_local_experts())
+                .map(|j| inner.expert_rows(j).len())
+                .collect()
+        })
     }
 
     /// Rows per local expert, as an int32 :class:`Buffer`.
     #[getter]
-    fn num_recv_tokens_per_expert(&self) -> Buffer {
-        let counts: Vec<i32> = (0..self.inner.num_local_experts())
-            .map(|j| self.inner.expert_rows(j).len() as i32)
-            .collect();
-        Buffer::copy_of(&counts, &[counts.len()], Elem::I32)
+    fn num_recv_tokens_per_expert(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let counts: Vec<i32> = (0..inner.num_local_experts())
+                .map(|j| inner.expert_rows(j).len() as i32)
+                .collect();
+            Buffer::copy_of(&counts, &[counts.len()], Elem::I32)
+        })
     }
 
     /// ``expert_offsets[j]:expert_offsets[j+1]`` are the rows of local expert ``j``.
     #[getter]
-    fn expert_offsets(&self) -> Vec<usize> {
-        let l = self.inner.num_local_experts();
-        let mut v: Vec<usize> = (0..l).map(|j| self.inner.expert_rows(j).start).collect();
-        v.push(if l == 0 {
-            0
-        } else {
-            self.inner.expert_rows(l - 1).end
-        });
-        v
+    fn expert_offsets(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let l = inner.num_local_experts();
+            let mut v: Vec<usize> = (0..l).map(|j| inner.expert_rows(j).start).collect();
+            v.push(if l == 0 {
+                0
+            } else {
+                inner.expert_rows(l - 1).end
+            });
+            v
+        })
     }
 
     /// Per row: the attention rank it came from (int32).
     #[getter]
-    fn src_rank(&self) -> Buffer {
-        let v = as_i32(self.inner.src_rank());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_rank(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_rank());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per row: its token index at that attention rank (int32).
     #[getter]
-    fn src_token(&self) -> Buffer {
-        let v = as_i32(self.inner.src_token());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_token(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_token());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per row: the gating weight of its (token, expert), float32, read-only, no copy.
     #[getter]
-    fn weights(slf: &Bound<'_, Self>) -> Buffer {
-        let w = slf.get().inner.weight();
-        batch_view(slf.as_any(), bytemuck::cast_slice(w), &[w.len()], Elem::F32)
+    fn weights(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
+        let inner = slf.get().inner.get(slf.py())?;
+        let w = inner.weight();
+        Ok(batch_view(
+            slf.as_any(),
+            &slf.get().inner.views,
+            bytemuck::cast_slice(w),
+            &[w.len()],
+            Elem::F32,
+        ))
     }
 
     /// Row indices of received token ``i`` (one per local expert it selected, ascending).
     fn token_rows(&self, py: Python<'_>, i: usize) -> PyResult<Vec<u32>> {
-        if i >= self.inner.num_tokens() {
+        let inner = self.inner.get(py)?;
+        if i >= inner.num_tokens() {
             return Err(invalid(
                 py,
                 format!(
                     "token {i} is outside the batch's {} tokens",
-                    self.inner.num_tokens()
+                    inner.num_tokens()
                 ),
             ));
         }
-        Ok(self.inner.token_rows(i).to_vec())
+        Ok(inner.token_rows(i).to_vec())
     }
 
     /// Per source attention rank, in rank order: ``rank``, ``count`` (tokens),
     /// ``first_token``, ``arrived_after`` (seconds).
     #[getter]
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        sources_list(py, self.inner.sources())
+        let inner = self.inner.get(py)?;
+        sources_list(py, inner.sources())
     }
 
-    fn __repr__(&self) -> String {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let Ok(inner) = self.inner.get(py) else {
+            return "xccl.ExpertBatch(recycled by a later receive)".into();
+        };
+        let per_expert: Vec<usize> = (0..inner.num_local_experts())
+            .map(|j| inner.expert_rows(j).len())
+            .collect();
         format!(
-            "xccl.ExpertBatch(epoch={}, rows={}, tokens={}, per_expert={:?})",
-            self.inner.epoch(),
-            self.inner.num_rows(),
-            self.inner.num_tokens(),
-            self.num_recv_tokens_per_expert_list()
+            "xccl.ExpertBatch(epoch={}, rows={}, tokens={}, per_expert={per_expert:?})",
+            inner.epoch(),
+            inner.num_rows(),
+            inner.num_tokens(),
         )
     }
 }
@@ -1413,10 +1806,11 @@ impl PyExpertBatch {
 ///
 /// Token ``i`` selected local experts ``expert_ids[i, :]`` (ascending, padded with -1) with
 /// weights ``expert_weights[i, :]`` (padded with 0). Buffers as for :class:`ExpertBatch`.
-/// Reply with :meth:`Communicator.e2a_send_tokens` once.
+/// Reply with :meth:`Communicator.e2a_send_tokens` once; dropping it before the reply aborts
+/// the job at once, as for :class:`ExpertBatch`.
 #[pyclass(frozen, module = "xccl", name = "TokenBatch")]
 pub struct PyTokenBatch {
-    inner: TokenBatch,
+    inner: Held<TokenBatch>,
     /// As [`PyExpertBatch::spares`].
     spares: Arc<Spares>,
     elem: Elem,
@@ -1426,8 +1820,13 @@ pub struct PyTokenBatch {
 }
 
 impl Drop for PyTokenBatch {
+    /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
+    /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
+    /// its reply).
     fn drop(&mut self) {
-        Spares::give(&self.spares.token, std::mem::take(&mut self.inner));
+        if let Some(batch) = self.inner.take_spare() {
+            Spares::give(&self.spares.token, batch);
+        }
     }
 }
 
@@ -1436,63 +1835,84 @@ impl PyTokenBatch {
     /// The user tag of the call (:meth:`Communicator.a2e_send`'s ``tag``): the tag its first
     /// source sent (the lowest attention rank taking part; :attr:`tags` has every source's).
     #[getter]
-    fn tag(&self) -> u64 {
-        self.inner.tag()
+    fn tag(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.tag())
     }
 
     /// The tag of each source attention rank, in rank order (as :attr:`sources`).
     #[getter]
-    fn tags(&self) -> Vec<u64> {
-        self.inner.sources().iter().map(|s| s.tag()).collect()
+    fn tags(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.sources().iter().map(|s| s.tag()).collect())
     }
 
     /// Number of received tokens.
     #[getter]
-    fn num_tokens(&self) -> usize {
-        self.inner.num_tokens()
+    fn num_tokens(&self, py: Python<'_>) -> PyResult<usize> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.num_tokens())
     }
 
     /// The A2E epoch this batch came from.
     #[getter]
-    fn epoch(&self) -> u64 {
-        self.inner.epoch()
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.get(py)?;
+        Ok(inner.epoch())
     }
 
     /// The rows, ``[num_tokens, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
     /// with ``keep_int8``).
     #[getter]
-    fn rows(slf: &Bound<'_, Self>) -> Buffer {
+    fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
-        let bytes = b.inner.row_bytes();
+        let inner = b.inner.get(slf.py())?;
+        let bytes = inner.row_bytes();
         let rows = bytes.len() / (b.hidden.max(1) * b.elem.size());
-        batch_view(slf.as_any(), bytes, &[rows, b.hidden], b.elem)
+        Ok(batch_view(
+            slf.as_any(),
+            &slf.get().inner.views,
+            bytes,
+            &[rows, b.hidden],
+            b.elem,
+        ))
     }
 
     /// With ``keep_int8``: the rows as ``[num_tokens, hidden]`` int8; ``None`` otherwise.
     #[getter]
-    fn int8_rows(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn int8_rows(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (q, s) = b.inner.int8_rows()?;
+        let inner = b.inner.get(slf.py())?;
+        let (q, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
         let shape = [s.len(), b.hidden];
-        Some(batch_view(
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(q),
             &shape,
             Elem::I8,
-        ))
+        )))
     }
 
     /// With ``keep_int8``: one float32 scale per token; ``None`` otherwise.
     #[getter]
-    fn scales(slf: &Bound<'_, Self>) -> Option<Buffer> {
+    fn scales(slf: &Bound<'_, Self>) -> PyResult<Option<Buffer>> {
         let b = slf.get();
-        let (_, s) = b.inner.int8_rows()?;
-        Some(batch_view(
+        let inner = b.inner.get(slf.py())?;
+        let (_, s) = match inner.int8_rows() {
+            Some(v) => v,
+            None => return Ok(None),
+        };
+        Ok(Some(batch_view(
             slf.as_any(),
+            &slf.get().inner.views,
             bytemuck::cast_slice(s),
             &[s.len()],
             Elem::F32,
-        ))
+        )))
     }
 
     /// Whether rows were kept as INT8.
@@ -1503,72 +1923,89 @@ impl PyTokenBatch {
 
     /// Per token: the attention rank it came from (int32).
     #[getter]
-    fn src_rank(&self) -> Buffer {
-        let v = as_i32(self.inner.src_rank());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_rank(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_rank());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per token: its index at that attention rank (int32).
     #[getter]
-    fn src_token(&self) -> Buffer {
-        let v = as_i32(self.inner.src_token());
-        Buffer::copy_of(&v, &[v.len()], Elem::I32)
+    fn src_token(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let v = as_i32(inner.src_token());
+            Buffer::copy_of(&v, &[v.len()], Elem::I32)
+        })
     }
 
     /// Per token: its local expert indices, ``[num_tokens, topk]`` int32, ascending, padded
     /// with -1.
     #[getter]
-    fn expert_ids(&self) -> Buffer {
-        let (t, k) = (self.inner.num_tokens(), self.topk);
-        let mut v = vec![-1i32; t * k];
-        for i in 0..t {
-            let (ids, _) = self.inner.experts_of(i);
-            for (c, &j) in ids.iter().enumerate() {
-                v[i * k + c] = j as i32;
+    fn expert_ids(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let (t, k) = (inner.num_tokens(), self.topk);
+            let mut v = vec![-1i32; t * k];
+            for i in 0..t {
+                let (ids, _) = inner.experts_of(i);
+                for (c, &j) in ids.iter().enumerate() {
+                    v[i * k + c] = j as i32;
+                }
             }
-        }
-        Buffer::copy_of(&v, &[t, k], Elem::I32)
+            Buffer::copy_of(&v, &[t, k], Elem::I32)
+        })
     }
 
     /// Per token: the gating weights of its local experts, ``[num_tokens, topk]`` float32,
     /// padded with 0.
     #[getter]
-    fn expert_weights(&self) -> Buffer {
-        let (t, k) = (self.inner.num_tokens(), self.topk);
-        let mut v = vec![0f32; t * k];
-        for i in 0..t {
-            let (_, ws) = self.inner.experts_of(i);
-            v[i * k..i * k + ws.len()].copy_from_slice(ws);
-        }
-        Buffer::copy_of(&v, &[t, k], Elem::F32)
+    fn expert_weights(&self, py: Python<'_>) -> PyResult<Buffer> {
+        let inner = self.inner.get(py)?;
+        Ok({
+            let (t, k) = (inner.num_tokens(), self.topk);
+            let mut v = vec![0f32; t * k];
+            for i in 0..t {
+                let (_, ws) = inner.experts_of(i);
+                v[i * k..i * k + ws.len()].copy_from_slice(ws);
+            }
+            Buffer::copy_of(&v, &[t, k], Elem::F32)
+        })
     }
 
     /// Local expert indices and weights of token ``i``, as two lists.
     fn experts_of(&self, py: Python<'_>, i: usize) -> PyResult<(Vec<u32>, Vec<f32>)> {
-        if i >= self.inner.num_tokens() {
+        let inner = self.inner.get(py)?;
+        if i >= inner.num_tokens() {
             return Err(invalid(
                 py,
                 format!(
                     "token {i} is outside the batch's {} tokens",
-                    self.inner.num_tokens()
+                    inner.num_tokens()
                 ),
             ));
         }
-        let (ids, ws) = self.inner.experts_of(i);
+        let (ids, ws) = inner.experts_of(i);
         Ok((ids.to_vec(), ws.to_vec()))
     }
 
     /// Per source attention rank, in rank order (as :attr:`ExpertBatch.sources`).
     #[getter]
     fn sources<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        sources_list(py, self.inner.sources())
+        let inner = self.inner.get(py)?;
+        sources_list(py, inner.sources())
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "xccl.TokenBatch(epoch={}, tokens={})",
-            self.inner.epoch(),
-            self.inner.num_tokens()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.inner.get(py) {
+            Ok(inner) => format!(
+                "xccl.TokenBatch(epoch={}, tokens={})",
+                inner.epoch(),
+                inner.num_tokens()
+            ),
+            Err(_) => "xccl.TokenBatch(recycled by a later receive)".into(),
+        }
     }
 }

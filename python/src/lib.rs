@@ -8,6 +8,7 @@
 //! | [`buffer`] | tensors out: `Buffer`, exported through DLPack without a copy |
 //! | [`topo`] | `Topology`, `Config`, `UniqueId` |
 //! | [`comm`] | `Communicator` and what its calls hand back |
+//! | `testing` | fault injection for the package's tests (`_inject_panic`) |
 //!
 //! Logging: the library's `tracing` events reach Python's `logging` (loggers `xccl.*`)
 //! through the `log` crate and pyo3-log, at the level `XCCL_DEBUG` names (default `warn`).
@@ -18,6 +19,7 @@ pub mod buffer;
 pub mod comm;
 pub mod errors;
 pub mod tensor;
+mod testing;
 pub mod topo;
 
 /// The level `XCCL_DEBUG` names (`off`, `error`, `warn`, `info`, `debug`, `trace`; default and
@@ -57,5 +59,6 @@ fn _xccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyA2eHandle>()?;
     m.add_class::<comm::PyExpertBatch>()?;
     m.add_class::<comm::PyTokenBatch>()?;
+    m.add_function(wrap_pyfunction!(testing::_inject_panic, m)?)?;
     Ok(())
 }

@@ -6,11 +6,12 @@
 use std::borrow::Cow;
 
 use dlpark::ffi::{
-    DLDataTypeCode, DLDevice, DLDeviceType, DLPACK_MAJOR_VERSION, DLPACK_MINOR_VERSION,
+    DLDataTypeCode, DLDevice, DLDeviceType, DLManagedTensorVersioned, DLPACK_MAJOR_VERSION,
+    DLPACK_MINOR_VERSION,
 };
 use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::{ImportRequest, ImportedDlpack};
-use dlpark::{DlpackFlags, TensorRef};
+use dlpark::{DlpackFlags, Managed, TensorRef};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -193,27 +194,37 @@ impl Shape {
     }
 }
 
-/// What keeps a tensor's memory alive while a call uses it.
-enum Keep<'py> {
-    /// An owning DLPack import: the producer keeps the memory alive until its deleter runs
-    /// (when this is dropped).
-    Managed(#[allow(dead_code)] ImportedDlpack),
-    /// The producer object itself, referenced for the call: a tensor viewed through the DLPack
-    /// C exchange API (DLPack 1.3: the view is valid until control returns to Python, which a
-    /// call of this binding does only after it is done with the data), or an `xccl.Buffer`
-    /// (which keeps its owner alive).
-    Object(#[allow(dead_code)] Bound<'py, PyAny>),
+/// What owns a tensor's memory while a call uses it (with the GIL released): an owning
+/// reference, never a borrowed view, so that no other thread can free or swap the memory
+/// meanwhile (`t.set_(...)`, `del t`). Dropping it releases the reference once.
+enum Owner<'py> {
+    /// A managed tensor from the producer's DLPack C exchange API (torch), over a fresh alias of
+    /// the tensor (`t.detach()`), so that the memory stays the producer's storage even if the
+    /// caller's tensor is given other storage: dlpark's [`Managed`] calls its deleter exactly
+    /// once, when dropped.
+    Exchange(#[allow(dead_code)] Managed<DLManagedTensorVersioned>),
+    /// A managed tensor from a `__dlpack__` capsule (numpy, JAX, anything else), dropped the
+    /// same way.
+    Capsule(#[allow(dead_code)] ImportedDlpack),
+    /// An `xccl.Buffer` (which keeps its owner alive), referenced for the call.
+    Buffer(#[allow(dead_code)] Bound<'py, Buffer>),
 }
 
-/// A tensor handed in by the caller, checked to be in host memory and C-contiguous, and held
-/// (see [`Keep`]) so that its memory stays valid while this value lives.
+/// A tensor handed in by the caller: an owning reference to its memory ([`Owner`]), the device
+/// it lives on (type and id, as DLPack names them), its data pointer, shape and dtype, and
+/// whether the producer marked it read-only. Only host memory is taken ([`accept_device`]:
+/// anything else is refused naming its device), C-contiguous.
 ///
-/// Imported by the fastest exact path its type has: an `xccl.Buffer` directly; a producer
-/// with the DLPack C exchange API (torch) through its borrowed view, with no allocation; a
-/// numpy array through `__dlpack__(max_version=...)`; anything else through dlpark's
-/// negotiated import (`__dlpack_device__`, `__dlpack__`) or the buffer protocol.
+/// Imported by the fastest exact path its type has: an `xccl.Buffer` directly; a producer with
+/// the DLPack C exchange API (torch) through a managed tensor, with no capsule and no Python
+/// call but `detach()`; a numpy array through `__dlpack__(max_version=...)`; anything else
+/// through dlpark's negotiated import (`__dlpack_device__`, `__dlpack__`) or the buffer
+/// protocol.
 pub(crate) struct Tensor<'py> {
-    _keep: Keep<'py>,
+    _owner: Owner<'py>,
+    /// Where the memory is (checked by [`accept_device`]).
+    #[allow(dead_code)]
+    device: DLDevice,
     /// Start of the data (byte offset applied); null only when the tensor is empty.
     ptr: *mut u8,
     len_bytes: usize,
@@ -224,6 +235,7 @@ pub(crate) struct Tensor<'py> {
 
 /// The layout facts of a DLPack tensor, checked (host memory, C-contiguous).
 struct Layout {
+    device: DLDevice,
     ptr: *mut u8,
     len_bytes: usize,
     shape: Shape,
@@ -234,7 +246,7 @@ impl Layout {
     /// Checks `t` and reads its layout; `bf16` says its 16-bit unsigned elements are bfloat16
     /// bits (a numpy `ml_dtypes.bfloat16` array seen as `uint16`).
     fn of(py: Python<'_>, t: &TensorRef<'_>, what: &str, bf16: bool) -> PyResult<Layout> {
-        check_device(py, t.device(), what)?;
+        accept_device(py, t.device(), what)?;
         let mut elem = Elem::of(t.dtype());
         if bf16 && elem == Elem::U16 {
             elem = Elem::BF16;
@@ -274,6 +286,7 @@ impl Layout {
             ));
         }
         Ok(Layout {
+            device: t.device(),
             ptr,
             len_bytes: numel * elem.size(),
             shape,
@@ -299,7 +312,7 @@ impl<'py> Tensor<'py> {
             if let Some(t) = Tensor::numpy(py, obj, what)? {
                 return Ok(t);
             }
-        } else if let Some(t) = Tensor::exchange_view(py, obj, what)? {
+        } else if let Some(t) = Tensor::exchange(py, obj, what)? {
             return Ok(t);
         }
         Tensor::negotiated(py, obj, what)
@@ -319,7 +332,8 @@ impl<'py> Tensor<'py> {
         })?;
         let (ptr, len_bytes, dims, elem, read_only) = b.raw();
         Ok(Tensor {
-            _keep: Keep::Object(buf.clone().into_any()),
+            _owner: Owner::Buffer(buf.clone()),
+            device: DLDevice::CPU,
             ptr: if len_bytes == 0 {
                 std::ptr::null_mut()
             } else {
@@ -332,9 +346,10 @@ impl<'py> Tensor<'py> {
         })
     }
 
-    /// A producer with the DLPack C exchange API and its borrowed view (torch): no allocation,
-    /// no Python call. `None` when `obj`'s type has no such API (or no borrowed view).
-    fn exchange_view(
+    /// A producer with the DLPack C exchange API (torch): a managed tensor of a fresh alias of
+    /// `obj` (`obj.detach()`: the same storage, but an object no one else can give other
+    /// storage), with no capsule. `None` when `obj`'s type has no such API.
+    fn exchange(
         py: Python<'py>,
         obj: &Bound<'py, PyAny>,
         what: &str,
@@ -342,19 +357,25 @@ impl<'py> Tensor<'py> {
         let Ok(Some(api)) = ExchangeApi::from_object(obj.as_borrowed()) else {
             return Ok(None);
         };
-        let viewed = api.with_tensor_view_no_sync(obj.as_borrowed(), |raw, _stream| {
-            // SAFETY: the producer filled `raw` (its shape and strides arrays included) for
-            // `obj`, which is alive and not handed back to Python code during this closure.
-            let t = unsafe { TensorRef::from_raw(raw) }
-                .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
-            Layout::of(py, &t, what, false)
-        });
-        let layout = match viewed {
-            Ok(layout) => layout?,
-            // A producer that declines the borrowed view: take the negotiated path.
-            Err(_) => return Ok(None),
+        let alias = match obj.call_method0(intern!(py, "detach")) {
+            Ok(a) if a.get_type().is(obj.get_type()) => a,
+            // Not a torch tensor's `detach`: the object itself.
+            _ => obj.clone(),
         };
-        Ok(Some(Tensor::with(Keep::Object(obj.clone()), layout, false)))
+        let imported = api
+            .import_managed_no_sync(alias.as_borrowed())
+            .map_err(|e| export_failed(py, obj, what, &e))?;
+        let (managed, _stream) = imported.into_parts();
+        let read_only = managed.flags().contains(DlpackFlags::READ_ONLY);
+        let t = managed
+            .validate()
+            .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
+        let layout = Layout::of(py, &t, what, false)?;
+        Ok(Some(Tensor::with(
+            Owner::Exchange(managed),
+            layout,
+            read_only,
+        )))
     }
 
     /// A numpy array through `__dlpack__(max_version=...)` (a versioned capsule, read-only
@@ -377,7 +398,7 @@ impl<'py> Tensor<'py> {
         };
         let managed = ImportRequest::new(capsule.as_borrowed())
             .and_then(|req| req.import(None, None))
-            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
+            .map_err(|e| export_failed(py, obj, what, &e))?;
         Tensor::managed(py, managed, what, false).map(Some)
     }
 
@@ -385,14 +406,15 @@ impl<'py> Tensor<'py> {
     /// `__dlpack__`, legacy `__dlpack__`), after [`prepare`].
     fn negotiated(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Tensor<'py>> {
         let (obj, bf16) = prepare(py, obj, what)?;
-        let req = ImportRequest::new(obj.as_borrowed())
-            .map_err(|e| invalid(py, format!("{what}: cannot take it through DLPack: {e}")))?;
+        let req =
+            ImportRequest::new(obj.as_borrowed()).map_err(|e| export_failed(py, &obj, what, &e))?;
+        // Capsules and legacy producers name no device before the import (checked after it).
         if let Ok(device) = req.device() {
-            check_device(py, device, what)?;
+            accept_device(py, device, what)?;
         }
         let managed = req
             .import(None, None)
-            .map_err(|e| invalid(py, format!("{what}: DLPack export failed: {e}")))?;
+            .map_err(|e| export_failed(py, &obj, what, &e))?;
         Tensor::managed(py, managed, what, bf16)
     }
 
@@ -408,12 +430,13 @@ impl<'py> Tensor<'py> {
             .validate()
             .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
         let layout = Layout::of(py, &t, what, bf16)?;
-        Ok(Tensor::with(Keep::Managed(managed), layout, read_only))
+        Ok(Tensor::with(Owner::Capsule(managed), layout, read_only))
     }
 
-    fn with(keep: Keep<'py>, layout: Layout, read_only: bool) -> Tensor<'py> {
+    fn with(owner: Owner<'py>, layout: Layout, read_only: bool) -> Tensor<'py> {
         Tensor {
-            _keep: keep,
+            _owner: owner,
+            device: layout.device,
             ptr: layout.ptr,
             len_bytes: layout.len_bytes,
             shape: layout.shape,
@@ -439,7 +462,7 @@ impl<'py> Tensor<'py> {
         }
         // SAFETY: `ptr` is the start of this C-contiguous tensor's `len_bytes` bytes of host
         // memory (device checked, layout checked in `import`), which stay valid while
-        // `self._keep` lives (the owning import's producer, or the object held for the call),
+        // `self._owner` lives (an owning reference to the producer's memory, see [`Owner`]),
         // so for the borrow of `self`. The caller must not write the tensor from another
         // thread while a call reads it (documented on every call).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len_bytes) }
@@ -501,18 +524,46 @@ fn is_ndarray(py: Python<'_>, obj: &Bound<'_, PyAny>) -> bool {
     }
 }
 
-/// Checks that `device` is host memory, else an error naming it.
-fn check_device(py: Python<'_>, device: DLDevice, what: &str) -> PyResult<()> {
+/// Accepts a tensor on `device` or refuses it, naming the device: host memory only (the CPU,
+/// and pinned host memory of CUDA or ROCm, which the CPU addresses directly).
+fn accept_device(py: Python<'_>, device: DLDevice, what: &str) -> PyResult<()> {
     if host_accessible(device) {
         return Ok(());
     }
-    Err(invalid(
+    Err(not_on_cpu(py, what, &device_name(device)))
+}
+
+/// The error for a tensor on `device` (named as its framework prints it).
+fn not_on_cpu(py: Python<'_>, what: &str, device: &str) -> PyErr {
+    invalid(
         py,
         format!(
-            "{what} is on device {}; xccl takes CPU tensors only for now (move it with .cpu())",
-            device_name(device)
+            "{what} is on {device}; xccl's communicator here takes CPU tensors (move it with \
+             .cpu())"
         ),
-    ))
+    )
+}
+
+/// The error for a producer whose DLPack export of `obj` failed with `e`: when `obj` says it is
+/// on a device other than the CPU (torch's `meta`, which DLPack cannot name), that device;
+/// else the first line of the producer's message (never a C++ stack trace that follows it).
+fn export_failed(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str, e: &PyErr) -> PyErr {
+    let device = obj
+        .getattr(intern!(py, "device"))
+        .and_then(|d| d.str())
+        .map(|d| d.to_string_lossy().into_owned());
+    if let Ok(device) = device {
+        if device != "cpu" && !device.starts_with("cpu:") {
+            return not_on_cpu(py, what, &device);
+        }
+    }
+    let message = e
+        .value(py)
+        .str()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let first = message.lines().next().unwrap_or("").trim();
+    invalid(py, format!("{what}: its DLPack export failed: {first}"))
 }
 
 /// What to hand to DLPack for `obj`: the object itself; a `uint16` view of a numpy array of
@@ -623,7 +674,7 @@ pub(crate) fn topk_ids<'t>(
                         invalid(
                             py,
                             format!(
-                                "topk_idx[{}, {}] = {v} selects no expert: ids are 0..{num_experts}, \
+                                "topk_idx[{}, {}] = {v} selects no expert: ids are in [0, {num_experts}), \
                                  or -1 for none",
                                 i / topk.max(1),
                                 i % topk.max(1)

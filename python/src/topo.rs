@@ -6,10 +6,29 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyType;
-use xccl::bootstrap::UniqueId;
+use xccl::bootstrap::{UniqueId, UNIQUE_ID_ENV};
 use xccl::{DType, MoeConfig, Quant, Role, Topology, TopologyBuilder, TransferMode};
 
 use crate::errors::{invalid, to_py};
+
+/// The longest timeout a call takes, in seconds (a year): longer ones would overflow a
+/// deadline; a receive that waits while its peers live takes ``timeout=None`` instead.
+pub(crate) const MAX_TIMEOUT_S: f64 = 365.0 * 86_400.0;
+
+/// `s` seconds, in `(0, MAX_TIMEOUT_S]`, else a `ValueError` (`InvalidArgumentError`) naming
+/// the range.
+pub(crate) fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    if s > 0.0 && s <= MAX_TIMEOUT_S {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(invalid(
+            py,
+            format!(
+                "{what} must be in (0, {MAX_TIMEOUT_S:.0}] seconds (a year at most), got {s:?}"
+            ),
+        ))
+    }
+}
 
 /// Parses a role name.
 pub(crate) fn parse_role(py: Python<'_>, s: &str) -> PyResult<Role> {
@@ -289,13 +308,7 @@ impl PyConfig {
         let err = |e: xccl::Error| to_py(py, &e, false);
         let mut cfg = MoeConfig::new(hidden, parse_dtype(py, dtype)?, topk, max_tokens_per_rank);
         cfg.max_in_flight = max_in_flight;
-        if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(invalid(
-                py,
-                format!("timeout must be a positive number of seconds, got {timeout}"),
-            ));
-        }
-        cfg.timeout = Duration::from_secs_f64(timeout);
+        cfg.timeout = seconds(py, "timeout", timeout)?;
         cfg.mode = TransferMode::parse(mode).map_err(err)?;
         cfg.a2e_quant = a2e_quant
             .map(Quant::parse)
@@ -384,9 +397,15 @@ impl PyConfig {
     }
 }
 
-/// The name of a job's rendezvous: made once (``UniqueId.new()``, which starts the rendezvous
-/// root in this process) and handed to every rank as its string (``str(uid)``, 256 hex
-/// characters), like NCCL's unique id.
+/// The name of a job's rendezvous, like NCCL's unique id: made once (:meth:`new`, which starts
+/// the rendezvous root in the calling process; that process must outlive every rank's join)
+/// and handed to every rank as its hex string (:meth:`hex`, 256 characters).
+///
+/// The id carries the job's secret key: whoever holds it can join the job. ``repr()`` and
+/// ``str()`` show the job id and the root's address only, never the key; :meth:`hex` is the
+/// one way to the whole id. Hand it to other processes in their environment
+/// (``XCCL_UNIQUE_ID``, read by :meth:`from_env`), a pipe or a broadcast, never on a command
+/// line.
 #[pyclass(frozen, module = "xccl", name = "UniqueId")]
 pub struct PyUniqueId {
     pub(crate) id: UniqueId,
@@ -395,14 +414,16 @@ pub struct PyUniqueId {
 #[pymethods]
 impl PyUniqueId {
     /// Starts a rendezvous root in this process (on ``XCCL_SOCKET_ADDR``, default 127.0.0.1)
-    /// and returns the id naming it.
+    /// and returns the id naming it. The root runs on a thread of this process: the process
+    /// must live until every rank has joined (a launcher that forks its ranks makes the id
+    /// first and puts :meth:`hex` in their environment as ``XCCL_UNIQUE_ID``).
     #[staticmethod]
     fn new(py: Python<'_>) -> PyResult<Self> {
         let id = py.detach(UniqueId::new).map_err(|e| to_py(py, &e, false))?;
         Ok(PyUniqueId { id })
     }
 
-    /// The id written as ``str(uid)``.
+    /// The id written as :meth:`hex` (surrounding whitespace allowed).
     #[classmethod]
     fn from_string(_cls: &Bound<'_, PyType>, py: Python<'_>, s: &str) -> PyResult<Self> {
         let id = s
@@ -412,12 +433,50 @@ impl PyUniqueId {
         Ok(PyUniqueId { id })
     }
 
-    fn __str__(&self) -> String {
+    /// The id in the environment variable ``XCCL_UNIQUE_ID`` (its :meth:`hex`), as a launcher
+    /// put it there; :class:`BootstrapError` when it is unset or malformed.
+    #[classmethod]
+    fn from_env(_cls: &Bound<'_, PyType>, py: Python<'_>) -> PyResult<Self> {
+        match UniqueId::from_env() {
+            Ok(Some(id)) => Ok(PyUniqueId { id }),
+            Ok(None) => Err(to_py(
+                py,
+                &xccl::Error::Bootstrap(format!(
+                    "{UNIQUE_ID_ENV} is not set: the launcher puts the id's hex() there"
+                )),
+                false,
+            )),
+            Err(e) => Err(to_py(py, &e, false)),
+        }
+    }
+
+    /// The whole id as 256 hex characters, key included: a secret (see the class docs).
+    fn hex(&self) -> String {
         self.id.to_string()
     }
 
+    /// The job id (not a secret: it names the job in logs and errors).
+    #[getter]
+    fn job_id(&self) -> u64 {
+        self.id.job_id()
+    }
+
+    /// The rendezvous root's address, ``"host:port"``.
+    #[getter]
+    fn root(&self) -> String {
+        self.id.root_addr().to_string()
+    }
+
+    fn __str__(&self) -> String {
+        self.__repr__()
+    }
+
     fn __repr__(&self) -> String {
-        format!("xccl.UniqueId({:?})", self.id.to_string())
+        format!(
+            "xccl.UniqueId(job_id={:016x}, root={}, key hidden)",
+            self.id.job_id(),
+            self.id.root_addr()
+        )
     }
 }
 
@@ -428,7 +487,7 @@ pub(crate) fn unique_id(py: Python<'_>, v: &Bound<'_, PyAny>) -> PyResult<Unique
     }
     let s: String = v
         .extract()
-        .map_err(|_| invalid(py, "unique_id must be a UniqueId or its string"))?;
+        .map_err(|_| invalid(py, "unique_id must be a UniqueId or its hex() string"))?;
     s.trim()
         .parse::<UniqueId>()
         .map_err(|e| to_py(py, &e, false))

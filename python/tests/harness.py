@@ -27,9 +27,11 @@ def free_port() -> int:
 class Job:
     """A started job: ``procs[r]`` is rank ``r``'s process."""
 
-    def __init__(self, procs, tmp):
+    def __init__(self, procs, tmp, uid=None):
         self.procs = procs
         self.tmp = tmp
+        # The unique id the ranks joined with (its hex), for a ``join="uid"`` job.
+        self.uid = uid
 
     def wait(self, timeout: float = 240.0) -> list:
         """Each rank's result dict, or ``{"exit": code, "stderr": ...}`` for a rank that printed
@@ -83,8 +85,8 @@ def start(
     if join == "uid":
         import xccl
 
-        common["uid"] = str(xccl.UniqueId.new())
-        common["uids"] = [str(xccl.UniqueId.new()) for _ in args.get("cases") or []]
+        common["uid"] = xccl.UniqueId.new().hex()
+        common["uids"] = [xccl.UniqueId.new().hex() for _ in args.get("cases") or []]
     port = free_port()
     # Launcher joins authenticate with a key every rank's environment holds (never argv).
     key = secrets.token_hex(32)
@@ -117,7 +119,7 @@ def start(
                 text=True,
             )
         )
-    return Job(procs, tmp)
+    return Job(procs, tmp, common.get("uid"))
 
 
 def run(scenario: str, world: int, tmp, timeout: float = 240.0, **args) -> list:

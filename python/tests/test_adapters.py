@@ -182,7 +182,7 @@ def run_ranks(mode: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     try:
         for c in conns:
-            c.send(str(root))
+            c.send(root.hex())
         for rank, (p, c) in enumerate(zip(procs, conns)):
             if not c.poll(max(0.0, deadline - time.monotonic())):
                 failed.append(f"rank {rank}: no result within {timeout} s")

@@ -2,7 +2,11 @@
 path, bit for bit against the independent reference of reference.py; misuse, a killed rank,
 Ctrl-C."""
 
+import os
+import secrets
 import signal
+import subprocess
+import sys
 
 import harness
 
@@ -176,3 +180,98 @@ def test_ctrl_c_interrupts_a_blocked_shrink_and_the_new_job_is_aborted(tmp_path)
     assert first["first"] == "KeyboardInterrupt" and first["closed"], first
     assert first["caught_at"] - sent < 0.5, first["caught_at"] - sent
     assert second["error"] == "AbortedError" and second["by"] == 0, second
+
+
+def test_a_call_writes_into_the_storage_it_was_given_even_if_another_thread_swaps_it(tmp_path):
+    # Before: the call kept only the Python object; the swapped-out storage was freed (and
+    # unmapped) while e2a_recv wrote it: the attention rank crashed (SIGSEGV).
+    attention, _ = harness.run("swap_out", 2, tmp_path, **SMALL)
+    assert attention["returned_out"] and attention["numel_after"] == 0, attention
+
+
+def test_dropping_an_unreplied_batch_aborts_the_job_at_once_naming_rank_and_epoch(tmp_path):
+    # Before: the batch went to the spare pool, the attention rank waited out its timeout
+    # (TimeoutError), and the abort came at the expert's next receive (its refill).
+    attention, expert = harness.run("drop_unreplied", 2, tmp_path, call_timeout=8.0, **SMALL)
+    assert attention["error"] == "AbortedError" and attention["by"] == 1, attention
+    assert f"epoch {expert['epoch']}" in attention["message"], attention
+    assert "without replying" in attention["message"], attention
+    # At once, not at the 8 s timeout (allow for a busy machine).
+    assert attention["after"] < 4, attention
+    assert expert["next"] == "AbortedError", expert
+
+
+def test_a_panic_inside_a_call_is_an_xccl_error_and_aborts_the_job_at_once(tmp_path):
+    attention, expert = harness.run("panic_call", 2, tmp_path, **SMALL)
+    assert attention["error"] == "XcclError", attention
+    assert "panicked" in attention["message"] and attention["poisoned"], attention
+    assert "unusable" in attention["next"], attention
+    assert expert["error"] == "AbortedError" and expert["by"] == 0, expert
+    assert "panicked" in expert["message"], expert
+    assert expert["after"] < 5, expert
+
+
+def test_no_string_the_package_produces_in_a_failing_job_carries_the_key(tmp_path):
+    job = harness.start("secret", 2, tmp_path, env={"XCCL_DEBUG": "trace"}, **SMALL)
+    results = job.wait(240)
+    # The id's bytes 40..72 are the key (xccl::bootstrap::UniqueId's layout).
+    key = job.uid[80:144]
+    for r, res in enumerate(results):
+        strings = [res["stderr"], *res.get("texts", []), *res.get("logs", [])]
+        assert res.get("texts"), (r, res)
+        for s in strings:
+            assert key not in s.lower(), (r, s)
+    # The peer was told why: the exception, with the id left out.
+    assert "RuntimeError" in " ".join(results[1]["texts"]), results[1]
+
+
+def test_an_idle_expert_waits_without_deadline_while_its_peers_live(tmp_path):
+    # Before: a2e_recv took no timeout; the idle expert raised TimeoutError (and logged a
+    # warning) at every 1 s call timeout.
+    _, expert = harness.run("idle_expert", 2, tmp_path, call_timeout=1.0, **SMALL)
+    assert expert["waited"] > 1.5 and expert["warnings_while_idle"] == [], expert
+    # A receive's own timeout, not the config's.
+    assert expert["short"] == "TimeoutError" and expert["short_retryable"], expert
+    assert 0.25 < expert["short_after"] < 0.8, expert
+    # The peer left the job: the wait ends naming it.
+    assert expert["after_leave"] == "PeerFailedError" and expert["peer"] == 0, expert
+
+
+def readme_quickstart() -> str:
+    """The first ``python`` block under "## Quickstart" in python/README.md."""
+    text = (harness.HERE.parent / "README.md").read_text()
+    section = text[text.index("## Quickstart") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```", start)]
+
+
+def test_the_readme_quickstart_runs_as_written_under_the_real_torchrun(tmp_path):
+    # Before: rank 0 tried to bind the rendezvous root to MASTER_PORT, where torchrun's own
+    # agent store listens ("Address already in use"), on every run.
+    script = tmp_path / "quickstart.py"
+    script.write_text(readme_quickstart())
+    env = {**os.environ, "XCCL_JOB_KEY": secrets.token_hex(32)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
+    # Any free port for torchrun's store (the README leaves torchrun's default).
+    cmd += ["--master-port", str(harness.free_port()), str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+
+
+def test_a_launcher_hands_the_unique_id_to_its_children_in_their_environment():
+    example = harness.HERE.parent / "examples" / "launcher.py"
+    out = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    assert out.stdout.count("round trip ok") == 2, out.stdout
+
+
+def test_close_leaves_the_job_while_a_tensor_of_the_registered_input_lives(tmp_path):
+    # Before: the buffer kept the whole communicator: no departure mark, the expert waited
+    # out its 20 s timeout.
+    attention, expert = harness.run("close_with_input_alive", 2, tmp_path, **SMALL)
+    assert attention["sum"] == SMALL["max_tokens"] * SMALL["H"], attention
+    assert attention["export"] == "InvalidArgumentError", attention
+    assert expert["error"] == "PeerFailedError" and expert["peer"] == 0, expert
+    assert expert["after"] < 5, expert

@@ -4,6 +4,7 @@ its scenario; prints ``RESULT <json>`` last."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -60,7 +61,7 @@ def config():
         a.get("dtype_arg", a["dtype"]),
         a["topk"],
         a["max_tokens"],
-        timeout=a.get("timeout", 20.0),
+        timeout=a.get("call_timeout", 20.0),
         a2e_quant=a.get("a2e_quant"),
         e2a_quant=a.get("e2a_quant"),
         keep_int8=a.get("keep_int8", False),
@@ -343,12 +344,14 @@ def scenario_misuse():
                     lambda: comm.a2e_send(x, torch.tensor([[0, 1], [2, 2**32 + 1]]), w),
                     "topk_idx[1, 1]",
                     str(2**32 + 1),
+                    "in [0, 4)",
                 ),
                 "expert id out of range": (
                     xccl.InvalidArgumentError,
                     lambda: comm.a2e_send(x, np.array([[0, 4], [1, 2]], dtype=np.int32), w),
                     "token 0 slot 1",
                     "expert 4",
+                    "outside [0, 4)",
                 ),
                 "float64 weights": (
                     xccl.InvalidArgumentError,
@@ -410,6 +413,16 @@ def scenario_misuse():
                     lambda: comm.a2e_send(FakeCudaTensor(), idx, w),
                     "cuda:0",
                 ),
+                "a meta tensor": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(torch.ones((2, H), device="meta"), idx, w),
+                    "x is on meta; xccl's communicator here takes CPU tensors",
+                ),
+                "a meta out": (
+                    xccl.InvalidArgumentError,
+                    lambda: comm.a2e_send(x, idx, w.to("meta")),
+                    "topk_weights is on meta",
+                ),
                 "not a tensor": (
                     xccl.InvalidArgumentError,
                     lambda: comm.a2e_send("hello", idx, w),
@@ -425,6 +438,12 @@ def scenario_misuse():
                 f = expect(exc, fn, *words)
                 if f:
                     failures.append(f"{name}: {f}")
+            # The producer's C++ stack trace stays out of the message.
+            try:
+                comm.a2e_send(torch.ones((2, H), device="meta"), idx, w)
+            except xccl.InvalidArgumentError as e:
+                if "\n" in str(e) or "frame #" in str(e):
+                    failures.append(f"a meta tensor: a multi-line message: {e}")
             if comm.poisoned:
                 failures.append(f"poisoned after the misuses: {comm.error}")
             # A good round now, with inputs in other accepted forms: x through the buffer
@@ -759,6 +778,233 @@ def scenario_sigint_shrink():
         wait_file("rank0-interrupted")
         out.update(after_interrupt(lambda: comm.shrink(timeout=30)))
         touch("rank1-done")
+    result(**out)
+
+
+def small_round(comm):
+    """The inputs of one small call: x [2, H] f32, ids, weights."""
+    H = ARGS["H"]
+    x = torch.ones((2, H), dtype=torch.float32)
+    idx = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    w = torch.full((2, 2), 0.5)
+    return x, idx, w
+
+
+def error_name(call) -> str:
+    """The class name of the ``XcclError`` ``call()`` raises, or ``"returned"``."""
+    try:
+        call()
+    except xccl.XcclError as e:
+        return type(e).__name__
+    return "returned"
+
+
+def timed_error(call) -> dict:
+    """Calls ``call()``: ``error`` (the ``XcclError`` class name, or ``"returned"``), its
+    ``by``, ``peer`` and ``message``, and ``after``, the seconds it took."""
+    t0 = time.monotonic()
+    out = {"error": "returned"}
+    try:
+        call()
+    except xccl.XcclError as e:
+        out.update(error=type(e).__name__, by=getattr(e, "by", None), peer=e.peer, message=str(e))
+    out["after"] = time.monotonic() - t0
+    return out
+
+
+def send_small(comm):
+    """Sends one small call (:func:`small_round`); returns its handle."""
+    return comm.a2e_send(*small_round(comm))
+
+
+def scenario_swap_out():
+    """1A:1E. While the attention rank waits in ``e2a_recv(h, out=o)`` (the expert holds its
+    reply), another of its threads gives ``o`` other storage (``o.set_``) and collects the
+    old one. ``o``'s storage is 64 MiB (memory the allocator maps for it alone and unmaps when
+    freed): a call that kept only the Python object would write unmapped memory and crash."""
+    comm = join()
+    out = {}
+    with comm:
+        if comm.role == "attention":
+            h = send_small(comm)
+            # [2, H] at offset 0 of a 64 MiB storage that only `o` holds (no view of a base).
+            H = ARGS["H"]
+            o = torch.empty(0).set_(torch.empty(16 << 20).untyped_storage(), 0, (2, H), (H, 1))
+
+            def swap():
+                time.sleep(0.5)  # the main thread waits inside e2a_recv by now
+                o.set_(torch.empty(0))
+                import gc
+
+                gc.collect()
+                touch("swapped")
+
+            t = threading.Thread(target=swap)
+            t.start()
+            got = comm.e2a_recv(h, out=o)
+            t.join()
+            out["returned_out"] = got is o
+            out["numel_after"] = o.numel()
+        else:
+            batch = comm.a2e_recv()
+            wait_file("swapped")
+            comm.e2a_send(batch, batch.rows)
+    result(**out)
+
+
+def scenario_drop_unreplied():
+    """1A:1E. The expert drops a received batch without replying: the job aborts at once,
+    naming the expert rank and the epoch; the attention rank's e2a_recv ends with it long
+    before the 20 s timeout."""
+    comm = join()
+    out = {}
+    with comm:
+        if comm.role == "attention":
+            h = send_small(comm)
+            out.update(timed_error(lambda: comm.e2a_recv(h)))
+            touch("attention-done")
+        else:
+            batch = comm.a2e_recv()
+            out["epoch"] = batch.epoch
+            del batch
+            import gc
+
+            gc.collect()
+            # No further call until the attention rank has its answer.
+            wait_file("attention-done")
+            out["next"] = error_name(comm.a2e_recv)
+    result(**out)
+
+
+def scenario_panic_call():
+    """1A:1E. A call of the attention rank panics (a fault injected by the test): an
+    ``XcclError`` saying so, poisoned, never ``PanicException``; the job is aborted at once, so
+    the expert waiting in a2e_recv learns it long before its 20 s timeout."""
+    comm = join()
+    out = {}
+    with comm:
+        if comm.role == "attention":
+            touch("attention-joined")
+            wait_file("expert-waiting")
+            time.sleep(0.3)
+            x, idx, w = small_round(comm)
+            xccl._xccl._inject_panic("call")
+            try:
+                comm.a2e_send(x, idx, w)
+                out["error"] = "returned"
+            except BaseException as e:  # noqa: BLE001 - PanicException is a BaseException
+                out.update(
+                    error=type(e).__name__,
+                    message=str(e),
+                    poisoned=getattr(e, "poisoned", None),
+                )
+            try:
+                comm.barrier()
+                out["next"] = "returned"
+            except xccl.XcclError as e:
+                out["next"] = str(e)
+        else:
+            wait_file("attention-joined")
+            touch("expert-waiting")
+            out.update(timed_error(comm.a2e_recv))
+    result(**out)
+
+
+def scenario_secret():
+    """1A:1E, every string the package produces in a failing job: the unique id's repr, str
+    and format, the library's log at trace level, the exception the attention rank leaves its
+    ``with`` block with (its message holds the whole id) and what the expert is told of it,
+    the tracebacks. The test looks for the key in all of them and in the ranks' stderr."""
+    logs = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logs.append(self.format(record))
+
+    logging.getLogger("xccl").addHandler(Keep())
+    logging.getLogger("xccl").setLevel(logging.DEBUG - 5)
+    uid = xccl.UniqueId.from_string(ARGS["uid"])
+    texts = [repr(uid), str(uid), f"{uid}", format(uid)]
+    comm = join()
+    try:
+        with comm:
+            if comm.role == "attention":
+                raise RuntimeError(f"request for job {uid.hex()} failed")
+            comm.a2e_recv()
+    except xccl.XcclError as e:
+        texts += [repr(e), str(e), traceback.format_exc()]
+        texts += [str(getattr(e, a, "")) for a in ("reason", "message")]
+    except RuntimeError:
+        pass  # the attention rank's own exception: its text is the user's, not the package's
+    texts.append(repr(comm))
+    result(texts=texts, logs=logs)
+
+
+def scenario_idle_expert():
+    """1A:1E, 1 s call timeout. The expert waits with ``a2e_recv(timeout=None)`` while the
+    attention rank stays idle for 2 s, then gets the call; then the attention rank leaves the
+    job and the expert's next such wait ends naming it. A receive with ``timeout=0.3``
+    before that gives up after its own timeout."""
+    comm = join()
+    out = {}
+    if comm.role == "attention":
+        time.sleep(2.0)
+        comm.e2a_recv(send_small(comm))
+        wait_file("expert-timed-out")
+        comm.close()
+        touch("attention-left")
+    else:
+        logs = []
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                logs.append(f"{record.levelname}: {record.getMessage()}")
+
+        logging.getLogger("xccl").addHandler(Keep())
+        t0 = time.monotonic()
+        batch = comm.a2e_recv(timeout=None)
+        out["waited"] = time.monotonic() - t0
+        out["warnings_while_idle"] = [m for m in logs if m.startswith("WARNING")]
+        comm.e2a_send(batch, batch.rows)
+        t0 = time.monotonic()
+        try:
+            comm.a2e_recv(timeout=0.3)
+            out["short"] = "returned"
+        except xccl.TimeoutError as e:
+            out["short"] = "TimeoutError"
+            out["short_retryable"] = e.retryable
+        out["short_after"] = time.monotonic() - t0
+        touch("expert-timed-out")
+        wait_file("attention-left")
+        try:
+            comm.a2e_recv(timeout=None)
+            out["after_leave"] = "returned"
+        except xccl.XcclError as e:
+            out.update(after_leave=type(e).__name__, peer=e.peer)
+        comm.close()
+    result(**out)
+
+
+def scenario_close_with_input_alive():
+    """1A:1E. The attention rank closes its communicator while a tensor made from its
+    registered input (``a2e_input``) lives: the expert sees it leave at once (not at its 20 s
+    timeout); the tensor's memory stays usable and the buffer refuses new exports."""
+    comm = join()
+    out = {}
+    if comm.role == "attention":
+        buf = comm.a2e_input()
+        t = torch.from_dlpack(buf)
+        comm.close()
+        t.fill_(1.0)  # still mapped
+        out["sum"] = float(t.sum())
+        out["export"] = error_name(lambda: torch.from_dlpack(buf))
+        touch("attention-closed")
+        wait_file("expert-done")
+    else:
+        wait_file("attention-closed")
+        out.update(timed_error(comm.a2e_recv))
+        touch("expert-done")
+        comm.close()
     result(**out)
 
 

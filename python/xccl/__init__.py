@@ -131,7 +131,7 @@ def init_from_process_group(
 
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
-    box = [str(UniqueId.new())] if rank == 0 else [None]
+    box = [UniqueId.new().hex()] if rank == 0 else [None]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     return Communicator.init(

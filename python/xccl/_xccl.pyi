@@ -116,16 +116,31 @@ class Config:
     def keep_int8(self) -> bool: ...
 
 class UniqueId:
-    """The rendezvous name; ``str(uid)`` is 256 hex characters."""
+    """The rendezvous name; it carries the job's key (a secret): ``repr``/``str`` show the job
+    id and root only, :meth:`hex` is the whole id (256 hex characters)."""
 
     @staticmethod
     def new() -> UniqueId:
-        """Starts the rendezvous root in this process and returns its id."""
+        """Starts the rendezvous root in this process (which must live until every rank has
+        joined) and returns its id."""
     @classmethod
-    def from_string(cls, s: str) -> UniqueId: ...
+    def from_string(cls, s: str) -> UniqueId:
+        """The id written as :meth:`hex`."""
+    @classmethod
+    def from_env(cls) -> UniqueId:
+        """The id in ``XCCL_UNIQUE_ID`` (as a launcher put it there); BootstrapError if unset."""
+    def hex(self) -> str:
+        """The whole id, key included: a secret (never on a command line)."""
+    @property
+    def job_id(self) -> int: ...
+    @property
+    def root(self) -> str: ...
 
 class A2eHandle:
-    """What an A2E call returns on an attention rank; pass it to ``e2a_recv`` once."""
+    """What an A2E call returns on an attention rank; pass it to ``e2a_recv`` once.
+
+    Dropping a handle before its ``e2a_recv`` aborts the job at once (every rank's calls raise
+    AbortedError naming this rank and the epoch): the call can no longer be answered."""
 
     @property
     def num_tokens(self) -> int: ...
@@ -135,7 +150,10 @@ class A2eHandle:
     def total_rows(self) -> int: ...
 
 class ExpertBatch:
-    """An expert rank's rows of one call, grouped by local expert (read-only buffers)."""
+    """An expert rank's rows of one call, grouped by local expert (read-only buffers).
+
+    Dropping a batch (and every buffer viewing it) before its ``e2a_send`` aborts the job at
+    once, naming this rank and the epoch."""
 
     @property
     def num_rows(self) -> int: ...
@@ -177,7 +195,9 @@ class ExpertBatch:
     def token_rows(self, i: int) -> list[int]: ...
 
 class TokenBatch:
-    """An expert rank's tokens of one call, one row each (read-only buffers)."""
+    """An expert rank's tokens of one call, one row each (read-only buffers).
+
+    Dropping it before its ``e2a_send_tokens`` aborts the job at once, as for ExpertBatch."""
 
     @property
     def num_tokens(self) -> int: ...
@@ -277,8 +297,11 @@ class Communicator:
         """Returns ``out`` when given, else a new :class:`Buffer` ``[T, hidden]``."""
     # expert ranks
     def a2e_ready(self) -> bool: ...
-    def a2e_recv(self) -> ExpertBatch: ...
-    def a2e_recv_tokens(self) -> TokenBatch: ...
+    def a2e_recv(self, *, timeout: float | None = ...) -> ExpertBatch:
+        """``timeout``: seconds (default: the config's), or ``None``: no deadline, waits while
+        the attention ranks live (a dead or departed peer, an abort or Ctrl-C ends it)."""
+    def a2e_recv_tokens(self, *, timeout: float | None = ...) -> TokenBatch:
+        """``timeout`` as for :meth:`a2e_recv`."""
     def e2a_send(self, batch: ExpertBatch, expert_out: Tensor) -> None: ...
     def e2a_send_tokens(self, batch: TokenBatch, reduced: Tensor) -> None: ...
     # both
@@ -290,10 +313,13 @@ class Communicator:
         """Aborts the job with ``reason`` (every rank's waits raise AbortedError naming this
         rank); callable from any thread, also to end a call blocked on another thread."""
     def shrink(self, *, drop_orphaned_experts: bool = False, timeout: float = 60.0) -> Communicator:
-        """A new communicator over the survivors (collective); Ctrl-C raises
-        KeyboardInterrupt and a communicator the shrink still builds aborts its job."""
+        """A new communicator over the survivors (collective). This communicator is closed by
+        the call (use the one returned). Ctrl-C raises KeyboardInterrupt and a communicator the
+        shrink still builds aborts its job."""
     def rank_after_shrink(self, old: int) -> int | None: ...
     def shrunk_past(self) -> list[int]: ...
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Leaves the job at once, also while buffers of ``a2e_input`` live (they keep only
+        the window's memory and refuse new exports)."""
     def __enter__(self) -> Self: ...
     def __exit__(self, exc_type: object = None, exc: object = None, _tb: object = None) -> bool: ...

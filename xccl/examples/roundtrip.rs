@@ -8,7 +8,7 @@
 //!
 //! Without `RANK` set the binary is the launcher: it makes the unique id, starts rank 0
 //! (attention) and rank 1 (expert, hosting all 64 experts) with `XCCL_ID`, `RANK` and
-//! `WORLD_SIZE` in their environment, and waits for both. One communicator (room for 128
+//! `WORLD_SIZE` in their environment, and waits for both. One communicator (room for 512
 //! tokens per call) serves every token count T in turn: the attention rank sends T tokens to 8
 //! distinct experts each (a fixed routing), the expert receives them expert-major (`a2e_recv`)
 //! and replies with the rows it got (`e2a_send`, the identity expert), and the attention rank
@@ -38,7 +38,7 @@ pub const TOPK: usize = 8;
 /// Routed experts, all on the one expert rank.
 pub const EXPERTS: usize = 64;
 /// Tokens per call the communicator has room for.
-pub const MAX_TOKENS: usize = 128;
+pub const MAX_TOKENS: usize = 512;
 
 /// Sleep between two untimed readiness polls of `--per-call` (a poller that spun would take
 /// a core from the peer it waits for).

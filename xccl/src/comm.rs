@@ -763,6 +763,27 @@ impl Communicator {
         Ok(())
     }
 
+    /// Runs `f` on this communicator with no call deadline (a year away), then restores the
+    /// configured timeout: for a serving loop's idle receive, which waits for requests as long
+    /// as its peers live. The waits inside still check the peers they wait for, so they end
+    /// when one of them dies or leaves the job ([`Error::PeerFailed`] naming it), when the job
+    /// is aborted, or when the interrupt check fires; never with [`Error::Timeout`].
+    ///
+    /// ```no_run
+    /// # fn serve(comm: &mut xccl::Communicator) -> xccl::Result<()> {
+    /// let mut batch = xccl::ExpertBatch::default();
+    /// comm.without_deadline(|c| c.a2e_recv(&mut batch))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn without_deadline<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let timeout = self.ctx.cfg.timeout;
+        // `deadline_after` saturates a deadline past the clock's range to a year from now.
+        self.ctx.cfg.timeout = Duration::MAX;
+        let r = f(self);
+        self.ctx.cfg.timeout = timeout;
+        r
+    }
+
     /// Metadata records one A2E call writes in the whole job, by formula: one per (attention,
     /// expert) pair, or with relays one per attention rank plus one per (relay, expert rank);
     /// with DP domains only the largest domain's attention ranks count.
@@ -811,6 +832,18 @@ impl Communicator {
             by: self.ctx.rank,
             reason: reason.to_string(),
         });
+    }
+
+    /// Leaves the job now, as dropping the communicator does, but keeps this rank's windows
+    /// mapped until it is dropped: for a binding whose buffers (the registered A2E input) still
+    /// point into them. Peers see this rank's departure at once (on fabrics that mark it
+    /// early, [`Fabric::leave`]; the others mark it on drop), and every later call of this
+    /// communicator fails.
+    pub fn leave(&mut self) {
+        self.ctx.fabric.leave();
+        self.poisoned.get_or_insert(Error::invalid(
+            "this communicator left the job (closed); its windows stay mapped while its buffers live",
+        ));
     }
 
     /// A handle that aborts this communicator's job from any thread, also while a call of this

@@ -1,7 +1,7 @@
 //! Communicator tests over the in-process fabric: every result checked bit for bit against the
 //! reference, and every defined failure state (rejected calls, poisoning, aborts, bad peer data).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -448,6 +448,67 @@ fn missing_expert_rank_times_out_naming_it() {
         .unwrap();
     let err = attn.e2a_recv(&h, &mut [0f32; 32]).unwrap_err();
     assert!(matches!(err, Error::Timeout { peer: 1, .. }), "{err}");
+}
+
+#[test]
+fn a_receive_without_deadline_waits_past_the_timeout_and_ends_when_its_peer_leaves() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_millis(200);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    let input = wl(15, 4, false).input(&topo, 2, 0, 0);
+    let idle = Duration::from_millis(700);
+    let attention = std::thread::spawn(move || {
+        // Idle for more than three timeouts, then one call, then gone.
+        std::thread::sleep(idle);
+        let h = attn
+            .a2e_send(&[1f32; 32], &input.topk_idx, &input.topk_weights)
+            .unwrap();
+        attn.e2a_recv(&h, &mut [0f32; 32]).unwrap();
+    });
+    let start = Instant::now();
+    let mut batch = ExpertBatch::default();
+    expert
+        .without_deadline(|e| e.a2e_recv(&mut batch))
+        .expect("the idle receive waits for the call");
+    assert!(start.elapsed() >= idle, "{:?}", start.elapsed());
+    let out = vec![0f32; batch.num_rows() * 8];
+    expert.e2a_send(&batch, &out).unwrap();
+    attention.join().unwrap();
+    // The peer left: the next idle receive ends naming it, not at a deadline.
+    let err = expert
+        .without_deadline(|e| e.a2e_recv(&mut batch))
+        .unwrap_err();
+    assert!(matches!(err, Error::PeerFailed { peer: 0, .. }), "{err}");
+    // The configured timeout applies again.
+    assert_eq!(expert.config().timeout, Duration::from_millis(200));
+}
+
+#[test]
+fn a_communicator_that_left_is_seen_gone_at_once_and_refuses_later_calls() {
+    let topo = Topology::contiguous(1, 1, 4).unwrap();
+    let mut c = cfg(8, DType::F32, 2, 4);
+    c.timeout = Duration::from_secs(20);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut attn = comms.pop().unwrap();
+    attn.leave();
+    // Still alive and mapped, but gone for its peer: not a 20 s timeout.
+    let start = Instant::now();
+    let err = expert.a2e_recv(&mut ExpertBatch::default()).unwrap_err();
+    assert!(matches!(err, Error::PeerFailed { peer: 0, .. }), "{err}");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
+    let input = wl(16, 4, false).input(&topo, 2, 0, 0);
+    let err = attn
+        .a2e_send(&[0f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap_err();
+    assert!(err.to_string().contains("left the job"), "{err}");
 }
 
 proptest! {

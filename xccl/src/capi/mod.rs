@@ -294,6 +294,9 @@ unsafe impl Fabric for SharedFabric {
     fn check_peer(&self, peer: usize) -> crate::Result<()> {
         self.0.check_peer(peer)
     }
+    fn leave(&self) {
+        self.0.leave()
+    }
     fn aborted(&self) -> Option<crate::AbortNotice> {
         self.0.aborted()
     }

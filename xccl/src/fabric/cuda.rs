@@ -561,6 +561,10 @@ unsafe impl Fabric for CudaFabric {
         self.control.check_peer(peer)
     }
 
+    fn leave(&self) {
+        self.control.leave()
+    }
+
     fn wait_counters(&self) -> WaitCounters {
         self.control.wait_counters()
     }

@@ -163,13 +163,7 @@ impl LocalFabric {
 
 impl Drop for LocalFabric {
     fn drop(&mut self) {
-        let me = &self.world.ranks[self.rank];
-        me.control.set_departed();
-        me.alive.store(false, Ordering::SeqCst);
-        // Wake everyone so that waits on this rank notice at once.
-        for r in &self.world.ranks {
-            r.control.wake();
-        }
+        self.leave();
     }
 }
 
@@ -179,6 +173,16 @@ impl Drop for LocalFabric {
 unsafe impl Fabric for LocalFabric {
     fn name(&self) -> &'static str {
         "local"
+    }
+
+    fn leave(&self) {
+        let me = &self.world.ranks[self.rank];
+        me.control.set_departed();
+        me.alive.store(false, Ordering::SeqCst);
+        // Wake everyone so that waits on this rank notice at once.
+        for r in &self.world.ranks {
+            r.control.wake();
+        }
     }
 
     fn rank(&self) -> usize {
@@ -317,7 +321,7 @@ unsafe impl Fabric for LocalFabric {
         } else {
             Err(Error::PeerFailed {
                 peer,
-                detail: "its endpoint was dropped".into(),
+                detail: "its endpoint was dropped (it left the job)".into(),
             })
         }
     }

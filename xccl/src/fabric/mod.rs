@@ -212,6 +212,12 @@ pub unsafe trait Fabric: Send + Sync {
     /// left the job (a wait for it can never end).
     fn check_peer(&self, peer: usize) -> Result<()>;
 
+    /// Tells the peers that this rank left the job cleanly (its departure mark, which dropping
+    /// the fabric sets), while this process keeps its windows mapped: for a binding whose
+    /// buffers still point into them ([`crate::Communicator::leave`]). The default does
+    /// nothing: such a fabric marks the departure when it is dropped.
+    fn leave(&self) {}
+
     /// Counters of this rank's waits (spin polls, yields, sleeps) and the estimates its wait
     /// policy adapts to ([`WaitState`]); zeros on fabrics whose waits do not keep them.
     fn wait_counters(&self) -> WaitCounters {

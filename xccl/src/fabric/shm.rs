@@ -739,9 +739,7 @@ impl Drop for ShmFabric {
     fn drop(&mut self) {
         // A clean exit after the last call: peers still waiting for others must not take this
         // rank's exit for a crash.
-        if let Some(own) = self.segments.get(self.rank) {
-            own.control.set_departed();
-        }
+        self.leave();
     }
 }
 
@@ -750,6 +748,12 @@ impl Drop for ShmFabric {
 unsafe impl Fabric for ShmFabric {
     fn name(&self) -> &'static str {
         "shm"
+    }
+
+    fn leave(&self) {
+        if let Some(own) = self.segments.get(self.rank) {
+            own.control.set_departed();
+        }
     }
 
     fn rank(&self) -> usize {
