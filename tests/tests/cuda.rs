@@ -256,7 +256,14 @@ fn plane_pattern() -> Vec<u8> {
 /// The two sums rank 1 plans over rows at `base` (a row is `stride` bytes): rows 0, 1 and 2
 /// added as the attention side adds contributions, and rows 3 and 1 weighted (0.5, -2.0) as
 /// the expert side sums its experts' outputs; written at `dst` and `dst + stride`.
-fn plane_sums(base: u64, dst: u64, stride: u64) -> (Vec<xccl::moe::dataplane::SumRow>, Vec<xccl::moe::dataplane::SumTerm>) {
+fn plane_sums(
+    base: u64,
+    dst: u64,
+    stride: u64,
+) -> (
+    Vec<xccl::moe::dataplane::SumRow>,
+    Vec<xccl::moe::dataplane::SumTerm>,
+) {
     use xccl::moe::dataplane::{SumRow, SumTerm};
     let term = |r: u64, weight: f32| SumTerm {
         src: base + r * stride,
@@ -279,7 +286,13 @@ fn plane_sums(base: u64, dst: u64, stride: u64) -> (Vec<xccl::moe::dataplane::Su
             reserved: 0,
         },
     ];
-    let terms = vec![term(0, 1.0), term(1, 1.0), term(2, 1.0), term(3, 0.5), term(1, -2.0)];
+    let terms = vec![
+        term(0, 1.0),
+        term(1, 1.0),
+        term(2, 1.0),
+        term(3, 0.5),
+        term(1, -2.0),
+    ];
     (rows, terms)
 }
 
