@@ -62,6 +62,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         }
         ["signal_fails"] => signal_fails(ctx),
         ["plane"] => plane_between_windows(ctx),
+        ["plane_without_nvrtc"] => plane_without_nvrtc(ctx),
         ["killed_after_init"] => killed_after_init(ctx),
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
@@ -355,6 +356,25 @@ fn plane_between_windows(ctx: &ChildCtx) -> xccl::Result<()> {
     f.barrier(timeout)
 }
 
+/// With no NVRTC to be found, a data plane cannot be made: FabricUnavailable naming the
+/// library and this rank, after a fabric that works.
+fn plane_without_nvrtc(ctx: &ChildCtx) -> xccl::Result<()> {
+    let f = join(ctx)?;
+    let stream = xccl::cuda::Stream::new(f.device())?;
+    match xccl::moe::dataplane::cuda::CudaPlane::new(f.device(), stream, ctx.rank, CONNECT) {
+        Err(Error::FabricUnavailable { fabric, detail })
+            if fabric == "cuda"
+                && detail.contains("libnvrtc")
+                && detail.contains(&format!("rank {}", ctx.rank)) =>
+        {
+            announce(&format!("unavailable: {detail}"));
+            f.barrier(CONNECT)
+        }
+        Err(e) => Err(fail(format!("unexpected error: {e}"))),
+        Ok(_) => Err(fail("a data plane without NVRTC".into())),
+    }
+}
+
 // ---- parent side ----
 
 /// Builds the stand-in once per test process; returns the library's path.
@@ -454,6 +474,17 @@ fn cuda_conformance_with_3_processes_on_2_devices() {
 #[test]
 fn cuda_plane_copies_and_sums_rows_between_device_windows_of_two_processes() {
     run_ok("plane", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn a_data_plane_without_nvrtc_is_unavailable_naming_the_library_and_the_rank() {
+    let missing = Some("/nonexistent/libnvrtc.so.13".to_string());
+    let (mut job, segs) = spawn("plane_without_nvrtc", 2, 1, &|_| {
+        vec![("XCCL_NVRTC_LIBRARY", missing.clone())]
+    });
+    job.expect_success(Duration::from_secs(30));
+    println!("rank 1: {}", job.output(1).trim());
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
 }
 
 #[test]

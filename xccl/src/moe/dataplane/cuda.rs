@@ -72,7 +72,13 @@ impl CudaPlane {
     /// A plane on `device` whose operations run on `stream` (after the work already queued
     /// there), for rank `rank`; its own waits are bounded by `timeout`. Compiles (or takes from
     /// the process's cache) the kernels for the device's compute capability and loads them.
+    /// Every error names `rank` (no NVRTC, a kernel that does not compile, a module the driver
+    /// refuses, out of device memory).
     pub fn new(device: &Device, stream: Stream, rank: usize, timeout: Duration) -> Result<Self> {
+        Self::build(device, stream, rank, timeout).map_err(|e| for_rank(e, rank))
+    }
+
+    fn build(device: &Device, stream: Stream, rank: usize, timeout: Duration) -> Result<Self> {
         let (major, minor) = device.compute_capability();
         let image = super::nvrtc::cubin(major as i32, minor as i32)?;
         let module = Module::load(device, &image)?;
@@ -163,6 +169,31 @@ impl CudaPlane {
             self.stream
                 .launch(f, (blocks, 1, 1), (BLOCK, 1, 1), 0, params)
         }
+    }
+}
+
+/// `e` with the rank it happened on in its text (a data plane's setup error).
+fn for_rank(e: crate::Error, rank: usize) -> crate::Error {
+    use crate::Error;
+    match e {
+        Error::Native {
+            library,
+            call,
+            code,
+            message,
+            context,
+        } => Error::Native {
+            library,
+            call,
+            code,
+            message,
+            context: format!("{context} (rank {rank}'s data plane)"),
+        },
+        Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
+            fabric,
+            detail: format!("rank {rank}'s data plane: {detail}"),
+        },
+        other => other,
     }
 }
 
