@@ -511,3 +511,27 @@ fn a_call_that_poisons_after_sending_never_returns_invalid_argument() {
         assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
     }
 }
+
+/// Found by review: `xcclCommGetStats` made a `&xcclStats_t` over the caller's struct, which may
+/// be as short as its 32-byte header: a reference past the caller's memory (undefined behaviour,
+/// reported by Miri: `ci/miri.sh` runs this test). The header is read through raw pointers.
+#[test]
+fn get_stats_on_a_header_only_struct_reads_no_byte_past_it() {
+    let comms = pair();
+    let head = std::mem::offset_of!(ext::xcclStats_t, numPeers);
+    assert_eq!(head, 32);
+    // Exactly the header: size, peerCapacity, lastPeers, totalPeers.
+    let mut header: Box<[usize; 4]> = Box::new([head, 0, 0, 0]);
+    let p = header.as_mut_ptr().cast::<ext::xcclStats_t>();
+    // SAFETY: `p` holds `size` = 32 bytes, aligned for the struct, no peer arrays.
+    assert_eq!(
+        unsafe { xcclCommGetStats(comms[0], p) },
+        XCCL_SUCCESS,
+        "{}",
+        last_error(comms[0])
+    );
+    assert_eq!(header[0], head, "the caller's size is kept");
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}
