@@ -524,12 +524,8 @@ fn get_stats_on_a_header_only_struct_reads_no_byte_past_it() {
     let mut header: Box<[usize; 4]> = Box::new([head, 0, 0, 0]);
     let p = header.as_mut_ptr().cast::<ext::xcclStats_t>();
     // SAFETY: `p` holds `size` = 32 bytes, aligned for the struct, no peer arrays.
-    assert_eq!(
-        unsafe { xcclCommGetStats(comms[0], p) },
-        XCCL_SUCCESS,
-        "{}",
-        last_error(comms[0])
-    );
+    let code = unsafe { xcclCommGetStats(comms[0], p) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(comms[0]));
     assert_eq!(header[0], head, "the caller's size is kept");
     for c in comms {
         assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
