@@ -536,9 +536,11 @@ typedef struct {
  *  whatever the outcome: its handles and batches are freed, every later call on it but
  *  xcclCommDestroy (which the caller still calls) returns xcclInvalidUsage. Blocks until the survivors agreed and built
  *  the new communicator. Errors: xcclInvalidArgument (NULL `newcomm`, a bad option),
- *  xcclInvalidUsage (destroyed or already shrunk `comm`), xcclRemoteError (an expert with no
- *  replica left, naming it; survivors that disagree), xcclSystemError (the bootstrap root is
- *  gone, naming its address), xcclTimeout (a survivor did not call xcclCommShrink). */
+ *  xcclInvalidUsage (destroyed or already shrunk `comm`; called from an arrival callback of
+ *  `comm`, which then stays valid), xcclInternalError (`comm` was poisoned by an internal
+ *  error), xcclRemoteError (an expert with no replica left, naming it; survivors that
+ *  disagree), xcclSystemError (the bootstrap root is gone, naming its address), xcclTimeout (a
+ *  survivor did not call xcclCommShrink). */
 xcclResult_t xcclCommShrink(xcclComm_t comm, const xcclShrinkOptions_t* options,
                             xcclComm_t* newcomm);
 

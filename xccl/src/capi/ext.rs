@@ -405,8 +405,11 @@ pub unsafe extern "C" fn xcclCommShrink(
             }
         }
         let (id, c) = lookup(comm)?;
+        // From an arrival callback the receive holds the communicator's lock: refused, as
+        // every call is (the header's promise), rather than deadlocking on it.
+        not_in_callback(id)?;
         let old = {
-            let mut guard = lock(&c.comm);
+            let mut guard = lock_comm(&c)?;
             guard.take().ok_or_else(|| {
                 Fail::usage("this communicator was already shrunk (xcclCommShrink)")
             })?
