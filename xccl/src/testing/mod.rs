@@ -27,12 +27,19 @@ pub fn bootstrap_handshake(
 /// `ASCEND_HOME_PATH=<home>`. The library is written under a temporary name and renamed, so a
 /// concurrent run never loads a half-written one. Errors say what failed (gcc's output).
 pub fn build_ascend_standin(home: &std::path::Path) -> Result<(), String> {
+    build_ascend_standin_with(home, &[])
+}
+
+/// [`build_ascend_standin`] with C `defines` (`-D` flags), for the stand-in's variants (such as
+/// `STANDIN_NO_SYNC_TIMEOUT`: a runtime without a bounded stream synchronize).
+pub fn build_ascend_standin_with(home: &std::path::Path, defines: &[&str]) -> Result<(), String> {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let lib64 = home.join("lib64");
     std::fs::create_dir_all(&lib64).map_err(|e| format!("creating {}: {e}", lib64.display()))?;
     let tmp = lib64.join(format!("libascendcl.so.{}.tmp", std::process::id()));
     let out = std::process::Command::new("gcc")
         .args(["-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden"])
+        .args(defines.iter().map(|d| format!("-D{d}")))
         .arg("-I")
         .arg(repo.join("xccl-sys/include"))
         .arg("-o")
