@@ -274,11 +274,16 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
     }
 }
 
-fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+/// A 1A:1E communicator (4 experts) of this rank on the ascend fabric (the init scenarios).
+fn init_small(ctx: &ChildCtx) -> xccl::Result<Communicator> {
     let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
     let topo = Arc::new(Topology::contiguous(1, 1, 4)?);
     let cfg = MoeConfig::new(8, DType::F32, 2, 4);
-    match Communicator::init_ascend(ex, topo, cfg, 0) {
+    Communicator::init_ascend(ex, topo, cfg, 0)
+}
+
+fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+    match init_small(ctx) {
         Err(Error::FabricUnavailable { fabric, detail })
             if fabric == "ascend"
                 && detail.contains("libascendcl.so")
@@ -295,10 +300,7 @@ fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
 /// A runtime without `aclrtSynchronizeStreamWithTimeout` (its stream synchronize has no bound)
 /// is refused at init, naming the function.
 fn unbounded_sync(ctx: &ChildCtx) -> xccl::Result<()> {
-    let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
-    let topo = Arc::new(Topology::contiguous(1, 1, 4)?);
-    let cfg = MoeConfig::new(8, DType::F32, 2, 4);
-    match Communicator::init_ascend(ex, topo, cfg, 0) {
+    match init_small(ctx) {
         Err(Error::FabricUnavailable { fabric, detail })
             if fabric == "ascend" && detail.contains("aclrtSynchronizeStreamWithTimeout") =>
         {
