@@ -769,7 +769,9 @@ xcclResult_t xcclA2ERecvTokens(xcclComm_t comm, xcclTokenBatch_t* batch);
  *  from version 4 its `size` is xccl's sizeof, read only the fields the caller knows):
  *  tokens firstToken..firstToken+numTokens-1 of `arrived` are
  *  complete (with those of earlier callbacks of this receive; other tokens may still be
- *  arriving). `arrived` and every pointer in it are valid during the callback only. Start the
+ *  arriving). `arrived` itself is valid during the callback only; the array pointers in it
+ *  (rows, srcRank, weights, ...) keep their addresses for the whole receive (the worst case is
+ *  reserved when it starts) and stay valid until `*batch` is replied to or freed. Start the
  *  experts' work on those tokens here to overlap it with the rest of the receive. The callback
  *  must return normally (no C++ exception, no longjmp) and must not call xccl functions on the
  *  same communicator (they fail with xcclInvalidUsage); `userData` is passed through. */

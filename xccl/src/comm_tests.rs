@@ -2799,3 +2799,41 @@ fn a_panic_in_an_arrival_callback_poisons_the_communicator_and_aborts_the_job_at
     );
     assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
 }
+
+/// Found by review: a later source's record grew the batch's arrays during a token-major
+/// receive, so pointers an arrival callback was handed (the C ABI's info pointers, which a
+/// callback may keep) dangled. The worst case is reserved when the receive starts.
+#[test]
+fn what_an_arrival_callback_is_shown_stays_where_it_is_for_the_whole_receive() {
+    let topo = Topology::contiguous(3, 1, 2).unwrap();
+    let c = cfg(64, DType::F32, 1, 8);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut handles = Vec::new();
+    for a in &mut comms {
+        let (idx, w) = ([0i32; 8], [1f32; 8]);
+        handles.push(a.a2e_send(&[1f32; 8 * 64], &idx, &w).unwrap());
+    }
+    type Seen = [usize; 5];
+    let at = |b: &TokenBatch| -> Seen {
+        [
+            b.row_bytes().as_ptr() as usize,
+            b.src_rank().as_ptr() as usize,
+            b.src_token().as_ptr() as usize,
+            b.expert_count.as_ptr() as usize,
+            b.weight.as_ptr() as usize,
+        ]
+    };
+    let mut batch = TokenBatch::new();
+    let mut shown: Vec<Seen> = Vec::new();
+    expert
+        .a2e_recv_tokens(&mut batch, &mut |b, _| shown.push(at(b)))
+        .unwrap();
+    assert_eq!(shown.len(), 3);
+    assert_eq!(batch.num_tokens(), 24);
+    for s in &shown {
+        assert_eq!(*s, at(&batch), "an array moved during the receive");
+    }
+    expert.abort("test over");
+    drop(handles);
+}

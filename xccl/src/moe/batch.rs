@@ -452,6 +452,27 @@ impl TokenBatch {
         self.weight.clear();
     }
 
+    /// Reserves room for `total` tokens in every per-token array [`TokenBatch::grow`] grows
+    /// (address space only: nothing is touched), so growing up to `total` moves nothing and a
+    /// pointer handed out during the receive (a C arrival callback may keep them) stays valid
+    /// for the whole receive.
+    pub(crate) fn reserve(&mut self, total: usize, payload: usize, with_rows: bool) {
+        fn room<T>(v: &mut Vec<T>, len: usize) {
+            v.reserve(len.saturating_sub(v.len()));
+        }
+        if with_rows {
+            room(&mut self.rows.words, (total * payload).div_ceil(8));
+        } else if self.recv.int8 {
+            room(&mut self.qrows, total * self.recv.hidden);
+            room(&mut self.scales, total);
+        }
+        room(&mut self.src_rank, total);
+        room(&mut self.src_token, total);
+        room(&mut self.expert_count, total);
+        room(&mut self.local_expert, total * self.topk);
+        room(&mut self.weight, total * self.topk);
+    }
+
     /// Grows the per-token arrays to `total` tokens (rows only when `with_rows`).
     pub(crate) fn grow(&mut self, total: usize, payload: usize, with_rows: bool) {
         if with_rows {
