@@ -35,6 +35,9 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A view receive ([`Communicator::a2e_recv_view`]) takes its call once every source's rows
+//!   are in: a failure after that (a read of rows not mapped here timing out) poisons, since no
+//!   later receive sees that call again and nobody else can reply to it.
 //! - A panic inside a call (in the library, or in a user's callback it runs, such as
 //!   `on_arrival`) poisons the communicator and aborts the job naming this rank and the call,
 //!   as any failure after publishing does; the panic then goes on unwinding to the caller.

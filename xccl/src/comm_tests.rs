@@ -2547,11 +2547,14 @@ type Meanwhile = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>
 type SignalLog = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, u64)>>>;
 
 /// A local endpoint with test hooks: its next liveness check of `races.0` first runs what
-/// `races.1` holds, and every signal it sends goes into `log`.
+/// `races.1` holds, every signal it sends goes into `log`, and once `gets_time_out` is raised
+/// every get of rows (more than a record) fails as a timeout (a slow remote read on ofi or
+/// ascend).
 struct Hooked {
     inner: crate::fabric::local::LocalFabric,
     races: Option<(usize, Meanwhile)>,
     log: Option<SignalLog>,
+    gets_time_out: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 // SAFETY: forwards every method to a local fabric, adding only a hook that writes no window.
@@ -2584,6 +2587,15 @@ unsafe impl crate::fabric::Fabric for Hooked {
         self.inner.put(peer, offset, data)
     }
     fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> crate::Result<()> {
+        let fail = |f: &std::sync::atomic::AtomicBool| f.load(std::sync::atomic::Ordering::SeqCst);
+        let row = buf.len() > std::mem::size_of::<crate::moe::record::Record>();
+        if row && self.gets_time_out.as_deref().is_some_and(fail) {
+            return Err(Error::Timeout {
+                peer,
+                what: "a remote read (injected)".into(),
+                waited: Duration::ZERO,
+            });
+        }
         self.inner.get(peer, offset, buf)
     }
     fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
@@ -2659,6 +2671,7 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
         inner: f0,
         races: Some((1, meanwhile.clone())),
         log: None,
+        gets_time_out: None,
     };
     let mut rank0 = Communicator::from_fabric(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
@@ -2698,6 +2711,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
             inner: f,
             races: None,
             log,
+            gets_time_out: None,
         };
         Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
     });
@@ -2836,4 +2850,48 @@ fn what_an_arrival_callback_is_shown_stays_where_it_is_for_the_whole_receive() {
     }
     expert.abort("test over");
     drop(handles);
+}
+
+/// Found by review: a view receive whose fetch of unmapped rows failed as retryable (a timeout
+/// of a remote read on ofi or ascend) had already taken its call: nobody could reply, and the
+/// attention ranks waited out their timeout. Such a failure poisons and aborts now.
+#[test]
+fn a_view_whose_fetch_fails_after_taking_its_call_poisons_and_aborts_at_once() {
+    use crate::fabric::local::LocalFabric;
+    use std::sync::Arc;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
+    let c = MoeConfig {
+        timeout: Duration::from_secs(20),
+        ..cfg(64, DType::F32, 2, 4)
+    };
+    let lens = Communicator::window_lens(&topo, &c).unwrap();
+    let fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
+    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut comms = on_every_rank(fabrics, |f| {
+        let hooked = Hooked {
+            gets_time_out: (crate::fabric::Fabric::rank(&f) == 1).then(|| slow.clone()),
+            inner: f,
+            races: None,
+            log: None,
+        };
+        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+    });
+    let (mut expert, mut attn) = (comms.remove(1), comms.remove(0));
+    let input = wl(21, 4, false).input(&topo, 2, 0, 0);
+    // INT8 rows: a view fetches them (dequantized) into a private buffer.
+    attn.set_a2e_quant(Quant::Int8);
+    let h = attn
+        .a2e_send(&[1f32; 256], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    slow.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = expert.a2e_recv_view().err().unwrap();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        expert.poisoned().is_some(),
+        "the call was taken: not retryable ({err:?})"
+    );
+    let start = std::time::Instant::now();
+    let err = attn.e2a_recv(&h, &mut [0f32; 256]).unwrap_err();
+    assert!(matches!(&err, Error::Aborted { by: 1, .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
 }

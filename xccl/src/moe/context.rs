@@ -192,6 +192,12 @@ impl Context {
         self.published.get()
     }
 
+    /// Notes that the call has taken something it cannot give back (a received epoch, which
+    /// no later receive will see again): from here a failure poisons, as after publishing.
+    pub(crate) fn note_consumed(&self) {
+        self.published.set(true);
+    }
+
     /// `put` that notes the call has published.
     pub(crate) fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {
         self.published.set(true);
