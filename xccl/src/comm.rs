@@ -1341,7 +1341,7 @@ impl Communicator {
         self.expert("E2A send", |ctx, dispatch, combine| {
             through_relays(ctx, "the registered E2A output")?;
             dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
-            if !combine.take_output(batch.recv.epoch) {
+            if !combine.output_prepared(batch.recv.epoch) {
                 return Err(Error::invalid(
                     "e2a_send_output needs e2a_output first, for this batch",
                 ));
@@ -1356,6 +1356,9 @@ impl Communicator {
                 Replies::Staged,
                 deadline,
             )?;
+            // Given up only once sent: a send that failed before writing (a credit wait timing
+            // out) keeps the prepared output, so the documented retry works.
+            combine.take_output(batch.recv.epoch);
             dispatch.replied();
             batch.recv.answered();
             Ok(())

@@ -2555,6 +2555,8 @@ struct Hooked {
     races: Option<(usize, Meanwhile)>,
     log: Option<SignalLog>,
     gets_time_out: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Raised: the next wait fails at once as a timeout (and lowers it).
+    next_wait_times_out: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 // SAFETY: forwards every method to a local fabric, adding only a hook that writes no window.
@@ -2616,6 +2618,15 @@ unsafe impl crate::fabric::Fabric for Hooked {
         deadline: std::time::Instant,
         poll: &mut dyn FnMut() -> Option<crate::fabric::Waiting>,
     ) -> crate::Result<()> {
+        let once =
+            |f: &std::sync::atomic::AtomicBool| f.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if self.next_wait_times_out.as_deref().is_some_and(once) {
+            return Err(Error::Timeout {
+                peer: 0,
+                what: "a credit (injected)".into(),
+                waited: Duration::ZERO,
+            });
+        }
         self.inner.wait_until(deadline, poll)
     }
     fn barrier(&self, timeout: Duration) -> crate::Result<()> {
@@ -2672,6 +2683,7 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
         races: Some((1, meanwhile.clone())),
         log: None,
         gets_time_out: None,
+        next_wait_times_out: None,
     };
     let mut rank0 = Communicator::from_fabric(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
@@ -2712,6 +2724,7 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
             races: None,
             log,
             gets_time_out: None,
+            next_wait_times_out: None,
         };
         Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
     });
@@ -2852,29 +2865,45 @@ fn what_an_arrival_callback_is_shown_stays_where_it_is_for_the_whole_receive() {
     drop(handles);
 }
 
+/// A job over a local fabric whose every endpoint is a [`Hooked`] one: `hook(rank, plain)`
+/// returns rank `rank`'s endpoint from one with no hook set.
+fn hooked_group(
+    topo: &std::sync::Arc<Topology>,
+    c: &MoeConfig,
+    hook: impl Fn(usize, Hooked) -> Hooked + Sync,
+) -> Vec<Communicator> {
+    let lens = Communicator::window_lens(topo, c).unwrap();
+    let fabrics =
+        crate::fabric::local::LocalFabric::group(&lens, Communicator::signal_slots(topo)).unwrap();
+    on_every_rank(fabrics, |f| {
+        let rank = crate::fabric::Fabric::rank(&f);
+        let plain = Hooked {
+            inner: f,
+            races: None,
+            log: None,
+            gets_time_out: None,
+            next_wait_times_out: None,
+        };
+        let hooked = hook(rank, plain);
+        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+    })
+}
+
 /// Found by review: a view receive whose fetch of unmapped rows failed as retryable (a timeout
 /// of a remote read on ofi or ascend) had already taken its call: nobody could reply, and the
 /// attention ranks waited out their timeout. Such a failure poisons and aborts now.
 #[test]
 fn a_view_whose_fetch_fails_after_taking_its_call_poisons_and_aborts_at_once() {
-    use crate::fabric::local::LocalFabric;
     use std::sync::Arc;
     let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
     let c = MoeConfig {
         timeout: Duration::from_secs(20),
         ..cfg(64, DType::F32, 2, 4)
     };
-    let lens = Communicator::window_lens(&topo, &c).unwrap();
-    let fabrics = LocalFabric::group(&lens, Communicator::signal_slots(&topo)).unwrap();
     let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut comms = on_every_rank(fabrics, |f| {
-        let hooked = Hooked {
-            gets_time_out: (crate::fabric::Fabric::rank(&f) == 1).then(|| slow.clone()),
-            inner: f,
-            races: None,
-            log: None,
-        };
-        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+    let mut comms = hooked_group(&topo, &c, |rank, hooked| Hooked {
+        gets_time_out: (rank == 1).then(|| slow.clone()),
+        ..hooked
     });
     let (mut expert, mut attn) = (comms.remove(1), comms.remove(0));
     let input = wl(21, 4, false).input(&topo, 2, 0, 0);
@@ -2894,4 +2923,61 @@ fn a_view_whose_fetch_fails_after_taking_its_call_poisons_and_aborts_at_once() {
     let err = attn.e2a_recv(&h, &mut [0f32; 256]).unwrap_err();
     assert!(matches!(&err, Error::Aborted { by: 1, .. }), "{err}");
     assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
+}
+
+/// Found by review: `e2a_send_output` gave up its prepared output before a send that could
+/// still fail retryably (a credit wait timing out, as under DP domains): the documented retry
+/// then failed with `InvalidArgument`. The output is given up only once sent.
+#[test]
+fn a_registered_reply_whose_send_fails_before_writing_can_be_sent_again() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // DP domains: credits are waited for, not implied.
+    let topo = Arc::new(
+        Topology::contiguous(2, 1, 4)
+            .unwrap()
+            .with_domains(2)
+            .unwrap(),
+    );
+    let c = MoeConfig {
+        max_in_flight: 1,
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let stall = Arc::new(AtomicBool::new(false));
+    let mut comms = hooked_group(&topo, &c, |rank, hooked| Hooked {
+        next_wait_times_out: (rank == 2).then(|| stall.clone()),
+        ..hooked
+    });
+    let mut expert = comms.remove(2);
+    let locals = topo.local_experts(2).to_vec();
+    let mut batch = TokenBatch::new();
+    // Calls alternate between the domains; from the second on the buffer is reused and the
+    // send waits for its credit.
+    for round in 0..4u64 {
+        let a = (0..2).find(|&r| topo.in_call(r, round)).unwrap();
+        let attn = &mut comms[a];
+        let input = wl(31, 4, false).input(&topo, 2, a, round);
+        let x = vec![1f32; input.num_tokens * 8];
+        let h = attn
+            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+            .unwrap();
+        expert.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+        let out: Vec<f32> = token_replies(&locals, &batch);
+        expert
+            .e2a_output::<f32>(&batch)
+            .unwrap()
+            .copy_from_slice(&out);
+        if round == 3 {
+            stall.store(true, Ordering::SeqCst);
+            let err = expert.e2a_send_output(&batch).unwrap_err();
+            assert!(matches!(err, Error::Timeout { .. }), "{err}");
+            assert!(
+                expert.poisoned().is_none(),
+                "nothing was written: retryable"
+            );
+        }
+        expert.e2a_send_output(&batch).unwrap();
+        let mut got = vec![0f32; input.num_tokens * 8];
+        attn.e2a_recv(&h, &mut got).unwrap();
+    }
 }
