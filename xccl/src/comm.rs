@@ -793,6 +793,28 @@ impl Communicator {
         });
     }
 
+    /// Aborts the job because a live call was given up (a view dropped unreplied): like
+    /// [`Communicator::abort`], but when the last call failed, the abort carries that failure
+    /// first (and the death it reports), as a dropped handle's does (`AbortLink::abort`).
+    pub(crate) fn abort_given_up(&mut self, reason: &str) {
+        let cause = self
+            .ctx
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some((cause, dead)) = cause else {
+            return self.abort(reason);
+        };
+        let reason = format!("{cause}; then {reason}");
+        tracing::warn!(rank = self.ctx.rank, reason, "xccl: aborting the job");
+        self.ctx.fabric.abort_reporting(dead, &reason);
+        self.poisoned.get_or_insert(Error::Aborted {
+            by: self.ctx.rank,
+            reason,
+        });
+    }
+
     /// A handle that aborts this communicator's job from any thread, also while a call of this
     /// communicator blocks on another thread (see [`AbortHandle`]).
     pub fn abort_handle(&self) -> AbortHandle {
@@ -824,9 +846,22 @@ impl Communicator {
             self.total_stats.add(&self.last_stats);
         }
         match result {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                self.note_failure(None);
+                Ok(r)
+            }
             Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Keeps what the last call failed with when it did not poison (`None`: it succeeded), for
+    /// the abort a dropped handle or batch may raise next (`Context::last_failure`).
+    fn note_failure(&self, failure: Option<(String, Option<usize>)>) {
+        *self
+            .ctx
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = failure;
     }
 
     /// Fails a call that had published something with `e`, as the protocol does (for tests of
@@ -893,8 +928,12 @@ impl Communicator {
                     .abort_reporting(e.dead_rank(me), &e.abort_reason(me)),
             }
             self.poisoned = Some(e.duplicate());
-        } else if matches!(e, Error::Timeout { .. }) {
-            tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
+        } else {
+            if matches!(e, Error::Timeout { .. }) {
+                tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
+            }
+            let me = self.ctx.rank;
+            self.note_failure(Some((e.abort_reason(me), e.dead_rank(me))));
         }
         e
     }

@@ -2981,3 +2981,44 @@ fn a_registered_reply_whose_send_fails_before_writing_can_be_sent_again() {
         attn.e2a_recv(&h, &mut got).unwrap();
     }
 }
+
+/// Found by review: an attention rank whose E2A receive timed out waiting for a stopped expert
+/// dropped its handle as the error unwound, and the peers were told "rank 0 dropped its A2E
+/// handle" rather than the timeout naming the expert. The abort carries the error now.
+#[test]
+fn an_abort_that_follows_a_failed_call_tells_the_peers_that_failure() {
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let c = MoeConfig {
+        timeout: Duration::from_millis(300),
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let (_stopped, mut served, mut attn) = (
+        comms.pop().unwrap(),
+        comms.pop().unwrap(),
+        comms.pop().unwrap(),
+    );
+    let input = wl(21, 4, false).input(&topo, 2, 0, 0);
+    let h = attn
+        .a2e_send(&[1f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let mut batch = TokenBatch::new();
+    served.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+    let out = vec![0f32; batch.num_tokens() * 8];
+    served.e2a_send_tokens(&batch, &out).unwrap();
+    // Rank 2 never receives: the E2A receive times out naming it, then the handle is dropped.
+    let mut got = [0f32; 32];
+    let err = attn.e2a_recv(&h, &mut got).unwrap_err();
+    assert!(matches!(err, Error::Timeout { peer: 2, .. }), "{err}");
+    drop(h);
+    let err = served
+        .a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {})
+        .unwrap_err();
+    let Error::Aborted { by: 0, reason } = &err else {
+        panic!("{err}");
+    };
+    assert!(
+        reason.contains("rank 2") && reason.contains("timed out") && reason.contains("dropped"),
+        "{reason}"
+    );
+}

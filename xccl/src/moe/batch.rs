@@ -547,6 +547,8 @@ pub(crate) struct AbortLink {
     fabric: Weak<dyn Fabric>,
     /// This rank.
     pub(crate) rank: usize,
+    /// The communicator's last failed call (`Context::last_failure`).
+    last_failure: super::context::LastFailure,
 }
 
 impl AbortLink {
@@ -555,11 +557,14 @@ impl AbortLink {
         AbortLink {
             fabric: Arc::downgrade(&ctx.fabric),
             rank: ctx.rank,
+            last_failure: ctx.last_failure.clone(),
         }
     }
 
     /// Aborts the job with `reason()`, unless the communicator is gone or its job has already
-    /// been aborted (by this rank's failure or by a peer's).
+    /// been aborted (by this rank's failure or by a peer's). When the communicator's last call
+    /// failed (the drop follows from that error as it unwinds), the abort carries that error
+    /// first, and the death it reports: the peers are told the cause.
     pub(crate) fn abort(&self, reason: impl FnOnce() -> String) {
         let Some(fabric) = self.fabric.upgrade() else {
             return;
@@ -567,9 +572,17 @@ impl AbortLink {
         if fabric.aborted().is_some() {
             return;
         }
-        let reason = reason();
+        let cause = self
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let (reason, dead) = match cause {
+            Some((cause, dead)) => (format!("{cause}; then {}", reason()), dead),
+            None => (reason(), None),
+        };
         tracing::error!(reason, "xccl: aborting the job");
-        fabric.abort(&reason);
+        fabric.abort_reporting(dead, &reason);
     }
 }
 
