@@ -536,9 +536,11 @@ typedef struct {
  *  whatever the outcome: its handles and batches are freed, every later call on it but
  *  xcclCommDestroy (which the caller still calls) returns xcclInvalidUsage. Blocks until the survivors agreed and built
  *  the new communicator. Errors: xcclInvalidArgument (NULL `newcomm`, a bad option),
- *  xcclInvalidUsage (destroyed or already shrunk `comm`), xcclRemoteError (an expert with no
- *  replica left, naming it; survivors that disagree), xcclSystemError (the bootstrap root is
- *  gone, naming its address), xcclTimeout (a survivor did not call xcclCommShrink). */
+ *  xcclInvalidUsage (destroyed or already shrunk `comm`; called from an arrival callback of
+ *  `comm`, which then stays valid), xcclInternalError (`comm` was poisoned by an internal
+ *  error), xcclRemoteError (an expert with no replica left, naming it; survivors that
+ *  disagree), xcclSystemError (the bootstrap root is gone, naming its address), xcclTimeout (a
+ *  survivor did not call xcclCommShrink). */
 xcclResult_t xcclCommShrink(xcclComm_t comm, const xcclShrinkOptions_t* options,
                             xcclComm_t* newcomm);
 
@@ -767,7 +769,9 @@ xcclResult_t xcclA2ERecvTokens(xcclComm_t comm, xcclTokenBatch_t* batch);
  *  from version 4 its `size` is xccl's sizeof, read only the fields the caller knows):
  *  tokens firstToken..firstToken+numTokens-1 of `arrived` are
  *  complete (with those of earlier callbacks of this receive; other tokens may still be
- *  arriving). `arrived` and every pointer in it are valid during the callback only. Start the
+ *  arriving). `arrived` itself is valid during the callback only; the array pointers in it
+ *  (rows, srcRank, weights, ...) keep their addresses for the whole receive (the worst case is
+ *  reserved when it starts) and stay valid until `*batch` is replied to or freed. Start the
  *  experts' work on those tokens here to overlap it with the rest of the receive. The callback
  *  must return normally (no C++ exception, no longjmp) and must not call xccl functions on the
  *  same communicator (they fail with xcclInvalidUsage); `userData` is passed through. */

@@ -57,6 +57,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64, Quant::Int8);
         }
         ["missing_library"] => missing_library(ctx),
+        ["unbounded_sync"] => unbounded_sync(ctx),
         ["missing_on_rank_1"] => missing_on_rank_1(ctx),
         ["signal_fails"] => signal_fails(ctx),
         ["init_fails"] => init_fails(ctx),
@@ -245,11 +246,16 @@ fn killed_expert(ctx: &ChildCtx) -> Result<(), String> {
     }
 }
 
-fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+/// A 1A:1E communicator (4 experts) of this rank on the ascend fabric (the init scenarios).
+fn init_small(ctx: &ChildCtx) -> xccl::Result<Communicator> {
     let ex: Arc<dyn Exchange> = ctx.connect(CONNECT)?;
     let topo = Arc::new(Topology::contiguous(1, 1, 4)?);
     let cfg = MoeConfig::new(8, DType::F32, 2, 4);
-    match Communicator::init_ascend(ex, topo, cfg, 0) {
+    Communicator::init_ascend(ex, topo, cfg, 0)
+}
+
+fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
+    match init_small(ctx) {
         Err(Error::FabricUnavailable { fabric, detail })
             if fabric == "ascend"
                 && detail.contains("libascendcl.so")
@@ -260,6 +266,23 @@ fn missing_library(ctx: &ChildCtx) -> xccl::Result<()> {
         }
         Err(other) => Err(fail(format!("expected FabricUnavailable, got {other}"))),
         Ok(_) => Err(fail("the ascend fabric came up without a runtime".into())),
+    }
+}
+
+/// A runtime without `aclrtSynchronizeStreamWithTimeout` (its stream synchronize has no bound)
+/// is refused at init, naming the function.
+fn unbounded_sync(ctx: &ChildCtx) -> xccl::Result<()> {
+    match init_small(ctx) {
+        Err(Error::FabricUnavailable { fabric, detail })
+            if fabric == "ascend" && detail.contains("aclrtSynchronizeStreamWithTimeout") =>
+        {
+            announce(&format!("unavailable: {detail}"));
+            Ok(())
+        }
+        Err(other) => Err(fail(format!("expected FabricUnavailable, got {other}"))),
+        Ok(_) => Err(fail(
+            "the ascend fabric came up on a runtime whose synchronize has no bound".into(),
+        )),
     }
 }
 
@@ -681,6 +704,24 @@ fn missing_runtime_is_fabric_unavailable_naming_library_and_variable() {
     let out = job.output(0);
     println!("{}", out.trim());
     assert!(out.contains(&empty), "the tried path is named: {out}");
+}
+
+/// Found by review: without `aclrtSynchronizeStreamWithTimeout` the fabric fell back to
+/// `aclrtSynchronizeStream`, a wait with no deadline; such a runtime is refused now.
+#[test]
+fn a_runtime_without_a_bounded_stream_synchronize_is_refused_naming_the_call() {
+    let home = Path::new(env!("CARGO_TARGET_TMPDIR")).join("ascend-standin-unbounded-sync");
+    xccl::testing::build_ascend_standin_with(&home, &["STANDIN_NO_SYNC_TIMEOUT"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let home = home.to_string_lossy().into_owned();
+    let (mut job, _segs) = spawn(
+        "unbounded_sync",
+        1,
+        Via::Home,
+        &[("ASCEND_HOME_PATH", Some(&home)), ("LD_LIBRARY_PATH", None)],
+    );
+    job.expect_success(Duration::from_secs(30));
+    println!("{}", job.output(0).trim());
 }
 
 #[test]

@@ -221,7 +221,7 @@ pub struct Args {
     pub bind: Bind,
 
     /// Deadline in seconds of every wait and rendezvous step. The launcher kills every rank when
-    /// one fails or when the job exceeds SECS x (2 + number of token counts).
+    /// one fails or when a running rank makes no progress for 3 x SECS + 10 s (liveness).
     #[arg(long, value_name = "SECS", default_value_t = 60.0)]
     pub timeout: f64,
 }

@@ -162,7 +162,8 @@ impl Plan {
         for (s, &tokens) in args.tokens.iter().enumerate() {
             let wl = workload(args, tokens);
             let mut rows = 0u64;
-            for it in args.warmup..args.rounds() {
+            let sample = sampled_rounds(args.warmup, args.iters);
+            for &it in &sample {
                 for &a in topo.attention_ranks() {
                     let input =
                         wl.input(&topo, args.topk, a, round(s, it, it as u64, args.domains));
@@ -170,7 +171,7 @@ impl Plan {
                 }
             }
             // Rows per pair: the job's rows of one call, shared by the pairs.
-            let per_pair = (rows as f64 / args.iters as f64 / pairs as f64).round() as usize;
+            let per_pair = (rows as f64 / sample.len() as f64 / pairs as f64).round() as usize;
             let pattern = if args.fabric == FabricKind::Cuda {
                 Pattern::DeviceCopy(pairs)
             } else {
@@ -243,6 +244,19 @@ impl Plan {
     fn rounds(&self) -> usize {
         self.warmup + self.iters
     }
+}
+
+/// Most measured rounds whose routing sets the plan's rows per call: a plan costs the same for
+/// any `--iters` (all rounds up to this many, else this many spread evenly over them).
+const PLAN_SAMPLE: usize = 256;
+
+/// The measured rounds (after `warmup`, `iters` of them) a plan averages over: every one up to
+/// [`PLAN_SAMPLE`], else [`PLAN_SAMPLE`] spread evenly; at least one.
+fn sampled_rounds(warmup: usize, iters: usize) -> Vec<usize> {
+    let n = iters.clamp(1, PLAN_SAMPLE);
+    (0..n)
+        .map(|j| warmup + (j as u128 * iters as u128 / n as u128) as usize)
+        .collect()
 }
 
 /// Rows one attention rank sends for `topk_idx` (`[T, K]`): one per (token, destination rank).
@@ -660,6 +674,29 @@ mod tests {
         let mut v = vec!["xccl-bench"];
         v.extend_from_slice(extra);
         Args::parse_from(v)
+    }
+
+    /// Found by review: the plan made every measured round's routing, so `--iters 100000000`
+    /// spent more than 15 s before the first call.
+    #[test]
+    fn a_plan_costs_the_same_for_any_iteration_count() {
+        let few = Plan::of(&args(&["-a", "2", "-e", "2", "-t", "64", "--iters", "256"])).unwrap();
+        let start = std::time::Instant::now();
+        let many = ["-a", "2", "-e", "2", "-t", "64", "--iters", "100000000"];
+        let many = Plan::of(&args(&many)).unwrap();
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        assert_eq!(many.iters, 100_000_000);
+        assert_eq!(few.measurements.len(), many.measurements.len());
+        assert_eq!(sampled_rounds(5, 3), vec![5, 6, 7]);
+        let spread = sampled_rounds(1, 1_000_000);
+        assert_eq!(
+            (spread.len(), spread[0], spread[255]),
+            (256, 1, 1 + 996_093)
+        );
     }
 
     /// Runs the whole plan on this rank; returns its words (per measurement, per iteration,

@@ -135,7 +135,7 @@ fn real_main(args: &Args) -> Result<i32, String> {
         let env = launch::launcher_rank(&launched, timeout)?;
         return process_rank(args, env, wait_policy(args));
     }
-    let limit = timeout.mul_f64(2.0 + args.points() as f64);
+    let limit = launch::stall_limit(timeout);
     let hosts = match args.netns {
         Some(k) => {
             let h = xccl::testing::netns::Hosts::create(k)?;
@@ -165,6 +165,7 @@ fn progress(args: &Args) -> ProgressBar {
 /// One rank of a multi-process job on shared memory.
 fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result<i32, String> {
     let e = |e: xccl::Error| e.to_string();
+    launch::start_heartbeat(env.rank)?;
     let topo = run::topology(args).map_err(e)?;
     let cfg = run::moe_config(args);
     let lens = Communicator::window_lens(&topo, &cfg).map_err(e)?;
@@ -223,6 +224,7 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
     // process is one rank of the job (the limits run on a fabric of their own).
     let mut comm = unsafe { Communicator::new(fabric, Arc::new(topo), cfg) }.map_err(e)?;
     let records = comm.a2e_records_per_call();
+    launch::beat();
     // The limits, on a fabric of their own over the same bootstrap, same processes, their
     // blocks alternating with the calls' (`--blocks`).
     let plan = limit::Plan::of(args).map_err(e)?;

@@ -322,24 +322,17 @@ fn run_typed<T: Element>(
             comm.set_a2e_quant(quant);
             comm.set_e2a_quant(quant);
             let wl = workload(args, tokens);
-            let first = call;
-            let inputs: Vec<RankInput> = if comm.role() == Role::Attention {
-                its.clone()
-                    .map(|it| {
-                        let this_call = first + (it - its.start) as u64;
-                        wl.input(&topo, k, rank, round(s, it, this_call, domains))
-                    })
-                    .collect()
-            } else {
-                Vec::new()
-            };
             let (phases, waits, cost) = (&mut phases[p], &mut waits[p], &mut costs[p]);
             for it in its.clone() {
-                // The call's routing goes into one buffer just before the call, as a router
-                // writes it and as the MPI baseline reads it: handing the call one of the
-                // block's inputs, computed long before, timed cache misses no engine has (they
-                // were most of a T=1 dispatch layout inside the call).
-                if let Some(inp) = inputs.get(it - its.start) {
+                crate::launch::beat();
+                // The call's routing is made into one buffer just before the call (before the
+                // barrier, untimed), as a router writes it and as the MPI baseline reads it: an
+                // input computed long before timed cache misses no engine has (they were most
+                // of a T=1 dispatch layout inside the call). Made round by round, so the setup
+                // does not grow with `--iters`.
+                let input: Option<RankInput> = (comm.role() == Role::Attention)
+                    .then(|| wl.input(&topo, k, rank, round(s, it, call, domains)));
+                if let Some(inp) = &input {
                     topk_idx.clone_from(&inp.topk_idx);
                     topk_weights.clone_from(&inp.topk_weights);
                 }
@@ -351,7 +344,7 @@ fn run_typed<T: Element>(
                 let w = match comm.role() {
                     Role::Attention if !topo.in_call(rank, this_call) => SKIPPED,
                     Role::Attention => {
-                        let inp = inputs.get(it - its.start).expect("one input per round");
+                        let inp = input.as_ref().expect("an attention rank's input");
                         let n = inp.num_tokens * hidden;
                         let registered = args.buffers == BufferKind::Registered;
                         let t0 = now_ns();
@@ -471,6 +464,7 @@ fn run_typed<T: Element>(
             if let Err(e) = verdict {
                 report.mismatches.push(format!("tokens {tokens}: {e}"));
             }
+            crate::launch::beat();
             if let Some(pb) = progress {
                 pb.inc(1);
             }

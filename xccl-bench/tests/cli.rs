@@ -260,6 +260,22 @@ fn routing_file_is_written() {
     assert_eq!(bytes.len(), 8 + 40 + 4 + 2 * 4 * 2 * 8);
 }
 
+/// Found by review: the launcher killed any job longer than `timeout x (2 + points)` (1.5 s
+/// here; this job runs 4 s or more) while every rank was healthy; its guard is a liveness check
+/// now.
+#[test]
+fn a_healthy_job_longer_than_a_few_timeouts_runs_to_its_end() {
+    let start = std::time::Instant::now();
+    let out = stdout_of(
+        bench()
+            .args(["-a", "1", "-e", "1", "--num-experts", "2", "-k", "1"])
+            .args(["--hidden", "2048", "-t", "32", "--warmup", "1"])
+            .args(["--iters", "30000", "--timeout", "0.5"]),
+    );
+    assert!(out.contains("roundtrip T=32"), "{out}");
+    eprintln!("ran {:?}", start.elapsed());
+}
+
 #[test]
 fn bad_flags_are_rejected_with_a_message() {
     for args in [

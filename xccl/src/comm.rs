@@ -35,6 +35,9 @@
 //!   violation, **poisons** the communicator: the job is aborted (every peer's waits fail within
 //!   a few milliseconds with [`Error::Aborted`] naming this rank and the reason), and every later
 //!   call on this communicator returns the first error again.
+//! - A view receive ([`Communicator::a2e_recv_view`]) takes its call once every source's rows
+//!   are in: a failure after that (a read of rows not mapped here timing out) poisons, since no
+//!   later receive sees that call again and nobody else can reply to it.
 //! - A panic inside a call (in the library, or in a user's callback it runs, such as
 //!   `on_arrival`) poisons the communicator and aborts the job naming this rank and the call,
 //!   as any failure after publishing does; the panic then goes on unwinding to the caller.
@@ -846,6 +849,28 @@ impl Communicator {
         ));
     }
 
+    /// Aborts the job because a live call was given up (a view dropped unreplied): like
+    /// [`Communicator::abort`], but when the last call failed, the abort carries that failure
+    /// first (and the death it reports), as a dropped handle's does (`AbortLink::abort`).
+    pub(crate) fn abort_given_up(&mut self, reason: &str) {
+        let cause = self
+            .ctx
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let Some((cause, dead)) = cause else {
+            return self.abort(reason);
+        };
+        let reason = format!("{cause}; then {reason}");
+        tracing::warn!(rank = self.ctx.rank, reason, "xccl: aborting the job");
+        self.ctx.fabric.abort_reporting(dead, &reason);
+        self.poisoned.get_or_insert(Error::Aborted {
+            by: self.ctx.rank,
+            reason,
+        });
+    }
+
     /// A handle that aborts this communicator's job from any thread, also while a call of this
     /// communicator blocks on another thread (see [`AbortHandle`]).
     pub fn abort_handle(&self) -> AbortHandle {
@@ -877,9 +902,22 @@ impl Communicator {
             self.total_stats.add(&self.last_stats);
         }
         match result {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                self.note_failure(None);
+                Ok(r)
+            }
             Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Keeps what the last call failed with when it did not poison (`None`: it succeeded), for
+    /// the abort a dropped handle or batch may raise next (`Context::last_failure`).
+    fn note_failure(&self, failure: Option<(String, Option<usize>)>) {
+        *self
+            .ctx
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = failure;
     }
 
     /// Fails a call that had published something with `e`, as the protocol does (for tests of
@@ -946,8 +984,12 @@ impl Communicator {
                     .abort_reporting(e.dead_rank(me), &e.abort_reason(me)),
             }
             self.poisoned = Some(e.duplicate());
-        } else if matches!(e, Error::Timeout { .. }) {
-            tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
+        } else {
+            if matches!(e, Error::Timeout { .. }) {
+                tracing::warn!(rank = self.ctx.rank, error = %e, "xccl: call timed out before publishing; it may be retried");
+            }
+            let me = self.ctx.rank;
+            self.note_failure(Some((e.abort_reason(me), e.dead_rank(me))));
         }
         e
     }
@@ -1394,7 +1436,7 @@ impl Communicator {
         self.expert("E2A send", |ctx, dispatch, combine| {
             through_relays(ctx, "the registered E2A output")?;
             dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
-            if !combine.take_output(batch.recv.epoch) {
+            if !combine.output_prepared(batch.recv.epoch) {
                 return Err(Error::invalid(
                     "e2a_send_output needs e2a_output first, for this batch",
                 ));
@@ -1409,6 +1451,9 @@ impl Communicator {
                 Replies::Staged,
                 deadline,
             )?;
+            // Given up only once sent: a send that failed before writing (a credit wait timing
+            // out) keeps the prepared output, so the documented retry works.
+            combine.take_output(batch.recv.epoch);
             dispatch.replied();
             batch.recv.answered();
             Ok(())

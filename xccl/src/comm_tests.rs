@@ -2608,11 +2608,16 @@ type Meanwhile = std::sync::Arc<std::sync::Mutex<Option<Box<dyn FnOnce() + Send>
 type SignalLog = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, u64)>>>;
 
 /// A local endpoint with test hooks: its next liveness check of `races.0` first runs what
-/// `races.1` holds, and every signal it sends goes into `log`.
+/// `races.1` holds, every signal it sends goes into `log`, and once `gets_time_out` is raised
+/// every get of rows (more than a record) fails as a timeout (a slow remote read on ofi or
+/// ascend).
 struct Hooked {
     inner: crate::fabric::local::LocalFabric,
     races: Option<(usize, Meanwhile)>,
     log: Option<SignalLog>,
+    gets_time_out: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Raised: the next wait fails at once as a timeout (and lowers it).
+    next_wait_times_out: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 // SAFETY: forwards every method to a local fabric, adding only a hook that writes no window.
@@ -2645,6 +2650,15 @@ unsafe impl crate::fabric::Fabric for Hooked {
         self.inner.put(peer, offset, data)
     }
     fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> crate::Result<()> {
+        let fail = |f: &std::sync::atomic::AtomicBool| f.load(std::sync::atomic::Ordering::SeqCst);
+        let row = buf.len() > std::mem::size_of::<crate::moe::record::Record>();
+        if row && self.gets_time_out.as_deref().is_some_and(fail) {
+            return Err(Error::Timeout {
+                peer,
+                what: "a remote read (injected)".into(),
+                waited: Duration::ZERO,
+            });
+        }
         self.inner.get(peer, offset, buf)
     }
     fn signal(&self, peer: usize, slot: usize, value: u64) -> crate::Result<()> {
@@ -2665,6 +2679,15 @@ unsafe impl crate::fabric::Fabric for Hooked {
         deadline: std::time::Instant,
         poll: &mut dyn FnMut() -> Option<crate::fabric::Waiting>,
     ) -> crate::Result<()> {
+        let once =
+            |f: &std::sync::atomic::AtomicBool| f.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if self.next_wait_times_out.as_deref().is_some_and(once) {
+            return Err(Error::Timeout {
+                peer: 0,
+                what: "a credit (injected)".into(),
+                waited: Duration::ZERO,
+            });
+        }
         self.inner.wait_until(deadline, poll)
     }
     fn barrier(&self, timeout: Duration) -> crate::Result<()> {
@@ -2720,6 +2743,8 @@ fn a_peer_that_arrives_and_leaves_between_look_and_check_completes_the_barrier()
         inner: f0,
         races: Some((1, meanwhile.clone())),
         log: None,
+        gets_time_out: None,
+        next_wait_times_out: None,
     };
     let mut rank0 = Communicator::from_fabric(Box::new(racing), topo, c).unwrap();
     let mut rank1 = h.join().unwrap();
@@ -2759,6 +2784,8 @@ fn a_relay_tells_its_members_of_complete_tokens_while_it_still_writes_its_own_re
             inner: f,
             races: None,
             log,
+            gets_time_out: None,
+            next_wait_times_out: None,
         };
         Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
     });
@@ -2907,4 +2934,200 @@ fn combined_rows_keep_the_sign_of_zero_and_a_single_rows_bits() {
             "token 1's single row, bit for bit"
         );
     }
+}
+
+/// Found by review: a later source's record grew the batch's arrays during a token-major
+/// receive, so pointers an arrival callback was handed (the C ABI's info pointers, which a
+/// callback may keep) dangled. The worst case is reserved when the receive starts.
+#[test]
+fn what_an_arrival_callback_is_shown_stays_where_it_is_for_the_whole_receive() {
+    let topo = Topology::contiguous(3, 1, 2).unwrap();
+    let c = cfg(64, DType::F32, 1, 8);
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let mut expert = comms.pop().unwrap();
+    let mut handles = Vec::new();
+    for a in &mut comms {
+        let (idx, w) = ([0i32; 8], [1f32; 8]);
+        handles.push(a.a2e_send(&[1f32; 8 * 64], &idx, &w).unwrap());
+    }
+    type Seen = [usize; 5];
+    let at = |b: &TokenBatch| -> Seen {
+        [
+            b.row_bytes().as_ptr() as usize,
+            b.src_rank().as_ptr() as usize,
+            b.src_token().as_ptr() as usize,
+            b.expert_count.as_ptr() as usize,
+            b.weight.as_ptr() as usize,
+        ]
+    };
+    let mut batch = TokenBatch::new();
+    let mut shown: Vec<Seen> = Vec::new();
+    expert
+        .a2e_recv_tokens(&mut batch, &mut |b, _| shown.push(at(b)))
+        .unwrap();
+    assert_eq!(shown.len(), 3);
+    assert_eq!(batch.num_tokens(), 24);
+    for s in &shown {
+        assert_eq!(*s, at(&batch), "an array moved during the receive");
+    }
+    expert.abort("test over");
+    drop(handles);
+}
+
+/// A job over a local fabric whose every endpoint is a [`Hooked`] one: `hook(rank, plain)`
+/// returns rank `rank`'s endpoint from one with no hook set.
+fn hooked_group(
+    topo: &std::sync::Arc<Topology>,
+    c: &MoeConfig,
+    hook: impl Fn(usize, Hooked) -> Hooked + Sync,
+) -> Vec<Communicator> {
+    let lens = Communicator::window_lens(topo, c).unwrap();
+    let fabrics =
+        crate::fabric::local::LocalFabric::group(&lens, Communicator::signal_slots(topo)).unwrap();
+    on_every_rank(fabrics, |f| {
+        let rank = crate::fabric::Fabric::rank(&f);
+        let plain = Hooked {
+            inner: f,
+            races: None,
+            log: None,
+            gets_time_out: None,
+            next_wait_times_out: None,
+        };
+        let hooked = hook(rank, plain);
+        Communicator::from_fabric(Box::new(hooked), topo.clone(), c.clone()).unwrap()
+    })
+}
+
+/// Found by review: a view receive whose fetch of unmapped rows failed as retryable (a timeout
+/// of a remote read on ofi or ascend) had already taken its call: nobody could reply, and the
+/// attention ranks waited out their timeout. Such a failure poisons and aborts now.
+#[test]
+fn a_view_whose_fetch_fails_after_taking_its_call_poisons_and_aborts_at_once() {
+    use std::sync::Arc;
+    let topo = Arc::new(Topology::contiguous(1, 1, 4).unwrap());
+    let c = MoeConfig {
+        timeout: Duration::from_secs(20),
+        ..cfg(64, DType::F32, 2, 4)
+    };
+    let slow = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut comms = hooked_group(&topo, &c, |rank, hooked| Hooked {
+        gets_time_out: (rank == 1).then(|| slow.clone()),
+        ..hooked
+    });
+    let (mut expert, mut attn) = (comms.remove(1), comms.remove(0));
+    let input = wl(21, 4, false).input(&topo, 2, 0, 0);
+    // INT8 rows: a view fetches them (dequantized) into a private buffer.
+    attn.set_a2e_quant(Quant::Int8);
+    let h = attn
+        .a2e_send(&[1f32; 256], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    slow.store(true, std::sync::atomic::Ordering::SeqCst);
+    let err = expert.a2e_recv_view().err().unwrap();
+    assert!(matches!(err, Error::Timeout { .. }), "{err}");
+    assert!(
+        expert.poisoned().is_some(),
+        "the call was taken: not retryable ({err:?})"
+    );
+    let start = std::time::Instant::now();
+    let err = attn.e2a_recv(&h, &mut [0f32; 256]).unwrap_err();
+    assert!(matches!(&err, Error::Aborted { by: 1, .. }), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(5), "seen at once");
+}
+
+/// Found by review: `e2a_send_output` gave up its prepared output before a send that could
+/// still fail retryably (a credit wait timing out, as under DP domains): the documented retry
+/// then failed with `InvalidArgument`. The output is given up only once sent.
+#[test]
+fn a_registered_reply_whose_send_fails_before_writing_can_be_sent_again() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    // DP domains: credits are waited for, not implied.
+    let topo = Arc::new(
+        Topology::contiguous(2, 1, 4)
+            .unwrap()
+            .with_domains(2)
+            .unwrap(),
+    );
+    let c = MoeConfig {
+        max_in_flight: 1,
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let stall = Arc::new(AtomicBool::new(false));
+    let mut comms = hooked_group(&topo, &c, |rank, hooked| Hooked {
+        next_wait_times_out: (rank == 2).then(|| stall.clone()),
+        ..hooked
+    });
+    let mut expert = comms.remove(2);
+    let locals = topo.local_experts(2).to_vec();
+    let mut batch = TokenBatch::new();
+    // Calls alternate between the domains; from the second on the buffer is reused and the
+    // send waits for its credit.
+    for round in 0..4u64 {
+        let a = (0..2).find(|&r| topo.in_call(r, round)).unwrap();
+        let attn = &mut comms[a];
+        let input = wl(31, 4, false).input(&topo, 2, a, round);
+        let x = vec![1f32; input.num_tokens * 8];
+        let h = attn
+            .a2e_send(&x, &input.topk_idx, &input.topk_weights)
+            .unwrap();
+        expert.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+        let out: Vec<f32> = token_replies(&locals, &batch);
+        expert
+            .e2a_output::<f32>(&batch)
+            .unwrap()
+            .copy_from_slice(&out);
+        if round == 3 {
+            stall.store(true, Ordering::SeqCst);
+            let err = expert.e2a_send_output(&batch).unwrap_err();
+            assert!(matches!(err, Error::Timeout { .. }), "{err}");
+            assert!(
+                expert.poisoned().is_none(),
+                "nothing was written: retryable"
+            );
+        }
+        expert.e2a_send_output(&batch).unwrap();
+        let mut got = vec![0f32; input.num_tokens * 8];
+        attn.e2a_recv(&h, &mut got).unwrap();
+    }
+}
+
+/// Found by review: an attention rank whose E2A receive timed out waiting for a stopped expert
+/// dropped its handle as the error unwound, and the peers were told "rank 0 dropped its A2E
+/// handle" rather than the timeout naming the expert. The abort carries the error now.
+#[test]
+fn an_abort_that_follows_a_failed_call_tells_the_peers_that_failure() {
+    let topo = Topology::contiguous(1, 2, 4).unwrap();
+    let c = MoeConfig {
+        timeout: Duration::from_millis(300),
+        ..cfg(8, DType::F32, 2, 4)
+    };
+    let mut comms = Communicator::local_group(&topo, &c).unwrap();
+    let (_stopped, mut served, mut attn) = (
+        comms.pop().unwrap(),
+        comms.pop().unwrap(),
+        comms.pop().unwrap(),
+    );
+    let input = wl(21, 4, false).input(&topo, 2, 0, 0);
+    let h = attn
+        .a2e_send(&[1f32; 32], &input.topk_idx, &input.topk_weights)
+        .unwrap();
+    let mut batch = TokenBatch::new();
+    served.a2e_recv_tokens(&mut batch, &mut |_, _| {}).unwrap();
+    let out = vec![0f32; batch.num_tokens() * 8];
+    served.e2a_send_tokens(&batch, &out).unwrap();
+    // Rank 2 never receives: the E2A receive times out naming it, then the handle is dropped.
+    let mut got = [0f32; 32];
+    let err = attn.e2a_recv(&h, &mut got).unwrap_err();
+    assert!(matches!(err, Error::Timeout { peer: 2, .. }), "{err}");
+    drop(h);
+    let err = served
+        .a2e_recv_tokens(&mut TokenBatch::new(), &mut |_, _| {})
+        .unwrap_err();
+    let Error::Aborted { by: 0, reason } = &err else {
+        panic!("{err}");
+    };
+    assert!(
+        reason.contains("rank 2") && reason.contains("timed out") && reason.contains("dropped"),
+        "{reason}"
+    );
 }

@@ -292,16 +292,25 @@ pub unsafe extern "C" fn xcclCommGetStats(
     with_comm("xcclCommGetStats", comm, |_, c, inner| {
         check_ptr(stats, "stats")?;
         let head = std::mem::offset_of!(xcclStats_t, numPeers);
-        // SAFETY: non-NULL and aligned (checked); the caller's contract.
-        let (size, cap, last_p, total_p) = unsafe {
-            let s = &*stats.cast_const();
-            (s.size, s.peerCapacity, s.lastPeers, s.totalPeers)
-        };
+        // The caller's struct may be shorter than this build's (`size >= head` is allowed), so
+        // no reference to a whole `xcclStats_t` is made: its header fields are read one by
+        // one through raw pointers, `size` first, the others once `size` says they are there.
+        // SAFETY: non-NULL and aligned (checked); every layout starts with `size_t size`.
+        let size = unsafe { std::ptr::addr_of!((*stats).size).read() };
         if size < head {
             return Err(Fail::invalid(format!(
                 "stats->size = {size}: set it to sizeof(xcclStats_t) (at least {head})"
             )));
         }
+        // SAFETY: the caller's struct holds `size >= head` bytes (checked), so every field
+        // before `numPeers` is inside it; raw reads, no reference past it.
+        let (cap, last_p, total_p) = unsafe {
+            (
+                std::ptr::addr_of!((*stats).peerCapacity).read(),
+                std::ptr::addr_of!((*stats).lastPeers).read(),
+                std::ptr::addr_of!((*stats).totalPeers).read(),
+            )
+        };
         for (name, p) in [("lastPeers", last_p), ("totalPeers", total_p)] {
             if !p.is_null() {
                 check_ptr(p, &format!("stats->{name}"))?;
@@ -396,8 +405,11 @@ pub unsafe extern "C" fn xcclCommShrink(
             }
         }
         let (id, c) = lookup(comm)?;
+        // From an arrival callback the receive holds the communicator's lock: refused, as
+        // every call is (the header's promise), rather than deadlocking on it.
+        not_in_callback(id)?;
         let old = {
-            let mut guard = lock(&c.comm);
+            let mut guard = lock_comm(&c)?;
             guard.take().ok_or_else(|| {
                 Fail::usage("this communicator was already shrunk (xcclCommShrink)")
             })?

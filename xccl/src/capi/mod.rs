@@ -620,11 +620,7 @@ fn with_comm(
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let (id, c) = lookup(comm)?;
         target = Some(c.clone());
-        if IN_CALLBACK.with(|cb| cb.get()) == id {
-            return Err(Fail::usage(
-                "called from an arrival callback of this communicator (the receive is still running)",
-            ));
-        }
+        not_in_callback(id)?;
         if c.aborted.load(Ordering::Acquire) {
             return Err(Fail::new(
                 XCCL_ABORTED,
@@ -634,12 +630,7 @@ fn with_comm(
                 ),
             ));
         }
-        let mut guard = c.comm.lock().map_err(|_| {
-            Fail::new(
-                XCCL_INTERNAL_ERROR,
-                "the communicator was poisoned by an internal error (panic) in an earlier call",
-            )
-        })?;
+        let mut guard = lock_comm(&c)?;
         if c.destroyed.load(Ordering::Acquire) {
             return Err(Fail::usage(destroyed_during(id)));
         }
@@ -686,6 +677,28 @@ fn with_comm(
     };
     set_thread_error(&format!("{name}: {}", fail.msg));
     fail.code
+}
+
+/// Refuses a call on communicator `id` from one of its own arrival callbacks: the receive that
+/// runs the callback holds the communicator, so the call would deadlock on its lock.
+fn not_in_callback(id: usize) -> Result<(), Fail> {
+    if IN_CALLBACK.with(|cb| cb.get()) == id {
+        return Err(Fail::usage(
+            "called from an arrival callback of this communicator (the receive is still running)",
+        ));
+    }
+    Ok(())
+}
+
+/// Locks `c`'s communicator, refusing one whose lock a panic poisoned (an internal error: the
+/// job was aborted then).
+fn lock_comm(c: &Comm) -> Result<std::sync::MutexGuard<'_, Option<Communicator>>, Fail> {
+    c.comm.lock().map_err(|_| {
+        Fail::new(
+            XCCL_INTERNAL_ERROR,
+            "the communicator was poisoned by an internal error (panic) in an earlier call",
+        )
+    })
 }
 
 /// The message of a call that `xcclCommDestroy` (on another thread) ended or refused.

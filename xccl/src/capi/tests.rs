@@ -511,3 +511,85 @@ fn a_call_that_poisons_after_sending_never_returns_invalid_argument() {
         assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
     }
 }
+
+/// Found by review: `xcclCommGetStats` made a `&xcclStats_t` over the caller's struct, which may
+/// be as short as its 32-byte header: a reference past the caller's memory (undefined behaviour,
+/// reported by Miri: `ci/miri.sh` runs this test). The header is read through raw pointers.
+#[test]
+fn get_stats_on_a_header_only_struct_reads_no_byte_past_it() {
+    let comms = pair();
+    let head = std::mem::offset_of!(ext::xcclStats_t, numPeers);
+    assert_eq!(head, 32);
+    // Exactly the header: size, peerCapacity, lastPeers, totalPeers.
+    let mut header: Box<[usize; 4]> = Box::new([head, 0, 0, 0]);
+    let p = header.as_mut_ptr().cast::<ext::xcclStats_t>();
+    // SAFETY: `p` holds `size` = 32 bytes, aligned for the struct, no peer arrays.
+    let code = unsafe { xcclCommGetStats(comms[0], p) };
+    assert_eq!(code, XCCL_SUCCESS, "{}", last_error(comms[0]));
+    assert_eq!(header[0], head, "the caller's size is kept");
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}
+
+/// What the arrival callback of the shrink test saw.
+struct ShrinkFromCallback {
+    comm: *mut xcclComm,
+    code: Option<xcclResult_t>,
+}
+
+/// Calls `xcclCommShrink` on the receiving communicator from its own arrival callback.
+unsafe extern "C" fn shrink_from_callback(
+    user: *mut c_void,
+    _: *const xcclTokenBatchInfo_t,
+    _: usize,
+    _: usize,
+) {
+    // SAFETY: `user` is the test's `ShrinkFromCallback`, alive for the receive.
+    let seen = unsafe { &mut *user.cast::<ShrinkFromCallback>() };
+    let mut newcomm: *mut xcclComm = std::ptr::null_mut();
+    // SAFETY: no options; `newcomm` is a valid out-pointer.
+    seen.code = Some(unsafe { xcclCommShrink(seen.comm, std::ptr::null(), &mut newcomm) });
+}
+
+/// Found by review: `xcclCommShrink` from an arrival callback deadlocked on the lock the
+/// receive holds, although the header promises `xcclInvalidUsage` for any call from a callback.
+#[test]
+fn shrink_from_an_arrival_callback_is_invalid_usage_not_a_deadlock() {
+    let comms = pair();
+    let (attn, expert) = (comms[0] as usize, comms[1] as usize);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (attn, expert) = (attn as *mut xcclComm, expert as *mut xcclComm);
+        let mut h: *mut xcclA2EHandle = std::ptr::null_mut();
+        let (x, idx, w) = ([1f32; 4], [0i32], [1f32]);
+        // SAFETY: one token of hidden 4, top-1, valid buffers and out-pointer.
+        let sent =
+            unsafe { xcclA2ESend(attn, x.as_ptr().cast(), 1, idx.as_ptr(), w.as_ptr(), &mut h) };
+        assert_eq!(sent, XCCL_SUCCESS);
+        let mut seen = ShrinkFromCallback {
+            comm: expert,
+            code: None,
+        };
+        let mut batch: *mut xcclTokenBatch = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the callback follows the header's rules; `seen` outlives
+        // the receive.
+        let received = unsafe {
+            moe::xcclA2ERecvTokensWithCallback(
+                expert,
+                &mut batch,
+                Some(shrink_from_callback),
+                std::ptr::addr_of_mut!(seen).cast(),
+            )
+        };
+        let _ = tx.send((received, seen.code));
+    });
+    let (received, code) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the receive deadlocked in its callback");
+    assert_eq!(received, XCCL_SUCCESS, "{}", last_error(comms[1]));
+    assert_eq!(code, Some(XCCL_INVALID_USAGE));
+    for c in comms {
+        assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
+    }
+}

@@ -178,7 +178,7 @@ impl Drop for TokenView<'_> {
                     self.comm.rank(),
                     self.epoch
                 );
-                self.comm.abort(&reason);
+                self.comm.abort_given_up(&reason);
             }
             return;
         }

@@ -452,6 +452,27 @@ impl TokenBatch {
         self.weight.clear();
     }
 
+    /// Reserves room for `total` tokens in every per-token array [`TokenBatch::grow`] grows
+    /// (address space only: nothing is touched), so growing up to `total` moves nothing and a
+    /// pointer handed out during the receive (a C arrival callback may keep them) stays valid
+    /// for the whole receive.
+    pub(crate) fn reserve(&mut self, total: usize, payload: usize, with_rows: bool) {
+        fn room<T>(v: &mut Vec<T>, len: usize) {
+            v.reserve(len.saturating_sub(v.len()));
+        }
+        if with_rows {
+            room(&mut self.rows.words, (total * payload).div_ceil(8));
+        } else if self.recv.int8 {
+            room(&mut self.qrows, total * self.recv.hidden);
+            room(&mut self.scales, total);
+        }
+        room(&mut self.src_rank, total);
+        room(&mut self.src_token, total);
+        room(&mut self.expert_count, total);
+        room(&mut self.local_expert, total * self.topk);
+        room(&mut self.weight, total * self.topk);
+    }
+
     /// Grows the per-token arrays to `total` tokens (rows only when `with_rows`).
     pub(crate) fn grow(&mut self, total: usize, payload: usize, with_rows: bool) {
         if with_rows {
@@ -526,6 +547,8 @@ pub(crate) struct AbortLink {
     fabric: Weak<dyn Fabric>,
     /// This rank.
     pub(crate) rank: usize,
+    /// The communicator's last failed call (`Context::last_failure`).
+    last_failure: super::context::LastFailure,
 }
 
 impl AbortLink {
@@ -534,11 +557,14 @@ impl AbortLink {
         AbortLink {
             fabric: Arc::downgrade(&ctx.fabric),
             rank: ctx.rank,
+            last_failure: ctx.last_failure.clone(),
         }
     }
 
     /// Aborts the job with `reason()`, unless the communicator is gone or its job has already
-    /// been aborted (by this rank's failure or by a peer's).
+    /// been aborted (by this rank's failure or by a peer's). When the communicator's last call
+    /// failed (the drop follows from that error as it unwinds), the abort carries that error
+    /// first, and the death it reports: the peers are told the cause.
     pub(crate) fn abort(&self, reason: impl FnOnce() -> String) {
         let Some(fabric) = self.fabric.upgrade() else {
             return;
@@ -546,9 +572,17 @@ impl AbortLink {
         if fabric.aborted().is_some() {
             return;
         }
-        let reason = reason();
+        let cause = self
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let (reason, dead) = match cause {
+            Some((cause, dead)) => (format!("{cause}; then {}", reason()), dead),
+            None => (reason(), None),
+        };
         tracing::error!(reason, "xccl: aborting the job");
-        fabric.abort(&reason);
+        fabric.abort_reporting(dead, &reason);
     }
 }
 

@@ -182,7 +182,13 @@ impl CombineSender {
         self.scratch = scratch;
     }
 
-    /// Whether the registered output of call `epoch` was prepared (and so may be sent).
+    /// Whether the registered output of call `epoch` was prepared (and so may be sent); it stays
+    /// prepared until [`CombineSender::take_output`].
+    pub(crate) fn output_prepared(&self, epoch: u64) -> bool {
+        self.output_for == Some(epoch)
+    }
+
+    /// Whether the registered output of call `epoch` was prepared; it is given up (sent).
     pub(crate) fn take_output(&mut self, epoch: u64) -> bool {
         if self.output_for == Some(epoch) {
             self.output_for = None;

@@ -139,8 +139,9 @@ impl MoeConfig {
                 self.max_tokens_per_rank
             )));
         }
-        if topo.relay_plan().is_some() {
-            // A relay hop carries one member's rows for every expert rank in one message.
+        if let Some(plan) = topo.relay_plan() {
+            // A member's hop carries its rows for every expert rank in one message; a relay's
+            // forward carries up to `recv_rows` rows of each of its members to one expert rank.
             let hop = self
                 .max_tokens_per_rank
                 .saturating_mul(self.topk.min(topo.expert_ranks().len()));
@@ -149,6 +150,19 @@ impl MoeConfig {
                     "with relays one hop carries up to max_tokens_per_rank * min(topk, expert \
                      ranks) = {hop} rows in one message, more than a progress signal counts \
                      ({MAX_PROGRESS_ROWS}); lower max_tokens_per_rank or topk"
+                )));
+            }
+            let forward = plan
+                .max_members()
+                .saturating_mul(self.recv_rows_per_source());
+            if forward > MAX_PROGRESS_ROWS {
+                return Err(Error::invalid(format!(
+                    "with relays a relay forwards up to (members of a relay) * rows per source = \
+                     {} * {} = {forward} rows in one message, more than a progress signal \
+                     counts ({MAX_PROGRESS_ROWS}); lower max_tokens_per_rank or \
+                     recv_capacity, or use more relays",
+                    plan.max_members(),
+                    self.recv_rows_per_source()
                 )));
             }
         }
@@ -323,6 +337,35 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    /// Found by review: `validate` bounded a member's hop but not a relay's forward, which
+    /// carries every member's rows for one expert rank in one message (top-1, 2-member relays,
+    /// `max_tokens_per_rank > 2^23` passed and overflowed the 24-bit progress count).
+    #[test]
+    fn a_relays_forward_is_bounded_by_what_a_progress_signal_counts() {
+        let topo = Topology::contiguous(2, 1, 2)
+            .unwrap()
+            .with_relays(Some(1))
+            .unwrap();
+        assert_eq!(topo.relay_plan().unwrap().max_members(), 2);
+        let at = |tokens: usize| MoeConfig::new(8, DType::F32, 1, tokens);
+        // At the real per-message maximum: 2 members x rows per source.
+        at(MAX_PROGRESS_ROWS / 2).validate(&topo).unwrap();
+        let err = at(MAX_PROGRESS_ROWS / 2 + 1)
+            .validate(&topo)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("relay forwards") && err.contains("2 * "),
+            "{err}"
+        );
+        // A lower receive capacity brings it back under the bound.
+        let capped = MoeConfig {
+            recv_capacity: MAX_PROGRESS_ROWS / 2,
+            ..at(MAX_PROGRESS_ROWS / 2 + 1)
+        };
+        capped.validate(&topo).unwrap();
     }
 
     #[test]

@@ -76,6 +76,10 @@ fn first_clock_ns(clocks: &[libc::clockid_t]) -> u64 {
         .unwrap_or(0)
 }
 
+/// A communicator's last failed call that did not poison: its abort reason and the death it
+/// reports (`Context::last_failure`), shared with what may abort for it later.
+pub(crate) type LastFailure = Arc<std::sync::Mutex<Option<(String, Option<usize>)>>>;
+
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
     /// Shared only weakly: with the handles and batches of live calls (their abort path when
@@ -92,6 +96,12 @@ pub(crate) struct Context {
     /// The clock reading of the current look of a wait ([`Context::look_time`]).
     look: Cell<LookClock>,
     /// Counters of the current call.
+    /// The failure of this rank's last call when it failed without poisoning (a timeout
+    /// before publishing): its abort reason and the death it reports. An abort that follows
+    /// from it (a live handle or batch dropped as the error unwinds) carries it, so the peers
+    /// are told the cause, not the drop ([`super::batch::AbortLink`]). Cleared by a call that
+    /// succeeds.
+    pub(crate) last_failure: LastFailure,
     pub(crate) stats: RefCell<Stats>,
     /// The caller's interrupt check (`Communicator::set_interrupt_check`), polled by every
     /// wait at most every [`INTERRUPT_CHECK_EVERY`].
@@ -171,6 +181,7 @@ impl Context {
             look: Cell::new(LookClock::Outside),
             stats: RefCell::new(Stats::new(topo_world)),
             interrupt: None,
+            last_failure: Arc::default(),
         })
     }
 
@@ -190,6 +201,12 @@ impl Context {
     /// Whether the current call has written anything a peer may read.
     pub(crate) fn has_published(&self) -> bool {
         self.published.get()
+    }
+
+    /// Notes that the call has taken something it cannot give back (a received epoch, which
+    /// no later receive will see again): from here a failure poisons, as after publishing.
+    pub(crate) fn note_consumed(&self) {
+        self.published.set(true);
     }
 
     /// `put` that notes the call has published.

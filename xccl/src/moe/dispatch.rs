@@ -1668,6 +1668,10 @@ impl DispatchReceiver {
         batch.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
         batch.recv.begin(ctx.id, ctx.attention());
         batch.recv.int8 = ctx.cfg.keep_int8;
+        // The worst case (every attention rank's every token) reserved up front: the arrays
+        // never move during the receive, so what `on_arrival` was shown stays valid to its end.
+        let worst = ctx.attention().len() * ctx.cfg.max_tokens_per_rank;
+        batch.reserve(worst, payload, !ctx.cfg.keep_int8);
         let epoch = self.receive(ctx, true, deadline, &mut |reader, arrival| {
             batch.recv.note(&arrival);
             match arrival {

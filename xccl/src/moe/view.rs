@@ -74,6 +74,10 @@ impl ViewParts {
                 return Err(e);
             }
         };
+        // The epoch is taken: a later receive would wait for the next one, and nobody could
+        // reply to this one. Any failure from here poisons (and aborts the job at once),
+        // however retryable the error is in itself.
+        ctx.note_consumed();
         rows.fetched.clear();
         rows.fetched.resize(rows.messages.len(), None);
         rows.landing.clear();

@@ -27,13 +27,21 @@ pub fn bootstrap_handshake(
 /// `ASCEND_HOME_PATH=<home>`. The library is written under a temporary name and renamed, so a
 /// concurrent run never loads a half-written one. Errors say what failed (gcc's output).
 pub fn build_ascend_standin(home: &std::path::Path) -> Result<(), String> {
+    build_ascend_standin_with(home, &[])
+}
+
+/// [`build_ascend_standin`] with C `defines` (`-D` flags), for the stand-in's variants (such as
+/// `STANDIN_NO_SYNC_TIMEOUT`: a runtime without a bounded stream synchronize).
+pub fn build_ascend_standin_with(home: &std::path::Path, defines: &[&str]) -> Result<(), String> {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let flags: Vec<String> = defines.iter().map(|d| format!("-D{d}")).collect();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     build_c_library(
         &home.join("lib64"),
         "libascendcl.so",
         &[repo.join("tests/ascend_standin/acl_standin.c")],
         &repo.join("xccl-sys/include"),
-        &[],
+        &flags,
     )
 }
 

@@ -109,12 +109,14 @@ pub use runtime::finalize_runtime;
 pub const DEFAULT_INIT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Bytes of the private staging buffer (host data passes through it on its way to a peer).
 pub const STAGING_BYTES: usize = 1 << 20;
-/// Longest a stream synchronize may take before it is an error (runtimes with
-/// `aclrtSynchronizeStreamWithTimeout`).
+/// Longest a stream synchronize may take before it is an error: every synchronize is
+/// `aclrtSynchronizeStreamWithTimeout`, and a runtime without it is refused at init (an
+/// unbounded `aclrtSynchronizeStream` would be a wait without a deadline).
 pub const STREAM_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Optional runtime functions this fabric cannot work without.
 const NEEDS: &[&str] = &[
+    "aclrtSynchronizeStreamWithTimeout",
     "aclrtValueWrite",
     "aclrtIpcMemGetExportKey",
     "aclrtIpcMemSetImportPid",

@@ -440,24 +440,20 @@ impl Runtime {
         })
     }
 
-    /// Waits for every task on `s`, at most `timeout_ms` where the runtime supports a timeout.
+    /// Waits for every task on `s`, at most `timeout_ms`. The fabric opens only runtimes that
+    /// have `aclrtSynchronizeStreamWithTimeout` (its `NEEDS`): no synchronize is unbounded.
     pub(crate) fn synchronize(
         &self,
         s: &Stream,
         timeout_ms: i32,
         context: impl FnOnce() -> String,
     ) -> Result<()> {
-        if self.has("aclrtSynchronizeStreamWithTimeout") {
-            // SAFETY: `s` is a live stream of this device.
-            let code = unsafe {
-                self.raw()
-                    .aclrtSynchronizeStreamWithTimeout(s.0, timeout_ms)
-            };
-            return self.check(code, "aclrtSynchronizeStreamWithTimeout", context);
-        }
-        // SAFETY: `s` is a live stream of this device.
-        let code = unsafe { self.raw().aclrtSynchronizeStream(s.0) };
-        self.check(code, "aclrtSynchronizeStream", context)
+        // SAFETY: `s` is a live stream of this device; the function exists (checked at open).
+        let code = unsafe {
+            self.raw()
+                .aclrtSynchronizeStreamWithTimeout(s.0, timeout_ms)
+        };
+        self.check(code, "aclrtSynchronizeStreamWithTimeout", context)
     }
 
     /// Queues a device-to-device copy of `len` bytes on `s`.
