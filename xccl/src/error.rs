@@ -154,6 +154,33 @@ impl Error {
         }
     }
 
+    /// This error with `who` (such as `"rank 3"`) put before what it says, where it says it in
+    /// words: a native call's context, a missing library's detail, an invalid argument's
+    /// message. Other errors name their peer already and are returned as they are.
+    pub(crate) fn prefixed(self, who: &str) -> Self {
+        match self {
+            Error::Native {
+                library,
+                call,
+                code,
+                message,
+                context,
+            } => Error::Native {
+                library,
+                call,
+                code,
+                message,
+                context: format!("{who}: {context}"),
+            },
+            Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
+                fabric,
+                detail: format!("{who}: {detail}"),
+            },
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{who}: {m}")),
+            other => other,
+        }
+    }
+
     /// Shorthand for [`Error::InvalidArgument`].
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())

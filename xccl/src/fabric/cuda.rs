@@ -162,27 +162,7 @@ impl std::fmt::Debug for CudaFabric {
 
 /// `e` with the rank named: in a driver error's context, or a missing driver's detail.
 fn on_rank(rank: usize, e: Error) -> Error {
-    match e {
-        Error::Native {
-            library,
-            call,
-            code,
-            message,
-            context,
-        } => Error::Native {
-            library,
-            call,
-            code,
-            message,
-            context: format!("rank {rank}: {context}"),
-        },
-        Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
-            fabric,
-            detail: format!("rank {rank}: {detail}"),
-        },
-        Error::InvalidArgument(m) => Error::InvalidArgument(format!("rank {rank}: {m}")),
-        other => other,
-    }
+    e.prefixed(&format!("rank {rank}"))
 }
 
 impl CudaFabric {

@@ -75,7 +75,8 @@ impl CudaPlane {
     /// Every error names `rank` (no NVRTC, a kernel that does not compile, a module the driver
     /// refuses, out of device memory).
     pub fn new(device: &Device, stream: Stream, rank: usize, timeout: Duration) -> Result<Self> {
-        Self::build(device, stream, rank, timeout).map_err(|e| for_rank(e, rank))
+        Self::build(device, stream, rank, timeout)
+            .map_err(|e| e.prefixed(&format!("rank {rank}'s data plane")))
     }
 
     fn build(device: &Device, stream: Stream, rank: usize, timeout: Duration) -> Result<Self> {
@@ -169,31 +170,6 @@ impl CudaPlane {
             self.stream
                 .launch(f, (blocks, 1, 1), (BLOCK, 1, 1), 0, params)
         }
-    }
-}
-
-/// `e` with the rank it happened on in its text (a data plane's setup error).
-fn for_rank(e: crate::Error, rank: usize) -> crate::Error {
-    use crate::Error;
-    match e {
-        Error::Native {
-            library,
-            call,
-            code,
-            message,
-            context,
-        } => Error::Native {
-            library,
-            call,
-            code,
-            message,
-            context: format!("{context} (rank {rank}'s data plane)"),
-        },
-        Error::FabricUnavailable { fabric, detail } => Error::FabricUnavailable {
-            fabric,
-            detail: format!("rank {rank}'s data plane: {detail}"),
-        },
-        other => other,
     }
 }
 
