@@ -533,6 +533,21 @@ fn test_device() -> crate::cuda::Device {
     driver.device(0).expect("device 0")
 }
 
+/// The test device, a stream for the tests' own copies, and a CUDA plane on its own stream.
+fn test_plane() -> (
+    crate::cuda::Device,
+    crate::cuda::Stream,
+    super::cuda::CudaPlane,
+) {
+    use crate::cuda::Stream;
+    let device = test_device();
+    let io = Stream::new(&device).unwrap();
+    let stream = Stream::new(&device).unwrap();
+    let timeout = std::time::Duration::from_secs(30);
+    let plane = super::cuda::CudaPlane::new(&device, stream, 0, timeout).unwrap();
+    (device, io, plane)
+}
+
 /// A device copy of `bytes` (at least one byte).
 fn upload(
     stream: &crate::cuda::Stream,
@@ -563,19 +578,10 @@ fn download(stream: &crate::cuda::Stream, mem: &crate::cuda::DeviceMemory, len: 
 /// quantize (a non-finite row named after completion) and dequantize.
 #[test]
 fn the_cuda_plane_gives_the_host_planes_bits() {
-    use super::cuda::CudaPlane;
-    use crate::cuda::{DeviceRegion, Stream};
+    use crate::cuda::DeviceRegion;
     use std::time::{Duration, Instant};
 
-    let device = test_device();
-    let io = Stream::new(&device).unwrap();
-    let mut plane = CudaPlane::new(
-        &device,
-        Stream::new(&device).unwrap(),
-        0,
-        Duration::from_secs(30),
-    )
-    .unwrap();
+    let (device, io, mut plane) = test_plane();
     let mut host = HostPlane::new();
     let deadline = || Instant::now() + Duration::from_secs(30);
     let mut rng = Rng(0x5eed_0fca_fe00);
@@ -718,19 +724,10 @@ fn the_cuda_plane_gives_the_host_planes_bits() {
 /// no descriptor list is overwritten before its kernel ran.
 #[test]
 fn the_cuda_plane_stages_more_descriptors_than_its_area_holds() {
-    use super::cuda::CudaPlane;
-    use crate::cuda::{DeviceRegion, Stream};
+    use crate::cuda::DeviceRegion;
     use std::time::{Duration, Instant};
 
-    let device = test_device();
-    let io = Stream::new(&device).unwrap();
-    let mut plane = CudaPlane::new(
-        &device,
-        Stream::new(&device).unwrap(),
-        0,
-        Duration::from_secs(30),
-    )
-    .unwrap();
+    let (device, io, mut plane) = test_plane();
     // 3 * 4000 runs of 24 bytes: more than the initial 64 KiB area, in several operations.
     let n = 4000usize;
     let src: Vec<u8> = (0..3 * n).map(|i| (i * 31 % 251) as u8).collect();
