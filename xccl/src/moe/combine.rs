@@ -587,7 +587,7 @@ type RowAt<'a> = dyn Fn(usize, usize) -> (usize, usize, bool) + 'a;
 
 impl TokenSums {
     /// Starts a call whose dispatch layout is `hl` (expert ranks `experts`).
-    fn begin(&mut self, _ctx: &Context, hl: &DispatchLayout, experts: &[usize]) {
+    fn begin(&mut self, hl: &DispatchLayout, experts: &[usize]) {
         self.cursors.clear();
         self.cursors
             .extend(experts.iter().map(|&d| hl.entries(d).start));
@@ -627,9 +627,10 @@ impl TokenSums {
             return ctx.get(rank, at, out_row);
         }
         // Every contribution's address: where it landed, or a slot it is fetched into (all
-        // slots sized before any address is taken, so none moves).
+        // slots sized before any address is taken, so none moves; also where `mapped` holds,
+        // so a window that turns out not to be mapped is fetched rather than indexed past).
         let slot = p.max(int8_payload(hidden));
-        if !mapped {
+        if self.fetched.len() < n * slot {
             self.fetched.resize(n * slot, 0);
         }
         self.terms.clear();
@@ -742,7 +743,7 @@ impl CombineReceiver {
         let mut copied = 0;
         let (row, acc) = (&mut self.row, &mut self.acc);
         let experts = ctx.experts();
-        self.sums.begin(ctx, &sent.layout, experts);
+        self.sums.begin(&sent.layout, experts);
         let sums = &mut self.sums;
         // Contributions summed here lie in this rank's reply area on the relay, at the offsets
         // of its A2E rows (grouped by expert rank, as the direct path's reply area).
@@ -864,7 +865,7 @@ impl CombineReceiver {
         let mut next_token = 0usize;
         let mut failure: Option<Error> = None;
         let mut next_check = CheckDue::default();
-        self.sums.begin(ctx, hl, experts);
+        self.sums.begin(hl, experts);
         let sums = &mut self.sums;
         // Whether every window a reply row can be in is mapped here (then rows are read where
         // they landed).
