@@ -17,7 +17,9 @@
 # - the cuda fabric's tests that hold on one real GPU, against the real driver
 #   (`XCCL_TEST_REAL_CUDA=1`): conformance of two processes sharing the GPU, the data plane
 #   copying and summing rows between two processes' device windows through CUDA IPC, and 1A:1E
-#   A2E/E2A against the reference.
+#   A2E/E2A against the reference;
+# - `xccl-bench --fabric cuda` (1A:1E, T=1, 128, 4096, checked) with the device-to-device copy of
+#   the same bytes as its limit, its JSON beside the report.
 # Each step's exit code, seconds and last lines go into the report; the script's exit code is
 # the first failing step's.
 set -uo pipefail
@@ -44,6 +46,8 @@ if [ "$mode" = --pack ]; then
   strip -o "$dir/bin/xccl-unit" "$unit"
   cuda=$(test_binary -p xccl-tests --test cuda || true)
   if [ -n "$cuda" ]; then strip -o "$dir/bin/cuda-fabric" "$cuda"; fi
+  cargo build --release -p xccl-bench >/dev/null 2>&1 &&
+    strip -o "$dir/bin/xccl-bench" target/release/xccl-bench
   size=$(du -sm "$dir" | cut -f1)
   echo "device-check: packed $(ls "$dir/bin" | tr '\n' ' ')into $dir ($size MiB)"
   [ "$size" -lt 40 ] || { echo "device-check: $dir is $size MiB, over 40" >&2; exit 1; }
@@ -130,6 +134,14 @@ if [ -x "$dir/bin/cuda-fabric" ]; then
     cuda_one_attention_one_expert_matches_reference
 else
   echo "== cuda-fabric: absent from the pack"
+fi
+
+if [ -x "$dir/bin/xccl-bench" ]; then
+  # The cuda fabric with host buffers over device windows (the calls' device buffers are not
+  # there yet), beside the device-to-device copy of the same bytes measured in the same run.
+  step bench-cuda 240 "$dir/bin/xccl-bench" --fabric cuda -a 1 -e 1 -t 1,128,4096 \
+    --iters 50 --check --json "$dir/bench-cuda.json"
+  if [ -n "${OUT:-}" ] && [ -f "$dir/bench-cuda.json" ]; then cp "$dir/bench-cuda.json" "$OUT/"; fi
 fi
 
 python3 - "$report" "${steps[@]}" <<'PY'
