@@ -6,7 +6,7 @@
 #   ci/device-check.sh --run DIR    there (CUDA 13, torch, no Rust, no network), from the repo
 #                                   root: probes the driver and CUDA IPC, runs the checks on the
 #                                   real device, writes DIR/report.json (and $OUT/report.json
-#                                   when OUT is set), in well under 8 minutes
+#                                   when OUT is set); the steps' limits add up to 7.5 minutes
 #
 # What --run checks today (the device path's first stages; docs/device.md):
 # - probe: the GPU (nvidia-smi), libcuda, torch's NVRTC, and whether the runtime allows CUDA IPC
@@ -96,10 +96,10 @@ PY
 )
 export XCCL_NVRTC_LIBRARY=$nvrtc XCCL_TEST_REAL_CUDA=1
 
-step probe-gpu 60 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
+step probe-gpu 30 nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
 # A probe informs; its failure does not fail the check (the steps that need IPC fail instead).
 saved_fail=$first_fail
-step probe-ipc 120 python3 - <<'PY'
+step probe-ipc 60 python3 - <<'PY'
 # Two processes: the parent allocates on the GPU and shares it by CUDA IPC (torch's
 # multiprocessing uses cudaIpcGetMemHandle); the child writes through it. Refused IPC (gVisor)
 # shows as an error here, and the IPC-dependent steps below are then expected to fail.
@@ -120,7 +120,7 @@ if __name__ == "__main__":
 PY
 first_fail=$saved_fail
 if [ -n "$nvrtc" ]; then
-  step dataplane 300 "$dir/bin/xccl-unit" --test-threads 1 \
+  step dataplane 90 "$dir/bin/xccl-unit" --test-threads 1 \
     moe::dataplane::tests::the_cuda_plane moe::dataplane::tests::the_kernels_compile
 else
   echo "device-check: no libnvrtc found (torch's nvidia-cuda-nvrtc or /usr/local/cuda)" >&2
@@ -129,7 +129,7 @@ fi
 if [ -x "$dir/bin/cuda-fabric" ]; then
   # The tests that hold on one real GPU (the others inject stand-in failures or want 2 devices).
   # They re-run the binary as ranks, so CARGO_TARGET_TMPDIR-free paths only.
-  step cuda-fabric 240 "$dir/bin/cuda-fabric" --test-threads 1 \
+  step cuda-fabric 120 "$dir/bin/cuda-fabric" --test-threads 1 \
     cuda_conformance_with_2_processes_sharing_one_device cuda_plane_ \
     cuda_one_attention_one_expert_matches_reference
 else
@@ -139,7 +139,7 @@ fi
 if [ -x "$dir/bin/xccl-bench" ]; then
   # The cuda fabric with host buffers over device windows (the calls' device buffers are not
   # there yet), beside the device-to-device copy of the same bytes measured in the same run.
-  step bench-cuda 240 "$dir/bin/xccl-bench" --fabric cuda -a 1 -e 1 -t 1,128,4096 \
+  step bench-cuda 150 "$dir/bin/xccl-bench" --fabric cuda -a 1 -e 1 -t 1,128,4096 \
     --iters 50 --check --json "$dir/bench-cuda.json"
   if [ -n "${OUT:-}" ] && [ -f "$dir/bench-cuda.json" ]; then cp "$dir/bench-cuda.json" "$OUT/"; fi
 fi
