@@ -1276,4 +1276,4 @@ impl Function {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -520,17 +520,13 @@ fn a_kernel_that_does_not_compile_is_an_error_carrying_nvrtcs_log() {
 /// The CUDA driver the device tests run on: the stand-in (built here with gcc), or the real
 /// `libcuda.so.1` when `XCCL_TEST_REAL_CUDA=1` (the GPU machine's `ci/device-check.sh`).
 fn test_device() -> crate::cuda::Device {
-    let driver = if std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1") {
-        crate::cuda::Driver::get().expect("the real CUDA driver")
+    if std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1") {
+        let driver = crate::cuda::Driver::get().expect("the real CUDA driver");
+        driver.device(0).expect("device 0")
     } else {
-        static STANDIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-        let lib = STANDIN.get_or_init(|| {
-            let dir = std::env::temp_dir().join(format!("xccl-dataplane-{}", std::process::id()));
-            crate::testing::build_cuda_standin(&dir).expect("building the stand-in driver")
-        });
-        crate::cuda::Driver::get_from(lib).expect("the stand-in driver")
-    };
-    driver.device(0).expect("device 0")
+        // The stand-in the CUDA layer's own tests build and load, once per process.
+        crate::cuda::tests::standin_device()
+    }
 }
 
 /// The test device, a stream for the tests' own copies, and a CUDA plane on its own stream.
