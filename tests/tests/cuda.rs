@@ -55,6 +55,10 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
+        ["device", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return device_rounds(ctx, (p(m)?, p(n)?), p(rounds)? as u64);
+        }
         ["missing_library"] => missing_library(ctx),
         ["init_fails_on_rank_1", call, code] => {
             let code = code.parse::<i64>().map_err(|e| e.to_string())?;
@@ -124,6 +128,51 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         "cuda",
         &|ex, topo, cfg| Communicator::init_cuda(ex, topo, cfg, None),
     )
+}
+
+/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
+/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
+/// bit for bit against the reference (`xccl::testing::harness`).
+fn device_rounds(ctx: &ChildCtx, (m, n): (usize, usize), rounds: u64) -> Result<(), String> {
+    use half::bf16;
+    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
+    use xccl::testing::harness::{Buffers, Workload};
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
+    cfg.timeout = Duration::from_secs(30);
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let mut comm =
+        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 0xd1ce + (m * 10 + n) as u64,
+        tokens: 16,
+        vary: true,
+        skew: None,
+        shared_experts: 0,
+    };
+    let mut batch = xccl::ExpertBatch::new();
+    for round in 0..rounds {
+        let host = round % 3 == 2;
+        let verdict = match comm.role() {
+            xccl::Role::Attention if host => {
+                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Copy)
+            }
+            xccl::Role::Attention => {
+                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Device)
+            }
+            xccl::Role::Expert if host => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            xccl::Role::Expert => {
+                expert_round_device::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+        };
+        verdict
+            .map_err(|e| format!("round {round}: {e}"))?
+            .map_err(|e| format!("round {round}: {e}"))?;
+    }
+    announce(&format!("{rounds} rounds of device-buffer calls checked"));
+    Ok(())
 }
 
 /// No driver anywhere: `init_cuda` fails with FabricUnavailable naming the library.
@@ -490,6 +539,16 @@ fn a_data_plane_without_nvrtc_is_unavailable_naming_the_library_and_the_rank() {
 #[test]
 fn cuda_one_attention_one_expert_matches_reference() {
     run_ok("moe:1:1:100", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
+    run_ok("device:1:1:12", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_match_the_reference_bit_for_bit_2a_3e_on_2_devices() {
+    run_ok("device:2:3:9", 5, 2, Duration::from_secs(90));
 }
 
 #[test]

@@ -76,6 +76,8 @@ use crate::topology::{Role, Topology};
 use crate::{Error, Result};
 
 pub(crate) mod agree;
+mod device;
+pub use device::Routing;
 pub mod shrink;
 pub(crate) use shrink::Origin;
 use shrink::ShrinkInfo;

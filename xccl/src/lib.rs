@@ -49,7 +49,8 @@ mod api_tests;
 #[cfg(test)]
 mod comm_tests;
 
-pub use comm::{AbortHandle, Communicator, ShrinkOptions, ShrinkStep, TokenView};
+pub use comm::{AbortHandle, Communicator, Routing, ShrinkOptions, ShrinkStep, TokenView};
+pub use cuda::{DeviceSlice, DeviceSliceMut};
 pub use error::{AbortNotice, Error, Result};
 pub use moe::batch::{A2eHandle, ExpertBatch, SourceInfo, TokenBatch};
 pub use moe::config::{MoeConfig, TransferMode};

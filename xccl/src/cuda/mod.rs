@@ -8,7 +8,8 @@
 //!   [`Device::bind`] makes that context current on the calling thread (every call here does it
 //!   first, so any thread may use any object).
 //! - [`DeviceMemory`]: owned `cuMemAlloc` bytes, freed on drop; [`DevicePtr`]: a device address
-//!   with its device ordinal, never dereferenced on the host.
+//!   with its device ordinal, never dereferenced on the host; [`DeviceSlice`] and
+//!   [`DeviceSliceMut`]: device memory a caller lends to one call.
 //! - [`Stream`] (owned, or a caller's stream borrowed by its raw handle), [`Event`]: every wait
 //!   on the GPU is bounded ([`Stream::synchronize`], [`Event::wait`] poll `cuStreamQuery` /
 //!   `cuEventQuery`, spinning then napping, and fail with [`Error::Timeout`]);
@@ -34,6 +35,10 @@ use std::time::{Duration, Instant};
 use xccl_sys::cuda::{self as sys, CUcontext, CUdevice, CUresult, Cuda};
 
 use crate::{Error, Result};
+
+mod slice;
+pub(crate) use slice::ReadRegion;
+pub use slice::{DeviceSlice, DeviceSliceMut};
 
 /// The library name used in errors.
 pub const LIBRARY: &str = sys::LIBRARY;

@@ -428,6 +428,10 @@ unsafe impl Fabric for CudaFabric {
         "cuda"
     }
 
+    fn as_cuda(&self) -> Option<&CudaFabric> {
+        Some(self)
+    }
+
     fn rank(&self) -> usize {
         self.rank
     }

@@ -218,6 +218,12 @@ pub unsafe trait Fabric: Send + Sync {
     /// nothing: such a fabric marks the departure when it is dropped.
     fn leave(&self) {}
 
+    /// This fabric as the [`cuda::CudaFabric`] (its device windows and stream), for the data
+    /// plane of the device-buffer calls; `None` (the default) on every other fabric.
+    fn as_cuda(&self) -> Option<&cuda::CudaFabric> {
+        None
+    }
+
     /// Counters of this rank's waits (spin polls, yields, sleeps) and the estimates its wait
     /// policy adapts to ([`WaitState`]); zeros on fabrics whose waits do not keep them.
     fn wait_counters(&self) -> WaitCounters {

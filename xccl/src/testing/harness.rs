@@ -13,6 +13,7 @@ use super::reference::{
     a2e_seen, expected_combine_quant, expected_dispatch, expert_output, reduce_on_expert,
     test_expert, ExpertRankRows, RankInput, SplitMix64,
 };
+use crate::cuda::{Device, DeviceMemory, DeviceSlice, DeviceSliceMut, Stream};
 use crate::moe::dtype::Element;
 use crate::moe::quant::Quant;
 use crate::topology::Topology;
@@ -120,6 +121,77 @@ pub enum Buffers {
     /// Registered buffers in the window: `a2e_input` + `a2e_send_input`, `e2a_output` +
     /// `e2a_send_output`.
     Registered,
+    /// Device memory of a communicator on the cuda fabric: `a2e_send_device`,
+    /// `e2a_recv_device` (the routing in device memory too), with the caller's rows written and
+    /// read back by the test ([`DeviceRows`]).
+    Device,
+}
+
+/// Device memory of a test that runs the device-buffer calls: each buffer allocated on the
+/// communicator's device, filled from and read back to the host on a stream of the test's own
+/// (the caller's stream of the calls).
+pub struct DeviceRows {
+    device: Device,
+    stream: Stream,
+}
+
+impl DeviceRows {
+    /// For `comm`'s device (an error on a communicator that is not on the cuda fabric).
+    pub fn of(comm: &Communicator) -> Result<Self> {
+        let device = comm
+            .cuda_device()
+            .ok_or_else(|| crate::Error::invalid("device rows need a cuda communicator"))?
+            .clone();
+        let stream = Stream::new(&device)?;
+        Ok(DeviceRows { device, stream })
+    }
+
+    /// The caller's stream of the calls.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// A new device buffer holding `data` (at least one byte is allocated).
+    pub fn upload<T: bytemuck::Pod>(&self, data: &[T]) -> Result<DeviceMemory> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let mem = self.alloc(bytes.len())?;
+        let deadline = crate::fabric::deadline_after(std::time::Duration::from_secs(30));
+        self.stream
+            .write(&mem, 0, bytes, deadline, usize::MAX, &|| "test rows".into())?;
+        Ok(mem)
+    }
+
+    /// A new device buffer of `len` bytes (at least one), not initialised.
+    pub fn alloc(&self, len: usize) -> Result<DeviceMemory> {
+        DeviceMemory::alloc(&self.device, len.max(1), || "test rows".into())
+    }
+
+    /// The first `len` elements of `mem`, read back.
+    pub fn download<T: bytemuck::Pod>(&self, mem: &DeviceMemory, len: usize) -> Result<Vec<T>> {
+        let mut out = vec![<T as bytemuck::Zeroable>::zeroed(); len];
+        let deadline = crate::fabric::deadline_after(std::time::Duration::from_secs(30));
+        self.stream.read(
+            mem,
+            0,
+            bytemuck::cast_slice_mut(&mut out),
+            deadline,
+            usize::MAX,
+            &|| "test rows".into(),
+        )?;
+        Ok(out)
+    }
+}
+
+/// The first `len` bytes of `mem` lent for reading.
+fn lend(mem: &DeviceMemory, len: usize) -> DeviceSlice<'_> {
+    mem.as_slice().range(0..len).expect("inside the allocation")
+}
+
+/// The first `len` bytes of `mem` lent for writing.
+fn lend_mut(mem: &mut DeviceMemory, len: usize) -> DeviceSliceMut<'_> {
+    mem.as_slice_mut()
+        .range(0..len)
+        .expect("inside the allocation")
 }
 
 /// Runs one attention-rank step (A2E send, then E2A receive) of `round` and checks the combined
@@ -166,15 +238,32 @@ pub fn attention_round_with<T: Element>(
     let (k, hidden) = (comm.config().topk, comm.config().hidden);
     let input = wl.input(&topo, k, comm.rank(), round);
     let x: Vec<T> = wl.hidden_states(comm.rank(), round, input.num_tokens, hidden);
+    let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
     let handle = match buffers {
         Buffers::Copy => comm.a2e_send(&x, &input.topk_idx, &input.topk_weights)?,
         Buffers::Registered => {
             comm.a2e_input::<T>()?[..x.len()].copy_from_slice(&x);
             comm.a2e_send_input(input.num_tokens, &input.topk_idx, &input.topk_weights)?
         }
+        Buffers::Device => {
+            let dev = DeviceRows::of(comm)?;
+            let (bytes, xs) = (std::mem::size_of_val(x.as_slice()), dev.upload(&x)?);
+            let idx = dev.upload(&input.topk_idx)?;
+            let w = dev.upload(&input.topk_weights)?;
+            let routing = crate::Routing::Device {
+                topk_idx: lend(&idx, input.topk_idx.len() * 4),
+                topk_weights: lend(&w, input.topk_weights.len() * 4),
+            };
+            let handle = comm.a2e_send_device(lend(&xs, bytes), routing, dev.stream())?;
+            let mut o = dev.alloc(bytes)?;
+            comm.e2a_recv_device(&handle, lend_mut(&mut o, bytes), dev.stream())?;
+            out = dev.download(&o, out.len())?;
+            handle
+        }
     };
-    let mut out = vec![T::from_f32(0.0); input.num_tokens * hidden];
-    comm.e2a_recv(&handle, &mut out)?;
+    if buffers != Buffers::Device {
+        comm.e2a_recv(&handle, &mut out)?;
+    }
     let (a2e, e2a) = (comm.config().a2e_quant, comm.config().e2a_quant);
     let want = expected_combine_quant(&topo, &input, &x, hidden, &test_expert, a2e, e2a);
     Ok(match first_difference(&out, &want, hidden) {
@@ -194,9 +283,48 @@ pub fn expert_round<T: Element>(
     check: bool,
 ) -> Result<std::result::Result<(), String>> {
     comm.a2e_recv(batch)?;
+    let rows: &[T] = batch.rows::<T>()?;
+    let (verdict, out) = expert_step(comm, wl, round, batch, rows, check);
+    comm.e2a_send(batch, &out)?;
+    Ok(verdict)
+}
+
+/// [`expert_round`] with the rows in device memory: `a2e_recv_device` into a device buffer,
+/// read back for the check and [`test_expert`], whose output goes back with `e2a_send_device`.
+pub fn expert_round_device<T: Element>(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &mut ExpertBatch,
+    check: bool,
+) -> Result<std::result::Result<(), String>> {
+    let dev = DeviceRows::of(comm)?;
+    let size = comm.config().hidden * comm.config().dtype.size();
+    let len = comm.max_expert_rows() * size;
+    let mut rows_mem = dev.alloc(len)?;
+    comm.a2e_recv_device(batch, lend_mut(&mut rows_mem, len), dev.stream())?;
+    if !batch.row_bytes().is_empty() {
+        return Ok(Err("a device receive left rows on the host".into()));
+    }
+    let n = batch.num_rows() * comm.config().hidden;
+    let rows: Vec<T> = dev.download(&rows_mem, n)?;
+    let (verdict, out) = expert_step(comm, wl, round, batch, &rows, check);
+    let out = dev.upload(&out)?;
+    comm.e2a_send_device(batch, lend(&out, n * T::DTYPE.size()), dev.stream())?;
+    Ok(verdict)
+}
+
+/// The check of a received batch (when `check`) and the expert outputs of its `rows`.
+fn expert_step<T: Element>(
+    comm: &Communicator,
+    wl: &Workload,
+    round: u64,
+    batch: &ExpertBatch,
+    rows: &[T],
+    check: bool,
+) -> (std::result::Result<(), String>, Vec<T>) {
     let ctx = Expecting::of(comm);
     let hidden = ctx.hidden;
-    let rows: &[T] = batch.rows::<T>()?;
     let verdict = if check {
         check_batch::<T>(&ctx, wl, round, batch, rows)
     } else {
@@ -213,8 +341,7 @@ pub fn expert_round<T: Element>(
             ));
         }
     }
-    comm.e2a_send(batch, &out)?;
-    Ok(verdict)
+    (verdict, out)
 }
 
 fn check_batch<T: Element>(
@@ -375,6 +502,11 @@ pub fn expert_round_tokens_with<T: Element>(
         Buffers::Registered => {
             comm.e2a_output::<T>(batch)?.copy_from_slice(&reduced);
             comm.e2a_send_output(batch)?;
+        }
+        Buffers::Device => {
+            return Err(crate::Error::invalid(
+                "token-major replies have no device-buffer call",
+            ))
         }
     }
     Ok(verdict)

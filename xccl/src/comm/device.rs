@@ -1,0 +1,360 @@
+//! The device-buffer calls of a communicator on the cuda fabric: A2E and E2A with the rows in
+//! GPU memory ([`DeviceSlice`], [`DeviceSliceMut`]), ordered after the work the caller queued on
+//! its stream, synchronous to the host on return.
+//!
+//! Each call:
+//! 1. checks every buffer before anything is written or consumed: device memory of this
+//!    communicator's device inside one allocation ([`Device::device_pointer`]), of the length
+//!    the call needs; the stream's device. A bad one is [`Error::InvalidArgument`] naming it,
+//!    and the call changes nothing;
+//! 2. orders the fabric's stream after the caller's (an event recorded on the caller's stream);
+//! 3. runs the protocol, the same planning as the host calls;
+//! 4. returns once the rows are in place.
+//!
+//! Where the rows move: the protocol's row copies and sums run on the host today, so these
+//! calls bring the rows they read to the host and write the rows they produce back (one
+//! device-to-host or host-to-device copy per buffer, on the fabric's stream). The results are
+//! the host calls' bits by construction. `docs/device.md` says what moves the rows straight
+//! between device windows next.
+
+use std::time::Instant;
+
+use super::{send_e2a, Communicator};
+use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Event, ReadRegion, Stream};
+use crate::fabric::cuda::CudaFabric;
+use crate::moe::combine::Replies;
+use crate::moe::context::Context;
+use crate::{A2eHandle, Error, ExpertBatch, Result};
+
+/// The routing of an A2E call: `[T, topk]` expert ids (`i32`, `-1` = none) and gating weights
+/// (`f32`, finite), in host or device memory.
+#[derive(Clone, Copy, Debug)]
+pub enum Routing<'a> {
+    /// In host memory.
+    Host {
+        /// `[T, topk]` expert ids.
+        topk_idx: &'a [i32],
+        /// `[T, topk]` gating weights.
+        topk_weights: &'a [f32],
+    },
+    /// In device memory of the communicator's device: read by the host once per call (one
+    /// device-to-host copy of each, on the call's stream, after the caller's queued work).
+    Device {
+        /// `[T, topk]` expert ids (`i32`).
+        topk_idx: DeviceSlice<'a>,
+        /// `[T, topk]` gating weights (`f32`).
+        topk_weights: DeviceSlice<'a>,
+    },
+}
+
+/// How long a buffer of a device call must be.
+#[derive(Clone, Copy, Debug)]
+enum Need {
+    /// Exactly this many bytes.
+    Exactly(usize),
+    /// At least this many bytes.
+    AtLeast(usize),
+}
+
+/// The cuda fabric under `ctx`, or the error of a device call `call` on another fabric.
+fn cuda_fabric<'c>(ctx: &'c Context, call: &str) -> Result<&'c CudaFabric> {
+    ctx.fabric.as_cuda().ok_or_else(|| {
+        Error::invalid(format!(
+            "{call} with device buffers needs a communicator on the cuda fabric; this one is on \
+             the {} fabric (use the host-buffer call)",
+            ctx.fabric.name()
+        ))
+    })
+}
+
+/// Checks that the `len` bytes at `ptr` (the buffer `what`) are device memory of `device`, one
+/// allocation, of the length `need` says.
+fn check_buffer(
+    device: &Device,
+    what: &str,
+    ptr: crate::cuda::DevicePtr,
+    len: usize,
+    need: Need,
+) -> Result<()> {
+    let short = match need {
+        Need::Exactly(n) => (len != n).then(|| format!("{n} bytes")),
+        Need::AtLeast(n) => (len < n).then(|| format!("at least {n} bytes")),
+    };
+    if let Some(expected) = short {
+        return Err(Error::invalid(format!(
+            "{what} has {len} bytes; expected {expected}"
+        )));
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    if ptr.device() != device.ordinal() {
+        return Err(Error::invalid(format!(
+            "{what} is memory of CUDA device {}; this communicator's device is CUDA device {}",
+            ptr.device(),
+            device.ordinal()
+        )));
+    }
+    device
+        .device_pointer(ptr.addr(), len)
+        .map(drop)
+        .map_err(|e| e.prefixed(what))
+}
+
+/// Checks `stream`'s device and makes the fabric's stream wait for the work queued on it.
+fn order_after(fabric: &CudaFabric, stream: &Stream) -> Result<()> {
+    let device = fabric.device();
+    if stream.device().ordinal() != device.ordinal() {
+        return Err(Error::invalid(format!(
+            "the stream is a stream of CUDA device {}; this communicator's device is CUDA device \
+             {}",
+            stream.device().ordinal(),
+            device.ordinal()
+        )));
+    }
+    if stream.raw() == fabric.stream().raw() {
+        return Ok(());
+    }
+    let event = Event::new(device)?;
+    event.record(stream)?;
+    fabric.stream().wait_event(&event)
+}
+
+/// Reads the lent `slice` (the buffer `what`) to the host, on the fabric's stream.
+fn read_lent(
+    ctx: &Context,
+    fabric: &CudaFabric,
+    slice: DeviceSlice<'_>,
+    what: &str,
+    deadline: Instant,
+) -> Result<Vec<u8>> {
+    let mut bytes = vec![0u8; slice.len()];
+    fabric.stream().read(
+        &ReadRegion(slice),
+        0,
+        &mut bytes,
+        deadline,
+        ctx.rank,
+        &|| format!("reading {what} from device memory"),
+    )?;
+    Ok(bytes)
+}
+
+/// Writes `bytes` into the lent `out` (the buffer `what`), on the fabric's stream.
+fn write_lent(
+    ctx: &Context,
+    fabric: &CudaFabric,
+    out: &DeviceSliceMut<'_>,
+    bytes: &[u8],
+    what: &str,
+    deadline: Instant,
+) -> Result<()> {
+    fabric
+        .stream()
+        .write(out, 0, bytes, deadline, ctx.rank, &|| {
+            format!("writing {what} to device memory")
+        })
+}
+
+/// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
+/// device.
+fn routing_on_host(
+    ctx: &Context,
+    fabric: &CudaFabric,
+    routing: Routing<'_>,
+    deadline: Instant,
+) -> Result<(Vec<i32>, Vec<f32>)> {
+    match routing {
+        Routing::Host {
+            topk_idx,
+            topk_weights,
+        } => Ok((topk_idx.to_vec(), topk_weights.to_vec())),
+        Routing::Device {
+            topk_idx,
+            topk_weights,
+        } => {
+            let device = fabric.device();
+            let idx_len = topk_idx.len();
+            if idx_len % 4 != 0 {
+                return Err(Error::invalid(format!(
+                    "topk_idx has {idx_len} bytes, not a whole number of int32 ids"
+                )));
+            }
+            check_buffer(
+                device,
+                "topk_idx",
+                topk_idx.ptr(),
+                idx_len,
+                Need::Exactly(idx_len),
+            )?;
+            check_buffer(
+                device,
+                "topk_weights",
+                topk_weights.ptr(),
+                topk_weights.len(),
+                Need::Exactly(idx_len),
+            )?;
+            let idx = read_lent(ctx, fabric, topk_idx, "topk_idx", deadline)?;
+            let weights = read_lent(ctx, fabric, topk_weights, "topk_weights", deadline)?;
+            let ids = idx
+                .chunks_exact(4)
+                .map(|b| i32::from_ne_bytes(b.try_into().unwrap()));
+            let ws = weights
+                .chunks_exact(4)
+                .map(|b| f32::from_ne_bytes(b.try_into().unwrap()));
+            Ok((ids.collect(), ws.collect()))
+        }
+    }
+}
+
+/// The error of a device receive with `keep_int8` (INT8 rows are kept on the host only).
+fn no_kept_int8(ctx: &Context) -> Result<()> {
+    if ctx.cfg.keep_int8 {
+        return Err(Error::invalid(
+            "a device receive with keep_int8 is not supported: device rows are dequantized \
+             (build the communicator without keep_int8)",
+        ));
+    }
+    Ok(())
+}
+
+impl Communicator {
+    /// The CUDA device of a communicator on the cuda fabric (`None` on other fabrics): the
+    /// device whose memory the device-buffer calls take.
+    pub fn cuda_device(&self) -> Option<&Device> {
+        self.ctx.fabric.as_cuda().map(CudaFabric::device)
+    }
+
+    /// Rows an expert-major device receive may need at most on this rank: every attention
+    /// rank's every token, each in as many rows as it can pick local experts
+    /// (`min(topk, local experts)`). The `out` of [`Communicator::a2e_recv_device`] holds this
+    /// many rows. 0 on attention ranks.
+    pub fn max_expert_rows(&self) -> usize {
+        let ctx = &self.ctx;
+        let local = ctx.topo.local_experts(ctx.rank).len();
+        ctx.attention().len() * ctx.cfg.max_tokens_per_rank * ctx.cfg.topk.min(local)
+    }
+
+    /// [`Communicator::a2e_send`] with `x` (`[T, hidden]` of the communicator's dtype) in
+    /// device memory of this communicator's device, on a communicator on the cuda fabric.
+    /// Ordered after the work queued on `stream` (the caller's, e.g. torch's current stream;
+    /// a stream of the same device); `x` may be reused once the call returns. Checks every
+    /// buffer before anything is written (see the module docs); the failure rule is
+    /// [`Communicator::a2e_send`]'s.
+    pub fn a2e_send_device(
+        &mut self,
+        x: DeviceSlice<'_>,
+        routing: Routing<'_>,
+        stream: &Stream,
+    ) -> Result<A2eHandle> {
+        let mode = self.ctx.cfg.mode;
+        self.attention("A2E send", |ctx, dispatch, _| {
+            let fabric = cuda_fabric(ctx, "A2E send")?;
+            let deadline = ctx.call_deadline();
+            order_after(fabric, stream)?;
+            let (topk_idx, topk_weights) = routing_on_host(ctx, fabric, routing, deadline)?;
+            let tokens = topk_idx.len() / ctx.cfg.topk.max(1);
+            let len = tokens * ctx.layout.a2e.payload;
+            check_buffer(fabric.device(), "x", x.ptr(), x.len(), Need::Exactly(len))?;
+            let x = read_lent(ctx, fabric, x, "x", deadline)?;
+            if mode == crate::TransferMode::Pull {
+                super::through_relays(ctx, "pull A2E")?;
+            }
+            dispatch.send(ctx, &x, &topk_idx, &topk_weights, mode.into(), deadline)
+        })
+    }
+
+    /// [`Communicator::e2a_recv`] into `out` (`[T, hidden]`) in device memory of this
+    /// communicator's device. Ordered after the work queued on `stream`; the rows are in `out`
+    /// when it returns. The failure rule is [`Communicator::e2a_recv`]'s.
+    pub fn e2a_recv_device(
+        &mut self,
+        handle: &A2eHandle,
+        out: DeviceSliceMut<'_>,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.attention("E2A receive", |ctx, dispatch, combine| {
+            let fabric = cuda_fabric(ctx, "E2A receive")?;
+            let sent = dispatch.oldest(ctx, handle)?;
+            let len = sent.num_tokens * ctx.layout.e2a_stride;
+            check_buffer(
+                fabric.device(),
+                "out",
+                out.ptr(),
+                out.len(),
+                Need::Exactly(len),
+            )?;
+            order_after(fabric, stream)?;
+            let deadline = ctx.call_deadline();
+            let mut rows = vec![0u8; len];
+            combine.recv(ctx, sent, &mut rows, deadline)?;
+            write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
+            dispatch.retire();
+            handle.answered();
+            Ok(())
+        })
+    }
+
+    /// [`Communicator::a2e_recv`] with the rows written into `out` (device memory of this
+    /// communicator's device, at least [`Communicator::max_expert_rows`] rows of `hidden`
+    /// elements): rows `0..batch.num_rows()` of `out` are the batch's rows, grouped by local
+    /// expert; `batch` carries everything else and its own rows stay empty. Ordered after the
+    /// work queued on `stream` (the previous use of `out`). Not with `keep_int8`.
+    pub fn a2e_recv_device(
+        &mut self,
+        batch: &mut ExpertBatch,
+        out: DeviceSliceMut<'_>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let need = self.max_expert_rows() * self.ctx.layout.a2e.payload;
+        self.expert("A2E receive", |ctx, dispatch, _| {
+            let fabric = cuda_fabric(ctx, "A2E receive")?;
+            no_kept_int8(ctx)?;
+            check_buffer(
+                fabric.device(),
+                "out",
+                out.ptr(),
+                out.len(),
+                Need::AtLeast(need),
+            )?;
+            order_after(fabric, stream)?;
+            let deadline = ctx.call_deadline();
+            dispatch.recv_expert_major(ctx, batch, deadline)?;
+            write_lent(ctx, fabric, &out, batch.rows.bytes(), "out", deadline)?;
+            batch.rows.resize(0);
+            Ok(())
+        })
+    }
+
+    /// [`Communicator::e2a_send`] with `expert_out` (one output row per row of `batch`,
+    /// `[batch.num_rows(), hidden]`) in device memory of this communicator's device. Ordered
+    /// after the work queued on `stream`; `expert_out` may be reused once it returns. The
+    /// failure rule is [`Communicator::e2a_send`]'s.
+    pub fn e2a_send_device(
+        &mut self,
+        batch: &ExpertBatch,
+        expert_out: DeviceSlice<'_>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let mode = self.ctx.cfg.mode;
+        self.expert("E2A send", |ctx, dispatch, combine| {
+            let fabric = cuda_fabric(ctx, "E2A send")?;
+            dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
+            let len = batch.num_rows() * ctx.layout.e2a_stride;
+            check_buffer(
+                fabric.device(),
+                "expert_out",
+                expert_out.ptr(),
+                expert_out.len(),
+                Need::Exactly(len),
+            )?;
+            order_after(fabric, stream)?;
+            let out = read_lent(ctx, fabric, expert_out, "expert_out", ctx.call_deadline())?;
+            let replies = Replies::Reduce { batch, out: &out };
+            let (epoch, sources) = (batch.recv.epoch, batch.sources());
+            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
+            batch.recv.answered();
+            Ok(())
+        })
+    }
+}
