@@ -791,6 +791,7 @@ fn scatter_and_gather_move_host_bytes_to_device_places_and_back_on_both_planes()
         .collect();
     // SAFETY: every destination is inside a live 2000-byte buffer, none overlapping.
     unsafe { plane.scatter(&data, &on_device) }.unwrap();
+    // SAFETY: the same runs into the live host buffer `host_dst`.
     unsafe { HostPlane::new().scatter(&data, &on_host) }.unwrap();
     plane.complete(deadline()).unwrap();
     assert_eq!(download(&io, &dst, 2000), host_dst, "scatter");
@@ -810,6 +811,7 @@ fn scatter_and_gather_move_host_bytes_to_device_places_and_back_on_both_planes()
     // SAFETY: every source is inside a live 2000-byte buffer.
     unsafe { plane.gather(&back(dst.ptr().addr()), &mut got, deadline()) }.unwrap();
     let host_back = back(host_dst.as_ptr() as u64);
+    // SAFETY: every source is inside the live host buffer `host_dst`.
     unsafe { HostPlane::new().gather(&host_back, &mut want, deadline()) }.unwrap();
     for r in &runs {
         let range = r.src as usize..(r.src + r.len) as usize;
