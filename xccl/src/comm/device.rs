@@ -257,11 +257,12 @@ impl Communicator {
             let tokens = topk_idx.len() / ctx.cfg.topk.max(1);
             let len = tokens * ctx.layout.a2e.payload;
             check_buffer(fabric.device(), "x", x.ptr(), x.len(), Need::Exactly(len))?;
-            let x = read_lent(ctx, fabric, x, "x", deadline)?;
             if mode == crate::TransferMode::Pull {
                 super::through_relays(ctx, "pull A2E")?;
             }
-            dispatch.send(ctx, &x, &topk_idx, &topk_weights, mode.into(), deadline)
+            let (idx, weights) = (&topk_idx[..], &topk_weights[..]);
+            let x = x.ptr().addr();
+            dispatch.send_device(ctx, x, tokens, idx, weights, mode.into(), deadline)
         })
     }
 

@@ -88,6 +88,12 @@ impl DeviceRows {
         }
     }
 
+    /// The device address of the scratch [`DeviceRows::scratch`] last handed out (0 before
+    /// the first).
+    pub(crate) fn scratch_addr(&self) -> u64 {
+        self.scratch.as_ref().map_or(0, |s| s.ptr().addr())
+    }
+
     /// The device address of at least `len` bytes of scratch (grown when shorter: the plane
     /// completes first, so no queued work reads the old one). What it held is not kept.
     pub(crate) fn scratch(&mut self, len: usize, deadline: Instant) -> Result<u64> {

@@ -25,6 +25,7 @@ use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::{CheckDue, Context};
+use super::dataplane::{CopyRun, DataPlane, QuantRow};
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -58,6 +59,9 @@ enum Payloads<'a> {
     Caller(&'a [u8]),
     /// The registered input of this buffer, in this rank's window at this offset.
     Input(usize),
+    /// The caller's `[T, hidden]` rows in device memory (cuda fabric), at this device
+    /// address (the caller checked the buffer).
+    Device(u64),
 }
 
 /// The attention side of A2E: sends calls and keeps each until its E2A is received.
@@ -79,6 +83,8 @@ pub(crate) struct DispatchSender {
     amax: Vec<f32>,
     /// Scratch: the route table of a call through a relay.
     table: Vec<u8>,
+    /// Scratch: the payload copies of one chunk of device rows.
+    device_runs: Vec<CopyRun>,
     /// The user tag the next call carries to every expert rank it reaches.
     tag: u64,
     /// The landing buffer of the last call sent.
@@ -99,6 +105,7 @@ impl DispatchSender {
             quant: Quantizer::default(),
             amax: Vec::new(),
             table: Vec::new(),
+            device_runs: Vec::new(),
             tag: 0,
             last_landing: 0,
         }
@@ -177,9 +184,10 @@ impl DispatchSender {
         // next call's scratch): no allocation per call.
         let amax = &mut self.amax;
         amax.clear();
-        if ctx.cfg.a2e_quant == Quant::Int8 {
+        if ctx.cfg.a2e_quant == Quant::Int8 && !matches!(payloads, Payloads::Device(_)) {
             // INT8 needs finite rows: checked for every token before anything is written, and
-            // each row's `max |x|` kept for the quantizing copies.
+            // each row's `max |x|` kept for the quantizing copies (device rows are quantized
+            // on the device before the send: `send_device`).
             for t in 0..num_tokens {
                 let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
                 match self.quant.amax(ctx.cfg.dtype, x) {
@@ -264,6 +272,116 @@ impl DispatchSender {
         let payloads = Payloads::Caller(x);
         let sent = self.plan(ctx, x.len() / payload, topk_idx, topk_weights, payloads)?;
         self.transmit(ctx, sent, payloads, mode, deadline)
+    }
+
+    /// A2E send of `num_tokens` rows at device address `x` (cuda fabric; the caller checked
+    /// the buffer). With INT8 A2E every row is quantized into device scratch first and the
+    /// plane completed, so a non-finite row is an error before anything is written.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_device(
+        &mut self,
+        ctx: &Context,
+        x: u64,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: WireMode,
+        deadline: Instant,
+    ) -> Result<A2eHandle> {
+        let payloads = Payloads::Device(x);
+        let sent = self.plan(ctx, num_tokens, topk_idx, topk_weights, payloads)?;
+        if ctx.cfg.a2e_quant == Quant::Int8 && mode != WireMode::Gather {
+            if let Err(e) = Self::quantize_device(ctx, x, num_tokens, deadline) {
+                self.spare.push(sent);
+                return Err(e);
+            }
+        }
+        self.transmit(ctx, sent, payloads, mode, deadline)
+    }
+
+    /// Bytes from one INT8 payload to the next in the device scratch of
+    /// [`DispatchSender::quantize_device`] (16-byte aligned).
+    fn device_int8_stride(ctx: &Context) -> usize {
+        ctx.layout.a2e.int8_payload.next_multiple_of(16)
+    }
+
+    /// Quantizes the `num_tokens` device rows at `x` into the device scratch (payload `t` at
+    /// `t * device_int8_stride`) and completes, reporting a non-finite row.
+    fn quantize_device(ctx: &Context, x: u64, num_tokens: usize, deadline: Instant) -> Result<()> {
+        let (p, q) = (ctx.layout.a2e.payload, Self::device_int8_stride(ctx));
+        let mut dev = ctx.device_rows()?;
+        let scratch = dev.scratch(num_tokens * q, deadline)?;
+        let rows: Vec<QuantRow> = (0..num_tokens)
+            .map(|t| QuantRow {
+                src: x + (t * p) as u64,
+                dst: scratch + (t * q) as u64,
+            })
+            .collect();
+        // SAFETY: the sources are rows of the caller's checked device buffer, the destinations
+        // distinct payloads of the scratch, which nothing else uses during the call.
+        unsafe { dev.plane.quantize(ctx.cfg.dtype, ctx.cfg.hidden, &rows)? };
+        dev.plane.complete(deadline)
+    }
+
+    /// Writes the full rows of plan `entries` from device payloads (the caller's rows at `x`,
+    /// or, INT8, their quantized payloads in the device scratch) into `dst`'s window at `at`:
+    /// one launch of payload copies, the metadata encoded here and scattered in one more; the
+    /// plane completes before the caller signals.
+    #[allow(clippy::too_many_arguments)]
+    fn put_rows_device(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        entries: Range<usize>,
+        x: u64,
+        (dst, at): (usize, usize),
+        int8: bool,
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        let stride = row.stride_for(int8);
+        let count = entries.len();
+        let mut dev = ctx.device_rows()?;
+        let into = dev.window(dst, at, count * stride)?;
+        let (src, src_stride) = if int8 {
+            (dev.scratch_addr(), Self::device_int8_stride(ctx))
+        } else {
+            (x, row.payload)
+        };
+        let (meta_len, meta_at) = (row.meta_len(), row.meta_offset_for(int8));
+        let payload_len = row.payload_for(int8) as u64;
+        self.stage.resize(count * meta_len, 0);
+        let mut payloads = std::mem::take(&mut self.device_runs);
+        payloads.clear();
+        let mut metas = Vec::with_capacity(count);
+        for (i, e) in entries.enumerate() {
+            let t = plan.token(e);
+            let row_at = into + (i * stride) as u64;
+            payloads.push(CopyRun {
+                src: src + (t * src_stride) as u64,
+                dst: row_at,
+                len: payload_len,
+            });
+            let meta = &mut self.stage[i * meta_len..(i + 1) * meta_len];
+            row.encode_meta(meta, t as u32, plan.mask(e), plan.weights(e));
+            metas.push(CopyRun {
+                src: (i * meta_len) as u64,
+                dst: row_at + meta_at as u64,
+                len: meta_len as u64,
+            });
+        }
+        ctx.note_written(dst, count * stride);
+        // SAFETY: the sources are rows of the caller's checked device buffer (or this call's
+        // quantized payloads in scratch) and this rank's staged metadata; the destinations
+        // are distinct rows inside `dst`'s window (range-checked above), reserved for this
+        // call by the credit wait.
+        let queued = unsafe {
+            dev.plane
+                .copy_runs(&payloads)
+                .and_then(|()| dev.plane.scatter(&self.stage, &metas))
+        };
+        self.device_runs = payloads;
+        queued?;
+        dev.plane.complete(ctx.call_deadline())
     }
 
     /// Prepares the registered input of the next call: waits for its buffer to be free and
@@ -525,7 +643,9 @@ impl DispatchSender {
         (dst, at): (usize, usize),
         (direct, int8): (bool, bool),
     ) -> Result<()> {
-        if direct && !int8 {
+        if let Payloads::Device(x) = payloads {
+            self.put_rows_device(ctx, &sent.layout, entries, x, (dst, at), int8)
+        } else if direct && !int8 {
             self.put_rows(ctx, &sent.layout, entries, payloads, dst, at)
         } else if direct {
             self.put_rows_int8(ctx, sent, entries, payloads, dst, at)
@@ -551,6 +671,9 @@ impl DispatchSender {
                 ctx.get(ctx.rank, at + t * p, row)?;
                 Ok(row)
             }
+            Payloads::Device(_) => Err(Error::invalid(
+                "device rows are read by the data plane, not by the host",
+            )),
         }
     }
 
