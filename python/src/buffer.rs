@@ -1,18 +1,21 @@
-//! Tensors out: [`Buffer`], a `[rows, cols]` (or 1-D) block of host memory that exports DLPack
-//! (`torch.from_dlpack(buf)`, `np.from_dlpack(buf)` take it without a copy). Every export keeps
-//! the `Buffer` alive, and the `Buffer` keeps alive what owns the memory: its own allocation,
-//! the batch it views, or the communicator whose registered window it is.
+//! Tensors out: [`Buffer`], a `[rows, cols]` (or 1-D) block of host memory, or of device memory
+//! of a `cuda` communicator's GPU, that exports DLPack (`torch.from_dlpack(buf)`,
+//! `np.from_dlpack(buf)` for host memory, take it without a copy). Every export keeps the
+//! `Buffer` alive, and the `Buffer` keeps alive what owns the memory: its own allocation (host
+//! bytes or a [`DeviceMemory`]), the batch it views, or the communicator whose registered
+//! window it is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use dlpark::ffi::{DLDevice, DLManagedTensor, DLManagedTensorVersioned};
+use dlpark::ffi::{DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
 use dlpark::python::{export_dlpack, DlpackExporter, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
+use xccl::cuda::DeviceMemory;
 
 use crate::errors::invalid;
 use crate::tensor::Elem;
@@ -78,16 +81,25 @@ pub(crate) enum Owner {
     /// Something else that keeps the memory mapped: the communicator whose registered window
     /// it is (the registered A2E input), which this reference keeps alive even after `close()`.
     Keep(Arc<dyn std::any::Any + Send + Sync>),
+    /// Device memory the binding allocated on a `cuda` communicator's GPU (freed when the last
+    /// buffer over it goes).
+    Device(Arc<DeviceMemory>),
 }
 
-/// A block of host memory with a shape and a dtype, exported through DLPack without a copy.
+/// A block of memory with a shape and a dtype, exported through DLPack without a copy: host
+/// memory, or device memory of a CUDA GPU (from a communicator on the `cuda` fabric:
+/// `__dlpack_device__()` is `(2, device id)`).
 ///
 /// The memory stays valid as long as Python holds the `Buffer` or any tensor made from it:
 /// each `__dlpack__` export holds a reference to the `Buffer`. Which buffers are writable and
 /// until when is said where they come from (`Communicator.e2a_recv`: yours; batch rows:
-/// read-only; `Communicator.a2e_input`: writable until `a2e_send_input`).
+/// read-only; `Communicator.a2e_input`: writable until `a2e_send_input`). Device memory is
+/// complete when the call that returned it returns (xccl's calls are synchronous to the host),
+/// so an export on any stream (`__dlpack__(stream=s)`) needs no synchronization.
 #[pyclass(frozen, module = "xccl")]
 pub struct Buffer {
+    /// Where the memory is: the CPU, or a CUDA device.
+    device: DLDevice,
     ptr: usize,
     len: usize,
     shape: Vec<i64>,
@@ -113,6 +125,7 @@ impl Buffer {
     ) -> Buffer {
         let len = shape.iter().product::<usize>() * elem.size();
         Buffer {
+            device: DLDevice::CPU,
             ptr: ptr as usize,
             len,
             shape: shape.iter().map(|&d| d as i64).collect(),
@@ -127,6 +140,34 @@ impl Buffer {
     pub(crate) fn host(bytes: HostBytes, shape: &[usize], elem: Elem) -> Buffer {
         let ptr = bytes.ptr.cast::<u8>().cast_const();
         Buffer::new(Owner::Host(Arc::new(bytes)), ptr, shape, elem, false, None)
+    }
+
+    /// A buffer over device memory of CUDA device `device` at `ptr` (`shape` elements of `elem`,
+    /// C order; `ptr` 0 when there are none), kept allocated by `owner`, writable unless
+    /// `read_only`.
+    pub(crate) fn on_device(
+        owner: Owner,
+        ptr: u64,
+        device: usize,
+        shape: &[usize],
+        elem: Elem,
+        read_only: bool,
+    ) -> Buffer {
+        let mut b = Buffer::new(
+            owner,
+            ptr as usize as *const u8,
+            shape,
+            elem,
+            read_only,
+            None,
+        );
+        b.device = cuda_device(device);
+        b
+    }
+
+    /// Where the memory is, as DLPack names it.
+    pub(crate) fn dl_device(&self) -> DLDevice {
+        self.device
     }
 
     /// A buffer holding a copy of `values`.
@@ -175,11 +216,13 @@ impl Buffer {
             .initialize_as::<M>(Box::new(me))
             .map_err(|e| PyBufferError::new_err(format!("DLPack metadata: {e}")))?;
         init.set_data(self.ptr as *mut std::ffi::c_void)
-            .set_device(DLDevice::CPU)
+            .set_device(self.device)
             .set_dtype(self.elem.dl());
         init.set_flags(self.flags())
             .map_err(|e| PyBufferError::new_err(format!("DLPack flags: {e}")))?;
-        // SAFETY: the data pointer addresses `len` bytes of host memory that stay allocated
+        // SAFETY: the data pointer addresses `len` bytes of memory of `self.device` (host
+        // memory, or device memory of that CUDA device, complete: see `prepare_export`) that
+        // stay allocated
         // while the context (a reference to this `Buffer`, which holds its owner) lives; the
         // shape and compact strides describe exactly those bytes; the flags say read-only
         // where the memory must not be written.
@@ -195,14 +238,21 @@ struct Export<'a> {
 
 impl DlpackExporter for Export<'_> {
     fn device(&self) -> DLDevice {
-        DLDevice::CPU
+        self.buf.device
     }
 
     fn flags(&self) -> DlpackFlags {
         self.buf.flags()
     }
 
-    fn prepare_export(&self, _py: Python<'_>, _request: &ExportRequest<'_>) -> PyResult<()> {
+    /// Device memory is complete when the xccl call that produced it returned (the calls are
+    /// synchronous to the host), so every legal `stream` is honoured without synchronizing:
+    /// the consumer's work on it sees the data. The value is still checked (the array API's
+    /// rules for CUDA: `None`, -1, 1, 2 or a stream pointer; 0 is ambiguous and refused).
+    fn prepare_export(&self, _py: Python<'_>, request: &ExportRequest<'_>) -> PyResult<()> {
+        if self.buf.device.device_type == DLDeviceType::CUDA {
+            request.cuda_stream()?;
+        }
         Ok(())
     }
 
@@ -237,9 +287,20 @@ impl Buffer {
         export_dlpack(&export, py, request)
     }
 
-    /// `(device_type, device_id)` for DLPack: always `(1, 0)`, the CPU.
+    /// `(device_type, device_id)` for DLPack: `(1, 0)` for the CPU, `(2, id)` for CUDA device
+    /// `id`.
     fn __dlpack_device__(&self) -> (u32, i32) {
-        (1, 0)
+        (self.device.device_type.0, self.device.device_id)
+    }
+
+    /// Where the memory is: ``"cpu"`` or ``"cuda:<id>"`` (torch's spelling).
+    #[getter(device)]
+    fn device_name(&self) -> String {
+        if self.device.device_type == DLDeviceType::CPU {
+            "cpu".into()
+        } else {
+            crate::tensor::device_name(self.device)
+        }
     }
 
     /// The shape, as a tuple.
@@ -271,11 +332,22 @@ impl Buffer {
         self.shape.first().map_or(0, |&d| d as usize)
     }
 
-    /// This memory as a numpy array, without a copy (`bfloat16` as `ml_dtypes.bfloat16`).
+    /// This memory as a numpy array, without a copy (`bfloat16` as `ml_dtypes.bfloat16`); host
+    /// memory only (a CUDA buffer: ``torch.from_dlpack(buf)``, or copy it to the host first).
     fn numpy<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let np = py.import("numpy")?;
         let buf = slf.get();
+        if buf.device.device_type != DLDeviceType::CPU {
+            return Err(invalid(
+                py,
+                format!(
+                    "this buffer is device memory ({}); numpy reads host memory only: use \
+                     torch.from_dlpack(buf) (no copy) and .cpu() for a host copy",
+                    buf.device_name()
+                ),
+            ));
+        }
+        let np = py.import("numpy")?;
         if buf.elem == Elem::BF16 {
             let bits = Bound::new(py, buf.reinterpret(py, Elem::U16)?)?;
             let arr = np.call_method1("from_dlpack", (bits,))?;
@@ -299,8 +371,13 @@ impl Buffer {
     }
 
     fn __repr__(&self) -> String {
+        let device = if self.device.device_type == DLDeviceType::CPU {
+            String::new()
+        } else {
+            format!(", device={}", self.device_name())
+        };
         format!(
-            "xccl.Buffer(shape={:?}, dtype={}{})",
+            "xccl.Buffer(shape={:?}, dtype={}{device}{})",
             self.shape,
             self.elem.name(),
             if self.read_only { ", readonly" } else { "" }
@@ -317,15 +394,26 @@ impl Buffer {
             Owner::Host(h) => Owner::Host(h.clone()),
             Owner::Object(o, views) => Owner::Object(o.clone_ref(py), views.clone()),
             Owner::Keep(k) => Owner::Keep(k.clone()),
+            Owner::Device(m) => Owner::Device(m.clone()),
         };
         let shape: Vec<usize> = self.shape.iter().map(|&d| d as usize).collect();
-        Ok(Buffer::new(
+        let mut same = Buffer::new(
             owner,
             self.ptr as *const u8,
             &shape,
             elem,
             self.read_only,
             self.live.clone(),
-        ))
+        );
+        same.device = self.device;
+        Ok(same)
+    }
+}
+
+/// DLPack's name of CUDA device `ordinal`.
+fn cuda_device(ordinal: usize) -> DLDevice {
+    DLDevice {
+        device_type: DLDeviceType::CUDA,
+        device_id: i32::try_from(ordinal).unwrap_or(i32::MAX),
     }
 }

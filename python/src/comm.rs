@@ -14,13 +14,15 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};
 use xccl::bootstrap::{Exchange, LaunchEnv, TcpBootstrap};
-use xccl::{Communicator, DType, ExpertBatch, Role, TokenBatch, Topology};
+use xccl::cuda::{Device, DeviceMemory, DeviceRegion, Stream};
+use xccl::{Communicator, DType, DeviceSliceMut, ExpertBatch, Role, TokenBatch, Topology};
 
 use crate::buffer::{Buffer, HostBytes, Owner};
 use crate::errors::{invalid, panic_message, panicked, to_py};
-use crate::tensor::{expect_rows, topk_ids, Elem, Tensor};
+use crate::tensor::{device_routing, expect_rows, topk_ids, CudaPlace, Elem, Place, Tensor};
 use crate::topo::{parse_role, role_name, seconds, PyConfig, PyTopology};
 
 /// A communicator shared by its Python object and the buffers over its window.
@@ -93,6 +95,8 @@ struct Info {
     max_tokens: usize,
     num_experts: usize,
     keep_int8: bool,
+    /// The GPU of a communicator on the `cuda` fabric, whose memory its tensors are.
+    cuda: Option<Device>,
 }
 
 /// One rank's communicator (`xccl::Communicator`).
@@ -138,7 +142,7 @@ const MAX_SPARES: usize = 4;
 /// Batches returned by dropped [`PyExpertBatch`] and [`PyTokenBatch`] objects.
 #[derive(Default)]
 struct Spares {
-    expert: Mutex<Vec<ExpertBatch>>,
+    expert: Mutex<Vec<ExpertRows>>,
     token: Mutex<Vec<TokenBatch>>,
 }
 
@@ -190,6 +194,7 @@ impl PyComm {
             max_tokens: cfg.max_tokens_per_rank,
             num_experts: topo.num_experts(),
             keep_int8: cfg.keep_int8,
+            cuda: comm.cuda_device().cloned(),
         };
         PyComm {
             abort: comm.abort_handle(),
@@ -588,6 +593,16 @@ fn join(
     match fabric {
         "shm" => Communicator::init_shm(exchange, topo, cfg),
         "ofi" => Communicator::init_ofi(exchange, topo, cfg),
+        "cuda" => {
+            let device = device
+                .map(|d| {
+                    usize::try_from(d).map_err(|_| {
+                        xccl::Error::invalid(format!("device {d} is not a CUDA device ordinal"))
+                    })
+                })
+                .transpose()?;
+            Communicator::init_cuda(exchange, topo, cfg, device)
+        }
         "ascend" => {
             let device = device.unwrap_or_else(|| {
                 std::env::var("LOCAL_RANK")
@@ -598,7 +613,7 @@ fn join(
             Communicator::init_ascend(exchange, topo, cfg, device)
         }
         other => Err(xccl::Error::invalid(format!(
-            "unknown fabric {other:?} (expected \"shm\", \"ofi\" or \"ascend\")"
+            "unknown fabric {other:?} (expected \"shm\", \"ofi\", \"cuda\" or \"ascend\")"
         ))),
     }
 }
@@ -724,7 +739,9 @@ impl PyComm {
     /// ``world_size``. Collective: every rank calls it with the same topology and config.
     ///
     /// ``fabric``: ``"shm"`` (ranks on one host), ``"ofi"`` (libfabric; ``XCCL_OFI_PROVIDER``,
-    /// ``XCCL_OFI_ADDR``) or ``"ascend"`` (NPU ``device``, default ``LOCAL_RANK`` or 0).
+    /// ``XCCL_OFI_ADDR``), ``"cuda"`` (ranks on one host, rows in the memory of CUDA GPU
+    /// ``device``, default ``rank % device count``; the calls then take and return CUDA
+    /// tensors of that device) or ``"ascend"`` (NPU ``device``, default ``LOCAL_RANK`` or 0).
     /// ``role``: this rank's role (``"attention"``/``"expert"``) when the topology's rank order
     /// is not the launcher's: every rank states its own, and the topology is built from the
     /// gathered roles (its counts must match). ``timeout``: seconds to wait for the other ranks
@@ -843,10 +860,20 @@ impl PyComm {
         self.info.local_experts.clone()
     }
 
-    /// The fabric underneath (``"shm"``, ``"ofi"``, ``"ascend"``).
+    /// The fabric underneath (``"shm"``, ``"ofi"``, ``"cuda"``, ``"ascend"``).
     #[getter]
     fn fabric(&self) -> &'static str {
         self.info.fabric
+    }
+
+    /// Where this communicator's tensors live: ``"cpu"``, or ``"cuda:<id>"`` on the ``cuda``
+    /// fabric (torch's spelling: ``torch.device(comm.device)``).
+    #[getter]
+    fn device(&self) -> String {
+        match &self.info.cuda {
+            Some(d) => format!("cuda:{}", d.ordinal()),
+            None => "cpu".into(),
+        }
     }
 
     /// The dtype of rows: ``"f32"``, ``"f16"`` or ``"bf16"``.
@@ -910,7 +937,8 @@ impl PyComm {
     }
 
     /// A2E on an attention rank: sends each token of ``x`` (``[T, hidden]`` of the
-    /// communicator's dtype, C-contiguous, CPU) to the ranks of its experts ``topk_idx``
+    /// communicator's dtype, C-contiguous, CPU; on the ``cuda`` fabric a CUDA tensor of the
+    /// communicator's device, see :attr:`device`) to the ranks of its experts ``topk_idx``
     /// (``[T, topk]``, int32 or int64 (converted exactly), ``-1`` = none) with gating weights
     /// ``topk_weights`` (``[T, topk]``, float32; float16/bfloat16 are widened exactly, float64
     /// is rejected). Every input is checked before anything is sent. Returns the handle for
@@ -918,6 +946,12 @@ impl PyComm {
     /// reaches (:attr:`ExpertBatch.tag`, :attr:`ExpertBatch.tags`), for example a shutdown
     /// flag or a request id. The inputs are read during the call only (do not write them from
     /// another thread meanwhile).
+    ///
+    /// On the ``cuda`` fabric the routing may be on the CPU or on the device (then int32 ids and
+    /// float32 weights, read with one small device-to-host copy). CUDA tensors are taken as a
+    /// DLPack consumer on the current stream (torch's current stream when torch uses CUDA, else
+    /// the legacy default stream): the call runs after the work queued on it and returns with
+    /// the rows sent, so ``x`` may be reused at once.
     #[pyo3(signature = (x, topk_idx, topk_weights, *, tag = 0))]
     fn a2e_send(
         &self,
@@ -928,6 +962,9 @@ impl PyComm {
         tag: u64,
     ) -> PyResult<PyA2eHandle> {
         self.require(py, Role::Attention, "A2E send")?;
+        if let Some(c) = self.cuda_place(py)? {
+            return self.a2e_send_device(py, c, x, topk_idx, topk_weights, tag);
+        }
         let xt = Tensor::import(py, x, "x")?;
         let t = expect_rows(py, &xt, "x", self.elem(), None, self.info.hidden)?;
         let xb = xt.bytes();
@@ -1036,6 +1073,11 @@ impl PyComm {
     /// documents (bitwise reproducible). ``out``: a writable C-contiguous CPU tensor
     /// ``[T, hidden]`` to write into (returned), or ``None`` for a new :class:`Buffer` (yours,
     /// writable). A rejected handle stays valid.
+    ///
+    /// On the ``cuda`` fabric ``out`` is a CUDA tensor of the communicator's device, and the new
+    /// :class:`Buffer` is device memory there (exported as CUDA DLPack, no copy); the rows are
+    /// in place when the call returns (ordered after the current stream's work, see
+    /// :meth:`a2e_send`).
     #[pyo3(signature = (handle, out = None))]
     fn e2a_recv<'py>(
         &self,
@@ -1046,6 +1088,9 @@ impl PyComm {
         self.require(py, Role::Attention, "E2A receive")?;
         let h = &handle.get().handle;
         let (t, hidden) = (h.num_tokens(), self.info.hidden);
+        if let Some(c) = self.cuda_place(py)? {
+            return self.e2a_recv_device(py, c, h, out);
+        }
         match out {
             Some(o) => {
                 let mut ot = Tensor::import(py, o, "out")?;
@@ -1072,17 +1117,34 @@ impl PyComm {
     /// attention ranks live: only a dead peer or one that left the job
     /// (:class:`PeerFailedError` naming it), an abort (:class:`AbortedError`) or Ctrl-C
     /// (``KeyboardInterrupt``) ends it, never :class:`TimeoutError`.
+    ///
+    /// On the ``cuda`` fabric the rows are received into device memory of the communicator's
+    /// device (:attr:`ExpertBatch.rows` is a CUDA :class:`Buffer`), complete when the call
+    /// returns; the metadata stays on the host. Not with ``keep_int8``.
     #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
     fn a2e_recv(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyExpertBatch> {
         let timeout = timeout.checked(py)?;
         let mut batch = recycle(py, &self.recycle.expert, |b| &b.inner)
             .unwrap_or_else(|| Spares::take(&self.spares.expert));
-        self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch)))?;
+        match self.cuda_place(py)? {
+            None => self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch.batch)))?,
+            Some(place) => {
+                let elem = self.elem().size() * self.info.hidden;
+                self.run_on(py, place, |c, device, stream| {
+                    timeout.apply(c, |c| {
+                        let need = c.max_expert_rows() * elem;
+                        let (b, rows) = batch.device_rows(device, need)?;
+                        c.a2e_recv_device(b, rows, stream)
+                    })
+                })?
+            }
+        }
         Ok(PyExpertBatch {
             inner: Held::new(batch),
             spares: self.spares.clone(),
             elem: self.elem(),
             keep_int8: self.info.keep_int8,
+            device: self.info.cuda.as_ref().map(Device::ordinal),
         })
     }
 
@@ -1091,6 +1153,7 @@ impl PyComm {
     /// (``None``: no deadline while the peers live).
     #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
     fn a2e_recv_tokens(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyTokenBatch> {
+        self.host_only(py, "a2e_recv_tokens (token-major)", "a2e_recv")?;
         let timeout = timeout.checked(py)?;
         let mut batch = recycle(py, &self.recycle.token, |b| &b.inner)
             .unwrap_or_else(|| Spares::take(&self.spares.token));
@@ -1110,7 +1173,8 @@ impl PyComm {
     /// E2A on an expert rank, expert-major: ``expert_out`` holds one output row per row of
     /// ``batch`` (``[batch.num_rows, hidden]`` of the dtype, same order); each token's rows are
     /// reduced with its gating weights (f32, ascending local expert, rounded once) and sent
-    /// back to its attention rank.
+    /// back to its attention rank. On the ``cuda`` fabric ``expert_out`` is a CUDA tensor of
+    /// the communicator's device, read after the current stream's work (see :meth:`a2e_send`).
     fn e2a_send(
         &self,
         py: Python<'_>,
@@ -1119,8 +1183,11 @@ impl PyComm {
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
         let held = &batch.get().inner;
-        let b = &*held.get(py)?;
-        let ot = Tensor::import(py, expert_out, "expert_out")?;
+        let guard = held.get(py)?;
+        let b = &guard.batch;
+        let cuda = self.cuda_place(py)?;
+        let place = cuda.map_or(Place::HOST, Place::cuda);
+        let ot = Tensor::import_at(py, expert_out, "expert_out", &place)?;
         expect_rows(
             py,
             &ot,
@@ -1129,20 +1196,13 @@ impl PyComm {
             Some(b.num_rows()),
             self.info.hidden,
         )?;
-        match self.info.dtype {
-            DType::F32 => {
-                let s = ot.elements::<f32>();
-                self.run(py, |c| c.e2a_send(b, &s))
-            }
-            DType::F16 => {
-                let s = ot.elements::<f16>();
-                self.run(py, |c| c.e2a_send(b, &s))
-            }
-            DType::BF16 => {
-                let s = ot.elements::<bf16>();
-                self.run(py, |c| c.e2a_send(b, &s))
-            }
+        match (cuda, ot.device_slice()) {
+            (Some(c), Some(out)) => self.run_on(py, c, |comm, _, stream| {
+                comm.e2a_send_device(b, out, stream)
+            }),
+            _ => self.e2a_send_host(py, b, &ot),
         }?;
+        drop(guard);
         held.set_replied();
         *self
             .recycle
@@ -1162,6 +1222,7 @@ impl PyComm {
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
+        self.host_only(py, "e2a_send_tokens (token-major)", "e2a_send")?;
         let held = &batch.get().inner;
         let b = &*held.get(py)?;
         let rt = Tensor::import(py, reduced, "reduced")?;
@@ -1333,6 +1394,156 @@ impl PyComm {
 }
 
 impl PyComm {
+    /// On a `cuda` communicator: its device and the stream its next call orders after
+    /// ([`consumer_stream`]); `None` on other fabrics.
+    fn cuda_place(&self, py: Python<'_>) -> PyResult<Option<CudaPlace>> {
+        let Some(device) = &self.info.cuda else {
+            return Ok(None);
+        };
+        let device = device.ordinal();
+        Ok(Some(CudaPlace {
+            device,
+            stream: consumer_stream(py, device)?,
+        }))
+    }
+
+    /// [`PyComm::run`] of a device call: `f` gets the communicator's device and the call's
+    /// stream (`place.stream`, borrowed).
+    fn run_on<R: Send>(
+        &self,
+        py: Python<'_>,
+        place: CudaPlace,
+        f: impl FnOnce(&mut Communicator, &Device, &Stream) -> xccl::Result<R> + Send,
+    ) -> PyResult<R> {
+        let Some(device) = self.info.cuda.clone() else {
+            return Err(invalid(py, "not a communicator on the cuda fabric"));
+        };
+        self.run(py, move |c| {
+            // SAFETY: `place.stream` is 0 (the legacy default stream) or torch's current stream
+            // of this device (`consumer_stream`), a stream of the device's primary context,
+            // which torch keeps alive while it is current; it is used for this call only.
+            let stream = unsafe { Stream::borrowed(&device, place.stream) };
+            f(c, &device, &stream)
+        })
+    }
+
+    /// Fails on a `cuda` communicator: `call` has no device variant (`instead` has).
+    fn host_only(&self, py: Python<'_>, call: &str, instead: &str) -> PyResult<()> {
+        match &self.info.cuda {
+            None => Ok(()),
+            Some(d) => Err(invalid(
+                py,
+                format!(
+                    "{call} is not available on the cuda fabric (rows on cuda:{}): use {instead}",
+                    d.ordinal()
+                ),
+            )),
+        }
+    }
+
+    /// `a2e_send` on a `cuda` communicator: `x` on its device, the routing on the CPU or there.
+    fn a2e_send_device(
+        &self,
+        py: Python<'_>,
+        c: CudaPlace,
+        x: &Bound<'_, PyAny>,
+        topk_idx: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+        tag: u64,
+    ) -> PyResult<PyA2eHandle> {
+        let (hidden, topk) = (self.info.hidden, self.info.topk);
+        let xt = Tensor::import_at(py, x, "x", &Place::cuda(c))?;
+        let t = expect_rows(py, &xt, "x", self.elem(), None, hidden)?;
+        let routing = Place::host_or(c);
+        let it = Tensor::import_at(py, topk_idx, "topk_idx", &routing)?;
+        let wt = Tensor::import_at(py, topk_weights, "topk_weights", &routing)?;
+        let Some(xs) = xt.device_slice() else {
+            return Err(invalid(py, "x is not device memory"));
+        };
+        let on_host;
+        let routing = if it.is_host() && wt.is_host() {
+            on_host = (
+                topk_ids(py, &it, t, topk, self.info.num_experts)?,
+                crate::tensor::topk_weights(py, &wt, t, topk)?,
+            );
+            xccl::Routing::Host {
+                topk_idx: &on_host.0,
+                topk_weights: &on_host.1,
+            }
+        } else {
+            device_routing(py, &it, &wt, t, topk)?
+        };
+        let handle = self.run_on(py, c, |comm, _, stream| {
+            comm.set_next_a2e_tag(tag);
+            comm.a2e_send_device(xs, routing, stream)
+        })?;
+        Ok(PyA2eHandle { handle })
+    }
+
+    /// `e2a_recv` on a `cuda` communicator: into `out` (a CUDA tensor of its device), or into
+    /// new device memory returned as a CUDA [`Buffer`].
+    fn e2a_recv_device(
+        &self,
+        py: Python<'_>,
+        c: CudaPlace,
+        h: &xccl::A2eHandle,
+        out: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let (t, hidden) = (h.num_tokens(), self.info.hidden);
+        if let Some(o) = out {
+            let mut ot = Tensor::import_at(py, o, "out", &Place::cuda(c))?;
+            expect_rows(py, &ot, "out", self.elem(), Some(t), hidden)?;
+            let Some(os) = ot.device_slice_mut(py, "out")? else {
+                return Err(invalid(py, "out is not device memory"));
+            };
+            self.run_on(py, c, |comm, _, stream| comm.e2a_recv_device(h, os, stream))?;
+            return Ok(o.clone().unbind());
+        }
+        let len = t * hidden * self.info.dtype.size();
+        let memory = self.run_on(py, c, |comm, device, stream| {
+            let mut memory = match len {
+                0 => None,
+                _ => Some(DeviceMemory::alloc(device, len, || {
+                    "the result of e2a_recv".into()
+                })?),
+            };
+            let out = match memory.as_mut() {
+                Some(m) => m.as_slice_mut(),
+                // SAFETY: an empty slice addresses nothing.
+                None => unsafe { DeviceSliceMut::from_raw(0, 0, device.ordinal()) },
+            };
+            comm.e2a_recv_device(h, out, stream)?;
+            Ok(memory)
+        })?;
+        let (owner, ptr) = match memory {
+            Some(m) => {
+                let ptr = m.ptr().addr();
+                (Owner::Device(Arc::new(m)), ptr)
+            }
+            None => (Owner::Host(Arc::new(HostBytes::zeroed(0))), 0),
+        };
+        let buf = Buffer::on_device(owner, ptr, c.device, &[t, hidden], self.elem(), false);
+        Ok(Bound::new(py, buf)?.into_any().unbind())
+    }
+
+    /// `e2a_send` of host rows `ot` (`[batch.num_rows(), hidden]` of the dtype, checked).
+    fn e2a_send_host(&self, py: Python<'_>, b: &ExpertBatch, ot: &Tensor<'_>) -> PyResult<()> {
+        match self.info.dtype {
+            DType::F32 => {
+                let s = ot.elements::<f32>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::F16 => {
+                let s = ot.elements::<f16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+            DType::BF16 => {
+                let s = ot.elements::<bf16>();
+                self.run(py, |c| c.e2a_send(b, &s))
+            }
+        }
+    }
+
     /// Fails with `WrongRoleError` unless this rank has role `need` (checked before the
     /// tensors, so a call on the wrong rank says so first).
     fn require(&self, py: Python<'_>, need: Role, call: &str) -> PyResult<()> {
@@ -1404,6 +1615,60 @@ impl PyA2eHandle {
             self.handle.epoch(),
             self.handle.num_tokens()
         )
+    }
+}
+
+/// The raw `CUstream` a call on CUDA device `device` orders after: `xccl._cuda.current_stream`
+/// (torch's current stream when torch has initialised CUDA, else 0, the legacy default stream).
+fn consumer_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
+    static MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let module = MODULE.get_or_try_init(py, || py.import("xccl._cuda").map(Bound::unbind))?;
+    module
+        .bind(py)
+        .getattr(pyo3::intern!(py, "current_stream"))?
+        .call1((device,))?
+        .extract::<u64>()
+        .map_err(|_| invalid(py, "xccl._cuda.current_stream returned no stream handle"))
+}
+
+/// An expert batch and, on a `cuda` communicator, the device memory its rows were received
+/// into: recycled and kept as spares together, so that steady-state receives reuse both.
+#[derive(Default)]
+struct ExpertRows {
+    batch: ExpertBatch,
+    device: Option<DeviceMemory>,
+}
+
+impl std::ops::Deref for ExpertRows {
+    type Target = ExpertBatch;
+
+    fn deref(&self) -> &ExpertBatch {
+        &self.batch
+    }
+}
+
+impl ExpertRows {
+    /// The batch, and at least `need` bytes of device memory of `device` for its rows (the
+    /// memory it has when large enough, else a new allocation).
+    fn device_rows(
+        &mut self,
+        device: &Device,
+        need: usize,
+    ) -> xccl::Result<(&mut ExpertBatch, DeviceSliceMut<'_>)> {
+        let fits = |m: &DeviceMemory| m.len() >= need && m.device().ordinal() == device.ordinal();
+        if need > 0 && !self.device.as_ref().is_some_and(fits) {
+            // The old allocation goes first: both need not fit at once.
+            self.device = None;
+            self.device = Some(DeviceMemory::alloc(device, need, || {
+                "the rows of an expert-major receive".into()
+            })?);
+        }
+        let rows = match self.device.as_mut() {
+            Some(m) if need > 0 => m.as_slice_mut(),
+            // SAFETY: an empty slice addresses nothing.
+            _ => unsafe { DeviceSliceMut::from_raw(0, 0, device.ordinal()) },
+        };
+        Ok((&mut self.batch, rows))
     }
 }
 
@@ -1558,11 +1823,13 @@ where
 /// naming this rank and the epoch: the attention ranks would otherwise wait out their timeout.
 #[pyclass(frozen, module = "xccl", name = "ExpertBatch")]
 pub struct PyExpertBatch {
-    inner: Held<ExpertBatch>,
+    inner: Held<ExpertRows>,
     /// Where the batch's memory goes once Python drops it (after every buffer viewing it).
     spares: Arc<Spares>,
     elem: Elem,
     keep_int8: bool,
+    /// The CUDA device whose memory holds the rows (a `cuda` communicator's batch).
+    device: Option<usize>,
 }
 
 impl Drop for PyExpertBatch {
@@ -1629,11 +1896,22 @@ impl PyExpertBatch {
     }
 
     /// The rows, ``[num_rows, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
-    /// with ``keep_int8``: see :attr:`int8_rows`).
+    /// with ``keep_int8``: see :attr:`int8_rows`). On the ``cuda`` fabric a CUDA
+    /// :class:`Buffer`: a view of the device memory the rows were received into.
     #[getter]
     fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
         let inner = b.inner.get(slf.py())?;
+        if let Some(device) = b.device {
+            let rows = inner.num_rows();
+            let ptr = match &inner.device {
+                Some(m) if rows > 0 => m.ptr().addr(),
+                _ => 0,
+            };
+            let owner = Owner::Object(slf.as_any().clone().unbind(), b.inner.views.clone());
+            let shape = [rows, inner.hidden()];
+            return Ok(Buffer::on_device(owner, ptr, device, &shape, b.elem, true));
+        }
         let bytes = inner.row_bytes();
         let rows = bytes.len() / (inner.hidden().max(1) * b.elem.size());
         Ok(batch_view(

@@ -8,7 +8,7 @@
 //! | [`buffer`] | tensors out: `Buffer`, exported through DLPack without a copy |
 //! | [`topo`] | `Topology`, `Config`, `UniqueId` |
 //! | [`comm`] | `Communicator` and what its calls hand back |
-//! | `testing` | fault injection for the package's tests (`_inject_panic`) |
+//! | `testing` | support for the package's tests: fault injection (`_inject_panic`), CUDA tensors made and read back with xccl's CUDA layer (`_to_device`, `_to_host`, `_new_stream`) |
 //!
 //! Logging: the library's `tracing` events reach Python's `logging` (loggers `xccl.*`)
 //! through the `log` crate and pyo3-log, at the level `XCCL_DEBUG` names (default `warn`).
@@ -60,5 +60,8 @@ fn _xccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::PyExpertBatch>()?;
     m.add_class::<comm::PyTokenBatch>()?;
     m.add_function(wrap_pyfunction!(testing::_inject_panic, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_to_device, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_to_host, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::_new_stream, m)?)?;
     Ok(())
 }

@@ -1,7 +1,9 @@
-//! Tensors in: any object with `__dlpack__` (torch CPU tensors, numpy >= 1.22, JAX CPU arrays),
+//! Tensors in: any object with `__dlpack__` (torch tensors, numpy >= 1.22, JAX arrays, CuPy),
 //! numpy arrays of `ml_dtypes.bfloat16`, and (through numpy) any object with the buffer
-//! protocol. `Tensor::import` checks the device and the layout; the `expect_*` functions
-//! check dtype and shape against what a call needs, before anything is sent.
+//! protocol. `Tensor::import_at` checks the device against where the call takes its tensors
+//! ([`Place`]: host memory, or the CUDA device of a `cuda` communicator, whose producers are
+//! asked to make their data ready on the call's stream) and the layout; the `expect_*`
+//! functions check dtype and shape against what a call needs, before anything is sent.
 
 use std::borrow::Cow;
 
@@ -10,12 +12,13 @@ use dlpark::ffi::{
     DLPACK_MINOR_VERSION,
 };
 use dlpark::python::consumer::exchange::ExchangeApi;
-use dlpark::python::{ImportRequest, ImportedDlpack};
+use dlpark::python::consumer::stream;
+use dlpark::python::{DlpackStream, ImportRequest, ImportedDlpack, StreamArg};
 use dlpark::{DlpackFlags, Managed, TensorRef};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyString, PyType};
+use pyo3::types::{PyCapsule, PyDict, PyString, PyType};
 
 use crate::buffer::Buffer;
 use crate::errors::invalid;
@@ -135,7 +138,7 @@ impl Elem {
 }
 
 /// The name of a DLPack device, as frameworks print it (`"cuda:0"`).
-fn device_name(d: DLDevice) -> String {
+pub(crate) fn device_name(d: DLDevice) -> String {
     let kind = match d.device_type.0 {
         1 => "cpu",
         2 => "cuda",
@@ -161,6 +164,87 @@ fn device_name(d: DLDevice) -> String {
 /// pinned host memory of CUDA or ROCm.
 fn host_accessible(d: DLDevice) -> bool {
     d.device_type == DLDeviceType::CPU || matches!(d.device_type.0, 3 | 11)
+}
+
+/// The CUDA device of a `cuda` communicator and the stream its next call orders after.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CudaPlace {
+    /// The device ordinal (DLPack's `device_id` of `kDLCUDA`).
+    pub(crate) device: usize,
+    /// The raw `CUstream` the call orders after (0: the legacy default stream): producers are
+    /// asked to make their data ready on it (`__dlpack__(stream=...)`).
+    pub(crate) stream: u64,
+}
+
+/// Where a call takes a tensor: host memory, memory of a communicator's CUDA device, or either
+/// (the routing of a call on a `cuda` communicator).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Place {
+    /// Host memory (the CPU, pinned host memory) is taken.
+    pub(crate) host: bool,
+    /// Memory of this CUDA device is taken.
+    pub(crate) cuda: Option<CudaPlace>,
+}
+
+impl Place {
+    /// Host memory only (every communicator but a `cuda` one).
+    pub(crate) const HOST: Place = Place {
+        host: true,
+        cuda: None,
+    };
+
+    /// Device memory of `c` only.
+    pub(crate) fn cuda(c: CudaPlace) -> Place {
+        Place {
+            host: false,
+            cuda: Some(c),
+        }
+    }
+
+    /// Host memory or device memory of `c`.
+    pub(crate) fn host_or(c: CudaPlace) -> Place {
+        Place {
+            host: true,
+            cuda: Some(c),
+        }
+    }
+
+    /// The consumer stream for a producer on `device`, when it is the CUDA device taken.
+    fn stream_for(&self, device: DLDevice) -> Option<ConsumerStream> {
+        self.cuda
+            .filter(|c| is_cuda_device(device, c.device))
+            .map(|c| ConsumerStream(c.stream))
+    }
+}
+
+/// Whether `d` is CUDA device `ordinal` (`kDLCUDA`).
+fn is_cuda_device(d: DLDevice, ordinal: usize) -> bool {
+    d.device_type == DLDeviceType::CUDA && usize::try_from(d.device_id).ok() == Some(ordinal)
+}
+
+/// The stream a call on a `cuda` communicator orders after, as a DLPack consumer: producers
+/// are asked (`__dlpack__(stream=...)`) to make their data ready on it; a producer whose C
+/// exchange API (torch) reports that very stream as its current one is taken without a
+/// Python call.
+struct ConsumerStream(u64);
+
+// SAFETY: the value is the raw `CUstream` a call on the communicator's device orders after
+// (torch's current stream of that device, or 0, the legacy default stream, sent as DLPack's
+// sentinel 1), live for the call; it is offered only for producers on that CUDA device.
+unsafe impl DlpackStream for ConsumerStream {
+    fn as_python_arg(&self, _py: Python<'_>, _device: DLDevice) -> PyResult<StreamArg> {
+        Ok(stream::cuda(self.0 as usize as *mut std::ffi::c_void))
+    }
+
+    unsafe fn wait_for_producer(
+        &self,
+        _device: DLDevice,
+        producer: *mut std::ffi::c_void,
+    ) -> PyResult<bool> {
+        // The data is ready on the producer's current stream: taken as is when that is the
+        // call's stream, else through `__dlpack__(stream=...)`, which orders it.
+        Ok(producer as usize as u64 == self.0)
+    }
 }
 
 /// Dimensions kept inline up to this many (every tensor xccl takes has 1 or 2).
@@ -212,8 +296,8 @@ enum Owner<'py> {
 
 /// A tensor handed in by the caller: an owning reference to its memory ([`Owner`]), the device
 /// it lives on (type and id, as DLPack names them), its data pointer, shape and dtype, and
-/// whether the producer marked it read-only. Only host memory is taken ([`accept_device`]:
-/// anything else is refused naming its device), C-contiguous.
+/// whether the producer marked it read-only. Only memory of the call's [`Place`] is taken
+/// ([`accept_device`]: anything else is refused naming both devices), C-contiguous.
 ///
 /// Imported by the fastest exact path its type has: an `xccl.Buffer` directly; a producer with
 /// the DLPack C exchange API (torch) through a managed tensor, with no capsule and no Python
@@ -223,7 +307,6 @@ enum Owner<'py> {
 pub(crate) struct Tensor<'py> {
     _owner: Owner<'py>,
     /// Where the memory is (checked by [`accept_device`]).
-    #[allow(dead_code)]
     device: DLDevice,
     /// Start of the data (byte offset applied); null only when the tensor is empty.
     ptr: *mut u8,
@@ -243,10 +326,16 @@ struct Layout {
 }
 
 impl Layout {
-    /// Checks `t` and reads its layout; `bf16` says its 16-bit unsigned elements are bfloat16
-    /// bits (a numpy `ml_dtypes.bfloat16` array seen as `uint16`).
-    fn of(py: Python<'_>, t: &TensorRef<'_>, what: &str, bf16: bool) -> PyResult<Layout> {
-        accept_device(py, t.device(), what)?;
+    /// Checks `t` (memory of `place`) and reads its layout; `bf16` says its 16-bit unsigned
+    /// elements are bfloat16 bits (a numpy `ml_dtypes.bfloat16` array seen as `uint16`).
+    fn of(
+        py: Python<'_>,
+        t: &TensorRef<'_>,
+        what: &str,
+        place: &Place,
+        bf16: bool,
+    ) -> PyResult<Layout> {
+        accept_device(py, t.device(), what, place)?;
         let mut elem = Elem::of(t.dtype());
         if bf16 && elem == Elem::U16 {
             elem = Elem::BF16;
@@ -296,7 +385,8 @@ impl Layout {
 }
 
 impl<'py> Tensor<'py> {
-    /// Imports `obj` (`what` names it in errors: `"x"`, `"topk_idx"`...).
+    /// Imports `obj` (`what` names it in errors: `"x"`, `"topk_idx"`...), a tensor in host
+    /// memory.
     ///
     /// Errors ([`crate::errors`]' `InvalidArgumentError`): no `__dlpack__` and no buffer protocol,
     /// a device the CPU cannot address (named), a non-C-contiguous layout.
@@ -305,21 +395,38 @@ impl<'py> Tensor<'py> {
         obj: &Bound<'py, PyAny>,
         what: &str,
     ) -> PyResult<Tensor<'py>> {
+        Tensor::import_at(py, obj, what, &Place::HOST)
+    }
+
+    /// Imports `obj`, a tensor in memory of `place`: a producer on the CUDA device of `place`
+    /// is asked to make its data ready on the call's stream (the consumer side of DLPack's
+    /// stream protocol). Errors as [`Tensor::import`]; a tensor elsewhere names both devices.
+    pub(crate) fn import_at(
+        py: Python<'py>,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+        place: &Place,
+    ) -> PyResult<Tensor<'py>> {
         if let Ok(buf) = obj.cast_exact::<Buffer>() {
-            return Tensor::of_buffer(py, buf, what);
+            return Tensor::of_buffer(py, buf, what, place);
         }
         if is_ndarray(py, obj) {
-            if let Some(t) = Tensor::numpy(py, obj, what)? {
+            if let Some(t) = Tensor::numpy(py, obj, what, place)? {
                 return Ok(t);
             }
-        } else if let Some(t) = Tensor::exchange(py, obj, what)? {
+        } else if let Some(t) = Tensor::exchange(py, obj, what, place)? {
             return Ok(t);
         }
-        Tensor::negotiated(py, obj, what)
+        Tensor::negotiated(py, obj, what, place)
     }
 
     /// An `xccl.Buffer`: its memory directly (its owner stays alive while `buf` is held).
-    fn of_buffer(py: Python<'py>, buf: &Bound<'py, Buffer>, what: &str) -> PyResult<Tensor<'py>> {
+    fn of_buffer(
+        py: Python<'py>,
+        buf: &Bound<'py, Buffer>,
+        what: &str,
+        place: &Place,
+    ) -> PyResult<Tensor<'py>> {
         let b = buf.get();
         b.check_live(py).map_err(|e| {
             invalid(
@@ -331,9 +438,11 @@ impl<'py> Tensor<'py> {
             )
         })?;
         let (ptr, len_bytes, dims, elem, read_only) = b.raw();
+        let device = b.dl_device();
+        accept_device(py, device, what, place)?;
         Ok(Tensor {
             _owner: Owner::Buffer(buf.clone()),
-            device: DLDevice::CPU,
+            device,
             ptr: if len_bytes == 0 {
                 std::ptr::null_mut()
             } else {
@@ -349,10 +458,15 @@ impl<'py> Tensor<'py> {
     /// A producer with the DLPack C exchange API (torch): a managed tensor of a fresh alias of
     /// `obj` (`obj.detach()`: the same storage, but an object no one else can give other
     /// storage), with no capsule. `None` when `obj`'s type has no such API.
+    ///
+    /// A CUDA tensor is ready on the producer's current stream, which the exchange API reports:
+    /// taken here when that is the call's stream, else imported through `__dlpack__(stream=)`
+    /// (the producer orders the call's stream after its work).
     fn exchange(
         py: Python<'py>,
         obj: &Bound<'py, PyAny>,
         what: &str,
+        place: &Place,
     ) -> PyResult<Option<Tensor<'py>>> {
         let Ok(Some(api)) = ExchangeApi::from_object(obj.as_borrowed()) else {
             return Ok(None);
@@ -364,13 +478,19 @@ impl<'py> Tensor<'py> {
         };
         let imported = api
             .import_managed_no_sync(alias.as_borrowed())
-            .map_err(|e| export_failed(py, obj, what, &e))?;
-        let (managed, _stream) = imported.into_parts();
+            .map_err(|e| export_failed(py, obj, what, place, &e))?;
+        let (managed, producer) = imported.into_parts();
         let read_only = managed.flags().contains(DlpackFlags::READ_ONLY);
         let t = managed
             .validate()
             .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
-        let layout = Layout::of(py, &t, what, false)?;
+        if let Some(consumer) = place.stream_for(t.device()) {
+            if producer as usize as u64 != consumer.0 {
+                drop(managed);
+                return Tensor::negotiated(py, &alias, what, place).map(Some);
+            }
+        }
+        let layout = Layout::of(py, &t, what, place, false)?;
         Ok(Some(Tensor::with(
             Owner::Exchange(managed),
             layout,
@@ -385,6 +505,7 @@ impl<'py> Tensor<'py> {
         py: Python<'py>,
         obj: &Bound<'py, PyAny>,
         what: &str,
+        place: &Place,
     ) -> PyResult<Option<Tensor<'py>>> {
         static KWARGS: PyOnceLock<Py<PyDict>> = PyOnceLock::new();
         let kwargs = KWARGS.get_or_try_init(py, || -> PyResult<Py<PyDict>> {
@@ -398,24 +519,33 @@ impl<'py> Tensor<'py> {
         };
         let managed = ImportRequest::new(capsule.as_borrowed())
             .and_then(|req| req.import(None, None))
-            .map_err(|e| export_failed(py, obj, what, &e))?;
-        Tensor::managed(py, managed, what, false).map(Some)
+            .map_err(|e| export_failed(py, obj, what, place, &e))?;
+        Tensor::managed(py, managed, what, place, false).map(Some)
     }
 
     /// Any other producer: dlpark's negotiated import (C exchange API, `__dlpack_device__` and
-    /// `__dlpack__`, legacy `__dlpack__`), after [`prepare`].
-    fn negotiated(py: Python<'py>, obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Tensor<'py>> {
-        let (obj, bf16) = prepare(py, obj, what)?;
-        let req =
-            ImportRequest::new(obj.as_borrowed()).map_err(|e| export_failed(py, &obj, what, &e))?;
+    /// `__dlpack__`, legacy `__dlpack__`), after [`prepare`]. A producer on the CUDA device
+    /// of `place` gets the call's stream (`__dlpack__(stream=...)`).
+    fn negotiated(
+        py: Python<'py>,
+        obj: &Bound<'py, PyAny>,
+        what: &str,
+        place: &Place,
+    ) -> PyResult<Tensor<'py>> {
+        let (obj, bf16) = prepare(py, obj, what, place)?;
+        let req = ImportRequest::new(obj.as_borrowed())
+            .map_err(|e| export_failed(py, &obj, what, place, &e))?;
         // Capsules and legacy producers name no device before the import (checked after it).
+        let mut consumer = None;
         if let Ok(device) = req.device() {
-            accept_device(py, device, what)?;
+            accept_device(py, device, what, place)?;
+            consumer = place.stream_for(device);
         }
+        let stream = consumer.as_ref().map(|c| c as &dyn DlpackStream);
         let managed = req
-            .import(None, None)
-            .map_err(|e| export_failed(py, &obj, what, &e))?;
-        Tensor::managed(py, managed, what, bf16)
+            .import(stream, None)
+            .map_err(|e| export_failed(py, &obj, what, place, &e))?;
+        Tensor::managed(py, managed, what, place, bf16)
     }
 
     /// A checked tensor over an owning import.
@@ -423,13 +553,14 @@ impl<'py> Tensor<'py> {
         py: Python<'py>,
         managed: ImportedDlpack,
         what: &str,
+        place: &Place,
         bf16: bool,
     ) -> PyResult<Tensor<'py>> {
         let read_only = managed.flags().contains(DlpackFlags::READ_ONLY);
         let t = managed
             .validate()
             .map_err(|e| invalid(py, format!("{what}: invalid DLPack tensor: {e}")))?;
-        let layout = Layout::of(py, &t, what, bf16)?;
+        let layout = Layout::of(py, &t, what, place, bf16)?;
         Ok(Tensor::with(Owner::Capsule(managed), layout, read_only))
     }
 
@@ -455,9 +586,57 @@ impl<'py> Tensor<'py> {
         self.elem
     }
 
-    /// The data, read-only.
+    /// Whether the memory is host memory (else: device memory of the call's CUDA device).
+    pub(crate) fn is_host(&self) -> bool {
+        host_accessible(self.device)
+    }
+
+    /// The memory as a [`xccl::DeviceSlice`] of its CUDA device (to lend to one device call);
+    /// `None` for host memory.
+    pub(crate) fn device_slice(&self) -> Option<xccl::DeviceSlice<'_>> {
+        let ordinal = self.cuda_ordinal()?;
+        // SAFETY: `ptr..ptr+len_bytes` is this C-contiguous tensor's memory on CUDA device
+        // `ordinal` (device and layout checked at import), kept allocated by `self._owner` for
+        // the borrow of `self`; the call that gets the slice reads it only (the caller must not
+        // write it meanwhile, documented on every call), and checks the range with the driver
+        // (`Device::device_pointer`) before using it.
+        Some(unsafe { xccl::DeviceSlice::from_raw(self.ptr as u64, self.len_bytes, ordinal) })
+    }
+
+    /// The memory as a writable [`xccl::DeviceSliceMut`] of its CUDA device; `None` for host
+    /// memory; fails for a producer that marked it read-only.
+    pub(crate) fn device_slice_mut(
+        &mut self,
+        py: Python<'_>,
+        what: &str,
+    ) -> PyResult<Option<xccl::DeviceSliceMut<'_>>> {
+        let Some(ordinal) = self.cuda_ordinal() else {
+            return Ok(None);
+        };
+        if self.read_only {
+            return Err(invalid(
+                py,
+                format!("{what} is read-only; pass a writable tensor"),
+            ));
+        }
+        // SAFETY: as in `device_slice`; the producer did not mark the memory read-only and
+        // `&mut self` makes this the only borrow of it through this value (the caller must not
+        // touch the tensor while the call writes it, documented on every call).
+        Ok(Some(unsafe {
+            xccl::DeviceSliceMut::from_raw(self.ptr as u64, self.len_bytes, ordinal)
+        }))
+    }
+
+    /// The ordinal of the CUDA device the memory is on; `None` for host memory.
+    fn cuda_ordinal(&self) -> Option<usize> {
+        (self.device.device_type == DLDeviceType::CUDA)
+            .then(|| usize::try_from(self.device.device_id).ok())
+            .flatten()
+    }
+
+    /// The data, read-only (host memory; empty for device memory, which the host never reads).
     pub(crate) fn bytes(&self) -> &[u8] {
-        if self.len_bytes == 0 {
+        if self.len_bytes == 0 || !self.is_host() {
             return &[];
         }
         // SAFETY: `ptr` is the start of this C-contiguous tensor's `len_bytes` bytes of host
@@ -484,7 +663,7 @@ impl<'py> Tensor<'py> {
                 format!("{what} is read-only; pass a writable tensor"),
             ));
         }
-        if self.len_bytes == 0 {
+        if self.len_bytes == 0 || !self.is_host() {
             return Ok(&mut []);
         }
         // SAFETY: as in `bytes`; the producer did not mark the memory read-only, and `&mut
@@ -524,37 +703,62 @@ fn is_ndarray(py: Python<'_>, obj: &Bound<'_, PyAny>) -> bool {
     }
 }
 
-/// Accepts a tensor on `device` or refuses it, naming the device: host memory only (the CPU,
-/// and pinned host memory of CUDA or ROCm, which the CPU addresses directly).
-fn accept_device(py: Python<'_>, device: DLDevice, what: &str) -> PyResult<()> {
-    if host_accessible(device) {
+/// Accepts a tensor on `device` or refuses it, naming both devices: host memory (the CPU, and
+/// pinned host memory of CUDA or ROCm, which the CPU addresses directly) where `place` takes
+/// it, memory of the CUDA device of `place`.
+fn accept_device(py: Python<'_>, device: DLDevice, what: &str, place: &Place) -> PyResult<()> {
+    if place.host && host_accessible(device) {
         return Ok(());
     }
-    Err(not_on_cpu(py, what, &device_name(device)))
+    if place.cuda.is_some_and(|c| is_cuda_device(device, c.device)) {
+        return Ok(());
+    }
+    Err(wrong_device(py, what, &device_name(device), place))
 }
 
-/// The error for a tensor on `device` (named as its framework prints it).
-fn not_on_cpu(py: Python<'_>, what: &str, device: &str) -> PyErr {
-    invalid(
-        py,
-        format!(
-            "{what} is on {device}; xccl's communicator here takes CPU tensors (move it with \
-             .cpu())"
+/// The error for a tensor on `device` (named as its framework prints it) where `place` takes
+/// none.
+fn wrong_device(py: Python<'_>, what: &str, device: &str, place: &Place) -> PyErr {
+    let fix = match place.cuda {
+        None => "xccl's communicator here takes CPU tensors (move it with .cpu(), or build the \
+                 communicator with fabric=\"cuda\" for CUDA tensors)"
+            .to_string(),
+        Some(c) if place.host => format!(
+            "this call takes tensors on the CPU or on the communicator's device, cuda:{} (move \
+             it with .to(\"cuda:{}\"))",
+            c.device, c.device
         ),
-    )
+        Some(c) => format!(
+            "this communicator (cuda fabric) takes tensors on its device, cuda:{} (move it with \
+             .to(\"cuda:{}\"))",
+            c.device, c.device
+        ),
+    };
+    invalid(py, format!("{what} is on {device}; {fix}"))
 }
 
 /// The error for a producer whose DLPack export of `obj` failed with `e`: when `obj` says it is
-/// on a device other than the CPU (torch's `meta`, which DLPack cannot name), that device;
+/// on a device the call does not take (torch's `meta`, which DLPack cannot name), that device;
 /// else the first line of the producer's message (never a C++ stack trace that follows it).
-fn export_failed(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str, e: &PyErr) -> PyErr {
+fn export_failed(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    place: &Place,
+    e: &PyErr,
+) -> PyErr {
     let device = obj
         .getattr(intern!(py, "device"))
         .and_then(|d| d.str())
         .map(|d| d.to_string_lossy().into_owned());
     if let Ok(device) = device {
-        if device != "cpu" && !device.starts_with("cpu:") {
-            return not_on_cpu(py, what, &device);
+        let cpu = device == "cpu" || device.starts_with("cpu:");
+        let mine = place
+            .cuda
+            .is_some_and(|c| device == format!("cuda:{}", c.device));
+        let taken = mine || (cpu && place.host);
+        if !taken {
+            return wrong_device(py, what, &device, place);
         }
     }
     let message = e
@@ -573,6 +777,7 @@ fn prepare<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
     what: &str,
+    place: &Place,
 ) -> PyResult<(Bound<'py, PyAny>, bool)> {
     let is_numpy = obj
         .get_type()
@@ -588,10 +793,14 @@ fn prepare<'py>(
             }
         }
     }
-    if obj.hasattr("__dlpack__")? {
+    // A producer, or a capsule one made (`x.__dlpack__()`), consumed here.
+    if obj.hasattr("__dlpack__")? || obj.cast::<PyCapsule>().is_ok() {
         return Ok((obj.clone(), false));
     }
     let buffer_protocol = py.import("builtins")?.getattr("memoryview")?.call1((obj,));
+    if buffer_protocol.is_ok() && !place.host {
+        return Err(wrong_device(py, what, "cpu", place));
+    }
     match buffer_protocol {
         Ok(view) => match py.import("numpy") {
             Ok(np) => Ok((np.getattr("asarray")?.call1((view,))?, false)),
@@ -749,4 +958,77 @@ fn check_routing_shape(
         ));
     }
     Ok(())
+}
+
+/// The routing of a call on a `cuda` communicator in device memory: `topk_idx` int32 and
+/// `topk_weights` float32, both `[tokens, topk]` on the communicator's device (the Rust API reads
+/// them with one small device-to-host copy each). Other dtypes are refused naming the
+/// conversion (the host path converts int64 ids and float16/bfloat16 weights; on the device
+/// that would be a kernel of the caller's framework).
+pub(crate) fn device_routing<'t>(
+    py: Python<'_>,
+    idx: &'t Tensor<'_>,
+    weights: &'t Tensor<'_>,
+    tokens: usize,
+    topk: usize,
+) -> PyResult<xccl::Routing<'t>> {
+    check_routing_shape(py, idx, "topk_idx", tokens, topk)?;
+    check_routing_shape(py, weights, "topk_weights", tokens, topk)?;
+    device_dtype(
+        py,
+        idx,
+        "topk_idx",
+        Elem::I32,
+        "CUDA expert ids",
+        "topk_idx.int()",
+    )?;
+    let fix = "topk_weights.float()";
+    device_dtype(
+        py,
+        weights,
+        "topk_weights",
+        Elem::F32,
+        "CUDA gating weights",
+        fix,
+    )?;
+    match (idx.device_slice(), weights.device_slice()) {
+        (Some(topk_idx), Some(topk_weights)) => Ok(xccl::Routing::Device {
+            topk_idx,
+            topk_weights,
+        }),
+        _ => Err(invalid(
+            py,
+            format!(
+                "topk_idx is on {} and topk_weights on {}: pass both on the CPU or both on the \
+                 communicator's device",
+                device_name(idx.device),
+                device_name(weights.device)
+            ),
+        )),
+    }
+}
+
+/// Checks that the device tensor `t` (`what`) has element type `want`; the error names its
+/// device and `fix`, the conversion (`kind` says what it holds).
+fn device_dtype(
+    py: Python<'_>,
+    t: &Tensor<'_>,
+    what: &str,
+    want: Elem,
+    kind: &str,
+    fix: &str,
+) -> PyResult<()> {
+    if t.elem() == want {
+        return Ok(());
+    }
+    Err(invalid(
+        py,
+        format!(
+            "{what} on {} has dtype {}; {kind} are {} (convert with {fix}, or pass them on the \
+             CPU)",
+            device_name(t.device),
+            t.elem().name(),
+            want.name()
+        ),
+    ))
 }

@@ -1,7 +1,14 @@
-//! Fault injection for the package's own tests: `xccl._xccl._inject_panic(site)` makes the next
-//! call on a communicator (`"call"`) or the next init/shrink helper thread (`"helper"`) panic
-//! once, so that the tests can check that no panic reaches Python and that the job is told.
-//! Nothing else reads it; it costs one atomic load per call.
+//! Support for the package's own tests.
+//!
+//! Fault injection: `xccl._xccl._inject_panic(site)` makes the next call on a communicator
+//! (`"call"`) or the next init/shrink helper thread (`"helper"`) panic once, so that the tests
+//! can check that no panic reaches Python and that the job is told. Nothing else reads it; it
+//! costs one atomic load per call.
+//!
+//! CUDA tensors without a GPU (torch cannot make them there): `_to_device` copies a host tensor
+//! into device memory allocated with xccl's CUDA layer (on the stand-in driver in CI) and hands
+//! it out as a CUDA `Buffer`; `_to_host` reads any CUDA DLPack tensor back; `_new_stream` makes
+//! a stream to stand in for torch's current one.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -48,4 +55,112 @@ pub(crate) fn _inject_panic(py: Python<'_>, site: &str) -> PyResult<()> {
     };
     ARMED.store(site as u8, Ordering::Release);
     Ok(())
+}
+
+/// Streams made by [`_new_stream`], alive for the process (tests hand their raw values to
+/// xccl as "torch's current stream").
+static STREAMS: std::sync::Mutex<Vec<xccl::cuda::Stream>> = std::sync::Mutex::new(Vec::new());
+
+/// How long the test helpers' copies may take.
+const COPY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A copy of the host tensor `obj` in new device memory of CUDA device `device`, as a writable
+/// CUDA `Buffer` of the same shape and dtype: a producer of CUDA tensors for the package's
+/// tests, which have no GPU (the stand-in driver's device memory is host memory).
+#[pyfunction]
+pub(crate) fn _to_device(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    device: usize,
+) -> PyResult<crate::buffer::Buffer> {
+    use xccl::cuda::{Device, DeviceMemory, DeviceRegion, Stream};
+    let t = crate::tensor::Tensor::import(py, obj, "obj")?;
+    let shape = t.shape().to_vec();
+    let bytes = t.bytes();
+    let to_py = |e: xccl::Error| crate::errors::to_py(py, &e, false);
+    let dev = Device::open(device).map_err(to_py)?;
+    let (owner, ptr) = if bytes.is_empty() {
+        let empty = crate::buffer::HostBytes::zeroed(0);
+        (crate::buffer::Owner::Host(std::sync::Arc::new(empty)), 0)
+    } else {
+        let mem =
+            DeviceMemory::alloc(&dev, bytes.len(), || "a test tensor".into()).map_err(to_py)?;
+        let stream = Stream::new(&dev).map_err(to_py)?;
+        let deadline = std::time::Instant::now() + COPY_DEADLINE;
+        stream
+            .write(&mem, 0, bytes, deadline, 0, &|| {
+                "uploading a test tensor".into()
+            })
+            .map_err(to_py)?;
+        let ptr = mem.ptr().addr();
+        (crate::buffer::Owner::Device(std::sync::Arc::new(mem)), ptr)
+    };
+    Ok(crate::buffer::Buffer::on_device(
+        owner,
+        ptr,
+        device,
+        &shape,
+        t.elem(),
+        false,
+    ))
+}
+
+/// A host copy (a CPU `Buffer`) of `obj`, any DLPack tensor in memory of CUDA device `device`,
+/// imported as xccl imports a call's tensors (device, layout; the stream protocol on the legacy
+/// default stream) and read with one device-to-host copy on that stream.
+#[pyfunction]
+pub(crate) fn _to_host(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    device: usize,
+) -> PyResult<crate::buffer::Buffer> {
+    use crate::tensor::{CudaPlace, Place, Tensor};
+    use xccl::cuda::{Device, Stream};
+    let place = Place::cuda(CudaPlace { device, stream: 0 });
+    let t = Tensor::import_at(py, obj, "obj", &place)?;
+    let shape = t.shape().to_vec();
+    let mut host =
+        crate::buffer::HostBytes::zeroed(shape.iter().product::<usize>() * t.elem().size());
+    if let Some(src) = t.device_slice().filter(|s| !s.is_empty()) {
+        let to_py = |e: xccl::Error| crate::errors::to_py(py, &e, false);
+        let dev = Device::open(device).map_err(to_py)?;
+        let at = dev
+            .device_pointer(src.ptr().addr(), src.len())
+            .map_err(to_py)?;
+        let dst = host.as_mut_slice();
+        // SAFETY: the legacy default stream (0) is valid on every device.
+        let stream = unsafe { Stream::borrowed(&dev, 0) };
+        // SAFETY: `at..at+len` is device memory of `dev` (checked by the driver just now),
+        // kept allocated by `t`; `dst` is host memory of `len` bytes that nothing else touches
+        // until the stream has run the copy, which the synchronize below waits for (on a
+        // timeout the error is returned while the copy may still run: `host` is leaked then).
+        unsafe {
+            stream
+                .copy_dtoh_async(dst.as_mut_ptr(), at, dst.len(), &|| {
+                    "reading a test tensor".into()
+                })
+                .map_err(to_py)?;
+        }
+        let deadline = std::time::Instant::now() + COPY_DEADLINE;
+        if let Err(e) = stream.synchronize(deadline, 0, &|| "reading a test tensor".into()) {
+            std::mem::forget(host);
+            return Err(to_py(e));
+        }
+    }
+    Ok(crate::buffer::Buffer::host(host, &shape, t.elem()))
+}
+
+/// A new stream on CUDA device `device`, kept for the life of the process; returns its raw
+/// `CUstream` value (for tests that stand in for torch's current stream).
+#[pyfunction]
+pub(crate) fn _new_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
+    let to_py = |e: xccl::Error| crate::errors::to_py(py, &e, false);
+    let dev = xccl::cuda::Device::open(device).map_err(to_py)?;
+    let stream = xccl::cuda::Stream::new(&dev).map_err(to_py)?;
+    let raw = stream.raw();
+    STREAMS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(stream);
+    Ok(raw)
 }

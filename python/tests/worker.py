@@ -1008,6 +1008,291 @@ def scenario_close_with_input_alive():
     result(**out)
 
 
+# ---- the cuda fabric (stand-in driver; CUDA tensors from cuda_tensor.DeviceTensor) ----
+
+
+def join_on(fabric: str):
+    """``join()`` on ``fabric`` (unique id)."""
+    a = ARGS
+    return xccl.Communicator.init(
+        topology(),
+        config(),
+        unique_id=a["uid"],
+        rank=a["rank"],
+        world_size=a["world"],
+        fabric=fabric,
+    )
+
+
+def device_of(comm) -> int:
+    return int(comm.device.split(":")[1])
+
+
+def digest(a) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def scenario_device_rounds():
+    """``rounds`` A2E/E2A calls on ``fabric`` ("cuda": every tensor a CUDA tensor of the
+    communicator's device, the routing on the CPU (int64 ids) or on the device (int32) in
+    turn, results into new buffers or ``out=``; "shm": the same job with CPU tensors). Each
+    attention rank checks its results against the reference and reports their digests; every
+    DLPack export xccl asked for is reported with its stream argument."""
+    from cuda_tensor import DeviceTensor, to_host
+
+    a = ARGS
+    fabric = a["fabric"]
+    comm = join_on(fabric)
+    dtype, H = a["dtype"], a["H"]
+    out = {"digests": [], "mismatches": [], "streams": [], "errors": []}
+    with comm:
+        cuda = fabric == "cuda"
+        dev = device_of(comm) if cuda else None
+        out["device"] = comm.device
+        if comm.role == "attention":
+            owner = rank_of_expert(topology_of(comm))
+            a_index = comm_topo_attention(comm).index(comm.rank)
+            for r in range(a["rounds"]):
+                t = tokens_of(r, a_index)
+                x, idx, w = ref.workload(a["seed"], r, a_index, t, H, a["topk"], a["E"], dtype)
+                xt = to_torch(x, dtype)
+                if not cuda:
+                    h = comm.a2e_send(xt, torch.from_numpy(idx), torch.from_numpy(w))
+                    got = to_numpy(torch.from_dlpack(comm.e2a_recv(h)), dtype)
+                else:
+                    xd = DeviceTensor.of(xt, dev)
+                    if r % 2:
+                        ids = DeviceTensor.of(torch.from_numpy(idx).int(), dev)
+                        ws = DeviceTensor.of(torch.from_numpy(w), dev)
+                    else:
+                        ids, ws = torch.from_numpy(idx), torch.from_numpy(w)
+                    h = comm.a2e_send(xd, ids, ws)
+                    out["streams"] += xd.streams
+                    if r % 3 == 1:
+                        o = DeviceTensor.of(torch.zeros((t, H), dtype=TORCH[dtype]), dev)
+                        assert comm.e2a_recv(h, out=o) is o
+                        out["streams"] += o.streams
+                        res = o.host()
+                    else:
+                        buf = comm.e2a_recv(h)
+                        assert buf.device == comm.device, (buf.device, comm.device)
+                        assert buf.__dlpack_device__() == (2, dev)
+                        assert buf.shape == (t, H) and not buf.readonly, buf
+                        res = to_host(buf, dev)
+                    got = to_numpy(torch.from_dlpack(res), dtype)
+                d = check_result(got, x, idx, w, owner, dtype, f"round {r}")
+                if d:
+                    out["mismatches"].append(d)
+                out["digests"].append(digest(got.view(np.uint8)))
+        else:
+            for _ in range(a["rounds"]):
+                batch = comm.a2e_recv()
+                if cuda:
+                    rows_buf = batch.rows
+                    assert rows_buf.device == comm.device, rows_buf
+                    assert rows_buf.shape == (batch.num_rows, H) and rows_buf.readonly
+                    rows = torch.from_dlpack(to_host(rows_buf, dev))
+                else:
+                    rows = torch.from_dlpack(batch.rows)
+                offs = batch.expert_offsets
+                res = torch.empty_like(rows)
+                for j, e in enumerate(comm.local_experts):
+                    s = slice(offs[j], offs[j + 1])
+                    res[s] = (rows[s].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
+                if cuda:
+                    res_d = DeviceTensor.of(res, dev)
+                    comm.e2a_send(batch, res_d)
+                    out["streams"] += res_d.streams
+                else:
+                    comm.e2a_send(batch, res)
+    result(**out)
+
+
+def scenario_device_misuse():
+    """1A:1E on the cuda fabric (the attention rank on device 0 of 2): tensors on the CPU, on
+    the other device, on ``meta``; device routing of the wrong dtypes; token-major calls; CUDA
+    buffer exports with every legal and illegal stream; the stream of a (stand-in) torch. Each
+    misuse raises naming what is wrong and sends nothing: a good round follows, checked."""
+    from cuda_tensor import DeviceTensor, to_host
+
+    import xccl._cuda
+
+    a = ARGS
+    comm = join_on("cuda")
+    H, dtype = a["H"], a["dtype"]
+    failures = []
+
+    def check(why, exc, fn, *words):
+        f = expect(exc, fn, *words)
+        if f:
+            failures.append(f"{why}: {f}")
+
+    with comm:
+        dev = device_of(comm)
+        other = 1 - dev
+        if comm.role == "attention":
+            x, idx, w = ref.workload(a["seed"], 0, 0, 4, H, a["topk"], a["E"], dtype)
+            xt, it, wt = to_torch(x, dtype), torch.from_numpy(idx), torch.from_numpy(w)
+            xd = DeviceTensor.of(xt, dev)
+            bad = xccl.InvalidArgumentError
+            here = f"cuda:{dev}"
+            check("cpu x", bad, lambda: comm.a2e_send(xt, it, wt), "x is on cpu", here)
+            check("numpy x", bad, lambda: comm.a2e_send(x.view(np.uint8), it, wt), "cpu", here)
+            check(
+                "x on the other gpu",
+                bad,
+                lambda: comm.a2e_send(DeviceTensor.of(xt, other), it, wt),
+                f"x is on cuda:{other}",
+                here,
+            )
+            meta = torch.empty((4, H), dtype=TORCH[dtype], device="meta")
+            check("meta x", bad, lambda: comm.a2e_send(meta, it, wt), "x is on meta", here)
+            check(
+                "int64 ids on the device",
+                bad,
+                lambda: comm.a2e_send(xd, DeviceTensor.of(it, dev), DeviceTensor.of(wt, dev)),
+                "int64",
+                "int32",
+            )
+            check(
+                "bf16 weights on the device",
+                bad,
+                lambda: comm.a2e_send(
+                    xd, DeviceTensor.of(it.int(), dev), DeviceTensor.of(wt.bfloat16(), dev)
+                ),
+                "bfloat16",
+                "float32",
+            )
+            check(
+                "ids on the device, weights on the cpu",
+                bad,
+                lambda: comm.a2e_send(xd, DeviceTensor.of(it.int(), dev), wt),
+                "topk_idx is on cuda",
+                "topk_weights on cpu",
+            )
+            check(
+                "weights on the other gpu",
+                bad,
+                lambda: comm.a2e_send(xd, it, DeviceTensor.of(wt, other)),
+                f"topk_weights is on cuda:{other}",
+            )
+            # A (stand-in) torch whose current stream is a stream of ours: xccl asks the
+            # producer for exactly that stream.
+            stream = xccl._xccl._new_stream(dev)
+            real = xccl._cuda.current_stream
+            xccl._cuda.current_stream = lambda d: stream if d == dev else -5
+            xs = DeviceTensor.of(xt, dev)
+            try:
+                h = comm.a2e_send(xs, it, wt)
+            finally:
+                xccl._cuda.current_stream = real
+            asked = list(xs.streams)
+            if asked != [stream]:
+                failures.append(f"torch's stream {stream}: the producer was asked for {asked}")
+            o_cpu = torch.empty((4, H), dtype=TORCH[dtype])
+            check("cpu out", bad, lambda: comm.e2a_recv(h, out=o_cpu), "out is on cpu", here)
+            check(
+                "out on the other gpu",
+                bad,
+                lambda: comm.e2a_recv(h, out=DeviceTensor.of(o_cpu, other)),
+                f"out is on cuda:{other}",
+            )
+            buf = comm.e2a_recv(h)
+            got = to_numpy(torch.from_dlpack(to_host(buf, dev)), dtype)
+            owner = rank_of_expert(topology_of(comm))
+            d = check_result(got, x, idx, w, owner, dtype, "after the misuse")
+            if d:
+                failures.append(str(d))
+            # Exports of a CUDA buffer: every legal stream (None, -1, 1, 2, a stream pointer),
+            # both ABIs; the capsule read back through xccl's import (device, shape, strides).
+            for s in (None, -1, 1, 2, stream):
+                for mv in (None, (1, 0)):
+                    cap = buf.__dlpack__(stream=s, max_version=mv)
+                    back = to_numpy(torch.from_dlpack(to_host(cap, dev)), dtype)
+                    if not np.array_equal(back.view(np.uint8), got.view(np.uint8)):
+                        failures.append(f"export with stream {s}, max_version {mv} differs")
+            for s in (0, -2):
+                check(f"stream {s}", ValueError, lambda s=s: buf.__dlpack__(stream=s), "stream")
+            check(
+                "export to the cpu",
+                BufferError,
+                lambda: buf.__dlpack__(max_version=(1, 0), dl_device=(1, 0)),
+                "cross-device",
+            )
+            check("copy=True", BufferError, lambda: buf.__dlpack__(copy=True), "copy")
+            check("numpy of a cuda buffer", bad, buf.numpy, "device memory", here)
+            check(
+                "a cuda buffer on the other gpu's reader",
+                bad,
+                lambda: to_host(buf, other),
+                f"cuda:{dev}",
+                f"cuda:{other}",
+            )
+            failures += [] if repr(buf).find(f"device=cuda:{dev}") > 0 else [repr(buf)]
+        else:
+            check(
+                "token-major receive",
+                xccl.InvalidArgumentError,
+                comm.a2e_recv_tokens,
+                "a2e_recv_tokens",
+                "cuda fabric",
+            )
+            batch = comm.a2e_recv()
+            rows = torch.from_dlpack(to_host(batch.rows, dev))
+            res = torch.empty_like(rows)
+            offs = batch.expert_offsets
+            for j, e in enumerate(comm.local_experts):
+                s = slice(offs[j], offs[j + 1])
+                res[s] = (rows[s].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
+            bad = xccl.InvalidArgumentError
+            check(
+                "cpu expert_out",
+                bad,
+                lambda: comm.e2a_send(batch, res),
+                "expert_out is on cpu",
+                f"cuda:{dev}",
+            )
+            check(
+                "expert_out of the wrong shape",
+                bad,
+                lambda: comm.e2a_send(batch, DeviceTensor.of(res[:-1], dev)),
+                "expert_out has shape",
+            )
+            comm.e2a_send(batch, DeviceTensor.of(res, dev))
+    result(failures=failures)
+
+
+def scenario_cuda_tensor_on_host_comm():
+    """1A:1E on shm: a CUDA tensor is refused naming its device and the CPU; a good round
+    follows."""
+    from cuda_tensor import DeviceTensor
+
+    a = ARGS
+    comm = join_on("shm")
+    failures = []
+    with comm:
+        if comm.role == "attention":
+            x, idx, w = ref.workload(a["seed"], 0, 0, 4, a["H"], a["topk"], a["E"], a["dtype"])
+            xt = to_torch(x, a["dtype"])
+            f = expect(
+                xccl.InvalidArgumentError,
+                lambda: comm.a2e_send(DeviceTensor.of(xt, 0), idx, w),
+                "x is on cuda:0",
+                "CPU tensors",
+            )
+            if f:
+                failures.append(f)
+            if comm.device != "cpu":
+                failures.append(f"device {comm.device}")
+            h = comm.a2e_send(xt, idx, w)
+            comm.e2a_recv(h)
+        else:
+            expert_major_reply(comm, comm.a2e_recv(), a["dtype"])
+    result(failures=failures)
+
+
 if __name__ == "__main__":
     try:
         globals()["scenario_" + ARGS["scenario"]]()

@@ -1,0 +1,46 @@
+"""CUDA tensors for the tests on machines without a GPU, where torch cannot make any: device
+memory allocated and filled with xccl's own CUDA layer (on the stand-in driver of
+``tests/cuda_standin/``, whose device memory is host shared memory) and read back with it."""
+
+from __future__ import annotations
+
+from xccl import _xccl
+
+
+class DeviceTensor:
+    """A tensor in memory of CUDA device ``device`` that speaks DLPack as a CUDA producer
+    (``__dlpack_device__`` is ``(2, device)``) and records the ``stream`` each export was asked
+    for, so that tests see what xccl passed as a consumer."""
+
+    def __init__(self, buf):
+        self.buf = buf
+        self.device = buf.__dlpack_device__()[1]
+        self.streams = []
+
+    @classmethod
+    def of(cls, host, device: int) -> DeviceTensor:
+        """A copy of the host tensor ``host`` (torch CPU, numpy) on CUDA device ``device``."""
+        return cls(_xccl._to_device(host, device))
+
+    @property
+    def shape(self):
+        return self.buf.shape
+
+    def __dlpack_device__(self):
+        return self.buf.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        self.streams.append(stream)
+        return self.buf.__dlpack__(
+            stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+        )
+
+    def host(self):
+        """A host copy, as an ``xccl.Buffer``."""
+        return to_host(self.buf, self.device)
+
+
+def to_host(obj, device: int):
+    """A host copy (``xccl.Buffer``) of ``obj``, any CUDA DLPack tensor (or capsule) of
+    ``device``, read through xccl's import (device and layout checked)."""
+    return _xccl._to_host(obj, device)

@@ -1,0 +1,64 @@
+"""The cuda fabric through the package, on the stand-in CUDA driver (no GPU here): jobs of real
+processes whose tensors are CUDA tensors (``cuda_tensor.DeviceTensor``: device memory of the
+stand-in, exported through DLPack as kDLCUDA), checked bit for bit against the same job on host
+tensors over shm and against the reference; wrong devices, CUDA buffer exports and the DLPack
+stream protocol on both sides."""
+
+from pathlib import Path
+
+import harness
+
+BASE = {"H": 48, "topk": 3, "E": 8, "max_tokens": 16, "seed": 11, "call_timeout": 30.0}
+
+
+def standin_left(env) -> list:
+    """The stand-in's shared-memory segments still in /dev/shm."""
+    prefix = env["CUDA_STANDIN_SHM_PREFIX"]
+    return [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+
+
+def device_job(tmp_path, env, world, fabric, **kw):
+    args = {**BASE, "rounds": 5, "tokens": [[5, 0, 16], [1, 16, 3]], **kw}
+    out = tmp_path / fabric
+    out.mkdir()
+    results = harness.run("device_rounds", world, out, env=env, fabric=fabric, **args)
+    assert standin_left(env) == []
+    return results
+
+
+def same_results_on_device_and_host(tmp_path, env, m, n, dtype):
+    kw = {"m": m, "n": n, "dtype": dtype}
+    cuda = device_job(tmp_path, env, m + n, "cuda", **kw)
+    host = device_job(tmp_path, env, m + n, "shm", **kw)
+    for r in range(m):
+        assert cuda[r]["mismatches"] == [], cuda[r]["mismatches"]
+        assert host[r]["mismatches"] == [], host[r]["mismatches"]
+        assert cuda[r]["digests"] == host[r]["digests"], f"rank {r}: device and host differ"
+        assert len(cuda[r]["digests"]) == 5
+    for r, res in enumerate(cuda):
+        assert res["device"] == f"cuda:{r % 2}", res["device"]
+        # No torch CUDA here: xccl asks producers for the legacy default stream (DLPack's 1).
+        assert res["streams"] and set(res["streams"]) == {1}, res["streams"]
+
+
+def test_cuda_tensors_1a_1e_give_the_host_jobs_bits(tmp_path, cuda_standin):
+    same_results_on_device_and_host(tmp_path, cuda_standin, 1, 1, "bf16")
+
+
+def test_cuda_tensors_2a_3e_on_two_devices_give_the_host_jobs_bits(tmp_path, cuda_standin):
+    same_results_on_device_and_host(tmp_path, cuda_standin, 2, 3, "f32")
+
+
+def test_cuda_misuse_is_refused_naming_both_devices_and_sends_nothing(tmp_path, cuda_standin):
+    args = {**BASE, "m": 1, "n": 1, "dtype": "f16"}
+    results = harness.run("device_misuse", 2, tmp_path, env=cuda_standin, **args)
+    for r, res in enumerate(results):
+        assert res["failures"] == [], f"rank {r}: {res['failures']}"
+    assert standin_left(cuda_standin) == []
+
+
+def test_a_cuda_tensor_on_a_host_communicator_is_refused_naming_its_device(tmp_path, cuda_standin):
+    args = {**BASE, "m": 1, "n": 1, "dtype": "f32"}
+    results = harness.run("cuda_tensor_on_host_comm", 2, tmp_path, env=cuda_standin, **args)
+    for r, res in enumerate(results):
+        assert res["failures"] == [], f"rank {r}: {res['failures']}"
