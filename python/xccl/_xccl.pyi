@@ -1,7 +1,10 @@
 """Typed stubs of the extension module ``xccl._xccl`` (re-exported by ``xccl``): the source of
 truth for the package's API. Tensors in are any object with ``__dlpack__`` (torch CPU tensors,
 numpy >= 1.22, JAX CPU arrays), numpy arrays of ``ml_dtypes.bfloat16``, or (through numpy) the
-buffer protocol; tensors out are :class:`Buffer`."""
+buffer protocol; on a communicator of the ``cuda`` fabric, CUDA tensors of its device (DLPack
+``kDLCUDA``: torch, CuPy, JAX), taken on the current stream (torch's, else the legacy default
+stream). Tensors out are :class:`Buffer` (host memory, or device memory on the ``cuda``
+fabric)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -12,14 +15,21 @@ __version__: str
 _debug_level: str
 
 Tensor: TypeAlias = Any
-"""Anything with ``__dlpack__`` (CPU memory), or the buffer protocol."""
+"""Anything with ``__dlpack__`` (CPU memory; CUDA memory of the communicator's device on the
+``cuda`` fabric), or the buffer protocol."""
 
 class Buffer:
-    """A block of host memory exported through DLPack without a copy
-    (``torch.from_dlpack(buf)``, ``np.from_dlpack(buf)``). Its memory stays valid as long as
-    Python holds the buffer or a tensor made from it. E2A results and batch metadata are
-    yours (writable); batch rows are read-only; :meth:`Communicator.a2e_input` is writable
-    until :meth:`Communicator.a2e_send_input`."""
+    """A block of memory exported through DLPack without a copy (``torch.from_dlpack(buf)``,
+    ``np.from_dlpack(buf)`` for host memory). Its memory stays valid as long as Python holds
+    the buffer or a tensor made from it. E2A results and batch metadata are yours (writable);
+    batch rows are read-only; :meth:`Communicator.a2e_input` is writable until
+    :meth:`Communicator.a2e_send_input`.
+
+    On the ``cuda`` fabric, E2A results and batch rows are device memory of the communicator's
+    GPU (``__dlpack_device__()`` is ``(2, id)``), complete when the call returned: every legal
+    ``stream`` of ``__dlpack__`` (``None``, -1, 1, 2, a stream pointer) is honoured without a
+    synchronization; 0 and values below -1 raise ``ValueError``, a request for another device
+    or a copy ``BufferError``."""
 
     def __dlpack__(
         self,
@@ -29,7 +39,11 @@ class Buffer:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any: ...
-    def __dlpack_device__(self) -> tuple[int, int]: ...
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(1, 0)`` for host memory, ``(2, id)`` for memory of CUDA device ``id``."""
+    @property
+    def device(self) -> str:
+        """``"cpu"`` or ``"cuda:<id>"``."""
     @property
     def shape(self) -> tuple[int, ...]: ...
     @property
@@ -41,7 +55,8 @@ class Buffer:
     def readonly(self) -> bool: ...
     def __len__(self) -> int: ...
     def numpy(self) -> Any:
-        """This memory as a numpy array, no copy (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        """This memory as a numpy array, no copy (bfloat16 as ``ml_dtypes.bfloat16``); host
+        memory only."""
     def bits(self) -> Buffer:
         """The same memory as unsigned integers of the element's width, for bitwise checks."""
 
@@ -171,7 +186,8 @@ class ExpertBatch:
     def tags(self) -> list[int]: ...
     @property
     def rows(self) -> Buffer:
-        """``[num_rows, hidden]`` of the dtype (``[0, hidden]`` with keep_int8)."""
+        """``[num_rows, hidden]`` of the dtype (``[0, hidden]`` with keep_int8); on the ``cuda``
+        fabric a view of the device memory the rows were received into."""
     @property
     def int8_rows(self) -> Buffer | None: ...
     @property
@@ -246,7 +262,8 @@ class Communicator:
         timeout: float = 60.0,
     ) -> Communicator:
         """Joins the job named by ``unique_id`` (collective); Ctrl-C while it waits raises
-        KeyboardInterrupt and aborts the job."""
+        KeyboardInterrupt and aborts the job. ``fabric="cuda"``: rows in GPU ``device``'s memory
+        (default ``rank % device count``); the calls take and return CUDA tensors there."""
     @staticmethod
     def from_env(
         topology: Topology,
@@ -267,7 +284,12 @@ class Communicator:
     @property
     def local_experts(self) -> list[int]: ...
     @property
-    def fabric(self) -> str: ...
+    def fabric(self) -> str:
+        """``"shm"``, ``"ofi"``, ``"cuda"`` or ``"ascend"``."""
+    @property
+    def device(self) -> str:
+        """Where the calls' tensors live: ``"cpu"``, or ``"cuda:<id>"`` on the ``cuda``
+        fabric."""
     @property
     def dtype(self) -> str: ...
     @property
@@ -287,21 +309,26 @@ class Communicator:
     # attention ranks
     def a2e_send(
         self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *, tag: int = 0
-    ) -> A2eHandle: ...
+    ) -> A2eHandle:
+        """On the ``cuda`` fabric ``x`` is a CUDA tensor of :attr:`device`; the routing is on
+        the CPU (int32/int64 ids, float32/float16/bfloat16 weights) or on the device (int32,
+        float32)."""
     def a2e_input(self) -> Buffer: ...
     def a2e_send_input(
         self, num_tokens: int, topk_idx: Tensor, topk_weights: Tensor, *, tag: int = 0
     ) -> A2eHandle: ...
     def e2a_ready(self, handle: A2eHandle) -> bool: ...
     def e2a_recv(self, handle: A2eHandle, out: Tensor | None = None) -> Any:
-        """Returns ``out`` when given, else a new :class:`Buffer` ``[T, hidden]``."""
+        """Returns ``out`` when given, else a new :class:`Buffer` ``[T, hidden]`` (device memory
+        on the ``cuda`` fabric, where ``out`` is a CUDA tensor of :attr:`device`)."""
     # expert ranks
     def a2e_ready(self) -> bool: ...
     def a2e_recv(self, *, timeout: float | None = ...) -> ExpertBatch:
         """``timeout``: seconds (default: the config's), or ``None``: no deadline, waits while
         the attention ranks live (a dead or departed peer, an abort or Ctrl-C ends it)."""
     def a2e_recv_tokens(self, *, timeout: float | None = ...) -> TokenBatch:
-        """``timeout`` as for :meth:`a2e_recv`."""
+        """``timeout`` as for :meth:`a2e_recv`. Not on the ``cuda`` fabric (use
+        :meth:`a2e_recv`)."""
     def e2a_send(self, batch: ExpertBatch, expert_out: Tensor) -> None: ...
     def e2a_send_tokens(self, batch: TokenBatch, reduced: Tensor) -> None: ...
     # both
