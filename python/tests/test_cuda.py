@@ -62,3 +62,10 @@ def test_a_cuda_tensor_on_a_host_communicator_is_refused_naming_its_device(tmp_p
     results = harness.run("cuda_tensor_on_host_comm", 2, tmp_path, env=cuda_standin, **args)
     for r, res in enumerate(results):
         assert res["failures"] == [], f"rank {r}: {res['failures']}"
+
+
+def test_low_latency_buffer_dispatches_and_combines_cuda_tensors(tmp_path, cuda_standin):
+    args = {**BASE, "m": 1, "n": 1, "dtype": "bf16", "rounds": 3, "tokens": [[4], [0], [16]]}
+    results = harness.run("low_latency_attention_on_cuda", 2, tmp_path, env=cuda_standin, **args)
+    assert results[0]["mismatches"] == [], results[0]["mismatches"]
+    assert standin_left(cuda_standin) == []

@@ -1034,6 +1034,27 @@ def digest(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
 
 
+def expert_outputs(comm, rows, offs, dtype):
+    """The test experts' outputs (expert ``e`` scales by ``ref.expert_scale(e)``) of expert-major
+    ``rows`` (a CPU torch tensor) grouped by ``offs``."""
+    res = torch.empty_like(rows)
+    for j, e in enumerate(comm.local_experts):
+        s = slice(offs[j], offs[j + 1])
+        res[s] = (rows[s].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
+    return res
+
+
+def cuda_expert_reply(comm, batch, dev, dtype):
+    """Replies to ``batch`` on the cuda fabric: its rows read back to the host, the test
+    experts' outputs sent from device memory. Returns the tensor sent."""
+    from cuda_tensor import DeviceTensor, to_host
+
+    rows = torch.from_dlpack(to_host(batch.rows, dev))
+    res = DeviceTensor.of(expert_outputs(comm, rows, batch.expert_offsets, dtype), dev)
+    comm.e2a_send(batch, res)
+    return res
+
+
 def scenario_device_rounds():
     """``rounds`` A2E/E2A calls on ``fabric`` ("cuda": every tensor a CUDA tensor of the
     communicator's device, the routing on the CPU (int64 ids) or on the device (int32) in
@@ -1093,20 +1114,10 @@ def scenario_device_rounds():
                     rows_buf = batch.rows
                     assert rows_buf.device == comm.device, rows_buf
                     assert rows_buf.shape == (batch.num_rows, H) and rows_buf.readonly
-                    rows = torch.from_dlpack(to_host(rows_buf, dev))
+                    out["streams"] += cuda_expert_reply(comm, batch, dev, dtype).streams
                 else:
                     rows = torch.from_dlpack(batch.rows)
-                offs = batch.expert_offsets
-                res = torch.empty_like(rows)
-                for j, e in enumerate(comm.local_experts):
-                    s = slice(offs[j], offs[j + 1])
-                    res[s] = (rows[s].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
-                if cuda:
-                    res_d = DeviceTensor.of(res, dev)
-                    comm.e2a_send(batch, res_d)
-                    out["streams"] += res_d.streams
-                else:
-                    comm.e2a_send(batch, res)
+                    comm.e2a_send(batch, expert_outputs(comm, rows, batch.expert_offsets, dtype))
     result(**out)
 
 
@@ -1241,11 +1252,7 @@ def scenario_device_misuse():
             )
             batch = comm.a2e_recv()
             rows = torch.from_dlpack(to_host(batch.rows, dev))
-            res = torch.empty_like(rows)
-            offs = batch.expert_offsets
-            for j, e in enumerate(comm.local_experts):
-                s = slice(offs[j], offs[j + 1])
-                res[s] = (rows[s].float() * float(ref.expert_scale(e))).to(TORCH[dtype])
+            res = expert_outputs(comm, rows, batch.expert_offsets, dtype)
             bad = xccl.InvalidArgumentError
             check(
                 "cpu expert_out",
@@ -1291,6 +1298,47 @@ def scenario_cuda_tensor_on_host_comm():
         else:
             expert_major_reply(comm, comm.a2e_recv(), a["dtype"])
     result(failures=failures)
+
+
+def scenario_low_latency_attention_on_cuda():
+    """1A:1E on the cuda fabric: the attention rank dispatches and combines through
+    ``xccl.adapters.LowLatencyBuffer`` with CUDA tensors (the routing on the CPU, int64 ids;
+    the combined rows into a CUDA ``out``), the expert rank replies with the device calls;
+    ``rounds`` calls checked against the reference."""
+    from cuda_tensor import DeviceTensor
+
+    from xccl.adapters import LowLatencyBuffer
+
+    a = ARGS
+    comm = join_on("cuda")
+    dtype, H = a["dtype"], a["H"]
+    mismatches = []
+    with comm:
+        dev = device_of(comm)
+        if comm.role == "attention":
+            buf = LowLatencyBuffer(comm, topology(), config())
+            owner = rank_of_expert(topology_of(comm))
+            for r in range(a["rounds"]):
+                t = tokens_of(r, 0)
+                x, idx, w = ref.workload(a["seed"], r, 0, t, H, a["topk"], a["E"], dtype)
+                xd = DeviceTensor.of(to_torch(x, dtype), dev)
+                _, _, handle, _, _ = buf.low_latency_dispatch(
+                    xd, torch.from_numpy(idx), topk_weights=torch.from_numpy(w)
+                )
+                out = DeviceTensor.of(torch.zeros((t, H), dtype=TORCH[dtype]), dev)
+                combined, _, hook = buf.low_latency_combine(
+                    None, None, None, handle, out=out, return_recv_hook=True
+                )
+                hook()
+                assert combined is out
+                got = to_numpy(torch.from_dlpack(out.host()), dtype)
+                d = check_result(got, x, idx, w, owner, dtype, f"round {r}")
+                if d:
+                    mismatches.append(d)
+        else:
+            for _ in range(a["rounds"]):
+                cuda_expert_reply(comm, comm.a2e_recv(), dev, dtype)
+    result(mismatches=mismatches)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@
 Both wrap an initialised :class:`xccl.Communicator` and add no communication of their own:
 every method is one xccl call plus tensor reshaping. ``docs/python.md`` gives the full mapping
 and where the semantics differ (xccl takes the gating weights at dispatch; attention and
-experts are different processes). Tensors are torch CPU tensors.
+experts are different processes). Tensors are torch tensors: on the CPU, or on a communicator of
+the ``cuda`` fabric CUDA tensors of its device (``comm.device``), which the adapters hand back
+too. On CUDA, expert ids given as int64 (what ``torch.topk`` returns) are converted to the int32
+xccl's device routing reads, on the current stream (xccl's call runs after it). The FFN side of
+:class:`AFDConnector` is token-major, which the ``cuda`` fabric does not have yet.
 """
 
 from __future__ import annotations
@@ -22,6 +26,18 @@ from typing import Any, Callable
 import torch
 
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _routing(topk_idx: Any, topk_weights: Any) -> tuple[Any, Any]:
+    """The routing as xccl's device calls read it: torch CUDA expert ids as int32 and weights as
+    float32 (converted on the current stream, which xccl's call orders after); anything else
+    as given (xccl converts host routing itself)."""
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
+        topk_idx = topk_idx.to(torch.int32)
+    if isinstance(topk_weights, torch.Tensor) and topk_weights.is_cuda:
+        topk_weights = topk_weights.to(torch.float32)
+    return topk_idx, topk_weights
+
 
 __all__ = [
     "AFDConnector",
@@ -110,14 +126,16 @@ class AFDConnector:
             )
         tag = metadata.stage_idx << 32 | metadata.layer_idx
         comm = self._comm()
-        handle = comm.a2e_send(hidden_states, metadata.topk_idx, metadata.topk_weights, tag=tag)
+        idx, weights = _routing(metadata.topk_idx, metadata.topk_weights)
+        handle = comm.a2e_send(hidden_states, idx, weights, tag=tag)
         self._pending[ubatch_idx] = handle
         return handle
 
     def recv_ffn_output(self, handle: Any = None, ubatch_idx: int | None = None) -> torch.Tensor:
         """Attention: waits for and returns the combined FFN output ``[T, hidden]`` of ``handle``
         (or of the last send under ``ubatch_idx``): the gating-weighted sum over the token's
-        experts. A receive that failed and can be retried keeps the handle pending."""
+        experts (on the communicator's device). A receive that failed and can be retried keeps
+        the handle pending."""
         if handle is None:
             if ubatch_idx not in self._pending:
                 raise ValueError(f"no send_attn_output pending for ubatch_idx {ubatch_idx}")
@@ -241,7 +259,8 @@ class LowLatencyBuffer:
         none) with ``topk_weights`` ``[T, k]`` float32. Expert: receives the next call's rows
         as ``recv_x`` ``[num_local_experts, num_max_dispatch_tokens_per_rank *
         num_attention_ranks, hidden]`` and ``recv_count`` ``[num_local_experts]`` int32 (and
-        adds the counts to ``cumulative_local_expert_recv_stats`` when given)."""
+        adds the counts to ``cumulative_local_expert_recv_stats`` when given), both on the
+        communicator's device."""
         self._check(num_max_dispatch_tokens_per_rank, num_experts)
         if use_fp8:
             raise ValueError("xccl has no FP8 on the wire; INT8 is Config(a2e_quant='int8')")
@@ -250,7 +269,7 @@ class LowLatencyBuffer:
         if self.comm.role == "attention":
             if x is None or topk_idx is None or topk_weights is None:
                 raise ValueError("attention ranks dispatch x, topk_idx and topk_weights")
-            handle = self.comm.a2e_send(x, topk_idx, topk_weights)
+            handle = self.comm.a2e_send(x, *_routing(topk_idx, topk_weights))
             return (
                 None,
                 None,
@@ -267,9 +286,10 @@ class LowLatencyBuffer:
         recv_x = rows.new_zeros(len(self.local_experts), cap, self.hidden)
         for i, (lo, n) in enumerate(zip(batch.expert_offsets, counts)):
             recv_x[i, :n] = rows[lo : lo + n]
-        recv_count = torch.tensor(counts, dtype=torch.int32)
+        recv_count = torch.tensor(counts, dtype=torch.int32, device=rows.device)
         if cumulative_local_expert_recv_stats is not None:
-            cumulative_local_expert_recv_stats += recv_count
+            stats = cumulative_local_expert_recv_stats
+            stats += recv_count.to(device=stats.device, dtype=stats.dtype)
         return recv_x, recv_count, LowLatencyHandle(batch), None, None
 
     def low_latency_combine(
@@ -283,8 +303,9 @@ class LowLatencyBuffer:
         return_recv_hook: bool = False,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, None, Callable[[], None] | None]:
-        """Attention: returns ``combined_x`` ``[T, hidden]`` (into ``out`` when given); with
-        ``return_recv_hook`` the receive waits until the returned hook is called. Expert:
+        """Attention: returns ``combined_x`` ``[T, hidden]`` (into ``out`` when given, else a new
+        tensor on the communicator's device); with ``return_recv_hook`` the receive waits until
+        the returned hook is called. Expert:
         replies with ``x`` in the packed layout (only the first ``recv_count[e]`` rows of each
         expert are read)."""
         if zero_copy or async_finish:
@@ -293,7 +314,8 @@ class LowLatencyBuffer:
             if topk_weights is not None and not torch.equal(topk_weights, handle.topk_weights):
                 raise ValueError("xccl weights at dispatch: topk_weights differ from dispatch's")
             if out is None:
-                out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype)
+                device = torch.device(self.comm.device)
+                out = torch.empty(handle.num_tokens, self.hidden, dtype=self.dtype, device=device)
 
             def hook() -> None:
                 self.comm.e2a_recv(handle.xccl, out=out)
