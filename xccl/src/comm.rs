@@ -1307,7 +1307,7 @@ impl Communicator {
     /// expert. Collective with every attention rank's A2E send.
     pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
         self.expert("A2E receive", |ctx, dispatch, _| {
-            dispatch.recv_expert_major(ctx, batch, ctx.call_deadline())
+            dispatch.recv_expert_major(ctx, batch, None, ctx.call_deadline())
         })
     }
 
