@@ -55,13 +55,14 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
-        ["device", m, n, rounds, quant] => {
+        ["device", m, n, rounds, quant, relays] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             let quant = match *quant {
                 "int8" => Quant::Int8,
                 _ => Quant::None,
             };
-            return device_rounds(ctx, (p(m)?, p(n)?), p(rounds)? as u64, quant);
+            let shape = (p(m)?, p(n)?, p(relays)?);
+            return device_rounds(ctx, shape, p(rounds)? as u64, quant);
         }
         ["threads_conformance", size] => {
             let size = size.parse::<usize>().map_err(|e| e.to_string())?;
@@ -244,12 +245,15 @@ fn device_rank_rounds(
 /// bit for bit against the reference (`xccl::testing::harness`).
 fn device_rounds(
     ctx: &ChildCtx,
-    (m, n): (usize, usize),
+    (m, n, relays): (usize, usize, usize),
     rounds: u64,
     quant: Quant,
 ) -> Result<(), String> {
     let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
-    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let mut topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    if relays > 0 {
+        topo = topo.with_relays(Some(relays)).map_err(|e| e.to_string())?;
+    }
     let cfg = device_config(quant);
     let mut comm =
         Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
@@ -648,7 +652,7 @@ fn cuda_one_attention_one_expert_matches_reference() {
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
-    run_ok("device:1:1:12:none", 2, 1, Duration::from_secs(60));
+    run_ok("device:1:1:12:none:0", 2, 1, Duration::from_secs(60));
 }
 
 #[test]
@@ -662,13 +666,23 @@ fn device_buffer_calls_in_the_threads_mode_match_the_reference_bit_for_bit_2a_3e
 }
 
 #[test]
+fn device_buffer_calls_through_relays_match_the_reference_bit_for_bit_4a_2e() {
+    run_ok("device:4:2:9:none:2", 6, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_through_relays_with_int8_match_the_reference_bit_for_bit_4a_3e() {
+    run_ok("device:4:3:9:int8:2", 7, 2, Duration::from_secs(90));
+}
+
+#[test]
 fn device_buffer_calls_with_int8_on_the_wire_match_the_reference_bit_for_bit_3a_2e() {
-    run_ok("device:3:2:9:int8", 5, 2, Duration::from_secs(90));
+    run_ok("device:3:2:9:int8:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_2a_3e_on_2_devices() {
-    run_ok("device:2:3:9:none", 5, 2, Duration::from_secs(90));
+    run_ok("device:2:3:9:none:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]
