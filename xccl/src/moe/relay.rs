@@ -1302,15 +1302,19 @@ fn forward_rows(
         Some(_) => Some(ctx.device_rows()?),
         None => None,
     };
+    // Where row `i`'s token is in `chunk`: its metadata in a full row, or packed (4 bytes a
+    // row) where only the tokens came from the device.
+    let packed = dev.is_some();
+    let token_at = |i: usize| if packed { i * 4 } else { i * stride + meta };
     let chunk = match dev.as_deref_mut() {
         Some(dev) => {
-            scratch.resize(len, 0);
+            scratch.resize(rows.len() * 4, 0);
             let runs = (0..rows.len())
                 .map(|i| {
                     let at = src + i * stride + meta;
                     Ok(CopyRun {
                         src: dev.window(ctx.rank, at, 4)?,
-                        dst: (i * stride + meta) as u64,
+                        dst: (i * 4) as u64,
                         len: 4,
                     })
                 })
@@ -1344,7 +1348,7 @@ fn forward_rows(
             continue;
         }
         for i in lo..hi {
-            let at = (i - rows.start) * stride + meta;
+            let at = token_at(i - rows.start);
             let t = u32::from_le_bytes(chunk[at..at + 4].try_into().expect("4"));
             let prev = (i > start).then(|| mc.tokens[i - 1]);
             if t >= t_count || prev.is_some_and(|p| t <= p) {
