@@ -23,6 +23,7 @@
  *   --mode nodriver          config.fabric "cuda" without a driver: init fails naming
  *                            libcuda.so.1 (xcclUnavailable, or xcclAborted carrying a peer's
  *                            such reason). */
+#define _POSIX_C_SOURCE 200809L /* setenv */
 #include <dlfcn.h>
 #include <stdint.h>
 
@@ -135,6 +136,18 @@ static float approx(int t, int h, const float* x, const int* idx, const float* w
       FAIL("%s: the message does not name \"%s\" and \"%s\": %s", #call, (a), (b), m_); \
   } while (0)
 
+/* A driver error before anything was sent is retryable: `call` (made while the stand-in's
+ * CUDA_STANDIN_FAIL fails cuEventRecord, which orders the call after the caller's stream) must
+ * fail with xcclSystemError naming the driver call; the caller then calls again. */
+#define driver_error_is_retryable(call)                                                    \
+  do {                                                                                     \
+    if (setenv("CUDA_STANDIN_FAIL", "cuEventRecord:999", 1) != 0) FAIL("setenv");         \
+    EXPECT(call, xcclSystemError);                                                         \
+    unsetenv("CUDA_STANDIN_FAIL");                                                         \
+    if (strstr(xcclGetLastError(NULL), "cuEventRecord") == NULL)                           \
+      FAIL("%s: the message does not name cuEventRecord: %s", #call, xcclGetLastError(NULL)); \
+  } while (0)
+
 /* ---- attention rank ---- */
 
 /* Every refused pointer of the attention side's device calls (nothing is sent). */
@@ -203,6 +216,7 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
     h2d(didx, idx, T * TOPK * sizeof(int));
     h2d(dw, w, T * TOPK * sizeof(float));
     if (pair == 0) attention_refusals(comm, T, dx, didx, dw, ndev, x, idx, w);
+    if (pair == 1) driver_error_is_retryable(xcclA2ESendDevice(comm, dx, T, idx, w, xcclMemoryHost, s, &h2));
     if (routing_on_device)
       CHECK(xcclA2ESendDevice(comm, dx, T, didx, dw, xcclMemoryDevice, s, &h2));
     else
@@ -318,6 +332,7 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
       }
       if (b != NULL) FAIL("a refused receive wrote a batch");
     }
+    if (pair == 1) driver_error_is_retryable(xcclA2ERecvDevice(comm, &b, dout, outBytes, s));
     CHECK(xcclA2ERecvDevice(comm, &b, dout, outBytes, s));
     memset(&info, 0, sizeof info);
     info.size = sizeof info;
