@@ -552,4 +552,27 @@ mod tests {
         let err = parsed(&v4).unwrap_err();
         assert!(err.contains("config.role"), "{err}");
     }
+
+    #[test]
+    fn fabric_cuda_takes_config_device_as_the_gpu_and_unset_as_rank_modulo_devices() {
+        let full = std::mem::size_of::<xcclConfig_t>();
+        let spec = |device: c_int| {
+            let mut c = config(4, full, UNDEF);
+            c.fabric = c"cuda".as_ptr();
+            c.device = device;
+            // SAFETY: `c` is a whole, aligned config that lives across the call.
+            unsafe { parse(&c, 3) }.map(|p| p.fabric).map_err(|f| f.msg)
+        };
+        assert!(matches!(spec(UNDEF), Ok(FabricSpec::Cuda(None))));
+        assert!(matches!(spec(3), Ok(FabricSpec::Cuda(Some(3)))));
+        let err = spec(-1).unwrap_err();
+        assert!(err.contains("config.device = -1"), "{err}");
+        // Version 3 callers have no `device`: whatever lies there is not read.
+        let mut v3 = config(3, CONFIG_V3_SIZE, UNDEF);
+        v3.fabric = c"cuda".as_ptr();
+        v3.device = 5;
+        // SAFETY: as above.
+        let p = unsafe { parse(&v3, 3) }.map_err(|f| f.msg).unwrap();
+        assert!(matches!(p.fabric, FabricSpec::Cuda(None)));
+    }
 }
