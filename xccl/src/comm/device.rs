@@ -24,6 +24,7 @@ use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Event, ReadRegion, Stream
 use crate::fabric::cuda::CudaFabric;
 use crate::moe::combine::Replies;
 use crate::moe::context::Context;
+use crate::moe::device_rows::OutRows;
 use crate::{A2eHandle, Error, ExpertBatch, Result};
 
 /// The routing of an A2E call: `[T, topk]` expert ids (`i32`, `-1` = none) and gating weights
@@ -256,11 +257,12 @@ impl Communicator {
             let tokens = topk_idx.len() / ctx.cfg.topk.max(1);
             let len = tokens * ctx.layout.a2e.payload;
             check_buffer(fabric.device(), "x", x.ptr(), x.len(), Need::Exactly(len))?;
-            let x = read_lent(ctx, fabric, x, "x", deadline)?;
             if mode == crate::TransferMode::Pull {
                 super::through_relays(ctx, "pull A2E")?;
             }
-            dispatch.send(ctx, &x, &topk_idx, &topk_weights, mode.into(), deadline)
+            let (idx, weights) = (&topk_idx[..], &topk_weights[..]);
+            let x = x.ptr().addr();
+            dispatch.send_device(ctx, x, tokens, idx, weights, mode.into(), deadline)
         })
     }
 
@@ -286,9 +288,14 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            let mut rows = vec![0u8; len];
-            combine.recv(ctx, sent, &mut rows, deadline)?;
-            write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
+            if ctx.topo.relay_plan().is_some() {
+                // Through a relay the rows arrive reduced on the relay's side: on the host.
+                let mut rows = vec![0u8; len];
+                combine.recv(ctx, sent, OutRows::Host(&mut rows), deadline)?;
+                write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
+            } else {
+                combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
+            }
             dispatch.retire();
             handle.answered();
             Ok(())
@@ -319,10 +326,7 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            dispatch.recv_expert_major(ctx, batch, deadline)?;
-            write_lent(ctx, fabric, &out, batch.rows.bytes(), "out", deadline)?;
-            batch.rows.resize(0);
-            Ok(())
+            dispatch.recv_expert_major(ctx, batch, Some(out.ptr().addr()), deadline)
         })
     }
 
@@ -349,8 +353,8 @@ impl Communicator {
                 Need::Exactly(len),
             )?;
             order_after(fabric, stream)?;
-            let out = read_lent(ctx, fabric, expert_out, "expert_out", ctx.call_deadline())?;
-            let replies = Replies::Reduce { batch, out: &out };
+            let out = expert_out.ptr().addr();
+            let replies = Replies::ReduceDevice { batch, out };
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
             send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
             batch.recv.answered();

@@ -16,7 +16,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use super::{non_finite, CopyRun, DataPlane, Memory, QuantRow, SumRow, SumTerm};
+use super::{check_host_runs, non_finite, CopyRun, DataPlane, Memory, QuantRow, SumRow, SumTerm};
 use crate::cuda::{Device, DeviceMemory, DeviceRegion, Function, Module, Stream};
 use crate::moe::dtype::DType;
 use crate::Result;
@@ -53,6 +53,11 @@ pub struct CudaPlane {
     /// The quantize word, and whether a quantize step was queued since the last completion.
     bad: DeviceMemory,
     quantized: bool,
+    /// Where [`DataPlane::gather`] collects its bytes before they go to the host (grown on
+    /// demand).
+    gathered: Option<DeviceMemory>,
+    /// Runs rewritten to device addresses (scratch, reused).
+    runs: Vec<CopyRun>,
     /// Bound of the waits the plane makes by itself (a full staging area).
     timeout: Duration,
     /// This rank, for the errors of waits.
@@ -98,11 +103,18 @@ impl CudaPlane {
             used: 0,
             bad: DeviceMemory::alloc(device, 8, what("quantize word"))?,
             quantized: false,
+            gathered: None,
+            runs: Vec::new(),
             stream,
             kernels,
             timeout,
             rank,
         })
+    }
+
+    /// The device whose memory the plane works on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// The stream the plane queues its work on.
@@ -283,6 +295,62 @@ impl DataPlane for CudaPlane {
                 &mut [arg(&mut r), arg(&mut n), arg(&mut dt), arg(&mut h)],
             )
         }
+    }
+
+    unsafe fn scatter(&mut self, data: &[u8], runs: &[CopyRun]) -> Result<()> {
+        check_host_runs(runs, data.len(), |r| r.src, "scatter")?;
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let runs_len = std::mem::size_of_val(runs);
+        self.reserve(Self::room(&[data.len(), runs_len]))?;
+        let base = self.stage(data)?;
+        self.runs.clear();
+        self.runs.extend(runs.iter().map(|r| CopyRun {
+            src: base + r.src,
+            ..*r
+        }));
+        let runs = std::mem::take(&mut self.runs);
+        let staged = self.stage(&runs);
+        self.runs = runs;
+        let (mut at, mut n) = (staged?, self.runs.len() as u32);
+        let f = &self.kernels.copy_runs;
+        // SAFETY: as `copy_runs`; the sources are the staged copy of `data`, which lives in
+        // the staging area until completion.
+        unsafe { self.launch(f, self.runs.len(), &mut [arg(&mut at), arg(&mut n)]) }
+    }
+
+    unsafe fn gather(&mut self, runs: &[CopyRun], out: &mut [u8], deadline: Instant) -> Result<()> {
+        check_host_runs(runs, out.len(), |r| r.dst, "gather")?;
+        if runs.is_empty() {
+            return Ok(());
+        }
+        if self.gathered.as_ref().is_none_or(|g| g.len() < out.len()) {
+            // The old area may still be read by queued work: complete before it is freed.
+            self.complete(deadline)?;
+            let rank = self.rank;
+            self.gathered = Some(DeviceMemory::alloc(
+                &self.device,
+                out.len().next_power_of_two(),
+                || format!("the data plane's gather area (rank {rank})"),
+            )?);
+        }
+        let base = self.gathered.as_ref().map_or(0, |g| g.ptr().addr());
+        self.runs.clear();
+        self.runs.extend(runs.iter().map(|r| CopyRun {
+            dst: base + r.dst,
+            ..*r
+        }));
+        let runs = std::mem::take(&mut self.runs);
+        // SAFETY: the trait's contract for the sources; the destinations lie in the gather
+        // area (each inside `out.len()` bytes, checked above), which only this call uses.
+        let queued = unsafe { self.copy_runs(&runs) };
+        self.runs = runs;
+        queued?;
+        self.complete(deadline)?;
+        let area = self.gathered.as_ref().expect("allocated above");
+        let what = || "reading gathered bytes of the data plane".to_string();
+        self.stream.read(area, 0, out, deadline, self.rank, &what)
     }
 
     fn complete(&mut self, deadline: Instant) -> Result<()> {

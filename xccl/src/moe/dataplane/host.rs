@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::{non_finite, CopyRun, DataPlane, Memory, QuantRow, SumRow, SumTerm};
+use super::{check_host_runs, non_finite, CopyRun, DataPlane, Memory, QuantRow, SumRow, SumTerm};
 use crate::moe::dtype::{DType, MAX_FUSED_ROWS};
 use crate::moe::quant::{dequantize, dequantize_add, dequantize_to, int8_payload, Quantizer};
 use crate::Result;
@@ -157,6 +157,27 @@ impl DataPlane for HostPlane {
                 )
             };
             dequantize_to(src, dtype, &mut self.acc, dst);
+        }
+        Ok(())
+    }
+
+    unsafe fn scatter(&mut self, data: &[u8], runs: &[CopyRun]) -> Result<()> {
+        check_host_runs(runs, data.len(), |r| r.src, "scatter")?;
+        for r in runs {
+            let src = &data[r.src as usize..][..r.len as usize];
+            // SAFETY: the trait's contract for the destination; the source is in `data`
+            // (checked above).
+            crate::fabric::copy::copy_slice(unsafe { bytes_mut(r.dst, src.len()) }, src);
+        }
+        Ok(())
+    }
+
+    unsafe fn gather(&mut self, runs: &[CopyRun], out: &mut [u8], _: Instant) -> Result<()> {
+        check_host_runs(runs, out.len(), |r| r.dst, "gather")?;
+        for r in runs {
+            let dst = &mut out[r.dst as usize..][..r.len as usize];
+            // SAFETY: the trait's contract for the source; the destination is in `out`.
+            crate::fabric::copy::copy_slice(dst, unsafe { bytes(r.src, r.len as usize) });
         }
         Ok(())
     }

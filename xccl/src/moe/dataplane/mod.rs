@@ -169,9 +169,49 @@ pub trait DataPlane: Send {
     /// As [`DataPlane::sum_rows`], with `src` an INT8 payload and `dst` a dtype row.
     unsafe fn dequantize(&mut self, dtype: DType, hidden: usize, rows: &[QuantRow]) -> Result<()>;
 
+    /// Copies host bytes into this plane's memory: run `i` copies `data[src..src + len]`
+    /// (`src` an offset into `data`) to `dst`. `data` may be reused once it returns. A run
+    /// outside `data` is an error and nothing is queued.
+    ///
+    /// # Safety
+    /// As [`DataPlane::copy_runs`] for the destinations.
+    unsafe fn scatter(&mut self, data: &[u8], runs: &[CopyRun]) -> Result<()>;
+
+    /// Copies from this plane's memory to the host: run `i` copies the `len` bytes at `src` to
+    /// `out[dst..dst + len]` (`dst` an offset into `out`; bytes no run covers are unspecified).
+    /// Completes everything queued
+    /// ([`DataPlane::complete`]) before it returns. A run outside `out` is an error and
+    /// nothing is queued.
+    ///
+    /// # Safety
+    /// As [`DataPlane::copy_runs`] for the sources.
+    unsafe fn gather(&mut self, runs: &[CopyRun], out: &mut [u8], deadline: Instant) -> Result<()>;
+
     /// Waits (until `deadline`) for every queued operation to finish, and reports a quantize
     /// step's non-finite row.
     fn complete(&mut self, deadline: Instant) -> Result<()>;
+}
+
+/// Checks that every run's `offset(run)..+len` lies in `0..len` (the host side of a
+/// [`DataPlane::scatter`] or [`DataPlane::gather`]).
+pub(crate) fn check_host_runs(
+    runs: &[CopyRun],
+    len: usize,
+    offset: impl Fn(&CopyRun) -> u64,
+    what: &str,
+) -> Result<()> {
+    match runs.iter().find(|r| {
+        offset(r)
+            .checked_add(r.len)
+            .is_none_or(|end| end > len as u64)
+    }) {
+        Some(r) => Err(crate::Error::invalid(format!(
+            "a {what} run of {} bytes at offset {} is outside its {len} host bytes",
+            r.len,
+            offset(r)
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The error for row `row`'s non-finite element `element` in a quantize step.

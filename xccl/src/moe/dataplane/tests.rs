@@ -751,3 +751,90 @@ fn the_cuda_plane_stages_more_descriptors_than_its_area_holds() {
     let want: Vec<u8> = src.iter().rev().copied().collect();
     assert_eq!(got, want);
 }
+
+/// Scatter puts host bytes at device places and gather brings device bytes back, on both
+/// planes, with runs of odd lengths at odd offsets; a run outside its host bytes is an error
+/// and queues nothing.
+#[test]
+fn scatter_and_gather_move_host_bytes_to_device_places_and_back_on_both_planes() {
+    use crate::cuda::DeviceRegion;
+    use std::time::{Duration, Instant};
+
+    let (device, io, mut plane) = test_plane();
+    let deadline = || Instant::now() + Duration::from_secs(30);
+    let data: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
+    // Runs of 1..=37 bytes from scattered offsets of `data` to a reversed order in `dst`.
+    let mut runs = Vec::new();
+    let (mut at, mut to) = (0u64, 2000u64);
+    for len in 1..=37u64 {
+        to -= len + 3;
+        runs.push(CopyRun {
+            src: at,
+            dst: to,
+            len,
+        });
+        at += len + 1;
+    }
+    let dst = upload(&io, &device, &vec![0xEE; 2000]);
+    let on_device: Vec<CopyRun> = (runs.iter())
+        .map(|r| CopyRun {
+            dst: dst.ptr().addr() + r.dst,
+            ..*r
+        })
+        .collect();
+    let mut host_dst = vec![0xEEu8; 2000];
+    let on_host: Vec<CopyRun> = (runs.iter())
+        .map(|r| CopyRun {
+            dst: host_dst.as_mut_ptr() as u64 + r.dst,
+            ..*r
+        })
+        .collect();
+    // SAFETY: every destination is inside a live 2000-byte buffer, none overlapping.
+    unsafe { plane.scatter(&data, &on_device) }.unwrap();
+    // SAFETY: the same runs into the live host buffer `host_dst`.
+    unsafe { HostPlane::new().scatter(&data, &on_host) }.unwrap();
+    plane.complete(deadline()).unwrap();
+    assert_eq!(download(&io, &dst, 2000), host_dst, "scatter");
+
+    // Gather the scattered runs back into their places of `data`.
+    let back = |base: u64| -> Vec<CopyRun> {
+        (runs.iter())
+            .map(|r| CopyRun {
+                src: base + r.dst,
+                dst: r.src,
+                len: r.len,
+            })
+            .collect()
+    };
+    let mut got = vec![0u8; data.len()];
+    let mut want = vec![0u8; data.len()];
+    // SAFETY: every source is inside a live 2000-byte buffer.
+    unsafe { plane.gather(&back(dst.ptr().addr()), &mut got, deadline()) }.unwrap();
+    let host_back = back(host_dst.as_ptr() as u64);
+    // SAFETY: every source is inside the live host buffer `host_dst`.
+    unsafe { HostPlane::new().gather(&host_back, &mut want, deadline()) }.unwrap();
+    for r in &runs {
+        let range = r.src as usize..(r.src + r.len) as usize;
+        assert_eq!(got[range.clone()], data[range.clone()], "gather (cuda)");
+        assert_eq!(want[range.clone()], data[range], "gather (host)");
+    }
+
+    // A run past the host bytes: an error, nothing written.
+    let bad = [CopyRun {
+        src: 990,
+        dst: dst.ptr().addr(),
+        len: 11,
+    }];
+    // SAFETY: the destination is live (and the run is refused before any copy).
+    let err = unsafe { plane.scatter(&data, &bad) }.unwrap_err();
+    assert!(
+        err.to_string().contains("outside its 1000 host bytes"),
+        "{err}"
+    );
+    plane.complete(deadline()).unwrap();
+    assert_eq!(
+        download(&io, &dst, 2000),
+        host_dst,
+        "a refused scatter wrote"
+    );
+}
