@@ -794,6 +794,12 @@ fn run_cuda_program(mode: &str, n: usize, devices: usize, library: &Path) {
 #[test]
 fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // The cuda fabric's data plane compiles its kernels with the real NVRTC (the stand-in then
+    // runs their C twins).
+    assert!(
+        std::env::var_os("XCCL_NVRTC_LIBRARY").is_some(),
+        "set XCCL_NVRTC_LIBRARY to libnvrtc.so.13 or .12 (ci/test.sh takes the venv's)"
+    );
     let standin = cuda_standin();
     // 1A:1E on one device; 2A:2E on two (the refusals include another GPU's memory).
     run_cuda_program("cuda", 2, 1, standin);
