@@ -844,9 +844,9 @@ xcclResult_t xcclTokenBatchFree(xcclTokenBatch_t batch);
  * not wait for other streams' work: order that before the call (cudaStreamWaitEvent). Not
  * capturable in a CUDA graph. `stream` must stay valid during the call.
  *
- * Today the rows move through host memory (one device-to-host or host-to-device copy of each
- * buffer per call, on the communicator's stream; docs/device.md says what comes next); the
- * results are bit for bit those of the host calls on the same inputs.
+ * The rows are copied and summed by device copies and kernels on the communicator's stream
+ * (the host plans and moves metadata; docs/device.md); the results are bit for bit those of
+ * the host calls on the same inputs.
  */
 
 /** A cudaStream_t / CUstream (the same type: `struct CUstream_st*`), declared here so that
