@@ -773,6 +773,17 @@ fn cuda_standin() -> &'static Path {
 /// Runs `tests/capi/capi_cuda.c` in `mode` as `n` ranks, the driver being `library` (the
 /// stand-in showing `devices` devices), and checks that no stand-in segment is left.
 fn run_cuda_program(mode: &str, n: usize, devices: usize, library: &Path) {
+    run_cuda_program_env(mode, n, devices, library, &[]);
+}
+
+/// [`run_cuda_program`] with `env` added to every rank's environment.
+fn run_cuda_program_env(
+    mode: &str,
+    n: usize,
+    devices: usize,
+    library: &Path,
+    env: &[(&str, &str)],
+) {
     let exe = compile(&repo().join("tests/capi/capi_cuda.c"), "capi_cuda_c");
     let segs = xccl_tests::StandinSegments::new("xccl-cucapi");
     let devices = devices.to_string();
@@ -785,7 +796,8 @@ fn run_cuda_program(mode: &str, n: usize, devices: usize, library: &Path) {
                 .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
                 .env("CUDA_STANDIN_DEVICES", &devices)
                 .env_remove("CUDA_STANDIN_FAIL")
-                .env_remove("CUDA_STANDIN_MEM_LIMIT");
+                .env_remove("CUDA_STANDIN_MEM_LIMIT")
+                .envs(env.iter().copied());
         },
     );
     assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
@@ -804,6 +816,8 @@ fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit()
     // 1A:1E on one device; 2A:2E on two (the refusals include another GPU's memory).
     run_cuda_program("cuda", 2, 1, standin);
     run_cuda_program("cuda", 4, 2, standin);
+    // 1A:2E with INT8 on the wire both ways.
+    run_cuda_program_env("cuda", 3, 2, standin, &[("XCCL_TEST_QUANT", "int8")]);
 }
 
 #[test]
