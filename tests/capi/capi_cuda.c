@@ -12,7 +12,8 @@
  *                            the device and on the host, the default stream and a stream from
  *                            cuStreamCreate); the device results (the expert's received rows and
  *                            metadata, the attention rank's combined rows) must equal the host
- *                            results bit for bit. Before the first device round every refused
+ *                            results bit for bit (pair MIXED_PAIR answers the device calls with
+ *                            host calls). Before the first device round every refused
  *                            pointer (NULL, host memory, too short, another device's memory, the
  *                            routing in the other memory, device memory to a host call) must be
  *                            xcclInvalidArgument naming the argument, with nothing sent (the
@@ -30,6 +31,9 @@
 #include "common.h"
 
 #define PAIRS 6
+/* The pair whose device calls are answered by host calls (xcclE2ARecv of a device send's
+ * handle, xcclE2ASend of a device receive's batch). */
+#define MIXED_PAIR 3
 
 /* ---- the driver, dlopened ---- */
 
@@ -238,8 +242,13 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
       dfree(shortout);
     }
     memset(dev_out, 0xff, sizeof dev_out);
-    CHECK(xcclE2ARecvDevice(comm, h2, dout, s));
-    d2h(dev_out, dout, T * row);
+    if (pair == MIXED_PAIR) {
+      /* A handle of xcclA2ESendDevice received by the host call. */
+      CHECK(xcclE2ARecv(comm, h2, dev_out));
+    } else {
+      CHECK(xcclE2ARecvDevice(comm, h2, dout, s));
+      d2h(dev_out, dout, T * row);
+    }
     if (T > 0 && memcmp(dev_out, host_out, T * row) != 0) {
       for (t = 0; t < T * HIDDEN; t++)
         if (memcmp(&dev_out[t], &host_out[t], sizeof(float)) != 0)
@@ -367,7 +376,10 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
       EXPECT_INVALID(xcclE2ASend(comm, b, dy), "expertOut (", "is device memory");
       dfree(shorty);
     }
-    CHECK(xcclE2ASendDevice(comm, b, dy, s));
+    if (pair == MIXED_PAIR)
+      CHECK(xcclE2ASend(comm, b, y)); /* a batch of xcclA2ERecvDevice replied by the host call */
+    else
+      CHECK(xcclE2ASendDevice(comm, b, dy, s));
   }
   CU(cu.stream_destroy(raw));
   dfree(dout);
