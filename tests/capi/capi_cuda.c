@@ -17,7 +17,11 @@
  *                            pointer (NULL, host memory, too short, another device's memory, the
  *                            routing in the other memory, device memory to a host call) must be
  *                            xcclInvalidArgument naming the argument, with nothing sent (the
- *                            rounds after it would fail otherwise).
+ *                            rounds after it would fail otherwise); a driver error before
+ *                            anything was sent (cuEventRecord failing through the stand-in's
+ *                            CUDA_STANDIN_FAIL; stand-in only) xcclSystemError naming it, the
+ *                            call then retried. XCCL_TEST_QUANT=int8: INT8 on the wire both ways
+ *                            (config a2eQuant and e2aQuant).
  *   --mode shm --devices N   a communicator on the shm fabric: every device call is
  *                            xcclInvalidArgument naming the cuda fabric (device memory on a host
  *                            communicator), xcclCommCuDevice says -1; then a host round.
