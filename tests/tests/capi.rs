@@ -761,6 +761,11 @@ fn c11_destroy_from_another_thread_returns_after_the_blocked_call_and_abort_stil
     eprintln!("{}", logs[0]);
 }
 
+/// `XCCL_TEST_REAL_CUDA=1` (a GPU host, `ci/device-check.sh`): the real driver, one device.
+fn real_cuda() -> bool {
+    std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1")
+}
+
 /// The stand-in CUDA driver (`tests/cuda_standin/`), built once per test process.
 fn cuda_standin() -> &'static Path {
     static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
@@ -792,10 +797,15 @@ fn run_cuda_program_env(
         n,
         &["--mode", mode, "--devices", &devices],
         &|_, cmd| {
-            cmd.env("XCCL_CUDA_LIBRARY", library)
-                .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
-                .env("CUDA_STANDIN_DEVICES", &devices)
-                .env_remove("CUDA_STANDIN_FAIL")
+            if real_cuda() {
+                cmd.env_remove("XCCL_CUDA_LIBRARY")
+                    .env_remove("CUDA_STANDIN_DEVICES");
+            } else {
+                cmd.env("XCCL_CUDA_LIBRARY", library)
+                    .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
+                    .env("CUDA_STANDIN_DEVICES", &devices);
+            }
+            cmd.env_remove("CUDA_STANDIN_FAIL")
                 .env_remove("CUDA_STANDIN_MEM_LIMIT")
                 .envs(env.iter().copied());
         },
@@ -815,6 +825,9 @@ fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit()
     let standin = cuda_standin();
     // 1A:1E on one device; 2A:2E on two (the refusals include another GPU's memory).
     run_cuda_program("cuda", 2, 1, standin);
+    if real_cuda() {
+        return;
+    }
     run_cuda_program("cuda", 4, 2, standin);
     // 1A:2E with INT8 on the wire both ways.
     run_cuda_program_env("cuda", 3, 2, standin, &[("XCCL_TEST_QUANT", "int8")]);
