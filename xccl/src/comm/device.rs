@@ -11,11 +11,24 @@
 //! 3. runs the protocol, the same planning as the host calls;
 //! 4. returns once the rows are in place.
 //!
-//! Where the rows move: the protocol's row copies and sums run on the host today, so these
-//! calls bring the rows they read to the host and write the rows they produce back (one
-//! device-to-host or host-to-device copy per buffer, on the fabric's stream). The results are
-//! the host calls' bits by construction. `docs/device.md` says what moves the rows straight
-//! between device windows next.
+//! Where the rows move: on the device. The protocol plans on the host as for the host calls
+//! and the data plane ([`crate::moe::dataplane`], kernels on the fabric's stream) executes
+//! the plan between the caller's buffers and the windows (`crate::moe::device_rows`):
+//! - A2E send: the caller's rows are copied into the destination windows (INT8: quantized
+//!   into device scratch first, so a non-finite row fails before anything is written); the
+//!   rows' metadata is encoded on the host and scattered next to them.
+//! - A2E receive (expert-major): the rows' metadata is gathered to the host (it plans the
+//!   layout), the payloads copied (INT8: dequantized) from the window into `out`.
+//! - E2A send: each token's weighted sum of its experts' outputs is written straight into the
+//!   attention rank's window (INT8: summed and quantized in device scratch first).
+//! - E2A receive: each token's contributions are summed where they landed into `out`.
+//!
+//! What crosses to the host is what the host plans with: records, metadata, the routing of a
+//! [`Routing::Device`] (one copy of each array per call), signals. Two paths still carry rows
+//! through the host: the E2A receive of an attention rank behind a relay (the relay's reduced
+//! rows are read to the host, then written to `out`), and a relay's own forwarding, which
+//! reads and writes its window with the fabric's `get`/`put`. Bits are the host calls' on
+//! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;
 
