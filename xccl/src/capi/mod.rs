@@ -4,14 +4,16 @@
 //! This is the only module with `extern "C"`, raw pointers from callers and `catch_unwind`:
 //! this file holds the panic boundary, the handle registry and the pointer checks; `init.rs`
 //! the calls for errors, version, init, teardown and queries; `moe.rs` the A2E/E2A calls;
-//! `config.rs` the versioned `xcclConfig_t`.
+//! `device.rs` their device-buffer forms (cuda fabric, a stream argument); `config.rs` the
+//! versioned `xcclConfig_t`.
 //!
 //! Rules every exported function follows:
 //! - the body runs inside [`catch_unwind`]: a panic becomes `xcclInternalError` and poisons the
 //!   communicator (the job is aborted with a reason naming the call); it never unwinds into C
 //!   and never aborts the host process;
 //! - every pointer is checked for NULL (`xcclInvalidArgument`, naming the argument) and for the
-//!   alignment of its type before it is read or written;
+//!   alignment of its type before it is read or written; on a cuda communicator a host buffer
+//!   must not be device memory, and a device buffer must be memory of its GPU (`device.rs`);
 //! - communicators, A2E handles and batches are *ids*, not addresses: the `xcclComm_t` a caller
 //!   holds is a number looked up in a registry, so a destroyed or made-up handle is reported
 //!   (`xcclInvalidUsage`) instead of being dereferenced;
