@@ -154,22 +154,6 @@ fn read_lent(
     Ok(bytes)
 }
 
-/// Writes `bytes` into the lent `out` (the buffer `what`), on the fabric's stream.
-fn write_lent(
-    ctx: &Context,
-    fabric: &CudaFabric,
-    out: &DeviceSliceMut<'_>,
-    bytes: &[u8],
-    what: &str,
-    deadline: Instant,
-) -> Result<()> {
-    fabric
-        .stream()
-        .write(out, 0, bytes, deadline, ctx.rank, &|| {
-            format!("writing {what} to device memory")
-        })
-}
-
 /// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
 /// device.
 fn routing_on_host(
@@ -301,14 +285,7 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            if ctx.topo.relay_plan().is_some() {
-                // Through a relay the rows arrive reduced on the relay's side: on the host.
-                let mut rows = vec![0u8; len];
-                combine.recv(ctx, sent, OutRows::Host(&mut rows), deadline)?;
-                write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
-            } else {
-                combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
-            }
+            combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
             dispatch.retire();
             handle.answered();
             Ok(())

@@ -26,6 +26,7 @@ use std::time::Instant;
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::{CheckDue, Context};
 use super::dataplane::{CopyRun, DataPlane, QuantRow};
+use super::device_rows::Scratch;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -310,7 +311,7 @@ impl DispatchSender {
     fn quantize_device(ctx: &Context, x: u64, num_tokens: usize, deadline: Instant) -> Result<()> {
         let (p, q) = (ctx.layout.a2e.payload, Self::device_int8_stride(ctx));
         let mut dev = ctx.device_rows()?;
-        let scratch = dev.scratch(num_tokens * q, deadline)?;
+        let scratch = dev.scratch(Scratch::Call, num_tokens * q, deadline)?;
         let rows: Vec<QuantRow> = (0..num_tokens)
             .map(|t| QuantRow {
                 src: x + (t * p) as u64,
@@ -343,7 +344,10 @@ impl DispatchSender {
         let mut dev = ctx.device_rows()?;
         let into = dev.window(dst, at, count * stride)?;
         let (src, src_stride) = if int8 {
-            (dev.scratch_addr(), Self::device_int8_stride(ctx))
+            (
+                dev.scratch_addr(Scratch::Call),
+                Self::device_int8_stride(ctx),
+            )
         } else {
             (x, row.payload)
         };
