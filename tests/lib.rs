@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 
 use xccl::bootstrap::{Exchange, RootConfig, RootHandle, TcpBootstrap, UniqueId};
 
+pub mod cuda_support;
+
 /// Names the scenario a child rank runs; its presence marks the process as a child.
 pub const SCENARIO_ENV: &str = "XCCL_TEST_SCENARIO";
 /// The child's rank.
