@@ -44,7 +44,16 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
+        ["device", m, n, rounds, quant] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            let quant = match *quant {
+                "int8" => Quant::Int8,
+                _ => Quant::None,
+            };
+            return device_rounds(ctx, (p(m)?, p(n)?), p(rounds)? as u64, quant);
+        }
         ["missing_library"] => missing_library(ctx),
+        ["no_nvrtc_on_rank_1"] => no_nvrtc_on_rank_1(ctx),
         ["init_fails_on_rank_1", call, code] => {
             let code = code.parse::<i64>().map_err(|e| e.to_string())?;
             init_fails_on_rank_1(ctx, call, code)
@@ -113,6 +122,80 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
         "cuda",
         &|ex, topo, cfg| Communicator::init_cuda(ex, topo, cfg, None),
     )
+}
+
+/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
+/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
+/// bit for bit against the reference (`xccl::testing::harness`).
+fn device_rounds(
+    ctx: &ChildCtx,
+    (m, n): (usize, usize),
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
+    use half::bf16;
+    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
+    use xccl::testing::harness::{Buffers, Workload};
+    let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
+    cfg.timeout = Duration::from_secs(30);
+    cfg.a2e_quant = quant;
+    cfg.e2a_quant = quant;
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let mut comm =
+        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
+    let wl = Workload {
+        seed: 0xd1ce + (m * 10 + n) as u64,
+        tokens: 16,
+        vary: true,
+        skew: None,
+        shared_experts: 0,
+    };
+    let mut batch = xccl::ExpertBatch::new();
+    for round in 0..rounds {
+        let host = round % 3 == 2;
+        let verdict = match comm.role() {
+            xccl::Role::Attention if host => {
+                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Copy)
+            }
+            xccl::Role::Attention => {
+                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Device)
+            }
+            xccl::Role::Expert if host => {
+                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+            xccl::Role::Expert => {
+                expert_round_device::<bf16>(&mut comm, &wl, round, &mut batch, true)
+            }
+        };
+        verdict
+            .map_err(|e| format!("round {round}: {e}"))?
+            .map_err(|e| format!("round {round}: {e}"))?;
+    }
+    announce(&format!("{rounds} rounds of device-buffer calls checked"));
+    Ok(())
+}
+
+/// Rank 1 has no NVRTC: `init_cuda` fails on both ranks, rank 1 naming the library and
+/// itself, rank 0 naming rank 1 and its data plane.
+fn no_nvrtc_on_rank_1(ctx: &ChildCtx) -> xccl::Result<()> {
+    let ex = ctx.connect(CONNECT)?;
+    let topo = Topology::contiguous(1, 1, 4)?;
+    let cfg = MoeConfig::new(32, DType::BF16, 2, 8);
+    let r = Communicator::init_cuda(ex, Arc::new(topo), cfg, None);
+    match (ctx.rank, r) {
+        (1, Err(e @ Error::FabricUnavailable { .. }))
+            if e.to_string().contains("libnvrtc") && e.to_string().contains("rank 1") =>
+        {
+            Ok(())
+        }
+        (0, Err(Error::PeerFailed { peer: 1, detail })) if detail.contains("data plane") => {
+            announce(&format!("rank 1 failed: {detail}"));
+            Ok(())
+        }
+        (rank, Err(e)) => Err(fail(format!("rank {rank}: unexpected error: {e}"))),
+        (rank, Ok(_)) => Err(fail(format!("rank {rank}: init succeeded"))),
+    }
 }
 
 /// No driver anywhere: `init_cuda` fails with FabricUnavailable naming the library.
@@ -435,6 +518,21 @@ fn cuda_one_attention_one_expert_matches_reference() {
 }
 
 #[test]
+fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
+    run_ok("device:1:1:12:none", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_with_int8_on_the_wire_match_the_reference_bit_for_bit_3a_2e() {
+    run_ok("device:3:2:9:int8", 5, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_match_the_reference_bit_for_bit_2a_3e_on_2_devices() {
+    run_ok("device:2:3:9:none", 5, 2, Duration::from_secs(90));
+}
+
+#[test]
 fn cuda_two_attention_two_expert_matches_reference() {
     run_ok("moe:2:2:60", 4, 2, Duration::from_secs(90));
 }
@@ -484,6 +582,12 @@ fn an_injected_driver_error_at_init_names_the_call_and_the_rank_on_every_rank() 
         "init_fails_on_rank_1:cuStreamCreate:999",
         vec![(FAIL_ENV, Some("cuStreamCreate:999".into()))],
     );
+}
+
+#[test]
+fn a_rank_without_nvrtc_fails_init_cuda_on_every_rank_naming_it() {
+    let missing = Some("/nonexistent/libnvrtc.so.13".to_string());
+    run_with_rank_1_env("no_nvrtc_on_rank_1", vec![("XCCL_NVRTC_LIBRARY", missing)]);
 }
 
 #[test]

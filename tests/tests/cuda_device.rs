@@ -72,7 +72,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         ["bad_buffers"] => bad_buffers(ctx),
         ["on_shm"] => device_calls_on_shm(ctx),
         ["counters"] => counters_count(ctx),
-        ["native_counters", m, n] => native_counters(ctx, p(m)?, p(n)?),
+        ["native_counters", m, n, roles] => native_counters(ctx, p(m)?, p(n)?, roles),
         _ => Err(format!("unknown scenario {scenario:?}")),
     }
 }
@@ -351,7 +351,9 @@ fn int8_non_finite(ctx: &ChildCtx) -> Result<(), String> {
                     comm,
                     "A2E of a NaN row with INT8",
                     r,
-                    &["token 1", "non-finite"],
+                    // The host path names the token ("token 1 has a non-finite element at
+                    // 5"); the device path the row of its quantize step.
+                    &["non-finite", "at 5"],
                 )
                 .map(drop)
             },
@@ -731,8 +733,9 @@ const WIDE: usize = 1024;
 /// uploads and downloads) and checks that the bytes copied between host and device are
 /// metadata only: `HtoD + DtoH < rows * hidden * 2 / 8`, where `rows` are the rows the two
 /// calls move (an attention rank: `2 T`, its rows out and the combined rows back; an expert
-/// rank: twice the batch's rows). The results are checked against the reference too.
-fn native_counters(ctx: &ChildCtx, m: usize, n: usize) -> Result<(), String> {
+/// rank: twice the batch's rows). The results are checked against the reference too. With
+/// `roles` `attention` only the attention ranks check the bound (`all`: every rank).
+fn native_counters(ctx: &ChildCtx, m: usize, n: usize, roles: &str) -> Result<(), String> {
     let mut comm = cuda_comm(ctx, (m, n), DType::BF16, WIDE, 0)?;
     let wl = Workload {
         seed: 0xc0c0,
@@ -745,20 +748,33 @@ fn native_counters(ctx: &ChildCtx, m: usize, n: usize) -> Result<(), String> {
     let mut batch = ExpertBatch::new();
     let mut report = Vec::new();
     for round in 0..3 {
-        let (moved, rows) = if comm.role() == Role::Attention {
+        let (calls, rows) = if comm.role() == Role::Attention {
             attention_counted(&mut comm, &wl, round)?
         } else {
             expert_counted(&mut comm, &wl, round, &mut batch)?
         };
+        let moved: u64 = calls.iter().map(|(_, c)| c.host_device_bytes()).sum();
+        let each: Vec<String> = calls
+            .iter()
+            .map(|(call, c)| {
+                format!(
+                    "{call}: HtoD {} B in {} copies, DtoH {} B in {}",
+                    c.htod_bytes, c.htod_calls, c.dtoh_bytes, c.dtoh_calls
+                )
+            })
+            .collect();
         let bound = rows * row / 8;
         report.push(format!(
-            "round {round}: {moved} bytes for {rows} rows (bound {bound})"
+            "round {round}: {moved} bytes for {rows} rows (bound {bound}; {})",
+            each.join(", ")
         ));
-        if rows == 0 || moved >= bound {
+        let bounded = roles == "all" || comm.role() == Role::Attention;
+        if rows == 0 || (bounded && moved >= bound) {
             return Err(format!(
                 "rank {} round {round}: {moved} bytes copied between host and device for {rows} \
-                 rows of {row} bytes; the bound is {bound} (metadata only)",
-                ctx.rank
+                 rows of {row} bytes; the bound is {bound} (metadata only); {}",
+                ctx.rank,
+                each.join(", ")
             ));
         }
     }
@@ -767,12 +783,26 @@ fn native_counters(ctx: &ChildCtx, m: usize, n: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// An attention rank's counted round: (host-device bytes of its two calls, rows they move).
+/// What the stand-in counted during `call` on `comm`'s process.
+fn counted<R>(
+    comm: &mut Communicator,
+    call: impl FnOnce(&mut Communicator) -> xccl::Result<R>,
+) -> Result<(R, StandinCounters), String> {
+    let start = StandinCounters::of(comm).ok_or("no stand-in counters")?;
+    let r = call(comm).map_err(s)?;
+    let end = StandinCounters::of(comm).ok_or("no stand-in counters")?;
+    Ok((r, end.since(&start)))
+}
+
+/// What each call of a counted round moved, and the rows the calls moved.
+type Counted = (Vec<(&'static str, StandinCounters)>, u64);
+
+/// An attention rank's counted round: what its two calls copied, and `2 T` rows.
 fn attention_counted(
     comm: &mut Communicator,
     wl: &Workload,
     round: u64,
-) -> Result<(u64, u64), String> {
+) -> Result<Counted, String> {
     let topo = comm.topology().clone();
     let input = wl.input(&topo, TOPK, comm.rank(), round);
     let x: Vec<bf16> = wl.hidden_states(comm.rank(), round, input.num_tokens, WIDE);
@@ -782,19 +812,16 @@ fn attention_counted(
     let idx = dev.upload(&input.topk_idx).map_err(s)?;
     let w = dev.upload(&input.topk_weights).map_err(s)?;
     let mut out = dev.alloc(bytes).map_err(s)?;
-    let start = StandinCounters::of(comm).ok_or("no stand-in counters")?;
     let routing = Routing::Device {
         topk_idx: lend(&idx, input.topk_idx.len() * 4),
         topk_weights: lend(&w, input.topk_weights.len() * 4),
     };
-    let handle = comm
-        .a2e_send_device(lend(&xs, bytes), routing, dev.stream())
-        .map_err(s)?;
-    comm.e2a_recv_device(&handle, lend_mut(&mut out, bytes), dev.stream())
-        .map_err(s)?;
-    let moved = StandinCounters::of(comm)
-        .ok_or("no stand-in counters")?
-        .since(&start);
+    let (handle, sent) = counted(comm, |c| {
+        c.a2e_send_device(lend(&xs, bytes), routing, dev.stream())
+    })?;
+    let ((), received) = counted(comm, |c| {
+        c.e2a_recv_device(&handle, lend_mut(&mut out, bytes), dev.stream())
+    })?;
     let got: Vec<bf16> = dev.download(&out, x.len()).map_err(s)?;
     let want = expected_combine_quant(
         &topo,
@@ -808,34 +835,33 @@ fn attention_counted(
     if let Some(d) = xccl::testing::harness::first_difference(&got, &want, WIDE) {
         return Err(format!("round {round}: out{d}"));
     }
-    Ok((moved.host_device_bytes(), 2 * input.num_tokens as u64))
+    let calls = vec![("a2e_send_device", sent), ("e2a_recv_device", received)];
+    Ok((calls, 2 * input.num_tokens as u64))
 }
 
-/// An expert rank's counted round: (host-device bytes of its two calls, rows they move).
+/// An expert rank's counted round: what its two calls copied, and twice the batch's rows.
 fn expert_counted(
     comm: &mut Communicator,
     wl: &Workload,
     round: u64,
     batch: &mut ExpertBatch,
-) -> Result<(u64, u64), String> {
+) -> Result<Counted, String> {
     let dev = DeviceRows::of(comm).map_err(s)?;
     let len = comm.max_expert_rows() * WIDE * 2;
     let mut rows_mem = dev.alloc(len).map_err(s)?;
-    let c0 = StandinCounters::of(comm).ok_or("no stand-in counters")?;
-    comm.a2e_recv_device(batch, lend_mut(&mut rows_mem, len), dev.stream())
-        .map_err(s)?;
-    let c1 = StandinCounters::of(comm).ok_or("no stand-in counters")?;
+    let ((), received) = counted(comm, |c| {
+        c.a2e_recv_device(batch, lend_mut(&mut rows_mem, len), dev.stream())
+    })?;
     let n = batch.num_rows() * WIDE;
     let rows: Vec<bf16> = dev.download(&rows_mem, n).map_err(s)?;
     let (verdict, out) = expert_step(comm, wl, round, batch, &rows, true);
     verdict?;
     let out = dev.upload(&out).map_err(s)?;
-    let c2 = StandinCounters::of(comm).ok_or("no stand-in counters")?;
-    comm.e2a_send_device(batch, lend(&out, n * 2), dev.stream())
-        .map_err(s)?;
-    let c3 = StandinCounters::of(comm).ok_or("no stand-in counters")?;
-    let moved = c1.since(&c0).host_device_bytes() + c3.since(&c2).host_device_bytes();
-    Ok((moved, 2 * batch.num_rows() as u64))
+    let ((), sent) = counted(comm, |c| {
+        c.e2a_send_device(batch, lend(&out, n * 2), dev.stream())
+    })?;
+    let calls = vec![("a2e_recv_device", received), ("e2a_send_device", sent)];
+    Ok((calls, 2 * batch.num_rows() as u64))
 }
 
 // ---- parent side ----
@@ -880,9 +906,7 @@ fn device_calls_with_int8_on_the_wire_match_the_host_paths_bits() {
 #[test]
 fn a_non_finite_row_with_int8_is_refused_before_anything_is_published_and_retried() {
     let job = run_ok("int8_non_finite", 2, 1, Duration::from_secs(60));
-    assert!(job
-        .output(0)
-        .contains("A2E of a NaN row with INT8: token 1"));
+    assert!(job.output(0).contains("A2E of a NaN row with INT8: "));
     assert!(job.output(1).contains("E2A of an infinite row with INT8"));
 }
 
@@ -916,10 +940,18 @@ fn device_calls_on_a_shm_communicator_are_refused_and_host_calls_go_on() {
     run_ok("on_shm", 2, 1, Duration::from_secs(60));
 }
 
+/// Whether the jobs run on the real driver, which has no counters (then says the test skips).
+fn no_counters() -> bool {
+    let real = xccl_tests::cuda_support::real_cuda();
+    if real {
+        eprintln!("skipped: the real driver has no counters");
+    }
+    real
+}
+
 #[test]
 fn the_standin_counts_the_bytes_each_copy_moves() {
-    if xccl_tests::cuda_support::real_cuda() {
-        eprintln!("skipped: the real driver has no counters");
+    if no_counters() {
         return;
     }
     let (mut job, segs) = spawn("counters", 1, 1, &|_| vec![(DEVICES_ENV, Some("1".into()))]);
@@ -928,12 +960,28 @@ fn the_standin_counts_the_bytes_each_copy_moves() {
     assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
 }
 
+/// Fails on main at d275364 on the expert ranks only: `a2e_recv_device`'s metadata gather
+/// (`CudaPlane::gather`) reads the whole landing span back (rows x stride: 135232 bytes DtoH for
+/// 73 rows of 2048 bytes), not the gathered metadata; the attention ranks pass (the test above).
 #[test]
 #[ignore = "until the native device path lands"]
 fn device_calls_copy_only_metadata_between_host_and_device() {
-    if xccl_tests::cuda_support::real_cuda() {
-        eprintln!("skipped: the real driver has no counters");
+    if no_counters() {
         return;
     }
-    run_ok("native_counters:2:2", 4, 2, Duration::from_secs(90));
+    run_ok("native_counters:2:2:all", 4, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn attention_device_calls_copy_only_metadata_between_host_and_device() {
+    if no_counters() {
+        return;
+    }
+    let job = run_ok(
+        "native_counters:2:2:attention",
+        4,
+        2,
+        Duration::from_secs(90),
+    );
+    println!("{}", job.output(1).trim());
 }

@@ -65,6 +65,7 @@ use crate::moe::batch::{A2eHandle, ExpertBatch, TokenBatch};
 use crate::moe::combine::{CombineReceiver, CombineSender, Replies};
 use crate::moe::config::{MoeConfig, TransferMode};
 use crate::moe::context::{CheckDue, Context};
+use crate::moe::device_rows::OutRows;
 use crate::moe::dispatch::{DispatchReceiver, DispatchSender};
 use crate::moe::dtype::Element;
 use crate::moe::progress::progress;
@@ -544,8 +545,11 @@ impl Communicator {
     /// `device` (`None`: `rank % device count`), reached by its peers through CUDA IPC, the
     /// control area in host shared memory (see [`crate::fabric::cuda`]). Collective: every rank
     /// of `exchange` calls it with the same topology and config, one rank per process. Fails
-    /// with [`Error::FabricUnavailable`] naming `libcuda.so.1` where there is no CUDA driver.
-    /// Today the protocol moves host buffers through `put`/`get` on this fabric.
+    /// with [`Error::FabricUnavailable`] naming `libcuda.so.1` where there is no CUDA driver,
+    /// or libnvrtc where the data plane's kernels cannot be compiled (every rank fails together,
+    /// naming the rank). The host-buffer calls move rows through `put`/`get` on this fabric;
+    /// the device-buffer calls ([`Communicator::a2e_send_device`] and the others) move them on
+    /// the device.
     pub fn init_cuda(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
@@ -553,14 +557,22 @@ impl Communicator {
         device: Option<usize>,
     ) -> Result<Self> {
         let origin = Origin::Cuda(exchange.clone(), device);
-        Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+        let comm = Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
             Ok(Box::new(crate::fabric::cuda::CudaFabric::new(
                 exchange.clone(),
                 len,
                 slots,
                 device,
             )?))
-        })
+        })?;
+        // The data plane of the device-buffer calls (NVRTC's kernels, loaded): built here so
+        // that a rank that cannot build it makes every rank fail now, naming it.
+        let plane = comm.ctx.device_rows().map(drop);
+        let timeout = crate::fabric::cuda::DEFAULT_INIT_TIMEOUT;
+        let step = "build its data plane (kernels compiled by NVRTC)";
+        crate::fabric::gather_outcomes(&*exchange, &plane, timeout, step)?;
+        plane?;
+        Ok(comm)
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
@@ -1203,7 +1215,7 @@ impl Communicator {
         self.attention("E2A receive", |ctx, dispatch, combine| {
             let sent = dispatch.oldest(ctx, handle)?;
             check_len("out", out.len(), sent.num_tokens, ctx.layout.e2a_stride)?;
-            combine.recv(ctx, sent, out, ctx.call_deadline())?;
+            combine.recv(ctx, sent, OutRows::Host(out), ctx.call_deadline())?;
             dispatch.retire();
             handle.answered();
             Ok(())
@@ -1295,7 +1307,7 @@ impl Communicator {
     /// expert. Collective with every attention rank's A2E send.
     pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
         self.expert("A2E receive", |ctx, dispatch, _| {
-            dispatch.recv_expert_major(ctx, batch, ctx.call_deadline())
+            dispatch.recv_expert_major(ctx, batch, None, ctx.call_deadline())
         })
     }
 

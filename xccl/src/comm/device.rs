@@ -11,11 +11,24 @@
 //! 3. runs the protocol, the same planning as the host calls;
 //! 4. returns once the rows are in place.
 //!
-//! Where the rows move: the protocol's row copies and sums run on the host today, so these
-//! calls bring the rows they read to the host and write the rows they produce back (one
-//! device-to-host or host-to-device copy per buffer, on the fabric's stream). The results are
-//! the host calls' bits by construction. `docs/device.md` says what moves the rows straight
-//! between device windows next.
+//! Where the rows move: on the device. The protocol plans on the host as for the host calls
+//! and the data plane ([`crate::moe::dataplane`], kernels on the fabric's stream) executes
+//! the plan between the caller's buffers and the windows (`crate::moe::device_rows`):
+//! - A2E send: the caller's rows are copied into the destination windows (INT8: quantized
+//!   into device scratch first, so a non-finite row fails before anything is written); the
+//!   rows' metadata is encoded on the host and scattered next to them.
+//! - A2E receive (expert-major): the rows' metadata is gathered to the host (it plans the
+//!   layout), the payloads copied (INT8: dequantized) from the window into `out`.
+//! - E2A send: each token's weighted sum of its experts' outputs is written straight into the
+//!   attention rank's window (INT8: summed and quantized in device scratch first).
+//! - E2A receive: each token's contributions are summed where they landed into `out`.
+//!
+//! What crosses to the host is what the host plans with: records, metadata, the routing of a
+//! [`Routing::Device`] (one copy of each array per call), signals. Two paths still carry rows
+//! through the host: the E2A receive of an attention rank behind a relay (the relay's reduced
+//! rows are read to the host, then written to `out`), and a relay's own forwarding, which
+//! reads and writes its window with the fabric's `get`/`put`. Bits are the host calls' on
+//! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;
 
@@ -24,6 +37,7 @@ use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Event, ReadRegion, Stream
 use crate::fabric::cuda::CudaFabric;
 use crate::moe::combine::Replies;
 use crate::moe::context::Context;
+use crate::moe::device_rows::OutRows;
 use crate::{A2eHandle, Error, ExpertBatch, Result};
 
 /// The routing of an A2E call: `[T, topk]` expert ids (`i32`, `-1` = none) and gating weights
@@ -256,11 +270,12 @@ impl Communicator {
             let tokens = topk_idx.len() / ctx.cfg.topk.max(1);
             let len = tokens * ctx.layout.a2e.payload;
             check_buffer(fabric.device(), "x", x.ptr(), x.len(), Need::Exactly(len))?;
-            let x = read_lent(ctx, fabric, x, "x", deadline)?;
             if mode == crate::TransferMode::Pull {
                 super::through_relays(ctx, "pull A2E")?;
             }
-            dispatch.send(ctx, &x, &topk_idx, &topk_weights, mode.into(), deadline)
+            let (idx, weights) = (&topk_idx[..], &topk_weights[..]);
+            let x = x.ptr().addr();
+            dispatch.send_device(ctx, x, tokens, idx, weights, mode.into(), deadline)
         })
     }
 
@@ -286,9 +301,14 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            let mut rows = vec![0u8; len];
-            combine.recv(ctx, sent, &mut rows, deadline)?;
-            write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
+            if ctx.topo.relay_plan().is_some() {
+                // Through a relay the rows arrive reduced on the relay's side: on the host.
+                let mut rows = vec![0u8; len];
+                combine.recv(ctx, sent, OutRows::Host(&mut rows), deadline)?;
+                write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
+            } else {
+                combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
+            }
             dispatch.retire();
             handle.answered();
             Ok(())
@@ -319,10 +339,7 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            dispatch.recv_expert_major(ctx, batch, deadline)?;
-            write_lent(ctx, fabric, &out, batch.rows.bytes(), "out", deadline)?;
-            batch.rows.resize(0);
-            Ok(())
+            dispatch.recv_expert_major(ctx, batch, Some(out.ptr().addr()), deadline)
         })
     }
 
@@ -349,8 +366,8 @@ impl Communicator {
                 Need::Exactly(len),
             )?;
             order_after(fabric, stream)?;
-            let out = read_lent(ctx, fabric, expert_out, "expert_out", ctx.call_deadline())?;
-            let replies = Replies::Reduce { batch, out: &out };
+            let out = expert_out.ptr().addr();
+            let replies = Replies::ReduceDevice { batch, out };
             let (epoch, sources) = (batch.recv.epoch, batch.sources());
             send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
             batch.recv.answered();

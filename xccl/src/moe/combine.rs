@@ -40,7 +40,8 @@ use super::batch::{AlignedBytes, ExpertBatch, SourceInfo};
 use super::config::TransferMode;
 use super::context::{CheckDue, Context};
 use super::dataplane::host::HostPlane;
-use super::dataplane::{DataPlane, SumRow, SumTerm};
+use super::dataplane::{CopyRun, DataPlane, QuantRow, SumRow, SumTerm};
+use super::device_rows::{DeviceRows, OutRows};
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, int8_payload, Quant, Quantizer};
@@ -61,6 +62,15 @@ pub(crate) enum Replies<'a> {
         batch: &'a ExpertBatch,
         /// One output row per batch row.
         out: &'a [u8],
+    },
+    /// [`Replies::Reduce`] with the outputs in device memory (cuda fabric): `out` is the
+    /// device address of `[num_rows, hidden]` rows (checked by the caller); the sums run on
+    /// the data plane straight into the destination windows.
+    ReduceDevice {
+        /// The batch the outputs belong to.
+        batch: &'a ExpertBatch,
+        /// The device address of the first output row.
+        out: u64,
     },
     /// One reduced row per token of the batch (`[num_tokens, hidden]` bytes).
     Tokens(&'a [u8]),
@@ -115,6 +125,9 @@ pub(crate) struct CombineSender {
     scratch: AlignedBytes,
     /// The epoch whose registered output `prepare_output` handed out.
     output_for: Option<u64>,
+    /// Where [`CombineSender::quantize_all_device`] left this call's INT8 replies (device
+    /// scratch).
+    device_quantized: Option<u64>,
 }
 
 impl CombineSender {
@@ -317,6 +330,9 @@ impl CombineSender {
             }
             // Quantized by the caller (a view's, in the stage it borrowed) or staged already.
             Replies::Quantized(_) | Replies::Staged => return Ok(()),
+            Replies::ReduceDevice { batch, out } => {
+                return self.quantize_all_device(ctx, batch, *out, tokens);
+            }
             Replies::Reduce { .. } | Replies::Tokens(_) => {}
         }
         let mut stage = std::mem::take(&mut self.stage);
@@ -355,6 +371,9 @@ impl CombineSender {
     ) -> Result<()> {
         let p = ctx.layout.e2a_stride;
         let stride = ctx.layout.e2a_stride_for(int8);
+        if let Replies::ReduceDevice { batch, out } = replies {
+            return self.fill_rows_device(ctx, batch, *out, int8, first, n, (dst, at));
+        }
         if int8 {
             let staged = match replies {
                 Replies::Quantized(q) => q,
@@ -389,6 +408,7 @@ impl CombineSender {
                 ))
             }
             Replies::Staged => unreachable!("staged replies write no rows"),
+            Replies::ReduceDevice { .. } => unreachable!("written on the device above"),
         }
         Ok(())
     }
@@ -477,6 +497,127 @@ impl CombineSender {
         Ok(())
     }
 
+    /// [`CombineSender::quantize_all`] of device outputs: every token's reply summed into
+    /// device scratch, then quantized next to it, and the plane completed, so a non-finite
+    /// row is an error before anything is written; [`CombineSender::fill_rows_device`] copies
+    /// the quantized rows from there.
+    fn quantize_all_device(
+        &mut self,
+        ctx: &Context,
+        batch: &ExpertBatch,
+        out: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let (p, stride) = (ctx.layout.e2a_stride, ctx.layout.e2a_stride_for(true));
+        let deadline = ctx.call_deadline();
+        let mut dev = ctx.device_rows()?;
+        let sums = dev.scratch(tokens * (p + stride), deadline)?;
+        let quantized = sums + (tokens * p) as u64;
+        self.plan_sums(ctx, batch, out, 0, tokens, sums, p);
+        let rows: Vec<QuantRow> = (0..tokens)
+            .map(|t| QuantRow {
+                src: sums + (t * p) as u64,
+                dst: quantized + (t * stride) as u64,
+            })
+            .collect();
+        let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
+        // SAFETY: the terms are rows of the caller's checked output buffer, the sums and the
+        // quantized rows distinct rows of this call's scratch, which nothing else uses until
+        // the plane completes below.
+        unsafe {
+            dev.plane
+                .sum_rows(dtype, hidden, &self.sum_rows, &self.sum_terms)?;
+            dev.plane.quantize(dtype, hidden, &rows)?;
+        }
+        dev.plane.complete(deadline)?;
+        self.device_quantized = Some(quantized);
+        Ok(())
+    }
+
+    /// [`CombineSender::fill_rows`] of device outputs: the replies of batch tokens
+    /// `first..first + n` summed (or, INT8, copied from where
+    /// [`CombineSender::quantize_all_device`] put them) into `dst`'s window at `at` on the
+    /// device; the plane completes before the caller signals.
+    #[allow(clippy::too_many_arguments)]
+    fn fill_rows_device(
+        &mut self,
+        ctx: &Context,
+        batch: &ExpertBatch,
+        out: u64,
+        int8: bool,
+        first: usize,
+        n: usize,
+        (dst, at): (usize, usize),
+    ) -> Result<()> {
+        let stride = ctx.layout.e2a_stride_for(int8);
+        let mut dev = ctx.device_rows()?;
+        let into = dev.window(dst, at, n * stride)?;
+        ctx.note_written(dst, n * stride);
+        if int8 {
+            let quantized = self
+                .device_quantized
+                .ok_or_else(|| Error::invalid("INT8 device replies were not quantized"))?;
+            let run = CopyRun {
+                src: quantized + (first * stride) as u64,
+                dst: into,
+                len: (n * stride) as u64,
+            };
+            // SAFETY: the source is this call's quantized rows in scratch, the destination
+            // `n` rows inside `dst`'s window (range-checked), which the credit wait reserved
+            // for this reply.
+            unsafe { dev.plane.copy_runs(&[run])? };
+        } else {
+            self.plan_sums(ctx, batch, out, first, n, into, stride);
+            let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
+            // SAFETY: the terms are rows of the caller's checked output buffer, the
+            // destinations `n` rows inside `dst`'s window (range-checked above) reserved for
+            // this reply by the credit wait.
+            unsafe {
+                dev.plane
+                    .sum_rows(dtype, hidden, &self.sum_rows, &self.sum_terms)?
+            };
+        }
+        dev.plane.complete(ctx.call_deadline())
+    }
+
+    /// Plans the weighted sums of batch tokens `first..first + n` ([`SumRow`]s into
+    /// `self.sum_rows`/`self.sum_terms`): for each, its rows' outputs at `out + r * row`
+    /// (`row` = one dtype row) with their gating weights, in the batch's order, into `dst`,
+    /// `stride` bytes apart. The addresses are in whatever memory `out` and `dst` are.
+    #[allow(clippy::too_many_arguments)]
+    fn plan_sums(
+        &mut self,
+        ctx: &Context,
+        batch: &ExpertBatch,
+        out: u64,
+        first: usize,
+        n: usize,
+        dst: u64,
+        stride: usize,
+    ) {
+        let p = ctx.layout.e2a_stride as u64;
+        let (rows, terms) = (&mut self.sum_rows, &mut self.sum_terms);
+        rows.clear();
+        terms.clear();
+        for k in 0..n {
+            let start = terms.len() as u32;
+            for &r in batch.token_rows(first + k) {
+                terms.push(SumTerm {
+                    src: out + u64::from(r) * p,
+                    weight: batch.weight[r as usize],
+                    int8: 0,
+                });
+            }
+            rows.push(SumRow {
+                dst: dst + (k * stride) as u64,
+                first_term: start,
+                num_terms: terms.len() as u32 - start,
+                init_first: 0,
+                reserved: 0,
+            });
+        }
+    }
+
     /// Reduces tokens `first..first + n` of `batch` into the rows of `dst` (`stride` bytes
     /// apart, from its start): for each, `acc = 0; acc += w_j * y_j` over its rows (expert
     /// outputs `out`, in the batch's order), then one rounding to the wire dtype. The plan (which
@@ -498,29 +639,15 @@ impl CombineSender {
             n == 0 || dst.len() >= (n - 1) * stride + p,
             "reduce_rows: dst too short"
         );
-        let (rows, terms) = (&mut self.sum_rows, &mut self.sum_terms);
-        rows.clear();
-        terms.clear();
-        for k in 0..n {
-            let start = terms.len() as u32;
-            for &r in batch.token_rows(first + k) {
-                let r = r as usize;
-                let row = &out[r * p..(r + 1) * p];
-                terms.push(SumTerm {
-                    src: row.as_ptr() as u64,
-                    weight: batch.weight[r],
-                    int8: 0,
-                });
-            }
-            rows.push(SumRow {
-                dst: dst.as_mut_ptr() as u64 + (k * stride) as u64,
-                first_term: start,
-                num_terms: terms.len() as u32 - start,
-                init_first: 0,
-                reserved: 0,
-            });
-        }
-        // SAFETY: every term is a whole row of `out` (sliced just above) and every destination
+        let rows_needed = (first..first + n)
+            .flat_map(|t| batch.token_rows(t))
+            .map(|&r| (r as usize + 1) * p)
+            .max()
+            .unwrap_or(0);
+        assert!(out.len() >= rows_needed, "reduce_rows: out too short");
+        let (out_at, dst_at) = (out.as_ptr() as u64, dst.as_mut_ptr() as u64);
+        self.plan_sums(ctx, batch, out_at, first, n, dst_at, stride);
+        // SAFETY: every term is a whole row of `out` (its length checked above) and every destination
         // a whole row of `dst` (its length checked above), which the exclusive borrow keeps from
         // every other access for the call; the host plane completes before it returns.
         unsafe {
@@ -577,8 +704,11 @@ struct TokenSums {
     contributions: Vec<(usize, usize)>,
     /// The current token's plan.
     terms: Vec<SumTerm>,
-    /// Executes the plan (host memory today; boxed, as the device backend will be).
+    /// Executes the plan in host memory.
     plane: Box<HostPlane>,
+    /// The plan of the device rows planned since the last flush (scratch, reused).
+    device_rows: Vec<SumRow>,
+    device_terms: Vec<SumTerm>,
 }
 
 /// Where contribution `(j, i)` (row `i` of expert index `j`'s replies) lies: its window's rank,
@@ -591,6 +721,77 @@ impl TokenSums {
         self.cursors.clear();
         self.cursors
             .extend(experts.iter().map(|&d| hl.entries(d).start));
+        self.device_rows.clear();
+        self.device_terms.clear();
+    }
+
+    /// Token `t`'s contributions into `self.contributions`, in ascending expert order (tokens
+    /// in ascending order, each once).
+    fn next_contributions(&mut self, hl: &DispatchLayout, experts: &[usize], t: usize) {
+        self.contributions.clear();
+        for (j, &d) in experts.iter().enumerate() {
+            let e = self.cursors[j];
+            let r = hl.entries(d);
+            if e < r.end && hl.token(e) == t {
+                self.cursors[j] += 1;
+                self.contributions.push((j, e - r.start));
+            }
+        }
+    }
+
+    /// [`TokenSums::combine`] into device memory: plans token `t`'s [`SumRow`] into the
+    /// device address `dst` with every contribution read where it landed (every window is
+    /// mapped on the device), queued by [`TokenSums::flush_device`].
+    #[allow(clippy::too_many_arguments)]
+    fn plan_device(
+        &mut self,
+        ctx: &Context,
+        hl: &DispatchLayout,
+        experts: &[usize],
+        t: usize,
+        row_at: &RowAt<'_>,
+        dev: &DeviceRows,
+        dst: u64,
+    ) -> Result<()> {
+        let (hidden, p) = (ctx.cfg.hidden, ctx.layout.e2a_stride);
+        self.next_contributions(hl, experts, t);
+        let first_term = self.device_terms.len() as u32;
+        for &(j, i) in &self.contributions {
+            let (rank, at, int8) = row_at(j, i);
+            let len = if int8 { int8_payload(hidden) } else { p };
+            self.device_terms.push(SumTerm {
+                src: dev.window(rank, at, len)?,
+                weight: 1.0,
+                int8: int8 as u32,
+            });
+        }
+        self.device_rows.push(SumRow {
+            dst,
+            first_term,
+            num_terms: self.contributions.len() as u32,
+            init_first: 1,
+            reserved: 0,
+        });
+        Ok(())
+    }
+
+    /// Queues the sums [`TokenSums::plan_device`] planned since the last flush.
+    fn flush_device(&mut self, ctx: &Context, dev: &mut DeviceRows) -> Result<()> {
+        // SAFETY: every term is a whole landed row inside a window (range-checked by
+        // `DeviceRows::window`), not written again before this call's credit, which goes out
+        // after the plane completes; every destination is a distinct row of the caller's
+        // checked output buffer.
+        let queued = unsafe {
+            dev.plane.sum_rows(
+                ctx.cfg.dtype,
+                ctx.cfg.hidden,
+                &self.device_rows,
+                &self.device_terms,
+            )
+        };
+        self.device_rows.clear();
+        self.device_terms.clear();
+        queued
     }
 
     /// Writes token `t`'s combined row into `out_row` (tokens in ascending order, each once;
@@ -610,15 +811,7 @@ impl TokenSums {
         out_row: &mut [u8],
     ) -> Result<()> {
         let (hidden, p) = (ctx.cfg.hidden, ctx.layout.e2a_stride);
-        self.contributions.clear();
-        for (j, &d) in experts.iter().enumerate() {
-            let e = self.cursors[j];
-            let r = hl.entries(d);
-            if e < r.end && hl.token(e) == t {
-                self.cursors[j] += 1;
-                self.contributions.push((j, e - r.start));
-            }
-        }
+        self.next_contributions(hl, experts, t);
         let n = self.contributions.len();
         if !mapped && n == 1 && !row_at(self.contributions[0].0, self.contributions[0].1).2 {
             // One row in the dtype from a window not mapped here: fetched straight into place.
@@ -844,12 +1037,22 @@ impl CombineReceiver {
         &mut self,
         ctx: &Context,
         sent: &Sent,
-        out: &mut [u8],
+        out: OutRows<'_>,
         deadline: Instant,
     ) -> Result<()> {
+        let mut out = out;
         if ctx.topo.relay_plan().is_some() {
+            let OutRows::Host(out) = out else {
+                return Err(Error::invalid(
+                    "a relayed E2A receive into device memory goes through the host",
+                ));
+            };
             return self.recv_relayed(ctx, sent, out, deadline);
         }
+        let mut dev = match out {
+            OutRows::Device(_) => Some(ctx.device_rows()?),
+            OutRows::Host(_) => None,
+        };
         let epoch = sent.epoch;
         let buf = ctx.layout.buffer(epoch);
         let experts = ctx.experts();
@@ -948,9 +1151,21 @@ impl CombineReceiver {
             };
             while next_token < watermark {
                 let t = next_token;
-                let out_row = &mut out[t * p..(t + 1) * p];
-                sums.combine(ctx, hl, experts, t, windows_mapped, &row_at, out_row)?;
+                match (&mut out, dev.as_deref()) {
+                    (OutRows::Host(out), _) => {
+                        let out_row = &mut out[t * p..(t + 1) * p];
+                        sums.combine(ctx, hl, experts, t, windows_mapped, &row_at, out_row)?;
+                    }
+                    (OutRows::Device(base), Some(dev)) => {
+                        let dst = *base + (t * p) as u64;
+                        sums.plan_device(ctx, hl, experts, t, &row_at, dev, dst)?;
+                    }
+                    (OutRows::Device(_), None) => unreachable!("device rows taken above"),
+                }
                 next_token += 1;
+            }
+            if let Some(dev) = dev.as_deref_mut() {
+                sums.flush_device(ctx, dev)?;
             }
             if waiting.is_some() {
                 let awaited = (0..experts.len())
@@ -977,6 +1192,10 @@ impl CombineReceiver {
         })?;
         if let Some(e) = failure {
             return Err(e);
+        }
+        if let Some(dev) = dev.as_deref_mut() {
+            // The rows are read before the credit lets the expert ranks write again.
+            dev.plane.complete(deadline)?;
         }
         // Where credits are implied, the next A2E is this call's credit.
         let implied = ctx.implied_credits();

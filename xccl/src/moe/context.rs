@@ -82,6 +82,9 @@ pub(crate) type LastFailure = Arc<std::sync::Mutex<Option<(String, Option<usize>
 
 /// The shared state of one rank's protocol.
 pub(crate) struct Context {
+    /// The device side of the device-buffer calls (cuda fabric), made by the first one.
+    /// Declared before `fabric`: it borrows the fabric's stream, so it is dropped first.
+    device_rows: RefCell<Option<super::device_rows::DeviceRows>>,
     /// Shared only weakly: with the handles and batches of live calls (their abort path when
     /// dropped) and with the communicator's [`crate::AbortHandle`]s.
     pub(crate) fabric: Arc<dyn Fabric>,
@@ -170,6 +173,7 @@ impl Context {
         let topo_world = topo.world_size();
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Context {
+            device_rows: RefCell::new(None),
             rank: fabric.rank(),
             fabric: Arc::from(fabric),
             topo,
@@ -183,6 +187,29 @@ impl Context {
             interrupt: None,
             last_failure: Arc::default(),
         })
+    }
+
+    /// The device side of the device-buffer calls, made on first use (an error on a fabric
+    /// other than cuda, or naming NVRTC or the driver when the data plane cannot be built).
+    pub(crate) fn device_rows(
+        &self,
+    ) -> Result<std::cell::RefMut<'_, super::device_rows::DeviceRows>> {
+        let mut rows = self.device_rows.borrow_mut();
+        if rows.is_none() {
+            let fabric = self.fabric.as_cuda().ok_or_else(|| {
+                Error::invalid(format!(
+                    "device rows need the cuda fabric; this communicator is on {}",
+                    self.fabric.name()
+                ))
+            })?;
+            *rows = Some(super::device_rows::DeviceRows::new(
+                fabric,
+                self.cfg.timeout,
+            )?);
+        }
+        Ok(std::cell::RefMut::map(rows, |r| {
+            r.as_mut().expect("made above")
+        }))
     }
 
     /// The deadline of a call starting now: every wait of the call shares it.

@@ -25,6 +25,7 @@ use std::time::Instant;
 
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::{CheckDue, Context};
+use super::dataplane::{CopyRun, DataPlane, QuantRow};
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -58,6 +59,9 @@ enum Payloads<'a> {
     Caller(&'a [u8]),
     /// The registered input of this buffer, in this rank's window at this offset.
     Input(usize),
+    /// The caller's `[T, hidden]` rows in device memory (cuda fabric), at this device
+    /// address (the caller checked the buffer).
+    Device(u64),
 }
 
 /// The attention side of A2E: sends calls and keeps each until its E2A is received.
@@ -79,6 +83,8 @@ pub(crate) struct DispatchSender {
     amax: Vec<f32>,
     /// Scratch: the route table of a call through a relay.
     table: Vec<u8>,
+    /// Scratch: the payload copies of one chunk of device rows.
+    device_runs: Vec<CopyRun>,
     /// The user tag the next call carries to every expert rank it reaches.
     tag: u64,
     /// The landing buffer of the last call sent.
@@ -99,6 +105,7 @@ impl DispatchSender {
             quant: Quantizer::default(),
             amax: Vec::new(),
             table: Vec::new(),
+            device_runs: Vec::new(),
             tag: 0,
             last_landing: 0,
         }
@@ -177,9 +184,10 @@ impl DispatchSender {
         // next call's scratch): no allocation per call.
         let amax = &mut self.amax;
         amax.clear();
-        if ctx.cfg.a2e_quant == Quant::Int8 {
+        if ctx.cfg.a2e_quant == Quant::Int8 && !matches!(payloads, Payloads::Device(_)) {
             // INT8 needs finite rows: checked for every token before anything is written, and
-            // each row's `max |x|` kept for the quantizing copies.
+            // each row's `max |x|` kept for the quantizing copies (device rows are quantized
+            // on the device before the send: `send_device`).
             for t in 0..num_tokens {
                 let x = Self::payload_of(ctx, payloads, t, &mut self.row)?;
                 match self.quant.amax(ctx.cfg.dtype, x) {
@@ -264,6 +272,116 @@ impl DispatchSender {
         let payloads = Payloads::Caller(x);
         let sent = self.plan(ctx, x.len() / payload, topk_idx, topk_weights, payloads)?;
         self.transmit(ctx, sent, payloads, mode, deadline)
+    }
+
+    /// A2E send of `num_tokens` rows at device address `x` (cuda fabric; the caller checked
+    /// the buffer). With INT8 A2E every row is quantized into device scratch first and the
+    /// plane completed, so a non-finite row is an error before anything is written.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_device(
+        &mut self,
+        ctx: &Context,
+        x: u64,
+        num_tokens: usize,
+        topk_idx: &[i32],
+        topk_weights: &[f32],
+        mode: WireMode,
+        deadline: Instant,
+    ) -> Result<A2eHandle> {
+        let payloads = Payloads::Device(x);
+        let sent = self.plan(ctx, num_tokens, topk_idx, topk_weights, payloads)?;
+        if ctx.cfg.a2e_quant == Quant::Int8 && mode != WireMode::Gather {
+            if let Err(e) = Self::quantize_device(ctx, x, num_tokens, deadline) {
+                self.spare.push(sent);
+                return Err(e);
+            }
+        }
+        self.transmit(ctx, sent, payloads, mode, deadline)
+    }
+
+    /// Bytes from one INT8 payload to the next in the device scratch of
+    /// [`DispatchSender::quantize_device`] (16-byte aligned).
+    fn device_int8_stride(ctx: &Context) -> usize {
+        ctx.layout.a2e.int8_payload.next_multiple_of(16)
+    }
+
+    /// Quantizes the `num_tokens` device rows at `x` into the device scratch (payload `t` at
+    /// `t * device_int8_stride`) and completes, reporting a non-finite row.
+    fn quantize_device(ctx: &Context, x: u64, num_tokens: usize, deadline: Instant) -> Result<()> {
+        let (p, q) = (ctx.layout.a2e.payload, Self::device_int8_stride(ctx));
+        let mut dev = ctx.device_rows()?;
+        let scratch = dev.scratch(num_tokens * q, deadline)?;
+        let rows: Vec<QuantRow> = (0..num_tokens)
+            .map(|t| QuantRow {
+                src: x + (t * p) as u64,
+                dst: scratch + (t * q) as u64,
+            })
+            .collect();
+        // SAFETY: the sources are rows of the caller's checked device buffer, the destinations
+        // distinct payloads of the scratch, which nothing else uses during the call.
+        unsafe { dev.plane.quantize(ctx.cfg.dtype, ctx.cfg.hidden, &rows)? };
+        dev.plane.complete(deadline)
+    }
+
+    /// Writes the full rows of plan `entries` from device payloads (the caller's rows at `x`,
+    /// or, INT8, their quantized payloads in the device scratch) into `dst`'s window at `at`:
+    /// one launch of payload copies, the metadata encoded here and scattered in one more; the
+    /// plane completes before the caller signals.
+    #[allow(clippy::too_many_arguments)]
+    fn put_rows_device(
+        &mut self,
+        ctx: &Context,
+        plan: &DispatchLayout,
+        entries: Range<usize>,
+        x: u64,
+        (dst, at): (usize, usize),
+        int8: bool,
+    ) -> Result<()> {
+        let row = ctx.layout.a2e;
+        let stride = row.stride_for(int8);
+        let count = entries.len();
+        let mut dev = ctx.device_rows()?;
+        let into = dev.window(dst, at, count * stride)?;
+        let (src, src_stride) = if int8 {
+            (dev.scratch_addr(), Self::device_int8_stride(ctx))
+        } else {
+            (x, row.payload)
+        };
+        let (meta_len, meta_at) = (row.meta_len(), row.meta_offset_for(int8));
+        let payload_len = row.payload_for(int8) as u64;
+        self.stage.resize(count * meta_len, 0);
+        let mut payloads = std::mem::take(&mut self.device_runs);
+        payloads.clear();
+        let mut metas = Vec::with_capacity(count);
+        for (i, e) in entries.enumerate() {
+            let t = plan.token(e);
+            let row_at = into + (i * stride) as u64;
+            payloads.push(CopyRun {
+                src: src + (t * src_stride) as u64,
+                dst: row_at,
+                len: payload_len,
+            });
+            let meta = &mut self.stage[i * meta_len..(i + 1) * meta_len];
+            row.encode_meta(meta, t as u32, plan.mask(e), plan.weights(e));
+            metas.push(CopyRun {
+                src: (i * meta_len) as u64,
+                dst: row_at + meta_at as u64,
+                len: meta_len as u64,
+            });
+        }
+        ctx.note_written(dst, count * stride);
+        // SAFETY: the sources are rows of the caller's checked device buffer (or this call's
+        // quantized payloads in scratch) and this rank's staged metadata; the destinations
+        // are distinct rows inside `dst`'s window (range-checked above), reserved for this
+        // call by the credit wait.
+        let queued = unsafe {
+            dev.plane
+                .copy_runs(&payloads)
+                .and_then(|()| dev.plane.scatter(&self.stage, &metas))
+        };
+        self.device_runs = payloads;
+        queued?;
+        dev.plane.complete(ctx.call_deadline())
     }
 
     /// Prepares the registered input of the next call: waits for its buffer to be free and
@@ -525,7 +643,9 @@ impl DispatchSender {
         (dst, at): (usize, usize),
         (direct, int8): (bool, bool),
     ) -> Result<()> {
-        if direct && !int8 {
+        if let Payloads::Device(x) = payloads {
+            self.put_rows_device(ctx, &sent.layout, entries, x, (dst, at), int8)
+        } else if direct && !int8 {
             self.put_rows(ctx, &sent.layout, entries, payloads, dst, at)
         } else if direct {
             self.put_rows_int8(ctx, sent, entries, payloads, dst, at)
@@ -551,6 +671,9 @@ impl DispatchSender {
                 ctx.get(ctx.rank, at + t * p, row)?;
                 Ok(row)
             }
+            Payloads::Device(_) => Err(Error::invalid(
+                "device rows are read by the data plane, not by the host",
+            )),
         }
     }
 
@@ -801,6 +924,15 @@ pub(crate) struct RowReader {
     raw: Vec<u8>,
     wide: Vec<f32>,
     quant: Quantizer,
+    /// Rows go to device memory (a device-buffer receive): [`RowReader::prepare`] brings
+    /// only the metadata to the host, [`Landing::Device`] queues copies.
+    on_device: bool,
+    /// The copies and dequantizations [`Landing::Device`] queued since the last
+    /// [`RowReader::flush_device`].
+    device_copies: Vec<CopyRun>,
+    device_dequant: Vec<QuantRow>,
+    /// Scratch: the metadata gathers of one prepare.
+    meta_runs: Vec<CopyRun>,
 }
 
 /// Where [`RowReader::land`] puts a row's payload.
@@ -814,6 +946,9 @@ pub(crate) enum Landing<'a> {
         /// The row's scale.
         scale: &'a mut f32,
     },
+    /// A row of the dtype at this device address (a device-buffer receive, checked by the
+    /// caller): the copy (or dequantization) is queued, done by [`RowReader::flush_device`].
+    Device(u64),
 }
 
 impl RowReader {
@@ -830,10 +965,61 @@ impl RowReader {
         let stride = ctx.layout.a2e.stride_for(msg.int8);
         let (rank, at) = msg.full_row(ctx, rows.start);
         self.landing.resize(rows.len() * stride, 0);
-        ctx.get(rank, at, &mut self.landing)?;
+        if self.on_device {
+            self.gather_meta(ctx, msg, rows.clone())?;
+        } else {
+            ctx.get(rank, at, &mut self.landing)?;
+        }
         self.landed_of = Some(msg.index);
         self.landed_rows = rows;
         Ok(())
+    }
+
+    /// [`RowReader::prepare`] of device rows: only the metadata of `rows` comes to the host,
+    /// each where its row's would be in `self.landing`, in one gather.
+    fn gather_meta(&mut self, ctx: &Context, msg: &Message, rows: Range<usize>) -> Result<()> {
+        let fmt = ctx.layout.a2e;
+        let stride = fmt.stride_for(msg.int8);
+        let (meta_at, meta_len) = (fmt.meta_offset_for(msg.int8), fmt.meta_len());
+        let mut dev = ctx.device_rows()?;
+        self.meta_runs.clear();
+        for (i, r) in rows.enumerate() {
+            let (rank, at) = msg.meta_at(ctx, r);
+            self.meta_runs.push(CopyRun {
+                src: dev.window(rank, at, meta_len)?,
+                dst: (i * stride + meta_at) as u64,
+                len: meta_len as u64,
+            });
+        }
+        let deadline = ctx.call_deadline();
+        // SAFETY: every source is a landed row's metadata inside a window (range-checked),
+        // which its writer does not touch again before this call's credit.
+        unsafe {
+            dev.plane
+                .gather(&self.meta_runs, &mut self.landing, deadline)
+        }
+    }
+
+    /// Queues the copies [`Landing::Device`] planned and completes them.
+    pub(crate) fn flush_device(&mut self, ctx: &Context) -> Result<()> {
+        if self.device_copies.is_empty() && self.device_dequant.is_empty() {
+            return Ok(());
+        }
+        let mut dev = ctx.device_rows()?;
+        let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
+        // SAFETY: every source is a landed payload inside a window (range-checked when
+        // queued), untouched by its writer before this call's credit, which goes out after
+        // the plane completes here; every destination is a distinct row of the caller's
+        // checked device buffer.
+        let queued = unsafe {
+            dev.plane
+                .copy_runs(&self.device_copies)
+                .and_then(|()| dev.plane.dequantize(dtype, hidden, &self.device_dequant))
+        };
+        self.device_copies.clear();
+        self.device_dequant.clear();
+        queued?;
+        dev.plane.complete(ctx.call_deadline())
     }
 
     fn landed(&self, ctx: &Context, msg: &Message, r: usize) -> Option<&[u8]> {
@@ -880,6 +1066,18 @@ impl RowReader {
     ) -> Result<()> {
         let hidden = ctx.cfg.hidden;
         match (msg.int8, dst) {
+            (int8, Landing::Device(dst)) => {
+                let (rank, at) = msg.payload_at(ctx, r, token);
+                let len = msg.payload_len(ctx);
+                let src = ctx.device_rows()?.window(rank, at, len)?;
+                if int8 {
+                    self.device_dequant.push(QuantRow { src, dst });
+                } else {
+                    let len = len as u64;
+                    self.device_copies.push(CopyRun { src, dst, len });
+                }
+                Ok(())
+            }
             (false, Landing::Row(out)) => self.payload(ctx, msg, r, token, out),
             (true, dst) => {
                 let mut raw = std::mem::take(&mut self.raw);
@@ -894,6 +1092,7 @@ impl RowReader {
                             q.copy_from_slice(&raw[..hidden]);
                             *scale = scale_of(&raw, hidden);
                         }
+                        Landing::Device(_) => unreachable!("matched above"),
                     }
                 }
                 self.raw = raw;
@@ -1541,15 +1740,20 @@ impl DispatchReceiver {
         &mut self,
         ctx: &Context,
         batch: &mut ExpertBatch,
+        device_out: Option<u64>,
         deadline: Instant,
     ) -> Result<()> {
+        self.reader.on_device = device_out.is_some();
+        self.reader.device_copies.clear();
+        self.reader.device_dequant.clear();
         let recv = &mut batch.recv;
         recv.begin(ctx.id, ctx.attention());
         let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
             recv.note(&arrival);
             Ok(())
         })?;
-        self.arrange_expert_major(ctx, batch)?;
+        self.arrange_expert_major(ctx, batch, device_out)?;
+        self.reader.on_device = false;
         self.credit(ctx, epoch)?;
         self.received(epoch);
         batch.recv.received(ctx, epoch);
@@ -1557,8 +1761,15 @@ impl DispatchReceiver {
     }
 
     /// Decodes every row's metadata (pass 1), then copies payloads into their expert-major
-    /// places (pass 2), reading each source where it lies.
-    fn arrange_expert_major(&mut self, ctx: &Context, batch: &mut ExpertBatch) -> Result<()> {
+    /// places (pass 2), reading each source where it lies; into the device rows at
+    /// `device_out` (every row's copy queued on the data plane, completed before it returns)
+    /// when given, else into the batch.
+    fn arrange_expert_major(
+        &mut self,
+        ctx: &Context,
+        batch: &mut ExpertBatch,
+        device_out: Option<u64>,
+    ) -> Result<()> {
         let local = ctx.topo.local_experts(ctx.rank).len();
         let payload = ctx.layout.a2e.payload;
         // Pass 1: decode and validate every row; count rows per local expert.
@@ -1597,7 +1808,10 @@ impl DispatchReceiver {
         batch.recv.dtype = Some(ctx.cfg.dtype);
         batch.recv.hidden = hidden;
         batch.recv.int8 = keep;
-        batch.rows.resize(if keep { 0 } else { rows * payload });
+        let host_rows = !keep && device_out.is_none();
+        batch
+            .rows
+            .resize(if host_rows { rows * payload } else { 0 });
         batch.qrows.resize(if keep { rows * hidden } else { 0 }, 0);
         batch.scales.resize(if keep { rows } else { 0 }, 0.0);
         batch.src_rank.resize(rows, 0);
@@ -1624,8 +1838,14 @@ impl DispatchReceiver {
                 for &(j, w) in experts {
                     let dst = batch.cursors[j as usize];
                     batch.cursors[j as usize] += 1;
-                    match first {
-                        None => {
+                    match (first, device_out) {
+                        (_, Some(base)) => {
+                            // Every row from the window (copies of one launch never read
+                            // each other's destinations).
+                            let landing = Landing::Device(base + (dst * payload) as u64);
+                            self.reader.land(ctx, msg, r, token, landing)?;
+                        }
+                        (None, None) => {
                             let landing = if keep {
                                 Landing::Int8 {
                                     q: &mut qrows[dst * hidden..(dst + 1) * hidden],
@@ -1637,11 +1857,13 @@ impl DispatchReceiver {
                             self.reader.land(ctx, msg, r, token, landing)?;
                             first = Some(dst);
                         }
-                        Some(f) if keep => {
+                        (Some(f), None) if keep => {
                             qrows.copy_within(f * hidden..(f + 1) * hidden, dst * hidden);
                             scales[dst] = scales[f];
                         }
-                        Some(f) => out.copy_within(f * payload..(f + 1) * payload, dst * payload),
+                        (Some(f), None) => {
+                            out.copy_within(f * payload..(f + 1) * payload, dst * payload)
+                        }
                     }
                     batch.src_rank[dst] = msg.src as u32;
                     batch.src_token[dst] = token;
@@ -1651,7 +1873,7 @@ impl DispatchReceiver {
                 batch.token_row_start.push(batch.token_rows.len() as u32);
             }
         }
-        Ok(())
+        self.reader.flush_device(ctx)
     }
 
     /// A2E receive into `batch`, one row per token, copying each source's rows as they stream

@@ -24,12 +24,14 @@
 //! | `regions` | the only borrows of window memory as slices, each justified by a protocol step |
 //! | [`dtype`] | element types and their f32 conversions |
 //! | [`dataplane`] | who moves and sums row bytes: the host backend, the CUDA kernels and NVRTC |
+//! | `device_rows` | on the cuda fabric: the device-buffer calls' data plane, window addresses, scratch |
 
 pub mod batch;
 pub(crate) mod combine;
 pub mod config;
 pub(crate) mod context;
 pub mod dataplane;
+pub(crate) mod device_rows;
 pub(crate) mod dispatch;
 pub mod dtype;
 mod hash;

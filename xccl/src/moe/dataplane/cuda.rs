@@ -112,6 +112,11 @@ impl CudaPlane {
         })
     }
 
+    /// The device whose memory the plane works on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     /// The stream the plane queues its work on.
     pub fn stream(&self) -> &Stream {
         &self.stream

@@ -1,0 +1,112 @@
+//! The protocol's device side on the cuda fabric: where the device-buffer calls' rows go.
+//!
+//! [`DeviceRows`] holds what the protocol needs to move rows between device buffers and the
+//! windows without the host: the data plane ([`CudaPlane`], on the fabric's stream, so a
+//! fabric signal is ordered after the plane's work), every rank's window as a device address
+//! (this rank's own allocation, the others' IPC mappings), and device scratch (INT8 rows
+//! quantized before a call publishes). It is made by the first device-buffer call of a
+//! communicator ([`super::context::Context::device_rows`]) and lives with it.
+//!
+//! Every address it hands out is range-checked against the window it lies in: an offset the
+//! protocol computed from a peer's record cannot reach past a window.
+
+use std::time::Instant;
+
+use super::dataplane::cuda::CudaPlane;
+use super::dataplane::DataPlane;
+use crate::cuda::{DeviceMemory, DeviceRegion, Stream};
+use crate::fabric::cuda::CudaFabric;
+use crate::fabric::Fabric;
+use crate::{Error, Result};
+
+/// Where a call writes its output rows.
+#[derive(Debug)]
+pub(crate) enum OutRows<'a> {
+    /// Host memory: the rows' bytes.
+    Host(&'a mut [u8]),
+    /// Device memory of the communicator's device: the first row's address (the caller
+    /// checked the buffer's length).
+    Device(u64),
+}
+
+/// The device side of one communicator (see the module docs).
+pub(crate) struct DeviceRows {
+    /// The data plane, on the fabric's stream.
+    pub(crate) plane: CudaPlane,
+    /// Per rank: its window's device address here and its length.
+    windows: Vec<(u64, usize)>,
+    /// Device scratch, grown on demand (contents not kept across calls).
+    scratch: Option<DeviceMemory>,
+}
+
+impl std::fmt::Debug for DeviceRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRows")
+            .field("plane", &self.plane)
+            .field("windows", &self.windows.len())
+            .finish()
+    }
+}
+
+impl DeviceRows {
+    /// The device side over `fabric` for rank `rank`; the plane's own waits bounded by
+    /// `timeout`.
+    pub(crate) fn new(fabric: &CudaFabric, timeout: std::time::Duration) -> Result<Self> {
+        let rank = fabric.rank();
+        // SAFETY: the fabric's stream lives as long as the fabric, which the communicator
+        // keeps (its `Context`) for as long as this value; this value never destroys it.
+        let stream = unsafe { Stream::borrowed(fabric.device(), fabric.stream().raw()) };
+        let plane = CudaPlane::new(fabric.device(), stream, rank, timeout)?;
+        let windows = (0..fabric.world_size())
+            .map(|r| {
+                let base = fabric.device_window(r).map_or(0, |p| p.addr());
+                (base, fabric.window_len(r))
+            })
+            .collect();
+        Ok(DeviceRows {
+            plane,
+            windows,
+            scratch: None,
+        })
+    }
+
+    /// The device address of `len` bytes at `offset` of `rank`'s window (an error naming the
+    /// rank when they are not inside it).
+    pub(crate) fn window(&self, rank: usize, offset: usize, len: usize) -> Result<u64> {
+        match self.windows.get(rank) {
+            Some(&(base, wlen))
+                if base != 0 && offset.checked_add(len).is_some_and(|e| e <= wlen) =>
+            {
+                Ok(base + offset as u64)
+            }
+            _ => Err(Error::Protocol {
+                peer: rank,
+                detail: format!(
+                    "{len} bytes at offset {offset} are outside rank {rank}'s device window"
+                ),
+            }),
+        }
+    }
+
+    /// The device address of the scratch [`DeviceRows::scratch`] last handed out (0 before
+    /// the first).
+    pub(crate) fn scratch_addr(&self) -> u64 {
+        self.scratch.as_ref().map_or(0, |s| s.ptr().addr())
+    }
+
+    /// The device address of at least `len` bytes of scratch (grown when shorter: the plane
+    /// completes first, so no queued work reads the old one). What it held is not kept.
+    pub(crate) fn scratch(&mut self, len: usize, deadline: Instant) -> Result<u64> {
+        if self.scratch.as_ref().is_none_or(|s| s.len() < len) {
+            self.plane.complete(deadline)?;
+            self.scratch = None;
+            let device = self.plane.device().clone();
+            self.scratch = Some(DeviceMemory::alloc(
+                &device,
+                len.max(1).next_power_of_two(),
+                || "the protocol's device scratch".into(),
+            )?);
+        }
+        Ok(self.scratch.as_ref().map_or(0, |s| s.ptr().addr()))
+    }
+}
