@@ -6,7 +6,7 @@
 //!   empty ranks, rounds in which no attention rank sends, tokens routed to no expert;
 //! - INT8 on the wire both ways; a non-finite row with INT8 is an error before anything is
 //!   published, and the call is retried;
-//! - relays (INT8 and dtype rows through them);
+//! - relays (INT8 and dtype rows through them; a pull A2E through them refused, nothing sent);
 //! - (in `shrink.rs`) a shrink past a SIGKILLed rank, then device calls on the shrunk job;
 //! - bad buffers (host memory, another device's memory, too short, past the allocation, the
 //!   stream of another device, a device call on a shm communicator): each a clear error naming
@@ -157,6 +157,9 @@ fn checked_rounds(ctx: &ChildCtx, shape: &Shape) -> Result<(), String> {
     let mut comm = cuda_comm(ctx, (m, n), shape.dtype, HIDDEN, shape.relays)?;
     let wl = sparse(0xde5e_ed00 + (m * 10 + n) as u64);
     let mut batch = ExpertBatch::new();
+    if shape.relays > 0 && comm.role() == Role::Attention {
+        pull_through_relays_is_refused(&mut comm)?;
+    }
     let mut device_calls = 0;
     for round in 0..shape.rounds {
         let (a2e, e2a) = match (shape.quant.as_str(), round % 3) {
@@ -189,6 +192,24 @@ fn checked_rounds(ctx: &ChildCtx, shape: &Shape) -> Result<(), String> {
         shape.rounds as usize - device_calls
     ));
     Ok(())
+}
+
+/// A pull A2E device send through relays (which take push only) is refused before anything is
+/// sent; the rounds that follow check that nothing was.
+fn pull_through_relays_is_refused(comm: &mut Communicator) -> Result<(), String> {
+    let dev = DeviceRows::of(comm).map_err(s)?;
+    let row = comm.config().hidden * comm.config().dtype.size();
+    let x = dev.upload(&vec![0u8; row]).map_err(s)?;
+    let idx: Vec<i32> = (0..TOPK as i32).collect();
+    let routing = Routing::Host {
+        topk_idx: &idx,
+        topk_weights: &[0.25; TOPK],
+    };
+    comm.set_mode(TransferMode::Pull);
+    let r = comm.a2e_send_device(lend(&x, row), routing, dev.stream());
+    comm.set_mode(TransferMode::Push);
+    let words = ["pull A2E", "not supported through relays"];
+    refused(comm, "a pull A2E through relays", r, &words).map(drop)
 }
 
 /// Checks that `r` is `InvalidArgument` whose text contains every one of `words`, and that
