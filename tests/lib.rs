@@ -12,6 +12,8 @@
 //! **every** rank's exit status, and kills whatever is still running when it is dropped, also
 //! when the test panics. Process tests take a global lock, so on a small machine they do not
 //! compete with each other for cores.
+//!
+//! [`cuda_support`] runs jobs on the CUDA stand-in driver and reads its transfer counters.
 
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};

@@ -769,7 +769,7 @@ mod tests {
             for rank in 0..2 {
                 let got = Routes::input(&wl, &topo, 4, rank, round);
                 let full = base.input(&topo, 4, rank, round);
-                let empty = (round + rank as u64) % 3 == 0 || round % 5 == 4;
+                let empty = (round + rank as u64).is_multiple_of(3) || round % 5 == 4;
                 assert_eq!(got.num_tokens, if empty { 0 } else { 8 }, "{rank} {round}");
                 assert_eq!(got.topk_idx.len(), got.num_tokens * 4);
                 assert_eq!(got.topk_weights.len(), got.num_tokens * 4);
