@@ -44,13 +44,22 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
-        ["device", m, n, rounds, quant] => {
+        ["device", m, n, rounds, quant, relays] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             let quant = match *quant {
                 "int8" => Quant::Int8,
                 _ => Quant::None,
             };
-            return device_rounds(ctx, (p(m)?, p(n)?), p(rounds)? as u64, quant);
+            let shape = (p(m)?, p(n)?, p(relays)?);
+            return device_rounds(ctx, shape, p(rounds)? as u64, quant);
+        }
+        ["threads_conformance", size] => {
+            let size = size.parse::<usize>().map_err(|e| e.to_string())?;
+            threads_conformance(size)
+        }
+        ["threads", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return threads_rounds((p(m)?, p(n)?), p(rounds)? as u64);
         }
         ["missing_library"] => missing_library(ctx),
         ["no_nvrtc_on_rank_1"] => no_nvrtc_on_rank_1(ctx),
@@ -124,54 +133,120 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     )
 }
 
-/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
-/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
-/// bit for bit against the reference (`xccl::testing::harness`).
-fn device_rounds(
-    ctx: &ChildCtx,
-    (m, n): (usize, usize),
-    rounds: u64,
-    quant: Quant,
-) -> Result<(), String> {
-    use half::bf16;
-    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
-    use xccl::testing::harness::{Buffers, Workload};
+/// The cuda fabric's threads mode (`Communicator::local_group_cuda`, every rank a thread of
+/// this one process): rounds of the device-buffer calls checked bit for bit as in
+/// [`device_rounds`].
+fn threads_rounds((m, n): (usize, usize), rounds: u64) -> Result<(), String> {
+    let cfg = device_config(Quant::None);
+    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let comms = Communicator::local_group_cuda(&topo, &cfg, None).map_err(|e| e.to_string())?;
+    let wl = device_workload(m, n);
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                let wl = wl.clone();
+                s.spawn(move || device_rank_rounds(&mut comm, &wl, rounds))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
+    })?;
+    announce(&format!(
+        "{rounds} rounds of device-buffer calls checked on {} threads",
+        m + n
+    ));
+    Ok(())
+}
+
+/// The conformance suite on the cuda fabric's threads mode: `size` ranks as threads.
+fn threads_conformance(size: usize) -> xccl::Result<()> {
+    let fabrics = CudaFabric::local_group(&vec![MIN_WINDOW; size], min_slots(size), None)?;
+    if !fabrics.iter().all(CudaFabric::threads) {
+        return Err(fail(
+            "a local group's fabric is not in the threads mode".into(),
+        ));
+    }
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = fabrics
+            .iter()
+            .map(|f| s.spawn(move || conformance::run_all(f)))
+            .collect();
+        ranks
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| fail("a rank panicked".into()))?)
+    })?;
+    announce(&format!("conformance on {size} threads"));
+    Ok(())
+}
+
+/// The config of the device-buffer tests.
+fn device_config(quant: Quant) -> MoeConfig {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
     cfg.timeout = Duration::from_secs(30);
     cfg.a2e_quant = quant;
     cfg.e2a_quant = quant;
-    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
-    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
-    let mut comm =
-        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
-    let wl = Workload {
+    cfg
+}
+
+/// The workload of the device-buffer tests.
+fn device_workload(m: usize, n: usize) -> xccl::testing::harness::Workload {
+    xccl::testing::harness::Workload {
         seed: 0xd1ce + (m * 10 + n) as u64,
         tokens: 16,
         vary: true,
         skew: None,
         shared_experts: 0,
-    };
+    }
+}
+
+/// `rounds` rounds of one rank: the device-buffer calls, every third round the host calls on
+/// the same communicator, each checked bit for bit against the reference.
+fn device_rank_rounds(
+    comm: &mut Communicator,
+    wl: &xccl::testing::harness::Workload,
+    rounds: u64,
+) -> Result<(), String> {
+    use half::bf16;
+    use xccl::testing::harness::Buffers;
+    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
     let mut batch = xccl::ExpertBatch::new();
     for round in 0..rounds {
         let host = round % 3 == 2;
         let verdict = match comm.role() {
             xccl::Role::Attention if host => {
-                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Copy)
+                attention_round_with::<bf16>(comm, wl, round, Buffers::Copy)
             }
-            xccl::Role::Attention => {
-                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Device)
-            }
-            xccl::Role::Expert if host => {
-                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
-            xccl::Role::Expert => {
-                expert_round_device::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
+            xccl::Role::Attention => attention_round_with::<bf16>(comm, wl, round, Buffers::Device),
+            xccl::Role::Expert if host => expert_round::<bf16>(comm, wl, round, &mut batch, true),
+            xccl::Role::Expert => expert_round_device::<bf16>(comm, wl, round, &mut batch, true),
         };
         verdict
             .map_err(|e| format!("round {round}: {e}"))?
             .map_err(|e| format!("round {round}: {e}"))?;
     }
+    Ok(())
+}
+
+/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
+/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
+/// bit for bit against the reference (`xccl::testing::harness`).
+fn device_rounds(
+    ctx: &ChildCtx,
+    (m, n, relays): (usize, usize, usize),
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let mut topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    if relays > 0 {
+        topo = topo.with_relays(Some(relays)).map_err(|e| e.to_string())?;
+    }
+    let cfg = device_config(quant);
+    let mut comm =
+        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
+    device_rank_rounds(&mut comm, &device_workload(m, n), rounds)?;
     announce(&format!("{rounds} rounds of device-buffer calls checked"));
     Ok(())
 }
@@ -519,17 +594,37 @@ fn cuda_one_attention_one_expert_matches_reference() {
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
-    run_ok("device:1:1:12:none", 2, 1, Duration::from_secs(60));
+    run_ok("device:1:1:12:none:0", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_conformance_with_3_threads_on_2_devices() {
+    run_ok("threads_conformance:3", 1, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_in_the_threads_mode_match_the_reference_bit_for_bit_2a_3e() {
+    run_ok("threads:2:3:9", 1, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_through_relays_match_the_reference_bit_for_bit_4a_2e() {
+    run_ok("device:4:2:9:none:2", 6, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_through_relays_with_int8_match_the_reference_bit_for_bit_4a_3e() {
+    run_ok("device:4:3:9:int8:2", 7, 2, Duration::from_secs(90));
 }
 
 #[test]
 fn device_buffer_calls_with_int8_on_the_wire_match_the_reference_bit_for_bit_3a_2e() {
-    run_ok("device:3:2:9:int8", 5, 2, Duration::from_secs(90));
+    run_ok("device:3:2:9:int8:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_2a_3e_on_2_devices() {
-    run_ok("device:2:3:9:none", 5, 2, Duration::from_secs(90));
+    run_ok("device:2:3:9:none:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]

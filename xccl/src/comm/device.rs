@@ -24,10 +24,10 @@
 //! - E2A receive: each token's contributions are summed where they landed into `out`.
 //!
 //! What crosses to the host is what the host plans with: records, metadata, the routing of a
-//! [`Routing::Device`] (one copy of each array per call), signals. Two paths still carry rows
-//! through the host: the E2A receive of an attention rank behind a relay (the relay's reduced
-//! rows are read to the host, then written to `out`), and a relay's own forwarding, which
-//! reads and writes its window with the fabric's `get`/`put`. Bits are the host calls' on
+//! [`Routing::Device`] (one copy of each array per call), signals. A relay forwards A2E rows on
+//! the device. Two paths still carry rows through the host: a relay's E2A reduction (its
+//! window read and written with the fabric's `get`/`put`) and the E2A receive of an attention
+//! rank behind a relay (the reduced rows read to the host, then written to `out`). Bits are the host calls' on
 //! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;

@@ -962,12 +962,12 @@ impl RowReader {
         if !msg.bulk(ctx) || rows.is_empty() {
             return Ok(());
         }
-        let stride = ctx.layout.a2e.stride_for(msg.int8);
-        let (rank, at) = msg.full_row(ctx, rows.start);
-        self.landing.resize(rows.len() * stride, 0);
         if self.on_device {
             self.gather_meta(ctx, msg, rows.clone())?;
         } else {
+            let stride = ctx.layout.a2e.stride_for(msg.int8);
+            let (rank, at) = msg.full_row(ctx, rows.start);
+            self.landing.resize(rows.len() * stride, 0);
             ctx.get(rank, at, &mut self.landing)?;
         }
         self.landed_of = Some(msg.index);
@@ -976,18 +976,17 @@ impl RowReader {
     }
 
     /// [`RowReader::prepare`] of device rows: only the metadata of `rows` comes to the host,
-    /// each where its row's would be in `self.landing`, in one gather.
+    /// packed (row `i`'s at `i * meta_len` of `self.landing`), in one gather.
     fn gather_meta(&mut self, ctx: &Context, msg: &Message, rows: Range<usize>) -> Result<()> {
-        let fmt = ctx.layout.a2e;
-        let stride = fmt.stride_for(msg.int8);
-        let (meta_at, meta_len) = (fmt.meta_offset_for(msg.int8), fmt.meta_len());
+        let meta_len = ctx.layout.a2e.meta_len();
+        self.landing.resize(rows.len() * meta_len, 0);
         let mut dev = ctx.device_rows()?;
         self.meta_runs.clear();
         for (i, r) in rows.enumerate() {
             let (rank, at) = msg.meta_at(ctx, r);
             self.meta_runs.push(CopyRun {
                 src: dev.window(rank, at, meta_len)?,
-                dst: (i * stride + meta_at) as u64,
+                dst: (i * meta_len) as u64,
                 len: meta_len as u64,
             });
         }
@@ -1026,7 +1025,12 @@ impl RowReader {
         if self.landed_of != Some(msg.index) || !self.landed_rows.contains(&r) || !msg.bulk(ctx) {
             return None;
         }
-        let stride = ctx.layout.a2e.stride_for(msg.int8);
+        // Device rows: only the metadata was gathered, packed.
+        let stride = if self.on_device {
+            ctx.layout.a2e.meta_len()
+        } else {
+            ctx.layout.a2e.stride_for(msg.int8)
+        };
         let i = r - self.landed_rows.start;
         Some(&self.landing[i * stride..(i + 1) * stride])
     }
@@ -1039,6 +1043,11 @@ impl RowReader {
         let mut meta = std::mem::take(&mut self.meta);
         meta.resize(fmt.meta_len(), 0);
         let read = match self.landed(ctx, msg, r) {
+            // Device rows: the metadata alone, packed.
+            Some(packed) if self.on_device => {
+                meta.copy_from_slice(&packed[..fmt.meta_len()]);
+                Ok(())
+            }
             Some(row) => {
                 meta.copy_from_slice(&row[fmt.meta_offset_for(msg.int8)..][..fmt.meta_len()]);
                 Ok(())

@@ -69,6 +69,7 @@ use std::time::Instant;
 
 use super::combine::relay_sums_at_members;
 use super::context::{CheckDue, Context};
+use super::dataplane::{CopyRun, DataPlane};
 use super::dtype::MAX_FUSED_ROWS;
 use super::hash::Fnv;
 use super::progress::{chunk_rows, progress, Progress};
@@ -1294,15 +1295,47 @@ fn forward_rows(
         l.relay_a2e(m, buf) + rows.start * stride,
         rows.len() * stride,
     );
-    // SAFETY: the rows are below the member's progress signal, and the member writes this
-    // buffer again only after this relay's A2E credit for the call, sent once it is forwarded.
-    let chunk = match unsafe { super::regions::landed(ctx, ctx.rank, src, len)? } {
-        Some(bytes) => bytes,
-        None => {
-            scratch.resize(len, 0);
-            ctx.get(ctx.rank, src, scratch)?;
+    // On the cuda fabric the rows stay on the device: only their tokens come to the host
+    // (each where its row's metadata would be in `scratch`), and each destination's part is
+    // one device copy between the windows.
+    let mut dev = match ctx.fabric.as_cuda() {
+        Some(_) => Some(ctx.device_rows()?),
+        None => None,
+    };
+    // Where row `i`'s token is in `chunk`: its metadata in a full row, or packed (4 bytes a
+    // row) where only the tokens came from the device.
+    let packed = dev.is_some();
+    let token_at = |i: usize| if packed { i * 4 } else { i * stride + meta };
+    let chunk = match dev.as_deref_mut() {
+        Some(dev) => {
+            scratch.resize(rows.len() * 4, 0);
+            let runs = (0..rows.len())
+                .map(|i| {
+                    let at = src + i * stride + meta;
+                    Ok(CopyRun {
+                        src: dev.window(ctx.rank, at, 4)?,
+                        dst: (i * 4) as u64,
+                        len: 4,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // SAFETY: the sources lie in this rank's window (range-checked), below the
+            // member's progress signal; the member writes them again only after this relay's
+            // credit, sent once they are forwarded.
+            unsafe { dev.plane.gather(&runs, scratch, ctx.call_deadline())? };
             &scratch[..]
         }
+        // SAFETY: the rows are below the member's progress signal, and the member writes this
+        // buffer again only after this relay's A2E credit for the call, sent once it is
+        // forwarded.
+        None => match unsafe { super::regions::landed(ctx, ctx.rank, src, len)? } {
+            Some(bytes) => bytes,
+            None => {
+                scratch.resize(len, 0);
+                ctx.get(ctx.rank, src, scratch)?;
+                &scratch[..]
+            }
+        },
     };
     let t_count = mc.num_tokens as u32;
     // In the wire order, so the tokens are noted in the order of the rows.
@@ -1315,7 +1348,7 @@ fn forward_rows(
             continue;
         }
         for i in lo..hi {
-            let at = (i - rows.start) * stride + meta;
+            let at = token_at(i - rows.start);
             let t = u32::from_le_bytes(chunk[at..at + 4].try_into().expect("4"));
             let prev = (i > start).then(|| mc.tokens[i - 1]);
             if t >= t_count || prev.is_some_and(|p| t <= p) {
@@ -1332,10 +1365,29 @@ fn forward_rows(
         if readers.contains(&d) {
             continue;
         }
-        let part = &chunk[(lo - rows.start) * stride..(hi - rows.start) * stride];
-        ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
+        let (from, bytes) = ((lo - rows.start) * stride, (hi - lo) * stride);
+        let to = l.a2e_recv(ai, buf) + (lo - start) * stride;
+        match dev.as_deref_mut() {
+            Some(dev) => {
+                let run = CopyRun {
+                    src: dev.window(ctx.rank, src + from, bytes)?,
+                    dst: dev.window(d, to, bytes)?,
+                    len: bytes as u64,
+                };
+                ctx.note_written(d, bytes);
+                // SAFETY: the source rows lie in this rank's window (see the gather above),
+                // the destination in `d`'s receive area for this member (range-checked),
+                // reserved for this call by `d`'s credit.
+                unsafe { dev.plane.copy_runs(&[run])? };
+            }
+            None => ctx.put(d, to, &chunk[from..from + bytes])?,
+        }
         fault_point!("relay.forward");
         ctx.stats.borrow_mut().relay_rows_forwarded += (hi - lo) as u64;
     }
-    Ok(())
+    match dev.as_deref_mut() {
+        // Forwarded before the caller signals the destinations.
+        Some(dev) => dev.plane.complete(ctx.call_deadline()),
+        None => Ok(()),
+    }
 }
