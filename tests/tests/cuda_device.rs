@@ -11,8 +11,9 @@
 //! - bad buffers (host memory, another device's memory, too short, past the allocation, the
 //!   stream of another device, a device call on a shm communicator): each a clear error naming
 //!   the buffer, nothing sent or consumed, the next good call succeeds;
-//! - the stand-in's transfer counters, and (ignored until the native device path lands) the
-//!   bound on what the calls copy between host and device: metadata only.
+//! - the stand-in's transfer counters, and the bound on what the calls copy between host and
+//!   device: metadata only (dtype rows and INT8 on the wire; through relays ignored until E2A
+//!   through relays runs on the device).
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`); every job's stand-in
 //! segments are checked to be gone from `/dev/shm`.
