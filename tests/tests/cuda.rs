@@ -14,31 +14,20 @@
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
-use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xccl::bootstrap::{Exchange, RootConfig, UniqueId};
+use xccl::bootstrap::Exchange;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::cuda::CudaFabric;
 use xccl::fabric::Fabric;
 use xccl::{Communicator, DType, Error, MoeConfig, Quant, Topology};
+use xccl_tests::cuda_support::{DEVICES_ENV, FAIL_ENV, LIBRARY_ENV, LIMIT_ENV, PREFIX_ENV};
 use xccl_tests::{announce, child_main, ChildCtx, Job, StandinSegments};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
-/// The stand-in's failure-injection variable (`<symbol>:<code>[:<skip>]`).
-const FAIL_ENV: &str = "CUDA_STANDIN_FAIL";
-/// Prefix of the stand-in's shared-memory segments.
-const PREFIX_ENV: &str = "CUDA_STANDIN_SHM_PREFIX";
-/// How many devices the stand-in shows.
-const DEVICES_ENV: &str = "CUDA_STANDIN_DEVICES";
-/// The stand-in's device memory limit in bytes.
-const LIMIT_ENV: &str = "CUDA_STANDIN_MEM_LIMIT";
-/// Where xccl looks for the driver first.
-const LIBRARY_ENV: &str = "XCCL_CUDA_LIBRARY";
-
 #[test]
 fn child_rank_entry() {
     child_main(dispatch);
@@ -535,15 +524,6 @@ fn plane_without_nvrtc(ctx: &ChildCtx) -> xccl::Result<()> {
 
 // ---- parent side ----
 
-/// Builds the stand-in once per test process; returns the library's path.
-fn standin() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
-        xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
-    })
-}
-
 /// Spawns the job with the stand-in as driver; `per_rank(rank)` adds environment to a rank.
 fn spawn(
     scenario: &str,
@@ -551,51 +531,13 @@ fn spawn(
     devices: usize,
     per_rank: &dyn Fn(usize) -> Vec<(&'static str, Option<String>)>,
 ) -> (Job, StandinSegments) {
-    // `XCCL_TEST_REAL_CUDA=1` (ci/device-check.sh on a GPU): the real driver, no stand-in.
-    let real = std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1");
-    let lib = if real {
-        None
-    } else {
-        Some(standin().to_string_lossy().into_owned())
-    };
-    let segs = StandinSegments::new("xccl-cu");
-    let devices = devices.to_string();
-    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
-    let job = Job::spawn_with(
-        ENTRY,
-        scenario,
-        size,
-        &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
-        &|rank, cmd| {
-            match &lib {
-                Some(lib) => cmd.env(LIBRARY_ENV, lib),
-                None => cmd.env_remove(LIBRARY_ENV),
-            };
-            cmd.env(PREFIX_ENV, &segs.0)
-                .env(DEVICES_ENV, &devices)
-                .env_remove(FAIL_ENV)
-                .env_remove(LIMIT_ENV);
-            for (k, v) in per_rank(rank) {
-                match v {
-                    Some(v) => cmd.env(k, v),
-                    None => cmd.env_remove(k),
-                };
-            }
-        },
-    );
-    (job, segs)
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+    xccl_tests::cuda_support::spawn(ENTRY, scenario, (size, devices), &dir, per_rank)
 }
 
 fn run_ok(scenario: &str, size: usize, devices: usize, timeout: Duration) {
-    let start = Instant::now();
-    let (mut job, segs) = spawn(scenario, size, devices, &|_| Vec::new());
-    job.expect_success(timeout);
-    println!(
-        "{scenario} with {size} processes on {devices} device(s): {:?}; rank 0 said: {}",
-        start.elapsed(),
-        job.output(0).trim()
-    );
-    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+    xccl_tests::cuda_support::run_ok(ENTRY, scenario, (size, devices), &dir, timeout);
 }
 
 /// Runs `scenario` with rank 1 given `env`, expecting every rank to succeed (each checks its
