@@ -244,8 +244,12 @@ typedef struct {
    *  libfabric (ranks on any hosts; provider and interface from config.ofiProvider and
    *  config.ofiInterface, else XCCL_OFI_PROVIDER and XCCL_OFI_ADDR). "ascend": windows in NPU
    *  memory (device config.device; needs the CANN runtime: without libascendcl.so init fails
-   *  with xcclUnavailable naming it and ASCEND_HOME_PATH, the variable to set). Another name
-   *  is xcclUnavailable before any rendezvous. Read during init only. */
+   *  with xcclUnavailable naming it and ASCEND_HOME_PATH, the variable to set). "cuda":
+   *  windows in GPU memory (device config.device) shared by CUDA IPC between the processes of
+   *  one host, and the device-buffer calls (xcclA2ESendDevice and the others, below); needs the
+   *  CUDA driver: without libcuda.so.1 init fails with xcclUnavailable naming it and
+   *  XCCL_CUDA_LIBRARY (a path to the driver library). Another name is xcclUnavailable before
+   *  any rendezvous. Read during init only. */
   const char* fabric;
   /** Explicit expert placement (agreed), or NULL (with placementRanks NULL) for the contiguous
    *  default: expert e goes to expert-rank index floor(e * numExpertRanks / numExperts), so
@@ -286,7 +290,11 @@ typedef struct {
    *  numExpertRanks may then stay unset; when set they must match the stated roles.
    *  placementRanks then name expert ranks by global rank. */
   int role;
-  /** NPU device of this rank for fabric "ascend" (local; >= 0); default 0. */
+  /** The device of this rank (local; >= 0): the NPU for fabric "ascend" (default 0), the
+   *  CUDA device ordinal for fabric "cuda" (as the driver numbers the devices this process
+   *  sees, i.e. after CUDA_VISIBLE_DEVICES; default: rank modulo the device count). NCCL
+   *  takes the calling thread's current device; xccl is told: set it to the device whose
+   *  memory and streams this rank passes to the device-buffer calls. */
   int device;
   /** libfabric provider for fabric "ofi" (local; e.g. "tcp;ofi_rxm", "verbs;ofi_rxm"), or
    *  NULL: XCCL_OFI_PROVIDER, else "tcp;ofi_rxm". Read during init only. */
@@ -809,6 +817,109 @@ xcclResult_t xcclE2ASendOutput(xcclComm_t comm, xcclTokenBatch_t batch);
 /** Frees a token batch without replying, under the rule of xcclExpertBatchFree (refused with
  *  xcclInvalidUsage while live on a healthy communicator). */
 xcclResult_t xcclTokenBatchFree(xcclTokenBatch_t batch);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Device buffers (config.fabric "cuda")                                                     */
+/*
+ * The calls below take rows in GPU memory: device pointers (CUdeviceptr / cudaMalloc
+ * memory, passed as void*) of the communicator's device (xcclCommCuDevice), each inside one
+ * allocation, and a stream of that device. They exist on every communicator; on another
+ * fabric each fails with xcclInvalidArgument ("needs a communicator on the cuda fabric").
+ *
+ * Pointers: every device buffer is checked before anything is read, written or sent: NULL
+ * (allowed only for a buffer of 0 bytes), host memory (pageable, pinned or managed), memory of
+ * another GPU (the message names both devices), or a buffer that runs past the end of its
+ * allocation is xcclInvalidArgument naming the argument, and nothing was sent (retryable, the
+ * handle or batch stays valid). The host-buffer calls (xcclA2ESend, xcclE2ARecv, xcclE2ASend,
+ * xcclA2ESendInput, xcclE2ASendTokens) on a cuda communicator likewise refuse device memory
+ * with xcclInvalidArgument. Failures after the check follow the rule of the host call
+ * (retryable before anything is published, poisoned after).
+ *
+ * Streams: `stream` is a cudaStream_t / CUstream of the communicator's device (a stream of
+ * its primary context, which is the CUDA runtime's), or NULL for the legacy default stream.
+ * Each call is ordered after the work already queued on `stream` (it records an event there
+ * and makes its own stream wait for it), so it reads what kernels queued before it write; and
+ * it returns with its work done (synchronous to the host): rows it writes are in place, the
+ * buffers it reads may be reused, and work queued on any stream afterwards sees them. It does
+ * not wait for other streams' work: order that before the call (cudaStreamWaitEvent). Not
+ * capturable in a CUDA graph. `stream` must stay valid during the call.
+ *
+ * The rows are copied and summed by device copies and kernels on the communicator's stream
+ * (the host plans and moves metadata; docs/device.md); the results are bit for bit those of
+ * the host calls on the same inputs.
+ */
+
+/** A cudaStream_t / CUstream (the same type: `struct CUstream_st*`), declared here so that
+ *  this header needs no CUDA header; pass the runtime's or the driver's stream as it is. NULL
+ *  is the legacy default stream. */
+typedef struct CUstream_st* xcclCudaStream_t;
+
+/** Where an argument of a device-buffer call lives. */
+typedef enum {
+  /** Host memory (read by the host during the call). */
+  xcclMemoryHost = 0,
+  /** Device memory of the communicator's GPU. */
+  xcclMemoryDevice = 1
+} xcclMemory_t;
+
+/** A2E (dispatch) of device rows: as xcclA2ESend, with `x` ([numTokens, hidden] of
+ *  config.dtype) in device memory, ordered after the work queued on `stream`. The routing
+ *  (`topkIdx` [numTokens, topk] int32, `topkWeights` [numTokens, topk] float32) lives where
+ *  `routingMemory` says, never guessed from the pointers: xcclMemoryHost (host memory, read
+ *  during the call) or xcclMemoryDevice (device memory of the communicator's GPU, copied to
+ *  the host once per call on the call's stream, after the work queued on `stream`, e.g. a
+ *  router kernel's output). With numTokens 0 the three pointers may be NULL. Returns once `x`
+ *  and the routing have been read (they may then be reused) and the rows handed to the fabric;
+ *  writes the call's handle to `*handle` (for xcclE2ARecvDevice or xcclE2ARecv).
+ *  Errors: as xcclA2ESend, and xcclInvalidArgument for a pointer the device-buffer rules refuse
+ *  (see above), routing in the other memory than `routingMemory` says, a `routingMemory`
+ *  that is not an xcclMemory_t, a communicator on another fabric. */
+xcclResult_t xcclA2ESendDevice(xcclComm_t comm, const void* x, int numTokens,
+                               const int32_t* topkIdx, const float* topkWeights,
+                               xcclMemory_t routingMemory, xcclCudaStream_t stream,
+                               xcclA2EHandle_t* handle);
+
+/** E2A (combine) into device memory: as xcclE2ARecv, writing `out` ([numTokens, hidden] of
+ *  config.dtype, numTokens of the handle's call) in device memory; ordered after the work
+ *  queued on `stream` (e.g. the last reader of `out`), and `out` holds the combined rows when
+ *  it returns. On success `handle` is freed; on a retryable failure (a refused `out` among
+ *  them) it stays valid. Errors: as xcclE2ARecv, and the device-buffer rules' (see above). */
+xcclResult_t xcclE2ARecvDevice(xcclComm_t comm, xcclA2EHandle_t handle, void* out,
+                               xcclCudaStream_t stream);
+
+/** A2E receive into device memory, expert-major: as xcclA2ERecv, with the batch's rows written
+ *  into `out` (device memory of `outBytes` bytes, at least the `outBytes` of
+ *  xcclCommDeviceRecvSize): rows 0..numRows-1 of `out` are the batch's rows, the rows of local
+ *  expert j being expertOffsets[j]..expertOffsets[j+1] (as in a host batch); the rest of `out`
+ *  is left alone. Ordered after the work queued on `stream` (e.g. the experts' last read of
+ *  `out`); the rows are in place when it returns. The batch (`*batch`) carries everything
+ *  else (xcclExpertBatchGetInfo: counts, offsets, sources, weights, tags; its `rows` is NULL)
+ *  and is replied to with xcclE2ASendDevice (or xcclE2ASend). Not with config.keepInt8
+ *  (xcclInvalidArgument). Errors: as xcclA2ERecv, and xcclInvalidArgument for `outBytes`
+ *  below the needed size and the device-buffer rules' (see above). */
+xcclResult_t xcclA2ERecvDevice(xcclComm_t comm, xcclExpertBatch_t* batch, void* out,
+                               size_t outBytes, xcclCudaStream_t stream);
+
+/** E2A send from device memory: as xcclE2ASend, with `expertOut` ([numRows, hidden] of
+ *  config.dtype, one output row per batch row, in the batch's row order) in device memory,
+ *  ordered after the work queued on `stream` (the experts' kernels that wrote it); `expertOut`
+ *  may be reused once it returns. On success `batch` is freed; on a retryable failure it
+ *  stays valid. Errors: as xcclE2ASend, and the device-buffer rules' (see above). */
+xcclResult_t xcclE2ASendDevice(xcclComm_t comm, xcclExpertBatch_t batch, const void* expertOut,
+                               xcclCudaStream_t stream);
+
+/** Writes the CUDA device ordinal of a communicator on the cuda fabric to `*device` (the
+ *  device whose memory and streams the device-buffer calls take), -1 on other fabrics (as
+ *  ncclCommCuDevice, plus the -1). A query. Errors: xcclInvalidArgument (NULL),
+ *  xcclInvalidUsage (destroyed), xcclAborted. */
+xcclResult_t xcclCommCuDevice(xcclComm_t comm, int* device);
+
+/** Sizes of xcclA2ERecvDevice's `out` on this rank: `*maxExpertRows` = the most rows an
+ *  expert-major batch can have (numAttentionRanks * maxTokensPerRank * min(topk, local
+ *  experts); 0 on attention ranks), `*outBytes` = maxExpertRows * rowBytes. Allocate `out`
+ *  once with outBytes and reuse it for every receive. A query (any fabric). Errors:
+ *  xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed), xcclAborted. */
+xcclResult_t xcclCommDeviceRecvSize(xcclComm_t comm, size_t* maxExpertRows, size_t* outBytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -12,6 +12,8 @@
 //! **every** rank's exit status, and kills whatever is still running when it is dropped, also
 //! when the test panics. Process tests take a global lock, so on a small machine they do not
 //! compete with each other for cores.
+//!
+//! [`cuda_support`] runs jobs on the CUDA stand-in driver and reads its transfer counters.
 
 use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -23,6 +25,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use xccl::bootstrap::{Exchange, RootConfig, RootHandle, TcpBootstrap, UniqueId};
+
+pub mod cuda_support;
 
 /// Names the scenario a child rank runs; its presence marks the process as a child.
 pub const SCENARIO_ENV: &str = "XCCL_TEST_SCENARIO";

@@ -30,6 +30,10 @@
  *   start and size) and
  *   answers CUDA_ERROR_INVALID_VALUE for any other pointer, as the real driver does for host
  *   memory it does not know.
+ * - Counters: every successful host-to-device, device-to-host and device-to-device copy (sync
+ *   and async, cuMemcpyPeerAsync counted as device-to-device), memset and kernel launch is
+ *   counted per process, calls and bytes; cuda_standin_counters() (exported, not a driver call)
+ *   reads them, for tests that check what a call moved between host and device.
  * - Failure injection: CUDA_STANDIN_FAIL="<symbol>:<code>[:<skip>]" makes <symbol> (the exported
  *   name, e.g. cuMemAlloc_v2) return <code> after <skip> successful calls (default 0).
  *
@@ -120,6 +124,39 @@ static size_t g_allocated;
 static int g_initialized;
 static unsigned long g_injected_calls;
 static __thread struct ctx *t_ctx;
+
+/* The transfer counters, in the order cuda_standin_counters() writes them. */
+enum {
+    CNT_HTOD_CALLS,
+    CNT_HTOD_BYTES,
+    CNT_DTOH_CALLS,
+    CNT_DTOH_BYTES,
+    CNT_DTOD_CALLS,
+    CNT_DTOD_BYTES,
+    CNT_MEMSET_CALLS,
+    CNT_MEMSET_BYTES,
+    CNT_LAUNCHES,
+    CNT_COUNT,
+};
+static unsigned long long g_counters[CNT_COUNT];
+
+/* Counts one call of kind `calls` (a *_CALLS index) moving `bytes` (counted at calls + 1);
+ * launches are counted alone. */
+static void count(int calls, size_t bytes) {
+    __atomic_fetch_add(&g_counters[calls], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&g_counters[calls + 1], (unsigned long long)bytes, __ATOMIC_RELAXED);
+}
+
+/*
+ * Not a driver call: writes the first min(n, CNT_COUNT) counters of this process to out (in
+ * the enum's order: htod calls, htod bytes, dtoh calls, dtoh bytes, dtod calls, dtod bytes,
+ * memset calls, memset bytes, kernel launches) and returns how many counters there are.
+ */
+EXPORT int cuda_standin_counters(unsigned long long *out, int n) {
+    for (int i = 0; out != NULL && i < n && i < CNT_COUNT; i++)
+        out[i] = __atomic_load_n(&g_counters[i], __ATOMIC_RELAXED);
+    return CNT_COUNT;
+}
 
 static void note(const char *fmt, const char *what) {
     if (getenv("CUDA_STANDIN_VERBOSE")) fprintf(stderr, fmt, what);
@@ -416,6 +453,7 @@ EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     NEED_CTX();
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
     if (n) memset((void *)(uintptr_t)dst, v, n);
+    count(CNT_MEMSET_CALLS, n);
     return CUDA_SUCCESS;
 }
 
@@ -425,6 +463,7 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void
     if (!valid_stream(stream)) return CUDA_ERROR_INVALID_HANDLE;
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
     if (n) memset((void *)(uintptr_t)dst, v, n);
+    count(CNT_MEMSET_CALLS, n);
     return CUDA_SUCCESS;
 }
 
@@ -432,6 +471,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n) {
     if (n && src == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (!is_device(dst, n)) return CUDA_ERROR_INVALID_VALUE;
     if (n) memcpy((void *)(uintptr_t)dst, src, n);
+    count(CNT_HTOD_CALLS, n);
     return CUDA_SUCCESS;
 }
 
@@ -439,12 +479,14 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n) {
     if (n && dst == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (!is_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (n) memcpy(dst, (const void *)(uintptr_t)src, n);
+    count(CNT_DTOH_CALLS, n);
     return CUDA_SUCCESS;
 }
 
 static CUresult dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     if (!is_device(dst, n) || !is_device(src, n)) return CUDA_ERROR_INVALID_VALUE;
     if (n) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    count(CNT_DTOD_CALLS, n);
     return CUDA_SUCCESS;
 }
 
@@ -726,6 +768,7 @@ EXPORT CUresult cuLaunchKernel(void *func, unsigned gx, unsigned gy, unsigned gz
     if (extra != NULL || params == NULL) return CUDA_ERROR_INVALID_VALUE;
     unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
     k->run(params, grid, block);
+    __atomic_fetch_add(&g_counters[CNT_LAUNCHES], 1, __ATOMIC_RELAXED);
     return CUDA_SUCCESS;
 }
 

@@ -185,10 +185,20 @@ fn assert_no_leftovers(job_id: u64) {
 
 /// Runs `exe` as `n` ranks joined by a unique id on the command line (after `first_args`).
 fn run_with_unique_id(exe: &Path, n: usize, first_args: &[&str]) {
+    run_with_unique_id_env(exe, n, first_args, &|_, _| {});
+}
+
+/// [`run_with_unique_id`] with each rank's command adjusted by `customize(rank, cmd)`.
+fn run_with_unique_id_env(
+    exe: &Path,
+    n: usize,
+    first_args: &[&str],
+    customize: &dyn Fn(usize, &mut Command),
+) {
     let job_id = unique_job_id();
     let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
     let (id, _root) = UniqueId::start_root(bind, RootConfig::new(job_id)).expect("bootstrap root");
-    let logs = run_ranks(exe, n, first_args, &id, &|_, _| {});
+    let logs = run_ranks(exe, n, first_args, &id, customize);
     for (r, l) in logs.iter().enumerate() {
         assert!(l.contains(&format!("rank {r}: ok")), "rank {r}: {l}");
     }
@@ -749,4 +759,93 @@ fn c11_destroy_from_another_thread_returns_after_the_blocked_call_and_abort_stil
     let logs = Ranks::spawn("capi_life_destroy", vec![cmd]).expect_success(TIMEOUT);
     assert!(logs[0].contains("destroy-blocked: ok"), "{}", logs[0]);
     eprintln!("{}", logs[0]);
+}
+
+/// `XCCL_TEST_REAL_CUDA=1` (a GPU host, `ci/device-check.sh`): the real driver, one device.
+fn real_cuda() -> bool {
+    std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1")
+}
+
+/// The stand-in CUDA driver (`tests/cuda_standin/`), built once per test process.
+fn cuda_standin() -> &'static Path {
+    static PATH: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+        xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// Runs `tests/capi/capi_cuda.c` in `mode` as `n` ranks, the driver being `library` (the
+/// stand-in showing `devices` devices), and checks that no stand-in segment is left.
+fn run_cuda_program(mode: &str, n: usize, devices: usize, library: &Path) {
+    run_cuda_program_env(mode, n, devices, library, &[]);
+}
+
+/// [`run_cuda_program`] with `env` added to every rank's environment.
+fn run_cuda_program_env(
+    mode: &str,
+    n: usize,
+    devices: usize,
+    library: &Path,
+    env: &[(&str, &str)],
+) {
+    let exe = compile(&repo().join("tests/capi/capi_cuda.c"), "capi_cuda_c");
+    let segs = xccl_tests::StandinSegments::new("xccl-cucapi");
+    let devices = devices.to_string();
+    run_with_unique_id_env(
+        &exe,
+        n,
+        &["--mode", mode, "--devices", &devices],
+        &|_, cmd| {
+            if real_cuda() {
+                cmd.env_remove("XCCL_CUDA_LIBRARY")
+                    .env_remove("CUDA_STANDIN_DEVICES");
+            } else {
+                cmd.env("XCCL_CUDA_LIBRARY", library)
+                    .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
+                    .env("CUDA_STANDIN_DEVICES", &devices);
+            }
+            cmd.env_remove("CUDA_STANDIN_FAIL")
+                .env_remove("CUDA_STANDIN_MEM_LIMIT")
+                .envs(env.iter().copied());
+        },
+    );
+    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+}
+
+#[test]
+fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // The cuda fabric's data plane compiles its kernels with the real NVRTC (the stand-in then
+    // runs their C twins).
+    assert!(
+        std::env::var_os("XCCL_NVRTC_LIBRARY").is_some(),
+        "set XCCL_NVRTC_LIBRARY to libnvrtc.so.13 or .12 (ci/test.sh takes the venv's)"
+    );
+    let standin = cuda_standin();
+    // 1A:1E on one device; 2A:2E on two (the refusals include another GPU's memory).
+    run_cuda_program("cuda", 2, 1, standin);
+    if real_cuda() {
+        return;
+    }
+    run_cuda_program("cuda", 4, 2, standin);
+    // 1A:2E with INT8 on the wire both ways.
+    run_cuda_program_env("cuda", 3, 2, standin, &[("XCCL_TEST_QUANT", "int8")]);
+}
+
+#[test]
+fn c11_device_buffer_calls_on_a_shm_communicator_are_invalid_arguments_naming_the_fabric() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    run_cuda_program("shm", 2, 1, cuda_standin());
+}
+
+#[test]
+fn c11_cuda_fabric_without_the_driver_is_unavailable_naming_libcuda() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if Path::new("/dev/nvidiactl").exists() {
+        // A real driver would be found after the missing XCCL_CUDA_LIBRARY.
+        println!("skipped: this host has an NVIDIA driver");
+        return;
+    }
+    run_cuda_program("nodriver", 2, 1, Path::new("/nonexistent/libcuda.so.1"));
 }

@@ -14,31 +14,20 @@
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`).
 
-use std::net::{Ipv4Addr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use xccl::bootstrap::{Exchange, RootConfig, UniqueId};
+use xccl::bootstrap::Exchange;
 use xccl::fabric::conformance::{self, min_slots, MIN_WINDOW};
 use xccl::fabric::cuda::CudaFabric;
 use xccl::fabric::Fabric;
 use xccl::{Communicator, DType, Error, MoeConfig, Quant, Topology};
+use xccl_tests::cuda_support::{DEVICES_ENV, FAIL_ENV, LIBRARY_ENV, LIMIT_ENV, PREFIX_ENV};
 use xccl_tests::{announce, child_main, ChildCtx, Job, StandinSegments};
 
 const ENTRY: &str = "child_rank_entry";
 const CONNECT: Duration = Duration::from_secs(30);
-/// The stand-in's failure-injection variable (`<symbol>:<code>[:<skip>]`).
-const FAIL_ENV: &str = "CUDA_STANDIN_FAIL";
-/// Prefix of the stand-in's shared-memory segments.
-const PREFIX_ENV: &str = "CUDA_STANDIN_SHM_PREFIX";
-/// How many devices the stand-in shows.
-const DEVICES_ENV: &str = "CUDA_STANDIN_DEVICES";
-/// The stand-in's device memory limit in bytes.
-const LIMIT_ENV: &str = "CUDA_STANDIN_MEM_LIMIT";
-/// Where xccl looks for the driver first.
-const LIBRARY_ENV: &str = "XCCL_CUDA_LIBRARY";
-
 #[test]
 fn child_rank_entry() {
     child_main(dispatch);
@@ -55,13 +44,22 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return checked_rounds(ctx, p(m)?, p(n)?, p(rounds)? as u64);
         }
-        ["device", m, n, rounds, quant] => {
+        ["device", m, n, rounds, quant, relays] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             let quant = match *quant {
                 "int8" => Quant::Int8,
                 _ => Quant::None,
             };
-            return device_rounds(ctx, (p(m)?, p(n)?), p(rounds)? as u64, quant);
+            let shape = (p(m)?, p(n)?, p(relays)?);
+            return device_rounds(ctx, shape, p(rounds)? as u64, quant);
+        }
+        ["threads_conformance", size] => {
+            let size = size.parse::<usize>().map_err(|e| e.to_string())?;
+            threads_conformance(size)
+        }
+        ["threads", m, n, rounds] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return threads_rounds((p(m)?, p(n)?), p(rounds)? as u64);
         }
         ["missing_library"] => missing_library(ctx),
         ["no_nvrtc_on_rank_1"] => no_nvrtc_on_rank_1(ctx),
@@ -135,54 +133,120 @@ fn checked_rounds(ctx: &ChildCtx, m: usize, n: usize, rounds: u64) -> Result<(),
     )
 }
 
-/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
-/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
-/// bit for bit against the reference (`xccl::testing::harness`).
-fn device_rounds(
-    ctx: &ChildCtx,
-    (m, n): (usize, usize),
-    rounds: u64,
-    quant: Quant,
-) -> Result<(), String> {
-    use half::bf16;
-    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
-    use xccl::testing::harness::{Buffers, Workload};
+/// The cuda fabric's threads mode (`Communicator::local_group_cuda`, every rank a thread of
+/// this one process): rounds of the device-buffer calls checked bit for bit as in
+/// [`device_rounds`].
+fn threads_rounds((m, n): (usize, usize), rounds: u64) -> Result<(), String> {
+    let cfg = device_config(Quant::None);
+    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let comms = Communicator::local_group_cuda(&topo, &cfg, None).map_err(|e| e.to_string())?;
+    let wl = device_workload(m, n);
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = comms
+            .into_iter()
+            .map(|mut comm| {
+                let wl = wl.clone();
+                s.spawn(move || device_rank_rounds(&mut comm, &wl, rounds))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
+    })?;
+    announce(&format!(
+        "{rounds} rounds of device-buffer calls checked on {} threads",
+        m + n
+    ));
+    Ok(())
+}
+
+/// The conformance suite on the cuda fabric's threads mode: `size` ranks as threads.
+fn threads_conformance(size: usize) -> xccl::Result<()> {
+    let fabrics = CudaFabric::local_group(&vec![MIN_WINDOW; size], min_slots(size), None)?;
+    if !fabrics.iter().all(CudaFabric::threads) {
+        return Err(fail(
+            "a local group's fabric is not in the threads mode".into(),
+        ));
+    }
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = fabrics
+            .iter()
+            .map(|f| s.spawn(move || conformance::run_all(f)))
+            .collect();
+        ranks
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| fail("a rank panicked".into()))?)
+    })?;
+    announce(&format!("conformance on {size} threads"));
+    Ok(())
+}
+
+/// The config of the device-buffer tests.
+fn device_config(quant: Quant) -> MoeConfig {
     let mut cfg = MoeConfig::new(32, DType::BF16, 4, 16);
     cfg.timeout = Duration::from_secs(30);
     cfg.a2e_quant = quant;
     cfg.e2a_quant = quant;
-    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
-    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
-    let mut comm =
-        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
-    let wl = Workload {
+    cfg
+}
+
+/// The workload of the device-buffer tests.
+fn device_workload(m: usize, n: usize) -> xccl::testing::harness::Workload {
+    xccl::testing::harness::Workload {
         seed: 0xd1ce + (m * 10 + n) as u64,
         tokens: 16,
         vary: true,
         skew: None,
         shared_experts: 0,
-    };
+    }
+}
+
+/// `rounds` rounds of one rank: the device-buffer calls, every third round the host calls on
+/// the same communicator, each checked bit for bit against the reference.
+fn device_rank_rounds(
+    comm: &mut Communicator,
+    wl: &xccl::testing::harness::Workload,
+    rounds: u64,
+) -> Result<(), String> {
+    use half::bf16;
+    use xccl::testing::harness::Buffers;
+    use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
     let mut batch = xccl::ExpertBatch::new();
     for round in 0..rounds {
         let host = round % 3 == 2;
         let verdict = match comm.role() {
             xccl::Role::Attention if host => {
-                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Copy)
+                attention_round_with::<bf16>(comm, wl, round, Buffers::Copy)
             }
-            xccl::Role::Attention => {
-                attention_round_with::<bf16>(&mut comm, &wl, round, Buffers::Device)
-            }
-            xccl::Role::Expert if host => {
-                expert_round::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
-            xccl::Role::Expert => {
-                expert_round_device::<bf16>(&mut comm, &wl, round, &mut batch, true)
-            }
+            xccl::Role::Attention => attention_round_with::<bf16>(comm, wl, round, Buffers::Device),
+            xccl::Role::Expert if host => expert_round::<bf16>(comm, wl, round, &mut batch, true),
+            xccl::Role::Expert => expert_round_device::<bf16>(comm, wl, round, &mut batch, true),
         };
         verdict
             .map_err(|e| format!("round {round}: {e}"))?
             .map_err(|e| format!("round {round}: {e}"))?;
     }
+    Ok(())
+}
+
+/// Rounds of the device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
+/// `e2a_send_device`), every third round the host calls on the same communicator, each checked
+/// bit for bit against the reference (`xccl::testing::harness`).
+fn device_rounds(
+    ctx: &ChildCtx,
+    (m, n, relays): (usize, usize, usize),
+    rounds: u64,
+    quant: Quant,
+) -> Result<(), String> {
+    let ex = ctx.connect(CONNECT).map_err(|e| e.to_string())?;
+    let mut topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    if relays > 0 {
+        topo = topo.with_relays(Some(relays)).map_err(|e| e.to_string())?;
+    }
+    let cfg = device_config(quant);
+    let mut comm =
+        Communicator::init_cuda(ex, Arc::new(topo), cfg, None).map_err(|e| e.to_string())?;
+    device_rank_rounds(&mut comm, &device_workload(m, n), rounds)?;
     announce(&format!("{rounds} rounds of device-buffer calls checked"));
     Ok(())
 }
@@ -460,15 +524,6 @@ fn plane_without_nvrtc(ctx: &ChildCtx) -> xccl::Result<()> {
 
 // ---- parent side ----
 
-/// Builds the stand-in once per test process; returns the library's path.
-fn standin() -> &'static Path {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
-        xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"))
-    })
-}
-
 /// Spawns the job with the stand-in as driver; `per_rank(rank)` adds environment to a rank.
 fn spawn(
     scenario: &str,
@@ -476,51 +531,13 @@ fn spawn(
     devices: usize,
     per_rank: &dyn Fn(usize) -> Vec<(&'static str, Option<String>)>,
 ) -> (Job, StandinSegments) {
-    // `XCCL_TEST_REAL_CUDA=1` (ci/device-check.sh on a GPU): the real driver, no stand-in.
-    let real = std::env::var("XCCL_TEST_REAL_CUDA").as_deref() == Ok("1");
-    let lib = if real {
-        None
-    } else {
-        Some(standin().to_string_lossy().into_owned())
-    };
-    let segs = StandinSegments::new("xccl-cu");
-    let devices = devices.to_string();
-    let bind = SocketAddr::new(Ipv4Addr::LOCALHOST.into(), 0);
-    let job = Job::spawn_with(
-        ENTRY,
-        scenario,
-        size,
-        &|job_id| UniqueId::start_root(bind, RootConfig::new(job_id)),
-        &|rank, cmd| {
-            match &lib {
-                Some(lib) => cmd.env(LIBRARY_ENV, lib),
-                None => cmd.env_remove(LIBRARY_ENV),
-            };
-            cmd.env(PREFIX_ENV, &segs.0)
-                .env(DEVICES_ENV, &devices)
-                .env_remove(FAIL_ENV)
-                .env_remove(LIMIT_ENV);
-            for (k, v) in per_rank(rank) {
-                match v {
-                    Some(v) => cmd.env(k, v),
-                    None => cmd.env_remove(k),
-                };
-            }
-        },
-    );
-    (job, segs)
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+    xccl_tests::cuda_support::spawn(ENTRY, scenario, (size, devices), &dir, per_rank)
 }
 
 fn run_ok(scenario: &str, size: usize, devices: usize, timeout: Duration) {
-    let start = Instant::now();
-    let (mut job, segs) = spawn(scenario, size, devices, &|_| Vec::new());
-    job.expect_success(timeout);
-    println!(
-        "{scenario} with {size} processes on {devices} device(s): {:?}; rank 0 said: {}",
-        start.elapsed(),
-        job.output(0).trim()
-    );
-    assert_eq!(segs.left(), Vec::<String>::new(), "stand-in segments left");
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin");
+    xccl_tests::cuda_support::run_ok(ENTRY, scenario, (size, devices), &dir, timeout);
 }
 
 /// Runs `scenario` with rank 1 given `env`, expecting every rank to succeed (each checks its
@@ -577,17 +594,37 @@ fn cuda_one_attention_one_expert_matches_reference() {
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
-    run_ok("device:1:1:12:none", 2, 1, Duration::from_secs(60));
+    run_ok("device:1:1:12:none:0", 2, 1, Duration::from_secs(60));
+}
+
+#[test]
+fn cuda_conformance_with_3_threads_on_2_devices() {
+    run_ok("threads_conformance:3", 1, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_in_the_threads_mode_match_the_reference_bit_for_bit_2a_3e() {
+    run_ok("threads:2:3:9", 1, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_through_relays_match_the_reference_bit_for_bit_4a_2e() {
+    run_ok("device:4:2:9:none:2", 6, 2, Duration::from_secs(90));
+}
+
+#[test]
+fn device_buffer_calls_through_relays_with_int8_match_the_reference_bit_for_bit_4a_3e() {
+    run_ok("device:4:3:9:int8:2", 7, 2, Duration::from_secs(90));
 }
 
 #[test]
 fn device_buffer_calls_with_int8_on_the_wire_match_the_reference_bit_for_bit_3a_2e() {
-    run_ok("device:3:2:9:int8", 5, 2, Duration::from_secs(90));
+    run_ok("device:3:2:9:int8:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]
 fn device_buffer_calls_match_the_reference_bit_for_bit_2a_3e_on_2_devices() {
-    run_ok("device:2:3:9:none", 5, 2, Duration::from_secs(90));
+    run_ok("device:2:3:9:none:0", 5, 2, Duration::from_secs(90));
 }
 
 #[test]

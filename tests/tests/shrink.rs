@@ -40,7 +40,9 @@ fn child_rank_entry() {
 }
 
 /// Scenario `shrink:<victims, '+'-separated>:<rep|norep>:<keep|drop>[:<rank>@<when>]` (over
-/// shm; `shrink_ofi:...` over libfabric's tcp provider, `shrink_cuda:...` over the cuda fabric); with the last part, `rank` also dies
+/// shm; `shrink_ofi:...` over libfabric's tcp provider, `shrink_cuda:...` over the cuda fabric,
+/// `shrink_cuda_device:...` over the cuda fabric with the device-buffer calls in every round);
+/// with the last part, `rank` also dies
 /// when its shrink reaches step `when` (`poison`, `agree`, `plan`, `release` or `rebuild`), or
 /// (`again`) inside a call on the shrunk communicator.
 fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
@@ -51,10 +53,15 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
     }
     let parts: Vec<&str> = scenario.split(':').collect();
     let ofi = parts.first() == Some(&"shrink_ofi");
-    let cuda = parts.first() == Some(&"shrink_cuda");
+    let device = parts.first() == Some(&"shrink_cuda_device");
+    let cuda = device || parts.first() == Some(&"shrink_cuda");
     let (victims, replicas, orphans, late) = match parts.as_slice() {
-        ["shrink" | "shrink_ofi" | "shrink_cuda", v, r, o] => (v, r, o, None),
-        ["shrink" | "shrink_ofi" | "shrink_cuda", v, r, o, late] => (v, r, o, Some(*late)),
+        ["shrink" | "shrink_ofi" | "shrink_cuda" | "shrink_cuda_device", v, r, o] => {
+            (v, r, o, None)
+        }
+        ["shrink" | "shrink_ofi" | "shrink_cuda" | "shrink_cuda_device", v, r, o, late] => {
+            (v, r, o, Some(*late))
+        }
         _ => return Err(format!("unknown scenario {scenario:?}")),
     };
     let victims = victims
@@ -82,6 +89,7 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
         again: again.map(rank).transpose()?,
         ofi,
         cuda,
+        device,
     };
     shrink_scenario(ctx, &setup)
 }
@@ -103,15 +111,37 @@ struct Setup {
     ofi: bool,
     /// Over the cuda fabric (the stand-in driver the parent names in `XCCL_CUDA_LIBRARY`).
     cuda: bool,
+    /// Every round through the device-buffer calls (on the cuda fabric), before and after the
+    /// shrink.
+    device: bool,
+}
+
+/// One checked round: the device-buffer calls when `device`, else [`mixed_round`] (registered
+/// buffers where the host addresses the windows: over shm).
+fn checked_round(
+    comm: &mut Communicator,
+    wl: &Workload,
+    round: u64,
+    device: bool,
+    batch: &mut ExpertBatch,
+    tokens: &mut TokenBatch,
+) -> xccl::Result<Result<(), String>> {
+    if device {
+        return xccl_tests::cuda_support::device_round::<bf16>(comm, wl, round, batch);
+    }
+    let registered = comm.fabric_name() == "shm";
+    mixed_round(comm, wl, round, registered, batch, tokens)
 }
 
 /// Runs checked rounds from `first` until a call fails, dying inside round `first +
-/// KILL_ROUND` when `victim`. Returns the round that failed and the error.
+/// KILL_ROUND` when `victim`; device-buffer calls when `device`. Returns the round that failed
+/// and the error.
 fn stream_until_failure(
     comm: &mut Communicator,
     wl: &Workload,
     first: u64,
     victim: bool,
+    device: bool,
 ) -> Result<(u64, Error), String> {
     let mut batch = ExpertBatch::new();
     let mut tokens = TokenBatch::new();
@@ -119,8 +149,7 @@ fn stream_until_failure(
         if victim && round == first + KILL_ROUND {
             die_mid_call(comm, wl, round, &mut batch);
         }
-        let registered = comm.fabric_name() == "shm";
-        match mixed_round(comm, wl, round, registered, &mut batch, &mut tokens) {
+        match checked_round(comm, wl, round, device, &mut batch, &mut tokens) {
             Ok(Ok(())) => {}
             Ok(Err(mismatch)) => return Err(mismatch),
             Err(e) => return Ok((round, e)),
@@ -202,7 +231,8 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
     let me = ctx.rank;
 
     // The stream, until the failure reaches this rank.
-    let (failed_in, failure) = stream_until_failure(&mut comm, &wl, 0, victims.contains(&me))?;
+    let (failed_in, failure) =
+        stream_until_failure(&mut comm, &wl, 0, victims.contains(&me), setup.device)?;
     // A survivor slow to notice the first failure may hear of the late victim first (it may
     // already have released the old job and died).
     let named = |peer: &usize| victims.contains(peer) || setup.late.is_some_and(|l| l.0 == *peer);
@@ -323,9 +353,7 @@ fn shrink_scenario(ctx: &ChildCtx, setup: &Setup) -> Result<(), String> {
         if round == 0 && comm.role() == Role::Attention {
             std::thread::sleep(Duration::from_millis(100));
         }
-        // Registered buffers only where the host addresses the windows.
-        let registered = !setup.ofi && !setup.cuda;
-        mixed_round(&mut comm, &wl, round, registered, &mut batch, &mut tokens)
+        checked_round(&mut comm, &wl, round, setup.device, &mut batch, &mut tokens)
             .map_err(s)?
             .map_err(|m| format!("after the shrink: {m}"))?;
         if comm.role() == Role::Attention {
@@ -458,7 +486,7 @@ fn shrink_again(
     let new_victim = comm
         .rank_after_shrink(victim)
         .ok_or("the second victim did not survive the first shrink")?;
-    let (failed_in, failure) = stream_until_failure(&mut comm, wl, AFTER, me == victim)?;
+    let (failed_in, failure) = stream_until_failure(&mut comm, wl, AFTER, me == victim, false)?;
     match failure {
         Error::PeerFailed { peer, .. } if peer == new_victim => {}
         other => {
@@ -485,8 +513,7 @@ fn shrink_again(
     }
     let (mut batch, mut tokens) = (ExpertBatch::new(), TokenBatch::new());
     for round in 0..AFTER {
-        let registered = comm.fabric_name() == "shm";
-        mixed_round(&mut comm, wl, round, registered, &mut batch, &mut tokens)
+        checked_round(&mut comm, wl, round, false, &mut batch, &mut tokens)
             .map_err(s)?
             .map_err(|m| format!("after the second shrink: {m}"))?;
     }
@@ -570,13 +597,13 @@ fn survivors_shrink_past_a_killed_expert_rank_over_ofi_and_match_the_reference()
     );
 }
 
-#[test]
-fn survivors_shrink_past_a_killed_expert_rank_over_cuda_and_match_the_reference() {
-    // The cuda fabric over the stand-in driver; the victim's stand-in segments are removed.
+/// Runs a shrink scenario over the cuda fabric (the stand-in driver) in which expert rank 3
+/// dies; only the victim's stand-in segments may be left. Returns the job.
+fn shrink_over_cuda(scenario: &str) -> Job {
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("cuda-standin-shrink");
     let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
     let segs = xccl_tests::StandinSegments::new("xccl-cu-shrink");
-    let job = run_with("shrink_cuda:3:rep:keep", &[3], &|cmd| {
+    let job = run_with(scenario, &[3], &|cmd| {
         cmd.env("XCCL_CUDA_LIBRARY", &lib)
             .env("CUDA_STANDIN_SHM_PREFIX", &segs.0)
             .env_remove("CUDA_STANDIN_FAIL");
@@ -593,6 +620,17 @@ fn survivors_shrink_past_a_killed_expert_rank_over_cuda_and_match_the_reference(
         "survivors' stand-in segments left: {:?}",
         segs.left()
     );
+    job
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_expert_rank_over_cuda_and_match_the_reference() {
+    shrink_over_cuda("shrink_cuda:3:rep:keep");
+}
+
+#[test]
+fn survivors_shrink_past_a_killed_expert_rank_over_cuda_and_go_on_with_device_calls_bit_for_bit() {
+    shrink_over_cuda("shrink_cuda_device:3:rep:keep");
 }
 
 #[test]

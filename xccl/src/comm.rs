@@ -595,8 +595,28 @@ impl Communicator {
         Self::init_group(fabrics, topo, cfg)
     }
 
-    fn init_group(
-        fabrics: Vec<LocalFabric>,
+    /// Builds a whole job of ranks as threads of this process over the cuda fabric's threads
+    /// mode ([`crate::fabric::cuda::CudaFabric::local_group`]: every window in device memory
+    /// of `device`, `None`: rank `r` on `r % device count`), for runtimes that refuse CUDA IPC
+    /// between processes; with each rank's data plane built. Returns one communicator per rank,
+    /// in rank order (move each to its own thread). Shrink needs a bootstrap: not in this mode.
+    pub fn local_group_cuda(
+        topo: &Topology,
+        cfg: &MoeConfig,
+        device: Option<usize>,
+    ) -> Result<Vec<Communicator>> {
+        let lens = Self::window_lens(topo, cfg)?;
+        let slots = Self::signal_slots(topo);
+        let fabrics = crate::fabric::cuda::CudaFabric::local_group(&lens, slots, device)?;
+        let comms = Self::init_group(fabrics, topo, cfg)?;
+        for comm in &comms {
+            comm.ctx.device_rows().map(drop)?;
+        }
+        Ok(comms)
+    }
+
+    fn init_group<F: Fabric + 'static>(
+        fabrics: Vec<F>,
         topo: &Topology,
         cfg: &MoeConfig,
     ) -> Result<Vec<Communicator>> {
@@ -1307,7 +1327,7 @@ impl Communicator {
     /// expert. Collective with every attention rank's A2E send.
     pub fn a2e_recv(&mut self, batch: &mut ExpertBatch) -> Result<()> {
         self.expert("A2E receive", |ctx, dispatch, _| {
-            dispatch.recv_expert_major(ctx, batch, ctx.call_deadline())
+            dispatch.recv_expert_major(ctx, batch, None, ctx.call_deadline())
         })
     }
 

@@ -67,7 +67,8 @@ pub struct xcclConfig_t {
     /// Version 4: this rank's `xcclRole_t`, gathered from every rank at init; unset: the
     /// lowest `numAttentionRanks` ranks are attention ranks.
     pub role: c_int,
-    /// Version 4: the NPU of this rank (fabric `"ascend"`); unset: 0.
+    /// Version 4: the NPU (fabric `"ascend"`; unset: 0) or GPU (fabric `"cuda"`; unset: rank
+    /// modulo the device count) of this rank.
     pub device: c_int,
     /// Version 4: libfabric provider (fabric `"ofi"`); NULL: `XCCL_OFI_PROVIDER`, else
     /// `tcp;ofi_rxm`.
@@ -141,6 +142,8 @@ pub(crate) enum FabricSpec {
     Ofi(crate::fabric::ofi::OfiOptions),
     /// Ascend on this device.
     Ascend(i32),
+    /// CUDA on this device (`None`: rank modulo the device count).
+    Cuda(Option<usize>),
 }
 
 /// What a config turns into: everything but the topology, which needs the roles (gathered at
@@ -404,11 +407,15 @@ pub(crate) unsafe fn parse(config: *const xcclConfig_t, nranks: usize) -> Result
             })
         }
         "ascend" => FabricSpec::Ascend(int_field("device", c.device, Some(0), 0, 1 << 16)?),
+        "cuda" => FabricSpec::Cuda(match c.device {
+            UNDEF => None,
+            d => Some(int_field("device", d, None, 0, 1 << 16)? as usize),
+        }),
         _ => {
             // Checked before any rendezvous, so every rank fails alike.
             return Err(Fail::from_error(&Error::FabricUnavailable {
                 fabric: fabric_name,
-                detail: "unknown fabric (available: shm, ofi, ascend)".into(),
+                detail: "unknown fabric (available: shm, ofi, ascend, cuda)".into(),
             })
             .prefixed("config.fabric"));
         }
@@ -544,5 +551,28 @@ mod tests {
         v4.role = 7;
         let err = parsed(&v4).unwrap_err();
         assert!(err.contains("config.role"), "{err}");
+    }
+
+    #[test]
+    fn fabric_cuda_takes_config_device_as_the_gpu_and_unset_as_rank_modulo_devices() {
+        let full = std::mem::size_of::<xcclConfig_t>();
+        let spec = |device: c_int| {
+            let mut c = config(4, full, UNDEF);
+            c.fabric = c"cuda".as_ptr();
+            c.device = device;
+            // SAFETY: `c` is a whole, aligned config that lives across the call.
+            unsafe { parse(&c, 3) }.map(|p| p.fabric).map_err(|f| f.msg)
+        };
+        assert!(matches!(spec(UNDEF), Ok(FabricSpec::Cuda(None))));
+        assert!(matches!(spec(3), Ok(FabricSpec::Cuda(Some(3)))));
+        let err = spec(-1).unwrap_err();
+        assert!(err.contains("config.device = -1"), "{err}");
+        // Version 3 callers have no `device`: whatever lies there is not read.
+        let mut v3 = config(3, CONFIG_V3_SIZE, UNDEF);
+        v3.fabric = c"cuda".as_ptr();
+        v3.device = 5;
+        // SAFETY: as above.
+        let p = unsafe { parse(&v3, 3) }.map_err(|f| f.msg).unwrap();
+        assert!(matches!(p.fabric, FabricSpec::Cuda(None)));
     }
 }

@@ -12,6 +12,7 @@ use crate::bootstrap::{Exchange, TcpBootstrap, UniqueId};
 use crate::comm::shrink::Rebuild;
 use crate::comm::Origin;
 use crate::fabric::ascend::AscendFabric;
+use crate::fabric::cuda::CudaFabric;
 use crate::fabric::ofi::OfiFabric;
 use crate::fabric::shm::ShmFabric;
 use crate::fabric::Fabric;
@@ -104,6 +105,9 @@ pub(super) fn build_comm(
             }
             config::FabricSpec::Ascend(device) => {
                 Arc::new(AscendFabric::new(exchange.clone(), len, slots, *device)?)
+            }
+            config::FabricSpec::Cuda(device) => {
+                Arc::new(CudaFabric::new(exchange.clone(), len, slots, *device)?)
             }
         };
         *lock(&latest) = Some(fabric.clone());

@@ -4,14 +4,16 @@
 //! This is the only module with `extern "C"`, raw pointers from callers and `catch_unwind`:
 //! this file holds the panic boundary, the handle registry and the pointer checks; `init.rs`
 //! the calls for errors, version, init, teardown and queries; `moe.rs` the A2E/E2A calls;
-//! `config.rs` the versioned `xcclConfig_t`.
+//! `device.rs` their device-buffer forms (cuda fabric, a stream argument); `config.rs` the
+//! versioned `xcclConfig_t`.
 //!
 //! Rules every exported function follows:
 //! - the body runs inside [`catch_unwind`]: a panic becomes `xcclInternalError` and poisons the
 //!   communicator (the job is aborted with a reason naming the call); it never unwinds into C
 //!   and never aborts the host process;
 //! - every pointer is checked for NULL (`xcclInvalidArgument`, naming the argument) and for the
-//!   alignment of its type before it is read or written;
+//!   alignment of its type before it is read or written; on a cuda communicator a host buffer
+//!   must not be device memory, and a device buffer must be memory of its GPU (`device.rs`);
 //! - communicators, A2E handles and batches are *ids*, not addresses: the `xcclComm_t` a caller
 //!   holds is a number looked up in a registry, so a destroyed or made-up handle is reported
 //!   (`xcclInvalidUsage`) instead of being dereferenced;
@@ -32,10 +34,12 @@
 #![allow(non_camel_case_types, non_snake_case)]
 
 pub(crate) mod config;
+mod device;
 mod ext;
 mod init;
 mod moe;
 
+pub use device::*;
 pub use ext::*;
 pub use init::*;
 pub use moe::*;
@@ -225,6 +229,56 @@ unsafe fn bytes_mut<'a>(p: *mut c_void, len: usize, name: &str) -> Result<&'a mu
     Ok(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
 }
 
+/// Refuses device memory at `p` (the host-buffer argument `name`) on a communicator on the
+/// cuda fabric, before the host would dereference it; on other fabrics there is no driver to
+/// ask, and nothing is checked.
+fn not_device_memory<T>(c: &Comm, p: *const T, len: usize, name: &str) -> Result<(), Fail> {
+    let Some(device) = &c.cuda_device else {
+        return Ok(());
+    };
+    if len == 0 || p.is_null() {
+        return Ok(());
+    }
+    match device.memory_device_of(p as u64) {
+        Ok(None) => Ok(()),
+        Ok(Some(d)) => Err(Fail::invalid(format!(
+            "{name} ({p:p}) is device memory of CUDA device {d}; this call takes host memory \
+             (the device-buffer calls, xccl*Device, take device memory)"
+        ))),
+        Err(e) => Err(Fail::from_error(&e).prefixed(name)),
+    }
+}
+
+/// [`slice`] of a host-buffer argument, refusing device memory on a cuda communicator.
+///
+/// # Safety
+/// As [`slice`].
+unsafe fn host_slice<'a, T>(
+    c: &Comm,
+    p: *const T,
+    len: usize,
+    name: &str,
+) -> Result<&'a [T], Fail> {
+    not_device_memory(c, p, len, name)?;
+    // SAFETY: the caller's contract.
+    unsafe { slice(p, len, name) }
+}
+
+/// [`bytes_mut`] of a host-buffer argument, refusing device memory on a cuda communicator.
+///
+/// # Safety
+/// As [`bytes_mut`].
+unsafe fn host_bytes_mut<'a>(
+    c: &Comm,
+    p: *mut c_void,
+    len: usize,
+    name: &str,
+) -> Result<&'a mut [u8], Fail> {
+    not_device_memory(c, p, len, name)?;
+    // SAFETY: the caller's contract.
+    unsafe { bytes_mut(p, len, name) }
+}
+
 /// A fabric shared between the communicator and this module, so that `xcclCommAbort` reaches
 /// it while a call holds the communicator. Every method forwards, default ones included.
 struct SharedFabric(Arc<dyn Fabric>);
@@ -297,6 +351,12 @@ unsafe impl Fabric for SharedFabric {
     fn leave(&self) {
         self.0.leave()
     }
+    fn as_cuda(&self) -> Option<&crate::fabric::cuda::CudaFabric> {
+        self.0.as_cuda()
+    }
+    fn wait_counters(&self) -> crate::fabric::WaitCounters {
+        self.0.wait_counters()
+    }
     fn aborted(&self) -> Option<crate::AbortNotice> {
         self.0.aborted()
     }
@@ -328,6 +388,10 @@ struct Comm {
     topk: usize,
     row_bytes: usize,
     dtype: DType,
+    /// The GPU of a communicator on the cuda fabric (whose memory the device calls take).
+    cuda_device: Option<crate::cuda::Device>,
+    /// Rows of `xcclA2ERecvDevice`'s `out` (`Communicator::max_expert_rows`).
+    max_expert_rows: usize,
     /// `None` once `xcclCommShrink` moved it into a new communicator.
     comm: Mutex<Option<Communicator>>,
     fabric: Arc<dyn Fabric>,
@@ -374,6 +438,8 @@ impl Comm {
             topk: cfg.topk,
             row_bytes: cfg.hidden * cfg.dtype.size(),
             dtype: cfg.dtype,
+            cuda_device: comm.cuda_device().cloned(),
+            max_expert_rows: comm.max_expert_rows(),
             comm: Mutex::new(Some(comm)),
             fabric,
             version,
@@ -425,6 +491,8 @@ struct ExpertBatchObj {
     counts: Vec<usize>,
     offsets: Vec<usize>,
     sources: Sources,
+    /// Received by `xcclA2ERecvDevice`: the rows are in the caller's device buffer.
+    on_device: bool,
 }
 
 struct TokenBatchObj {

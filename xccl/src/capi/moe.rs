@@ -4,9 +4,9 @@
 use std::ffi::{c_int, c_void};
 
 use super::*;
-use crate::{A2eHandle, DType, TokenBatch};
+use crate::{A2eHandle, DType, ExpertBatch, TokenBatch};
 
-fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
+pub(super) fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
     if num_tokens < 0 || num_tokens as usize > c.max_tokens {
         return Err(Fail::invalid(format!(
             "numTokens = {num_tokens} is outside 0..={} (config.maxTokensPerRank)",
@@ -19,7 +19,7 @@ fn check_tokens(c: &Comm, num_tokens: c_int) -> Result<usize, Fail> {
 /// Registers `h`. The C ABI refuses to free a live handle on a healthy communicator
 /// (`xcclA2EHandleFree`) and releases a destroyed communicator's handles quietly, so the handle
 /// is detached: the registry dropping it never aborts the job.
-fn new_handle(comm: usize, h: A2eHandle) -> *mut xcclA2EHandle {
+pub(super) fn new_handle(comm: usize, h: A2eHandle) -> *mut xcclA2EHandle {
     h.detach();
     let id = next_id();
     lock(&HANDLES).insert(id, (comm, h));
@@ -46,9 +46,9 @@ pub unsafe extern "C" fn xcclA2ESend(
         // SAFETY: the caller's contract (see the function's docs).
         let (x, idx, w) = unsafe {
             (
-                slice(x.cast::<u8>(), t * c.row_bytes, "x")?,
-                slice(topkIdx, t * c.topk, "topkIdx")?,
-                slice(topkWeights, t * c.topk, "topkWeights")?,
+                host_slice(c, x.cast::<u8>(), t * c.row_bytes, "x")?,
+                host_slice(c, topkIdx, t * c.topk, "topkIdx")?,
+                host_slice(c, topkWeights, t * c.topk, "topkWeights")?,
             )
         };
         let mode = inner.config().mode;
@@ -97,8 +97,8 @@ pub unsafe extern "C" fn xcclA2ESendInput(
         // SAFETY: the caller's contract (see the function's docs).
         let (idx, w) = unsafe {
             (
-                slice(topkIdx, t * c.topk, "topkIdx")?,
-                slice(topkWeights, t * c.topk, "topkWeights")?,
+                host_slice(c, topkIdx, t * c.topk, "topkIdx")?,
+                host_slice(c, topkWeights, t * c.topk, "topkWeights")?,
             )
         };
         let h = inner.a2e_send_input(t, idx, w)?;
@@ -118,23 +118,33 @@ pub unsafe extern "C" fn xcclE2ARecv(
     out: *mut c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2ARecv", comm, |_, c, inner| {
-        check_ptr(handle, "handle")?;
-        let hid = handle as usize;
-        let (owner, h) = lock(&HANDLES).remove(&hid).ok_or_else(|| {
-            Fail::usage(format!(
-                "handle {hid:#x} is not a live A2E handle (already received or freed)"
-            ))
-        })?;
-        let res = (|| {
+        with_handle(handle, |h| {
             // SAFETY: the caller's contract (see the function's docs).
-            let out = unsafe { bytes_mut(out, h.num_tokens() * c.row_bytes, "out")? };
-            inner.e2a_recv_bytes(&h, out).map_err(Fail::from)
-        })();
-        if res.is_err() {
-            lock(&HANDLES).insert(hid, (owner, h));
-        }
-        res
+            let out = unsafe { host_bytes_mut(c, out, h.num_tokens() * c.row_bytes, "out")? };
+            inner.e2a_recv_bytes(h, out).map_err(Fail::from)
+        })
     })
+}
+
+/// Runs `f` with the live A2E handle `handle` taken out of the registry: freed when `f`
+/// succeeds (its E2A was received), put back when it fails (a retryable failure leaves the
+/// handle valid; after a poisoning one it can be freed).
+pub(super) fn with_handle(
+    handle: *mut xcclA2EHandle,
+    f: impl FnOnce(&A2eHandle) -> Result<(), Fail>,
+) -> Result<(), Fail> {
+    check_ptr(handle, "handle")?;
+    let hid = handle as usize;
+    let (owner, h) = lock(&HANDLES).remove(&hid).ok_or_else(|| {
+        Fail::usage(format!(
+            "handle {hid:#x} is not a live A2E handle (already received or freed)"
+        ))
+    })?;
+    let res = f(&h);
+    if res.is_err() {
+        lock(&HANDLES).insert(hid, (owner, h));
+    }
+    res
 }
 
 /// `xcclA2EHandleFree`: drops a handle without its E2A (after a failure).
@@ -196,27 +206,36 @@ pub unsafe extern "C" fn xcclA2ERecv(
         check_ptr(batch, "batch")?;
         let mut b = lock(&c.spare_expert).pop().unwrap_or_default();
         inner.a2e_recv(&mut b)?;
-        let n = b.num_local_experts();
-        let counts: Vec<usize> = (0..n).map(|j| b.expert_rows(j).len()).collect();
-        let mut offsets = vec![0usize];
-        offsets.extend((0..n).map(|j| b.expert_rows(j).end));
-        // Freeing a live batch is refused instead (xcclExpertBatchFree, xcclTokenBatchFree).
-        b.recv.answered();
-        let bid = next_id();
-        let sources = Sources::of(b.sources());
-        lock(&EXPERT_BATCHES).insert(
-            bid,
-            ExpertBatchObj {
-                comm: id,
-                batch: b,
-                counts,
-                offsets,
-                sources,
-            },
-        );
+        let bid = register_expert_batch(id, b, false);
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclExpertBatch, "batch") }
     })
+}
+
+/// Registers a received expert batch of communicator `id` as a live C object (`on_device`:
+/// its rows are in the caller's device buffer, and its info says `rows` NULL); returns its
+/// id. Its Rust drop no longer aborts the job: freeing a live batch is refused instead
+/// (`xcclExpertBatchFree`).
+pub(super) fn register_expert_batch(id: usize, b: ExpertBatch, on_device: bool) -> usize {
+    let n = b.num_local_experts();
+    let counts: Vec<usize> = (0..n).map(|j| b.expert_rows(j).len()).collect();
+    let mut offsets = vec![0usize];
+    offsets.extend((0..n).map(|j| b.expert_rows(j).end));
+    b.recv.answered();
+    let bid = next_id();
+    let sources = Sources::of(b.sources());
+    lock(&EXPERT_BATCHES).insert(
+        bid,
+        ExpertBatchObj {
+            comm: id,
+            batch: b,
+            counts,
+            offsets,
+            sources,
+            on_device,
+        },
+    );
+    bid
 }
 
 /// `xcclExpertBatchGetInfo`.
@@ -243,7 +262,7 @@ pub unsafe extern "C" fn xcclExpertBatchGetInfo(
             numRows: b.num_rows(),
             numTokens: b.num_tokens(),
             numLocalExperts: o.counts.len(),
-            rows: if int8.is_some() {
+            rows: if int8.is_some() || o.on_device {
                 std::ptr::null()
             } else {
                 b.row_bytes().as_ptr().cast()
@@ -279,40 +298,50 @@ pub unsafe extern "C" fn xcclE2ASend(
     expertOut: *const c_void,
 ) -> xcclResult_t {
     with_comm("xcclE2ASend", comm, |_, c, inner| {
-        check_ptr(batch, "batch")?;
-        let bid = batch as usize;
-        let o = lock(&EXPERT_BATCHES).remove(&bid).ok_or_else(|| {
-            Fail::usage(format!(
-                "batch {bid:#x} is not a live expert batch (replied to or freed)"
-            ))
-        })?;
-        let res = (|| {
+        with_expert_batch(c, batch, |b| {
             // SAFETY: the caller's contract (see the function's docs).
             let out = unsafe {
-                slice(
+                host_slice(
+                    c,
                     expertOut.cast::<u8>(),
-                    o.batch.num_rows() * c.row_bytes,
+                    b.num_rows() * c.row_bytes,
                     "expertOut",
                 )?
             };
             let mode = inner.config().mode;
             match c.dtype {
-                DType::F32 => inner.e2a_send_with::<f32>(&o.batch, bytemuck_cast(out)?, mode),
-                DType::F16 => inner.e2a_send_with::<half::f16>(&o.batch, bytemuck_cast(out)?, mode),
-                DType::BF16 => {
-                    inner.e2a_send_with::<half::bf16>(&o.batch, bytemuck_cast(out)?, mode)
-                }
+                DType::F32 => inner.e2a_send_with::<f32>(b, bytemuck_cast(out)?, mode),
+                DType::F16 => inner.e2a_send_with::<half::f16>(b, bytemuck_cast(out)?, mode),
+                DType::BF16 => inner.e2a_send_with::<half::bf16>(b, bytemuck_cast(out)?, mode),
             }
             .map_err(Fail::from)
-        })();
-        match res {
-            Ok(()) => recycle(&c.spare_expert, o.batch),
-            Err(_) => {
-                lock(&EXPERT_BATCHES).insert(bid, o);
-            }
-        }
-        res
+        })
     })
+}
+
+/// Runs `f` with the live expert batch `batch` taken out of the registry; hands its buffers
+/// to `c`'s next receive when `f` succeeds (the reply went out), puts it back when it fails (a
+/// retryable failure leaves the batch valid).
+pub(super) fn with_expert_batch(
+    c: &Comm,
+    batch: *mut xcclExpertBatch,
+    f: impl FnOnce(&ExpertBatch) -> Result<(), Fail>,
+) -> Result<(), Fail> {
+    check_ptr(batch, "batch")?;
+    let bid = batch as usize;
+    let o = lock(&EXPERT_BATCHES).remove(&bid).ok_or_else(|| {
+        Fail::usage(format!(
+            "batch {bid:#x} is not a live expert batch (replied to or freed)"
+        ))
+    })?;
+    let res = f(&o.batch);
+    match res {
+        Ok(()) => recycle(&c.spare_expert, o.batch),
+        Err(_) => {
+            lock(&EXPERT_BATCHES).insert(bid, o);
+        }
+    }
+    res
 }
 
 fn bytemuck_cast<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T], Fail> {
@@ -545,7 +574,8 @@ pub unsafe extern "C" fn xcclE2ASendTokens(
         with_token_batch(c, batch, false, |b| {
             // SAFETY: the caller's contract (see the function's docs).
             let r = unsafe {
-                slice(
+                host_slice(
+                    c,
                     reduced.cast::<u8>(),
                     b.num_tokens() * c.row_bytes,
                     "reduced",

@@ -593,3 +593,28 @@ fn shrink_from_an_arrival_callback_is_invalid_usage_not_a_deadlock() {
         assert_eq!(xcclCommDestroy(c), XCCL_SUCCESS);
     }
 }
+
+#[test]
+fn the_shared_fabric_forwards_the_wait_counters_and_the_cuda_view_of_its_fabric() {
+    let fabrics = LocalFabric::group(&[4096, 4096], 4).unwrap();
+    let inner: Arc<dyn Fabric> = Arc::new(fabrics.into_iter().next().unwrap());
+    let shared = SharedFabric(inner.clone());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut polls = 0;
+    shared
+        .wait_until(deadline, &mut || {
+            polls += 1;
+            (polls < 3).then_some(Waiting {
+                peer: 1,
+                what: "a test signal",
+                progress: 0,
+            })
+        })
+        .unwrap();
+    let counted = inner.wait_counters();
+    assert!(counted.waits > 0, "{counted:?}");
+    assert_eq!(shared.wait_counters(), counted);
+    // The positive case needs a cuda fabric: the C test on the stand-in driver
+    // (`c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit`).
+    assert!(shared.as_cuda().is_none());
+}

@@ -11,11 +11,24 @@
 //! 3. runs the protocol, the same planning as the host calls;
 //! 4. returns once the rows are in place.
 //!
-//! Where the rows move: the protocol's row copies and sums run on the host today, so these
-//! calls bring the rows they read to the host and write the rows they produce back (one
-//! device-to-host or host-to-device copy per buffer, on the fabric's stream). The results are
-//! the host calls' bits by construction. `docs/device.md` says what moves the rows straight
-//! between device windows next.
+//! Where the rows move: on the device. The protocol plans on the host as for the host calls
+//! and the data plane ([`crate::moe::dataplane`], kernels on the fabric's stream) executes
+//! the plan between the caller's buffers and the windows (`crate::moe::device_rows`):
+//! - A2E send: the caller's rows are copied into the destination windows (INT8: quantized
+//!   into device scratch first, so a non-finite row fails before anything is written); the
+//!   rows' metadata is encoded on the host and scattered next to them.
+//! - A2E receive (expert-major): the rows' metadata is gathered to the host (it plans the
+//!   layout), the payloads copied (INT8: dequantized) from the window into `out`.
+//! - E2A send: each token's weighted sum of its experts' outputs is written straight into the
+//!   attention rank's window (INT8: summed and quantized in device scratch first).
+//! - E2A receive: each token's contributions are summed where they landed into `out`.
+//!
+//! What crosses to the host is what the host plans with: records, metadata, the routing of a
+//! [`Routing::Device`] (one copy of each array per call), signals. A relay forwards A2E rows on
+//! the device. Two paths still carry rows through the host: a relay's E2A reduction (its
+//! window read and written with the fabric's `get`/`put`) and the E2A receive of an attention
+//! rank behind a relay (the reduced rows read to the host, then written to `out`). Bits are the host calls' on
+//! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;
 
@@ -139,22 +152,6 @@ fn read_lent(
         &|| format!("reading {what} from device memory"),
     )?;
     Ok(bytes)
-}
-
-/// Writes `bytes` into the lent `out` (the buffer `what`), on the fabric's stream.
-fn write_lent(
-    ctx: &Context,
-    fabric: &CudaFabric,
-    out: &DeviceSliceMut<'_>,
-    bytes: &[u8],
-    what: &str,
-    deadline: Instant,
-) -> Result<()> {
-    fabric
-        .stream()
-        .write(out, 0, bytes, deadline, ctx.rank, &|| {
-            format!("writing {what} to device memory")
-        })
 }
 
 /// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
@@ -288,14 +285,7 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            if ctx.topo.relay_plan().is_some() {
-                // Through a relay the rows arrive reduced on the relay's side: on the host.
-                let mut rows = vec![0u8; len];
-                combine.recv(ctx, sent, OutRows::Host(&mut rows), deadline)?;
-                write_lent(ctx, fabric, &out, &rows, "out", deadline)?;
-            } else {
-                combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
-            }
+            combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
             dispatch.retire();
             handle.answered();
             Ok(())
@@ -326,10 +316,7 @@ impl Communicator {
             )?;
             order_after(fabric, stream)?;
             let deadline = ctx.call_deadline();
-            dispatch.recv_expert_major(ctx, batch, deadline)?;
-            write_lent(ctx, fabric, &out, batch.rows.bytes(), "out", deadline)?;
-            batch.rows.resize(0);
-            Ok(())
+            dispatch.recv_expert_major(ctx, batch, Some(out.ptr().addr()), deadline)
         })
     }
 

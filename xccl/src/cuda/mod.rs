@@ -368,26 +368,13 @@ impl Device {
     /// it is another's.
     pub fn device_pointer(&self, addr: u64, len: usize) -> Result<DevicePtr> {
         self.bind()?;
-        let mut kind: c_uint = 0;
-        // SAFETY: `kind` is a live `unsigned int`, what MEMORY_TYPE writes; the driver only
-        // looks the address up.
-        let code = unsafe {
-            (self.api().cuPointerGetAttribute)(
-                (&mut kind as *mut c_uint).cast(),
-                sys::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                addr,
-            )
-        };
-        if code == sys::CUDA_ERROR_INVALID_VALUE {
+        let Some(kind) = self.memory_type(addr)? else {
             return Err(Error::invalid(format!(
                 "{addr:#x} is not device memory (host memory, or not allocated by CUDA); \
                  expected memory of CUDA device {}",
                 self.ordinal()
             )));
-        }
-        self.check(code, "cuPointerGetAttribute", || {
-            format!("checking where pointer {addr:#x} lives")
-        })?;
+        };
         if kind != sys::CU_MEMORYTYPE_DEVICE {
             let what = match kind {
                 sys::CU_MEMORYTYPE_HOST => "pinned host memory",
@@ -400,18 +387,7 @@ impl Device {
                 self.ordinal()
             )));
         }
-        let mut ordinal: c_int = -1;
-        // SAFETY: `ordinal` is a live `int`, what DEVICE_ORDINAL writes.
-        let code = unsafe {
-            (self.api().cuPointerGetAttribute)(
-                (&mut ordinal as *mut c_int).cast(),
-                sys::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                addr,
-            )
-        };
-        self.check(code, "cuPointerGetAttribute", || {
-            format!("reading the device of pointer {addr:#x}")
-        })?;
+        let ordinal = self.ordinal_of(addr)?;
         if usize::try_from(ordinal).ok() != Some(self.ordinal()) {
             return Err(Error::invalid(format!(
                 "{addr:#x} is memory of CUDA device {ordinal}, expected CUDA device {}",
@@ -450,6 +426,60 @@ impl Device {
             )));
         }
         Ok(DevicePtr::new(addr, self.ordinal()))
+    }
+
+    /// The device whose memory `addr` is (`cuPointerGetAttribute`), or `None` where the host may
+    /// read it: memory the driver does not know (ordinary host memory), pinned host memory or
+    /// managed memory. The C ABI's host-buffer calls on a cuda communicator use it to refuse a
+    /// device pointer before dereferencing it.
+    pub fn memory_device_of(&self, addr: u64) -> Result<Option<usize>> {
+        self.bind()?;
+        match self.memory_type(addr)? {
+            Some(sys::CU_MEMORYTYPE_DEVICE | sys::CU_MEMORYTYPE_ARRAY) => {
+                let ordinal = self.ordinal_of(addr)?;
+                Ok(Some(usize::try_from(ordinal).unwrap_or(usize::MAX)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The `CUmemorytype` of `addr`, or `None` for memory the driver does not know
+    /// (`CUDA_ERROR_INVALID_VALUE`: ordinary host memory). The context is bound by the caller.
+    fn memory_type(&self, addr: u64) -> Result<Option<c_uint>> {
+        let mut kind: c_uint = 0;
+        // SAFETY: `kind` is a live `unsigned int`, what MEMORY_TYPE writes; the driver only
+        // looks the address up.
+        let code = unsafe {
+            (self.api().cuPointerGetAttribute)(
+                (&mut kind as *mut c_uint).cast(),
+                sys::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                addr,
+            )
+        };
+        if code == sys::CUDA_ERROR_INVALID_VALUE {
+            return Ok(None);
+        }
+        self.check(code, "cuPointerGetAttribute", || {
+            format!("checking where pointer {addr:#x} lives")
+        })?;
+        Ok(Some(kind))
+    }
+
+    /// The device ordinal of the device memory at `addr` (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`).
+    fn ordinal_of(&self, addr: u64) -> Result<c_int> {
+        let mut ordinal: c_int = -1;
+        // SAFETY: `ordinal` is a live `int`, what DEVICE_ORDINAL writes.
+        let code = unsafe {
+            (self.api().cuPointerGetAttribute)(
+                (&mut ordinal as *mut c_int).cast(),
+                sys::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                addr,
+            )
+        };
+        self.check(code, "cuPointerGetAttribute", || {
+            format!("reading the device of pointer {addr:#x}")
+        })?;
+        Ok(ordinal)
     }
 
     /// Opens a peer process's memory from its [`IpcExport`] (`cuIpcOpenMemHandle`, with lazy

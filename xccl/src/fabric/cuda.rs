@@ -37,6 +37,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::local::LocalFabric;
 use super::shm::{host_id, ShmFabric};
 use super::{
     deadline_after, gather_adverts, gather_outcomes, Capabilities, Fabric, WaitCounters, Waiting,
@@ -123,6 +124,24 @@ enum PeerWindow {
     Own,
     /// Another process's window, opened from its IPC handle.
     Mapped(IpcMapping),
+    /// Another thread's window in this process ([`CudaFabric::local_group`]), shared.
+    Shared(Arc<DeviceMemory>),
+}
+
+/// The host control area: the shm fabric's (ranks as processes) or the local fabric's (ranks
+/// as threads of one process).
+enum Control {
+    Shm(ShmFabric),
+    Local(LocalFabric),
+}
+
+impl Control {
+    fn get(&self) -> &dyn Fabric {
+        match self {
+            Control::Shm(f) => f,
+            Control::Local(f) => f,
+        }
+    }
 }
 
 /// What [`CudaFabric::setup_local`] made.
@@ -141,12 +160,12 @@ pub struct CudaFabric {
     peers: Vec<PeerWindow>,
     /// Each rank's device, as advertised.
     devices: Vec<usize>,
-    /// This rank's window.
-    window: DeviceMemory,
+    /// This rank's window (shared with the other ranks' fabrics in [`CudaFabric::local_group`]).
+    window: Arc<DeviceMemory>,
     stream: Stream,
     device: Device,
-    /// The control area and the bootstrap: dropped last (its drop marks this rank departed).
-    control: ShmFabric,
+    /// The control area (and the bootstrap): dropped last (its drop marks this rank departed).
+    control: Control,
 }
 
 impl std::fmt::Debug for CudaFabric {
@@ -158,6 +177,19 @@ impl std::fmt::Debug for CudaFabric {
             .field("window_len", &self.window_len)
             .finish()
     }
+}
+
+/// The driver and its device count; no device at all is [`Error::FabricUnavailable`].
+fn driver_with_devices() -> Result<(Arc<Driver>, usize)> {
+    let driver = Driver::get()?;
+    let count = driver.device_count()?;
+    if count == 0 {
+        return Err(Error::FabricUnavailable {
+            fabric: "cuda".into(),
+            detail: format!("{} sees no CUDA device", driver.path().display()),
+        });
+    }
+    Ok((driver, count))
 }
 
 /// `e` with the rank named: in a driver error's context, or a missing driver's detail.
@@ -231,7 +263,12 @@ impl CudaFabric {
         gather_outcomes(&*exchange, &checked, timeout, "check the cuda adverts")?;
         let adverts = checked?;
         // The control area: the shm fabric's own rounds, collective and failing together.
-        let control = ShmFabric::with_timeout(exchange.clone(), 0, num_slots, timeout)?;
+        let control = Control::Shm(ShmFabric::with_timeout(
+            exchange.clone(),
+            0,
+            num_slots,
+            timeout,
+        )?);
         // Round 3: open every peer's window; report.
         let opened: Result<Vec<PeerWindow>> = adverts
             .iter()
@@ -272,34 +309,87 @@ impl CudaFabric {
             window_len,
             peers,
             devices: adverts.iter().map(|a| a.device).collect(),
-            window,
+            window: Arc::new(window),
             stream,
             device,
             control,
         })
     }
 
-    /// Opens the driver and the device, creates the stream, allocates, zeroes and exports the
-    /// window. What it made is released if a later step fails (owned values).
-    fn setup_local(rank: usize, window_len: usize, device: Option<usize>) -> Result<Local> {
-        let driver = Driver::get()?;
-        let count = driver.device_count()?;
-        if count == 0 {
-            return Err(Error::FabricUnavailable {
-                fabric: "cuda".into(),
-                detail: format!("{} sees no CUDA device", driver.path().display()),
-            });
+    /// A whole job of `lens.len()` ranks as threads of this process, for runtimes that refuse
+    /// CUDA IPC: rank `r`'s window (`lens[r]` bytes) on `device` (`None`: `r % device count`),
+    /// every window shared in-process, the control area a [`LocalFabric`] group's. Returns one
+    /// fabric per rank, in rank order (move each to its own thread). Whatever was made is
+    /// released if a step fails.
+    pub fn local_group(
+        lens: &[usize],
+        num_slots: usize,
+        device: Option<usize>,
+    ) -> Result<Vec<CudaFabric>> {
+        let (driver, count) = driver_with_devices()?;
+        let mut made = Vec::with_capacity(lens.len());
+        for (rank, &len) in lens.iter().enumerate() {
+            let ordinal = device.unwrap_or(rank % count);
+            let device = driver.device(ordinal).map_err(|e| on_rank(rank, e))?;
+            let stream = Stream::new(&device).map_err(|e| on_rank(rank, e))?;
+            let window = Self::zeroed_window(&device, &stream, rank, len)?;
+            made.push((device, stream, Arc::new(window), len));
         }
-        let ordinal = device.unwrap_or(rank % count);
-        let device = driver.device(ordinal)?;
-        let stream = Stream::new(&device)?;
-        // Device memory is not zeroed: the window starts clear, as the shm fabric's does.
-        let window = DeviceMemory::alloc(&device, window_len.max(1), || {
-            format!("rank {rank}'s window")
-        })?;
+        let controls = LocalFabric::group(&vec![0; lens.len()], num_slots)?;
+        let devices: Vec<usize> = made.iter().map(|m| m.0.ordinal()).collect();
+        let windows: Vec<Arc<DeviceMemory>> = made.iter().map(|m| m.2.clone()).collect();
+        Ok(made
+            .into_iter()
+            .zip(controls)
+            .enumerate()
+            .map(|(rank, ((device, stream, window, window_len), control))| {
+                let peers = (windows.iter().enumerate())
+                    .map(|(r, w)| {
+                        if r == rank {
+                            PeerWindow::Own
+                        } else {
+                            PeerWindow::Shared(w.clone())
+                        }
+                    })
+                    .collect();
+                CudaFabric {
+                    rank,
+                    window_len,
+                    peers,
+                    devices: devices.clone(),
+                    window,
+                    stream,
+                    device,
+                    control: Control::Local(control),
+                }
+            })
+            .collect())
+    }
+
+    /// Allocates rank `rank`'s window of `len` bytes (at least one) on `device` and zeroes it
+    /// (device memory is not zeroed: the window starts clear, as the shm fabric's does).
+    fn zeroed_window(
+        device: &Device,
+        stream: &Stream,
+        rank: usize,
+        len: usize,
+    ) -> Result<DeviceMemory> {
+        let window = DeviceMemory::alloc(device, len.max(1), || format!("rank {rank}'s window"))
+            .map_err(|e| on_rank(rank, e))?;
         let what = || format!("zeroing rank {rank}'s window");
         stream.memset(&window, 0, 0, window.len(), &what)?;
         stream.synchronize(deadline_after(STREAM_TIMEOUT), rank, &what)?;
+        Ok(window)
+    }
+
+    /// Opens the driver and the device, creates the stream, allocates, zeroes and exports the
+    /// window. What it made is released if a later step fails (owned values).
+    fn setup_local(rank: usize, window_len: usize, device: Option<usize>) -> Result<Local> {
+        let (driver, count) = driver_with_devices()?;
+        let ordinal = device.unwrap_or(rank % count);
+        let device = driver.device(ordinal)?;
+        let stream = Stream::new(&device)?;
+        let window = Self::zeroed_window(&device, &stream, rank, window_len)?;
         let export = window.export()?;
         let mine = Advert {
             pid: std::process::id(),
@@ -323,6 +413,7 @@ impl CudaFabric {
         match self.peers.get(rank)? {
             PeerWindow::Own => Some(self.window.ptr()),
             PeerWindow::Mapped(m) => Some(m.ptr()),
+            PeerWindow::Shared(w) => Some(w.ptr()),
         }
     }
 
@@ -349,12 +440,25 @@ impl CudaFabric {
 
     /// The process id of `rank`, as it advertised at init.
     pub fn pid_of(&self, rank: usize) -> Option<u32> {
-        self.control.pid_of(rank)
+        match &self.control {
+            Control::Shm(f) => f.pid_of(rank),
+            Control::Local(_) => (rank < self.peers.len()).then(std::process::id),
+        }
     }
 
-    /// The job id of the bootstrap this fabric was built on.
+    /// The job id of the bootstrap this fabric was built on (0 for a
+    /// [`CudaFabric::local_group`], which has none).
     pub fn job_id(&self) -> u64 {
-        self.control.job_id()
+        match &self.control {
+            Control::Shm(f) => f.job_id(),
+            Control::Local(_) => 0,
+        }
+    }
+
+    /// Whether the ranks are threads of this process ([`CudaFabric::local_group`]) rather
+    /// than processes joined by CUDA IPC.
+    pub fn threads(&self) -> bool {
+        matches!(self.control, Control::Local(_))
     }
 
     /// `peer`'s window as a device region, after checking `[offset, offset + len)` lies in it.
@@ -366,8 +470,9 @@ impl CudaFabric {
             ))
         })?;
         let region: &dyn DeviceRegion = match p {
-            PeerWindow::Own => &self.window,
+            PeerWindow::Own => &*self.window,
             PeerWindow::Mapped(m) => m,
+            PeerWindow::Shared(w) => &**w,
         };
         let window = if peer == self.rank {
             self.window_len
@@ -452,12 +557,13 @@ unsafe impl Fabric for CudaFabric {
         match self.peers.get(rank) {
             Some(PeerWindow::Own) => self.window_len,
             Some(PeerWindow::Mapped(m)) => m.len(),
+            Some(PeerWindow::Shared(w)) => w.len(),
             None => 0,
         }
     }
 
     fn num_signal_slots(&self) -> usize {
-        self.control.num_signal_slots()
+        self.control.get().num_signal_slots()
     }
 
     fn local_window(&self) -> Option<Window<'_>> {
@@ -500,7 +606,7 @@ unsafe impl Fabric for CudaFabric {
                 self.rank
             )
         })?;
-        self.control.signal(peer, slot, value)
+        self.control.get().signal(peer, slot, value)
     }
 
     fn signal_quiet(&self, peer: usize, slot: usize, value: u64) -> Result<()> {
@@ -510,11 +616,11 @@ unsafe impl Fabric for CudaFabric {
                 self.rank
             )
         })?;
-        self.control.signal_quiet(peer, slot, value)
+        self.control.get().signal_quiet(peer, slot, value)
     }
 
     fn signal_value(&self, slot: usize) -> u64 {
-        self.control.signal_value(slot)
+        self.control.get().signal_value(slot)
     }
 
     fn flush(&self) -> Result<()> {
@@ -526,39 +632,39 @@ unsafe impl Fabric for CudaFabric {
         deadline: Instant,
         poll: &mut dyn FnMut() -> Option<Waiting>,
     ) -> Result<()> {
-        self.control.wait_until(deadline, poll)
+        self.control.get().wait_until(deadline, poll)
     }
 
     fn barrier(&self, timeout: Duration) -> Result<()> {
-        self.control.barrier(timeout)
+        self.control.get().barrier(timeout)
     }
 
     fn abort_reporting(&self, dead: Option<usize>, reason: &str) {
-        self.control.abort_reporting(dead, reason)
+        self.control.get().abort_reporting(dead, reason)
     }
 
     fn forward_abort(&self, notice: &AbortNotice) {
-        self.control.forward_abort(notice)
+        self.control.get().forward_abort(notice)
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
-        self.control.check_peer(peer)
+        self.control.get().check_peer(peer)
     }
 
     fn leave(&self) {
-        self.control.leave()
+        self.control.get().leave()
     }
 
     fn wait_counters(&self) -> WaitCounters {
-        self.control.wait_counters()
+        self.control.get().wait_counters()
     }
 
     fn aborted(&self) -> Option<AbortNotice> {
-        self.control.aborted()
+        self.control.get().aborted()
     }
 
     fn check_peers(&self) -> Result<()> {
-        self.control.check_peers()
+        self.control.get().check_peers()
     }
 }
 

@@ -41,7 +41,7 @@ use super::config::TransferMode;
 use super::context::{CheckDue, Context};
 use super::dataplane::host::HostPlane;
 use super::dataplane::{CopyRun, DataPlane, QuantRow, SumRow, SumTerm};
-use super::device_rows::{DeviceRows, OutRows};
+use super::device_rows::{DeviceRows, OutRows, Scratch};
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, int8_payload, Quant, Quantizer};
@@ -511,7 +511,7 @@ impl CombineSender {
         let (p, stride) = (ctx.layout.e2a_stride, ctx.layout.e2a_stride_for(true));
         let deadline = ctx.call_deadline();
         let mut dev = ctx.device_rows()?;
-        let sums = dev.scratch(tokens * (p + stride), deadline)?;
+        let sums = dev.scratch(Scratch::Call, tokens * (p + stride), deadline)?;
         let quantized = sums + (tokens * p) as u64;
         self.plan_sums(ctx, batch, out, 0, tokens, sums, p);
         let rows: Vec<QuantRow> = (0..tokens)
@@ -916,7 +916,7 @@ impl CombineReceiver {
         &mut self,
         ctx: &Context,
         sent: &Sent,
-        out: &mut [u8],
+        mut out: OutRows<'_>,
         deadline: Instant,
     ) -> Result<()> {
         let plan = ctx.topo.relay_plan().expect("relayed");
@@ -949,6 +949,16 @@ impl CombineReceiver {
         // Rows are copied out (or summed) chunk by chunk as the relay's progress covers them.
         let mut take = |rows: std::ops::Range<usize>, (int8, pull): (bool, bool)| -> Result<()> {
             let p = l.e2a_stride;
+            let out = match &mut out {
+                OutRows::Host(out) => out,
+                OutRows::Device(base) => {
+                    // The relay pushes reduced rows (pull needs load/store access, which the
+                    // cuda fabric has not): copied or dequantized on the device.
+                    let s = l.e2a_stride_for(int8);
+                    let at = l.e2a_recv(buf) + rows.start * s;
+                    return take_device(ctx, (at, s), rows, int8, *base);
+                }
+            };
             if pull {
                 for t in rows {
                     let out_row = &mut out[t * p..(t + 1) * p];
@@ -1042,11 +1052,6 @@ impl CombineReceiver {
     ) -> Result<()> {
         let mut out = out;
         if ctx.topo.relay_plan().is_some() {
-            let OutRows::Host(out) = out else {
-                return Err(Error::invalid(
-                    "a relayed E2A receive into device memory goes through the host",
-                ));
-            };
             return self.recv_relayed(ctx, sent, out, deadline);
         }
         let mut dev = match out {
@@ -1207,6 +1212,40 @@ impl CombineReceiver {
         }
         Ok(())
     }
+}
+
+/// A relayed E2A receive's tokens `rows` into device rows at `base` (one row of the dtype
+/// each): from this rank's window at `at` (rows `s` bytes apart), copied in one run or, INT8,
+/// dequantized; complete when it returns (before the relay's credit).
+fn take_device(
+    ctx: &Context,
+    (at, s): (usize, usize),
+    rows: std::ops::Range<usize>,
+    int8: bool,
+    base: u64,
+) -> Result<()> {
+    let p = ctx.layout.e2a_stride;
+    let mut dev = ctx.device_rows()?;
+    let src = dev.window(ctx.rank, at, rows.len() * s)?;
+    let dst = base + (rows.start * p) as u64;
+    // SAFETY: the sources are the relay's signalled rows inside this rank's window
+    // (range-checked), untouched until this rank's credit; the destinations are rows of the
+    // caller's checked device buffer.
+    unsafe {
+        if int8 {
+            let q: Vec<QuantRow> = (0..rows.len())
+                .map(|i| QuantRow {
+                    src: src + (i * s) as u64,
+                    dst: dst + (i * p) as u64,
+                })
+                .collect();
+            dev.plane.dequantize(ctx.cfg.dtype, ctx.cfg.hidden, &q)?;
+        } else {
+            let len = (rows.len() * p) as u64;
+            dev.plane.copy_runs(&[CopyRun { src, dst, len }])?;
+        }
+    }
+    dev.plane.complete(ctx.call_deadline())
 }
 
 /// Credits `peer` for E2A call `epoch`, whose every row has arrived. A peer that has left the

@@ -35,8 +35,18 @@ pub(crate) struct DeviceRows {
     pub(crate) plane: CudaPlane,
     /// Per rank: its window's device address here and its length.
     windows: Vec<(u64, usize)>,
-    /// Device scratch, grown on demand (contents not kept across calls).
-    scratch: Option<DeviceMemory>,
+    /// Device scratch per use, grown on demand (contents not kept across calls).
+    scratch: [Option<DeviceMemory>; 2],
+}
+
+/// Who uses a device scratch area: a relay reduces its members' replies while its own E2A
+/// reply (whose INT8 rows wait in the call's area) is going out, so the two have one each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scratch {
+    /// The call's own rows (INT8 rows quantized before the send).
+    Call = 0,
+    /// A relay's E2A reduction.
+    Relay = 1,
 }
 
 impl std::fmt::Debug for DeviceRows {
@@ -66,7 +76,7 @@ impl DeviceRows {
         Ok(DeviceRows {
             plane,
             windows,
-            scratch: None,
+            scratch: [None, None],
         })
     }
 
@@ -88,25 +98,29 @@ impl DeviceRows {
         }
     }
 
-    /// The device address of the scratch [`DeviceRows::scratch`] last handed out (0 before
-    /// the first).
-    pub(crate) fn scratch_addr(&self) -> u64 {
-        self.scratch.as_ref().map_or(0, |s| s.ptr().addr())
+    /// The device address of the `area` scratch [`DeviceRows::scratch`] last handed out (0
+    /// before the first).
+    pub(crate) fn scratch_addr(&self, area: Scratch) -> u64 {
+        self.scratch[area as usize]
+            .as_ref()
+            .map_or(0, |s| s.ptr().addr())
     }
 
-    /// The device address of at least `len` bytes of scratch (grown when shorter: the plane
-    /// completes first, so no queued work reads the old one). What it held is not kept.
-    pub(crate) fn scratch(&mut self, len: usize, deadline: Instant) -> Result<u64> {
-        if self.scratch.as_ref().is_none_or(|s| s.len() < len) {
+    /// The device address of at least `len` bytes of the `area` scratch (grown when shorter:
+    /// the plane completes first, so no queued work reads the old one). What it held is not
+    /// kept.
+    pub(crate) fn scratch(&mut self, area: Scratch, len: usize, deadline: Instant) -> Result<u64> {
+        let slot = area as usize;
+        if self.scratch[slot].as_ref().is_none_or(|s| s.len() < len) {
             self.plane.complete(deadline)?;
-            self.scratch = None;
+            self.scratch[slot] = None;
             let device = self.plane.device().clone();
-            self.scratch = Some(DeviceMemory::alloc(
+            self.scratch[slot] = Some(DeviceMemory::alloc(
                 &device,
                 len.max(1).next_power_of_two(),
                 || "the protocol's device scratch".into(),
             )?);
         }
-        Ok(self.scratch.as_ref().map_or(0, |s| s.ptr().addr()))
+        Ok(self.scratch_addr(area))
     }
 }

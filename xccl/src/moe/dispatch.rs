@@ -26,6 +26,7 @@ use std::time::Instant;
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::{CheckDue, Context};
 use super::dataplane::{CopyRun, DataPlane, QuantRow};
+use super::device_rows::Scratch;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -310,7 +311,7 @@ impl DispatchSender {
     fn quantize_device(ctx: &Context, x: u64, num_tokens: usize, deadline: Instant) -> Result<()> {
         let (p, q) = (ctx.layout.a2e.payload, Self::device_int8_stride(ctx));
         let mut dev = ctx.device_rows()?;
-        let scratch = dev.scratch(num_tokens * q, deadline)?;
+        let scratch = dev.scratch(Scratch::Call, num_tokens * q, deadline)?;
         let rows: Vec<QuantRow> = (0..num_tokens)
             .map(|t| QuantRow {
                 src: x + (t * p) as u64,
@@ -343,7 +344,10 @@ impl DispatchSender {
         let mut dev = ctx.device_rows()?;
         let into = dev.window(dst, at, count * stride)?;
         let (src, src_stride) = if int8 {
-            (dev.scratch_addr(), Self::device_int8_stride(ctx))
+            (
+                dev.scratch_addr(Scratch::Call),
+                Self::device_int8_stride(ctx),
+            )
         } else {
             (x, row.payload)
         };
@@ -924,6 +928,15 @@ pub(crate) struct RowReader {
     raw: Vec<u8>,
     wide: Vec<f32>,
     quant: Quantizer,
+    /// Rows go to device memory (a device-buffer receive): [`RowReader::prepare`] brings
+    /// only the metadata to the host, [`Landing::Device`] queues copies.
+    on_device: bool,
+    /// The copies and dequantizations [`Landing::Device`] queued since the last
+    /// [`RowReader::flush_device`].
+    device_copies: Vec<CopyRun>,
+    device_dequant: Vec<QuantRow>,
+    /// Scratch: the metadata gathers of one prepare.
+    meta_runs: Vec<CopyRun>,
 }
 
 /// Where [`RowReader::land`] puts a row's payload.
@@ -937,6 +950,9 @@ pub(crate) enum Landing<'a> {
         /// The row's scale.
         scale: &'a mut f32,
     },
+    /// A row of the dtype at this device address (a device-buffer receive, checked by the
+    /// caller): the copy (or dequantization) is queued, done by [`RowReader::flush_device`].
+    Device(u64),
 }
 
 impl RowReader {
@@ -950,20 +966,75 @@ impl RowReader {
         if !msg.bulk(ctx) || rows.is_empty() {
             return Ok(());
         }
-        let stride = ctx.layout.a2e.stride_for(msg.int8);
-        let (rank, at) = msg.full_row(ctx, rows.start);
-        self.landing.resize(rows.len() * stride, 0);
-        ctx.get(rank, at, &mut self.landing)?;
+        if self.on_device {
+            self.gather_meta(ctx, msg, rows.clone())?;
+        } else {
+            let stride = ctx.layout.a2e.stride_for(msg.int8);
+            let (rank, at) = msg.full_row(ctx, rows.start);
+            self.landing.resize(rows.len() * stride, 0);
+            ctx.get(rank, at, &mut self.landing)?;
+        }
         self.landed_of = Some(msg.index);
         self.landed_rows = rows;
         Ok(())
+    }
+
+    /// [`RowReader::prepare`] of device rows: only the metadata of `rows` comes to the host,
+    /// packed (row `i`'s at `i * meta_len` of `self.landing`), in one gather.
+    fn gather_meta(&mut self, ctx: &Context, msg: &Message, rows: Range<usize>) -> Result<()> {
+        let meta_len = ctx.layout.a2e.meta_len();
+        self.landing.resize(rows.len() * meta_len, 0);
+        let mut dev = ctx.device_rows()?;
+        self.meta_runs.clear();
+        for (i, r) in rows.enumerate() {
+            let (rank, at) = msg.meta_at(ctx, r);
+            self.meta_runs.push(CopyRun {
+                src: dev.window(rank, at, meta_len)?,
+                dst: (i * meta_len) as u64,
+                len: meta_len as u64,
+            });
+        }
+        let deadline = ctx.call_deadline();
+        // SAFETY: every source is a landed row's metadata inside a window (range-checked),
+        // which its writer does not touch again before this call's credit.
+        unsafe {
+            dev.plane
+                .gather(&self.meta_runs, &mut self.landing, deadline)
+        }
+    }
+
+    /// Queues the copies [`Landing::Device`] planned and completes them.
+    pub(crate) fn flush_device(&mut self, ctx: &Context) -> Result<()> {
+        if self.device_copies.is_empty() && self.device_dequant.is_empty() {
+            return Ok(());
+        }
+        let mut dev = ctx.device_rows()?;
+        let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
+        // SAFETY: every source is a landed payload inside a window (range-checked when
+        // queued), untouched by its writer before this call's credit, which goes out after
+        // the plane completes here; every destination is a distinct row of the caller's
+        // checked device buffer.
+        let queued = unsafe {
+            dev.plane
+                .copy_runs(&self.device_copies)
+                .and_then(|()| dev.plane.dequantize(dtype, hidden, &self.device_dequant))
+        };
+        self.device_copies.clear();
+        self.device_dequant.clear();
+        queued?;
+        dev.plane.complete(ctx.call_deadline())
     }
 
     fn landed(&self, ctx: &Context, msg: &Message, r: usize) -> Option<&[u8]> {
         if self.landed_of != Some(msg.index) || !self.landed_rows.contains(&r) || !msg.bulk(ctx) {
             return None;
         }
-        let stride = ctx.layout.a2e.stride_for(msg.int8);
+        // Device rows: only the metadata was gathered, packed.
+        let stride = if self.on_device {
+            ctx.layout.a2e.meta_len()
+        } else {
+            ctx.layout.a2e.stride_for(msg.int8)
+        };
         let i = r - self.landed_rows.start;
         Some(&self.landing[i * stride..(i + 1) * stride])
     }
@@ -976,6 +1047,11 @@ impl RowReader {
         let mut meta = std::mem::take(&mut self.meta);
         meta.resize(fmt.meta_len(), 0);
         let read = match self.landed(ctx, msg, r) {
+            // Device rows: the metadata alone, packed.
+            Some(packed) if self.on_device => {
+                meta.copy_from_slice(&packed[..fmt.meta_len()]);
+                Ok(())
+            }
             Some(row) => {
                 meta.copy_from_slice(&row[fmt.meta_offset_for(msg.int8)..][..fmt.meta_len()]);
                 Ok(())
@@ -1003,6 +1079,18 @@ impl RowReader {
     ) -> Result<()> {
         let hidden = ctx.cfg.hidden;
         match (msg.int8, dst) {
+            (int8, Landing::Device(dst)) => {
+                let (rank, at) = msg.payload_at(ctx, r, token);
+                let len = msg.payload_len(ctx);
+                let src = ctx.device_rows()?.window(rank, at, len)?;
+                if int8 {
+                    self.device_dequant.push(QuantRow { src, dst });
+                } else {
+                    let len = len as u64;
+                    self.device_copies.push(CopyRun { src, dst, len });
+                }
+                Ok(())
+            }
             (false, Landing::Row(out)) => self.payload(ctx, msg, r, token, out),
             (true, dst) => {
                 let mut raw = std::mem::take(&mut self.raw);
@@ -1017,6 +1105,7 @@ impl RowReader {
                             q.copy_from_slice(&raw[..hidden]);
                             *scale = scale_of(&raw, hidden);
                         }
+                        Landing::Device(_) => unreachable!("matched above"),
                     }
                 }
                 self.raw = raw;
@@ -1664,15 +1753,20 @@ impl DispatchReceiver {
         &mut self,
         ctx: &Context,
         batch: &mut ExpertBatch,
+        device_out: Option<u64>,
         deadline: Instant,
     ) -> Result<()> {
+        self.reader.on_device = device_out.is_some();
+        self.reader.device_copies.clear();
+        self.reader.device_dequant.clear();
         let recv = &mut batch.recv;
         recv.begin(ctx.id, ctx.attention());
         let epoch = self.receive(ctx, false, deadline, &mut |_, arrival| {
             recv.note(&arrival);
             Ok(())
         })?;
-        self.arrange_expert_major(ctx, batch)?;
+        self.arrange_expert_major(ctx, batch, device_out)?;
+        self.reader.on_device = false;
         self.credit(ctx, epoch)?;
         self.received(epoch);
         batch.recv.received(ctx, epoch);
@@ -1680,8 +1774,15 @@ impl DispatchReceiver {
     }
 
     /// Decodes every row's metadata (pass 1), then copies payloads into their expert-major
-    /// places (pass 2), reading each source where it lies.
-    fn arrange_expert_major(&mut self, ctx: &Context, batch: &mut ExpertBatch) -> Result<()> {
+    /// places (pass 2), reading each source where it lies; into the device rows at
+    /// `device_out` (every row's copy queued on the data plane, completed before it returns)
+    /// when given, else into the batch.
+    fn arrange_expert_major(
+        &mut self,
+        ctx: &Context,
+        batch: &mut ExpertBatch,
+        device_out: Option<u64>,
+    ) -> Result<()> {
         let local = ctx.topo.local_experts(ctx.rank).len();
         let payload = ctx.layout.a2e.payload;
         // Pass 1: decode and validate every row; count rows per local expert.
@@ -1720,7 +1821,10 @@ impl DispatchReceiver {
         batch.recv.dtype = Some(ctx.cfg.dtype);
         batch.recv.hidden = hidden;
         batch.recv.int8 = keep;
-        batch.rows.resize(if keep { 0 } else { rows * payload });
+        let host_rows = !keep && device_out.is_none();
+        batch
+            .rows
+            .resize(if host_rows { rows * payload } else { 0 });
         batch.qrows.resize(if keep { rows * hidden } else { 0 }, 0);
         batch.scales.resize(if keep { rows } else { 0 }, 0.0);
         batch.src_rank.resize(rows, 0);
@@ -1747,8 +1851,14 @@ impl DispatchReceiver {
                 for &(j, w) in experts {
                     let dst = batch.cursors[j as usize];
                     batch.cursors[j as usize] += 1;
-                    match first {
-                        None => {
+                    match (first, device_out) {
+                        (_, Some(base)) => {
+                            // Every row from the window (copies of one launch never read
+                            // each other's destinations).
+                            let landing = Landing::Device(base + (dst * payload) as u64);
+                            self.reader.land(ctx, msg, r, token, landing)?;
+                        }
+                        (None, None) => {
                             let landing = if keep {
                                 Landing::Int8 {
                                     q: &mut qrows[dst * hidden..(dst + 1) * hidden],
@@ -1760,11 +1870,13 @@ impl DispatchReceiver {
                             self.reader.land(ctx, msg, r, token, landing)?;
                             first = Some(dst);
                         }
-                        Some(f) if keep => {
+                        (Some(f), None) if keep => {
                             qrows.copy_within(f * hidden..(f + 1) * hidden, dst * hidden);
                             scales[dst] = scales[f];
                         }
-                        Some(f) => out.copy_within(f * payload..(f + 1) * payload, dst * payload),
+                        (Some(f), None) => {
+                            out.copy_within(f * payload..(f + 1) * payload, dst * payload)
+                        }
                     }
                     batch.src_rank[dst] = msg.src as u32;
                     batch.src_token[dst] = token;
@@ -1774,7 +1886,7 @@ impl DispatchReceiver {
                 batch.token_row_start.push(batch.token_rows.len() as u32);
             }
         }
-        Ok(())
+        self.reader.flush_device(ctx)
     }
 
     /// A2E receive into `batch`, one row per token, copying each source's rows as they stream

@@ -69,6 +69,8 @@ use std::time::Instant;
 
 use super::combine::relay_sums_at_members;
 use super::context::{CheckDue, Context};
+use super::dataplane::{CopyRun, DataPlane, QuantRow, SumRow, SumTerm};
+use super::device_rows::Scratch;
 use super::dtype::MAX_FUSED_ROWS;
 use super::hash::Fnv;
 use super::progress::{chunk_rows, progress, Progress};
@@ -796,11 +798,17 @@ impl Reduction {
             let rows = self.sent..(self.sent + chunk).min(self.ready);
             let at = l.e2a_recv(buf) + rows.start * s;
             let len = rows.len() * s;
+            let on_device = ctx.fabric.as_cuda().is_some() && own.is_none();
             // SAFETY: this relay waited for the member's E2A credit of the call that last used
             // this buffer; the member reads these rows only once a signal of this relay covers
             // them (the one below, after the slice is gone), and with relays no other rank
             // writes the member's reply area.
             match unsafe { super::regions::exclusive(ctx, a, at, len)? } {
+                // The cuda fabric: summed on the device, straight into the member's window.
+                _ if on_device => {
+                    self.write_rows_device(ctx, rows.clone(), area, int8, (a, at))?;
+                    ctx.note_written(a, len);
+                }
                 Some(dst) => {
                     self.write_rows(ctx, a, rows.clone(), area, int8, dst, work, own)?;
                     ctx.note_written(a, len);
@@ -913,6 +921,98 @@ impl Reduction {
         tmp.resize(len, 0);
         ctx.get(ctx.rank, area + i * stride, tmp)?;
         Ok(f(tmp))
+    }
+
+    /// [`Reduction::write_rows`] on the device (cuda fabric): the reduced rows of tokens
+    /// `rows` into `a`'s window at `at`, planned here and run by the data plane, the same bits:
+    /// no contribution gives zero bytes, one is copied as it is, several are one [`SumRow`]
+    /// (from the first, in ascending expert order) rounded once to the dtype or, INT8, summed
+    /// in f32 into scratch and quantized from there. Complete when it returns.
+    fn write_rows_device(
+        &self,
+        ctx: &Context,
+        rows: std::ops::Range<usize>,
+        area: usize,
+        int8: bool,
+        (a, at): (usize, usize),
+    ) -> Result<()> {
+        let s = ctx.layout.e2a_stride_for(int8);
+        let hidden = self.hidden;
+        let payload = if int8 { int8_payload(hidden) } else { s };
+        let deadline = ctx.call_deadline();
+        let mut dev = ctx.device_rows()?;
+        let into = dev.window(a, at, rows.len() * s)?;
+        // INT8 sums in f32 (one row of `hidden` f32 per token) before they are quantized.
+        let wide = if int8 {
+            dev.scratch(Scratch::Relay, rows.len() * hidden * 4, deadline)?
+        } else {
+            0
+        };
+        let (mut copies, mut zeros) = (Vec::new(), Vec::new());
+        let (mut sums, mut terms, mut quantized) = (Vec::new(), Vec::new(), Vec::new());
+        for (k, t) in rows.enumerate() {
+            let dst = into + (k * s) as u64;
+            let first = self.start[t] as usize;
+            let mine = &self.rows[first..first + self.count[t] as usize];
+            let reply = |i: u32| dev.window(ctx.rank, area + i as usize * s, payload);
+            match mine {
+                [] => zeros.push(CopyRun {
+                    src: 0,
+                    dst,
+                    len: s as u64,
+                }),
+                [i] => copies.push(CopyRun {
+                    src: reply(*i)?,
+                    dst,
+                    len: s as u64,
+                }),
+                several => {
+                    let first_term = terms.len() as u32;
+                    for &i in several {
+                        terms.push(SumTerm {
+                            src: reply(i)?,
+                            weight: 1.0,
+                            int8: int8 as u32,
+                        });
+                    }
+                    let sum_at = if int8 {
+                        wide + (k * hidden * 4) as u64
+                    } else {
+                        dst
+                    };
+                    sums.push(SumRow {
+                        dst: sum_at,
+                        first_term,
+                        num_terms: several.len() as u32,
+                        init_first: 1,
+                        reserved: 0,
+                    });
+                    if int8 {
+                        quantized.push(QuantRow { src: sum_at, dst });
+                        if s > payload {
+                            zeros.push(CopyRun {
+                                src: 0,
+                                dst: dst + payload as u64,
+                                len: (s - payload) as u64,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        let zero = vec![0u8; s];
+        let sum_dtype = if int8 { DType::F32 } else { ctx.cfg.dtype };
+        // SAFETY: every source is a landed reply row inside this relay's window (range-checked)
+        // that its writer leaves alone until this relay's credit, sent once the call is
+        // reduced; every destination is a distinct row (or its padding) inside the member's
+        // reply area (range-checked), reserved by the member's credit, or of the relay scratch.
+        unsafe {
+            dev.plane.copy_runs(&copies)?;
+            dev.plane.scatter(&zero, &zeros)?;
+            dev.plane.sum_rows(sum_dtype, hidden, &sums, &terms)?;
+            dev.plane.quantize(DType::F32, hidden, &quantized)?;
+        }
+        dev.plane.complete(deadline)
     }
 
     /// Writes the reduced rows of tokens `rows` (complete) into `dst`, one after the other: no
@@ -1294,15 +1394,47 @@ fn forward_rows(
         l.relay_a2e(m, buf) + rows.start * stride,
         rows.len() * stride,
     );
-    // SAFETY: the rows are below the member's progress signal, and the member writes this
-    // buffer again only after this relay's A2E credit for the call, sent once it is forwarded.
-    let chunk = match unsafe { super::regions::landed(ctx, ctx.rank, src, len)? } {
-        Some(bytes) => bytes,
-        None => {
-            scratch.resize(len, 0);
-            ctx.get(ctx.rank, src, scratch)?;
+    // On the cuda fabric the rows stay on the device: only their tokens come to the host
+    // (each where its row's metadata would be in `scratch`), and each destination's part is
+    // one device copy between the windows.
+    let mut dev = match ctx.fabric.as_cuda() {
+        Some(_) => Some(ctx.device_rows()?),
+        None => None,
+    };
+    // Where row `i`'s token is in `chunk`: its metadata in a full row, or packed (4 bytes a
+    // row) where only the tokens came from the device.
+    let packed = dev.is_some();
+    let token_at = |i: usize| if packed { i * 4 } else { i * stride + meta };
+    let chunk = match dev.as_deref_mut() {
+        Some(dev) => {
+            scratch.resize(rows.len() * 4, 0);
+            let runs = (0..rows.len())
+                .map(|i| {
+                    let at = src + i * stride + meta;
+                    Ok(CopyRun {
+                        src: dev.window(ctx.rank, at, 4)?,
+                        dst: (i * 4) as u64,
+                        len: 4,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // SAFETY: the sources lie in this rank's window (range-checked), below the
+            // member's progress signal; the member writes them again only after this relay's
+            // credit, sent once they are forwarded.
+            unsafe { dev.plane.gather(&runs, scratch, ctx.call_deadline())? };
             &scratch[..]
         }
+        // SAFETY: the rows are below the member's progress signal, and the member writes this
+        // buffer again only after this relay's A2E credit for the call, sent once it is
+        // forwarded.
+        None => match unsafe { super::regions::landed(ctx, ctx.rank, src, len)? } {
+            Some(bytes) => bytes,
+            None => {
+                scratch.resize(len, 0);
+                ctx.get(ctx.rank, src, scratch)?;
+                &scratch[..]
+            }
+        },
     };
     let t_count = mc.num_tokens as u32;
     // In the wire order, so the tokens are noted in the order of the rows.
@@ -1315,7 +1447,7 @@ fn forward_rows(
             continue;
         }
         for i in lo..hi {
-            let at = (i - rows.start) * stride + meta;
+            let at = token_at(i - rows.start);
             let t = u32::from_le_bytes(chunk[at..at + 4].try_into().expect("4"));
             let prev = (i > start).then(|| mc.tokens[i - 1]);
             if t >= t_count || prev.is_some_and(|p| t <= p) {
@@ -1332,10 +1464,29 @@ fn forward_rows(
         if readers.contains(&d) {
             continue;
         }
-        let part = &chunk[(lo - rows.start) * stride..(hi - rows.start) * stride];
-        ctx.put(d, l.a2e_recv(ai, buf) + (lo - start) * stride, part)?;
+        let (from, bytes) = ((lo - rows.start) * stride, (hi - lo) * stride);
+        let to = l.a2e_recv(ai, buf) + (lo - start) * stride;
+        match dev.as_deref_mut() {
+            Some(dev) => {
+                let run = CopyRun {
+                    src: dev.window(ctx.rank, src + from, bytes)?,
+                    dst: dev.window(d, to, bytes)?,
+                    len: bytes as u64,
+                };
+                ctx.note_written(d, bytes);
+                // SAFETY: the source rows lie in this rank's window (see the gather above),
+                // the destination in `d`'s receive area for this member (range-checked),
+                // reserved for this call by `d`'s credit.
+                unsafe { dev.plane.copy_runs(&[run])? };
+            }
+            None => ctx.put(d, to, &chunk[from..from + bytes])?,
+        }
         fault_point!("relay.forward");
         ctx.stats.borrow_mut().relay_rows_forwarded += (hi - lo) as u64;
     }
-    Ok(())
+    match dev.as_deref_mut() {
+        // Forwarded before the caller signals the destinations.
+        Some(dev) => dev.plane.complete(ctx.call_deadline()),
+        None => Ok(()),
+    }
 }

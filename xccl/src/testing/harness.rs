@@ -113,6 +113,84 @@ impl Workload {
     }
 }
 
+/// Where the rounds' routing and hidden states come from: a [`Workload`], or one with empty
+/// ranks and unrouted tokens ([`Sparse`]). Every check of this module takes it.
+pub trait Routes {
+    /// Routing of attention rank `rank` in `round`.
+    fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput;
+    /// Hidden states of `rank` in `round` (`num_tokens` rows of `hidden` elements).
+    fn hidden_states<T: Element>(
+        &self,
+        rank: usize,
+        round: u64,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> Vec<T>;
+}
+
+impl Routes for Workload {
+    fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput {
+        Workload::input(self, topo, k, rank, round)
+    }
+
+    fn hidden_states<T: Element>(
+        &self,
+        rank: usize,
+        round: u64,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> Vec<T> {
+        Workload::hidden_states(self, rank, round, num_tokens, hidden)
+    }
+}
+
+/// A [`Workload`] with holes: attention rank `r` sends no token in the rounds where
+/// `(round + r) % empty_every == 0`, no attention rank sends any in the rounds where
+/// `round % silent_every == silent_every - 1` (every expert rank receives nothing), and every
+/// token `t` with `t % unrouted_every == 1` is routed to no expert (every id `-1`, weight 0).
+/// A knob of 0 is off.
+#[derive(Clone, Debug)]
+pub struct Sparse {
+    /// The workload the holes are punched in.
+    pub base: Workload,
+    /// Period of each attention rank's empty rounds (staggered by rank).
+    pub empty_every: u64,
+    /// Period of the rounds in which no attention rank sends.
+    pub silent_every: u64,
+    /// Period of the tokens routed to no expert.
+    pub unrouted_every: usize,
+}
+
+impl Routes for Sparse {
+    fn input(&self, topo: &Topology, k: usize, rank: usize, round: u64) -> RankInput {
+        let mut input = self.base.input(topo, k, rank, round);
+        let empty = self.empty_every > 0 && (round + rank as u64).is_multiple_of(self.empty_every);
+        let silent = self.silent_every > 0 && round % self.silent_every == self.silent_every - 1;
+        if empty || silent {
+            input.num_tokens = 0;
+            input.topk_idx.clear();
+            input.topk_weights.clear();
+        }
+        if self.unrouted_every > 0 {
+            for t in (1..input.num_tokens).step_by(self.unrouted_every) {
+                input.topk_idx[t * k..(t + 1) * k].fill(-1);
+                input.topk_weights[t * k..(t + 1) * k].fill(0.0);
+            }
+        }
+        input
+    }
+
+    fn hidden_states<T: Element>(
+        &self,
+        rank: usize,
+        round: u64,
+        num_tokens: usize,
+        hidden: usize,
+    ) -> Vec<T> {
+        self.base.hidden_states(rank, round, num_tokens, hidden)
+    }
+}
+
 /// Where A2E takes its rows from and where E2A puts its rows (see [`attention_round_with`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Buffers {
@@ -182,13 +260,13 @@ impl DeviceRows {
     }
 }
 
-/// The first `len` bytes of `mem` lent for reading.
-fn lend(mem: &DeviceMemory, len: usize) -> DeviceSlice<'_> {
+/// The first `len` bytes of `mem` lent for reading (panics when `len` is past its end).
+pub fn lend(mem: &DeviceMemory, len: usize) -> DeviceSlice<'_> {
     mem.as_slice().range(0..len).expect("inside the allocation")
 }
 
-/// The first `len` bytes of `mem` lent for writing.
-fn lend_mut(mem: &mut DeviceMemory, len: usize) -> DeviceSliceMut<'_> {
+/// The first `len` bytes of `mem` lent for writing (panics when `len` is past its end).
+pub fn lend_mut(mem: &mut DeviceMemory, len: usize) -> DeviceSliceMut<'_> {
     mem.as_slice_mut()
         .range(0..len)
         .expect("inside the allocation")
@@ -198,7 +276,7 @@ fn lend_mut(mem: &mut DeviceMemory, len: usize) -> DeviceSliceMut<'_> {
 /// output against the reference, bit for bit. Returns `Ok(Err(description))` on a mismatch.
 pub fn attention_round<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
 ) -> Result<std::result::Result<(), String>> {
     attention_round_with::<T>(comm, wl, round, Buffers::Copy)
@@ -230,7 +308,7 @@ pub fn first_difference<T: Element>(got: &[T], want: &[T], hidden: usize) -> Opt
 /// ([`Communicator::a2e_input`]) when `buffers` is [`Buffers::Registered`].
 pub fn attention_round_with<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     buffers: Buffers,
 ) -> Result<std::result::Result<(), String>> {
@@ -277,7 +355,7 @@ pub fn attention_round_with<T: Element>(
 /// and sends E2A.
 pub fn expert_round<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &mut ExpertBatch,
     check: bool,
@@ -293,7 +371,7 @@ pub fn expert_round<T: Element>(
 /// read back for the check and [`test_expert`], whose output goes back with `e2a_send_device`.
 pub fn expert_round_device<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &mut ExpertBatch,
     check: bool,
@@ -314,10 +392,12 @@ pub fn expert_round_device<T: Element>(
     Ok(verdict)
 }
 
-/// The check of a received batch (when `check`) and the expert outputs of its `rows`.
-fn expert_step<T: Element>(
+/// The check of a received batch (when `check`) against the reference, and the expert outputs
+/// of its `rows` ([`test_expert`], rounded to the dtype), one per row: what [`expert_round`]
+/// sends back.
+pub fn expert_step<T: Element>(
     comm: &Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &ExpertBatch,
     rows: &[T],
@@ -346,7 +426,7 @@ fn expert_step<T: Element>(
 
 fn check_batch<T: Element>(
     ctx: &Expecting,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &ExpertBatch,
     rows: &[T],
@@ -401,7 +481,7 @@ fn check_batch<T: Element>(
 /// INT8 quantization when A2E uses it).
 fn source_states<T: Element>(
     ctx: &Expecting,
-    wl: &Workload,
+    wl: &impl Routes,
     inputs: &[RankInput],
     src: usize,
     round: u64,
@@ -457,7 +537,7 @@ pub fn token_replies<T: Element>(locals: &[usize], batch: &TokenBatch) -> Vec<T>
 /// [`reduce_on_expert`] does, and a token-major E2A send.
 pub fn expert_round_tokens<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &mut TokenBatch,
     check: bool,
@@ -471,7 +551,7 @@ pub fn expert_round_tokens<T: Element>(
 /// path, so every reply is quantized as the reference expects.
 pub fn expert_round_tokens_with<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &mut TokenBatch,
     check: bool,
@@ -526,7 +606,7 @@ impl Expecting {
     /// Every attention rank's routing of `round`, and what the reference says this rank gets.
     fn expected(
         &self,
-        wl: &Workload,
+        wl: &impl Routes,
         round: u64,
     ) -> std::result::Result<(Vec<RankInput>, ExpertRankRows), String> {
         let topo = &self.topo;
@@ -558,7 +638,7 @@ impl Expecting {
 /// computed straight into the reply row.
 pub fn expert_round_view<T: Element>(
     comm: &mut Communicator,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     check: bool,
 ) -> Result<std::result::Result<(), String>> {
@@ -588,7 +668,7 @@ pub fn expert_round_view<T: Element>(
 /// once, with its experts, weights (as bits) and payload (as bits), and nothing else.
 fn check_tokens<T: Element>(
     ctx: &Expecting,
-    wl: &Workload,
+    wl: &impl Routes,
     round: u64,
     batch: &TokenBatch,
     rows: &[T],
@@ -667,6 +747,45 @@ mod tests {
             b.set_token(i, src as usize, tok, &[(0, 1.0)]);
         }
         b
+    }
+
+    #[test]
+    fn a_sparse_workload_has_its_empty_ranks_silent_rounds_and_unrouted_tokens() {
+        let topo = Topology::contiguous(2, 1, 8).unwrap();
+        let base = Workload {
+            seed: 9,
+            tokens: 8,
+            vary: false,
+            skew: None,
+            shared_experts: 0,
+        };
+        let wl = Sparse {
+            base: base.clone(),
+            empty_every: 3,
+            silent_every: 5,
+            unrouted_every: 4,
+        };
+        for round in 0..10u64 {
+            for rank in 0..2 {
+                let got = Routes::input(&wl, &topo, 4, rank, round);
+                let full = base.input(&topo, 4, rank, round);
+                let empty = (round + rank as u64).is_multiple_of(3) || round % 5 == 4;
+                assert_eq!(got.num_tokens, if empty { 0 } else { 8 }, "{rank} {round}");
+                assert_eq!(got.topk_idx.len(), got.num_tokens * 4);
+                assert_eq!(got.topk_weights.len(), got.num_tokens * 4);
+                for t in 0..got.num_tokens {
+                    let (ids, ws) = (&got.topk_idx[t * 4..][..4], &got.topk_weights[t * 4..][..4]);
+                    if t % 4 == 1 {
+                        assert!(ids.iter().all(|&e| e == -1) && ws.iter().all(|&w| w == 0.0));
+                    } else {
+                        assert_eq!(ids, &full.topk_idx[t * 4..][..4]);
+                        assert_eq!(ws, &full.topk_weights[t * 4..][..4]);
+                    }
+                }
+                let x: Vec<f32> = Routes::hidden_states(&wl, rank, round, 3, 2);
+                assert_eq!(x, base.hidden_states::<f32>(rank, round, 3, 2));
+            }
+        }
     }
 
     #[test]
