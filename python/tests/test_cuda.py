@@ -4,6 +4,7 @@ stand-in, exported through DLPack as kDLCUDA), checked bit for bit against the s
 tensors over shm and against the reference; wrong devices, CUDA buffer exports and the DLPack
 stream protocol on both sides."""
 
+import sys
 from pathlib import Path
 
 import harness
@@ -69,3 +70,25 @@ def test_low_latency_buffer_dispatches_and_combines_cuda_tensors(tmp_path, cuda_
     results = harness.run("low_latency_attention_on_cuda", 2, tmp_path, env=cuda_standin, **args)
     assert results[0]["mismatches"] == [], results[0]["mismatches"]
     assert standin_left(cuda_standin) == []
+
+
+def test_the_current_stream_is_torchs_once_torch_uses_cuda_else_the_legacy_default(monkeypatch):
+    import types
+
+    import xccl._cuda
+
+    asked = []
+
+    class Stream:
+        def __init__(self, device):
+            asked.append(device)
+            self.cuda_stream = 0x7F00 + device
+
+    cuda = types.SimpleNamespace(is_initialized=lambda: False, current_stream=Stream)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    # torch imported but without CUDA yet: it queued nothing; xccl does not initialise it.
+    assert xccl._cuda.current_stream(1) == 0 and asked == []
+    cuda.is_initialized = lambda: True
+    assert xccl._cuda.current_stream(1) == 0x7F01 and asked == [1]
+    monkeypatch.delitem(sys.modules, "torch")
+    assert xccl._cuda.current_stream(0) == 0
