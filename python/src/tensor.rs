@@ -1,7 +1,7 @@
 //! Tensors in: any object with `__dlpack__` (torch tensors, numpy >= 1.22, JAX arrays, CuPy),
 //! numpy arrays of `ml_dtypes.bfloat16`, and (through numpy) any object with the buffer
 //! protocol. `Tensor::import_at` checks the device against where the call takes its tensors
-//! ([`Place`]: host memory, or the CUDA device of a `cuda` communicator, whose producers are
+//! (`Place`: host memory, or the CUDA device of a `cuda` communicator, whose producers are
 //! asked to make their data ready on the call's stream) and the layout; the `expect_*`
 //! functions check dtype and shape against what a call needs, before anything is sent.
 
