@@ -6,6 +6,13 @@
 //! signal handlers, so Ctrl-C raises `KeyboardInterrupt` from a waiting call within about
 //! 40 ms, leaving the documented state (retryable if the call had published nothing, else
 //! poisoned and the job aborted: see `Communicator.poisoned`).
+//!
+//! On the `cuda` fabric the calls take CUDA tensors of the communicator's device (imported as
+//! a DLPack consumer on the current stream, `crate::tensor`), call the Rust API's
+//! device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
+//! `e2a_send_device`) on that stream, and hand back device memory as CUDA [`Buffer`]s: E2A
+//! results own a [`DeviceMemory`], an expert batch's rows view the allocation it was received
+//! into (recycled with the batch).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
