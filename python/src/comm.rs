@@ -104,6 +104,8 @@ struct Info {
     keep_int8: bool,
     /// The GPU of a communicator on the `cuda` fabric, whose memory its tensors are.
     cuda: Option<Device>,
+    /// The config's timeout (bounds the device-to-host reads of the binding).
+    timeout: Duration,
 }
 
 /// One rank's communicator (`xccl::Communicator`).
@@ -202,6 +204,7 @@ impl PyComm {
             num_experts: topo.num_experts(),
             keep_int8: cfg.keep_int8,
             cuda: comm.cuda_device().cloned(),
+            timeout: cfg.timeout,
         };
         PyComm {
             abort: comm.abort_handle(),
@@ -954,8 +957,10 @@ impl PyComm {
     /// flag or a request id. The inputs are read during the call only (do not write them from
     /// another thread meanwhile).
     ///
-    /// On the ``cuda`` fabric the routing may be on the CPU or on the device (then int32 ids and
-    /// float32 weights, read with one small device-to-host copy). CUDA tensors are taken as a
+    /// On the ``cuda`` fabric the routing may be on the CPU or on the device, of the same dtypes
+    /// (int32 ids and float32 weights on the device are read by the call with one small
+    /// device-to-host copy each; other dtypes are read back first and converted as on the
+    /// host). CUDA tensors are taken as a
     /// DLPack consumer on the current stream (torch's current stream when torch uses CUDA, else
     /// the legacy default stream): the call runs after the work queued on it and returns with
     /// the rows sent, so ``x`` may be reused at once.
@@ -1467,18 +1472,36 @@ impl PyComm {
         let Some(xs) = xt.device_slice() else {
             return Err(invalid(py, "x is not device memory"));
         };
+        // Routing the Rust API reads on the device as it is; else on the host (a device tensor
+        // of another dtype read back on the call's stream), converted as host routing.
         let on_host;
-        let routing = if it.is_host() && wt.is_host() {
-            on_host = (
-                topk_ids(py, &it, t, topk, self.info.num_experts)?,
-                crate::tensor::topk_weights(py, &wt, t, topk)?,
-            );
-            xccl::Routing::Host {
-                topk_idx: &on_host.0,
-                topk_weights: &on_host.1,
+        let routing = match device_routing(&it, &wt, t, topk) {
+            Some(r) => r,
+            None => {
+                let timeout = self.info.timeout;
+                let copies = (
+                    it.host_copy(py, c.stream, timeout)?,
+                    wt.host_copy(py, c.stream, timeout)?,
+                );
+                let it_host = copies.0.map(|b| Bound::new(py, b)).transpose()?;
+                let wt_host = copies.1.map(|b| Bound::new(py, b)).transpose()?;
+                let it = match &it_host {
+                    Some(b) => Tensor::import(py, b.as_any(), "topk_idx")?,
+                    None => it,
+                };
+                let wt = match &wt_host {
+                    Some(b) => Tensor::import(py, b.as_any(), "topk_weights")?,
+                    None => wt,
+                };
+                on_host = (
+                    topk_ids(py, &it, t, topk, self.info.num_experts)?.into_owned(),
+                    crate::tensor::topk_weights(py, &wt, t, topk)?.into_owned(),
+                );
+                xccl::Routing::Host {
+                    topk_idx: &on_host.0,
+                    topk_weights: &on_host.1,
+                }
             }
-        } else {
-            device_routing(py, &it, &wt, t, topk)?
         };
         let handle = self.run_on(py, c, |comm, _, stream| {
             comm.set_next_a2e_tag(tag);

@@ -627,6 +627,49 @@ impl<'py> Tensor<'py> {
         }))
     }
 
+    /// A host copy of this device tensor (a CPU [`Buffer`] of its shape and dtype), read with
+    /// one device-to-host copy on the raw `CUstream` `stream` (after the work queued there),
+    /// waited for with the GIL released, at most `timeout`; `None` for host memory.
+    pub(crate) fn host_copy(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        timeout: std::time::Duration,
+    ) -> PyResult<Option<Buffer>> {
+        use xccl::cuda::{Device, Stream};
+        let Some(ordinal) = self.cuda_ordinal() else {
+            return Ok(None);
+        };
+        let mut host = crate::buffer::HostBytes::zeroed(self.len_bytes);
+        if self.len_bytes > 0 {
+            let (addr, len) = (self.ptr as u64, self.len_bytes);
+            let dst = host.as_mut_slice();
+            let copied = py.detach(|| -> xccl::Result<()> {
+                let device = Device::open(ordinal)?;
+                let at = device.device_pointer(addr, len)?;
+                // SAFETY: `stream` is 0 (the legacy default stream) or the caller's live stream
+                // of this device (the call's stream, see `CudaPlace`), used for this copy only.
+                let stream = unsafe { Stream::borrowed(&device, stream) };
+                // SAFETY: `at..at+len` is device memory of `device` (checked by the driver just
+                // now), kept allocated by `self._owner`; `dst` is `len` bytes of host memory
+                // that nothing touches until the copy ran: the synchronize below waits for it,
+                // and if that wait fails the buffer is leaked, never freed under the copy.
+                unsafe {
+                    stream.copy_dtoh_async(dst.as_mut_ptr(), at, len, &|| {
+                        "reading a tensor to the host".into()
+                    })?;
+                }
+                let deadline = std::time::Instant::now() + timeout;
+                stream.synchronize(deadline, 0, &|| "reading a tensor to the host".into())
+            });
+            if let Err(e) = copied {
+                std::mem::forget(host);
+                return Err(crate::errors::to_py(py, &e, false));
+            }
+        }
+        Ok(Some(Buffer::host(host, self.shape(), self.elem)))
+    }
+
     /// The ordinal of the CUDA device the memory is on; `None` for host memory.
     fn cuda_ordinal(&self) -> Option<usize> {
         (self.device.device_type == DLDeviceType::CUDA)
@@ -960,75 +1003,23 @@ fn check_routing_shape(
     Ok(())
 }
 
-/// The routing of a call on a `cuda` communicator in device memory: `topk_idx` int32 and
-/// `topk_weights` float32, both `[tokens, topk]` on the communicator's device (the Rust API reads
-/// them with one small device-to-host copy each). Other dtypes are refused naming the
-/// conversion (the host path converts int64 ids and float16/bfloat16 weights; on the device
-/// that would be a kernel of the caller's framework).
+/// The routing of a call on a `cuda` communicator in device memory, as the Rust API reads it:
+/// `topk_idx` int32 and `topk_weights` float32, both `[tokens, topk]` on the communicator's
+/// device (the Rust API reads them with one small device-to-host copy each). `None` when they
+/// are not both so: the caller takes them to the host ([`Tensor::host_copy`]) and converts
+/// them as host routing.
 pub(crate) fn device_routing<'t>(
-    py: Python<'_>,
     idx: &'t Tensor<'_>,
     weights: &'t Tensor<'_>,
     tokens: usize,
     topk: usize,
-) -> PyResult<xccl::Routing<'t>> {
-    check_routing_shape(py, idx, "topk_idx", tokens, topk)?;
-    check_routing_shape(py, weights, "topk_weights", tokens, topk)?;
-    device_dtype(
-        py,
-        idx,
-        "topk_idx",
-        Elem::I32,
-        "CUDA expert ids",
-        "topk_idx.int()",
-    )?;
-    let fix = "topk_weights.float()";
-    device_dtype(
-        py,
-        weights,
-        "topk_weights",
-        Elem::F32,
-        "CUDA gating weights",
-        fix,
-    )?;
-    match (idx.device_slice(), weights.device_slice()) {
-        (Some(topk_idx), Some(topk_weights)) => Ok(xccl::Routing::Device {
-            topk_idx,
-            topk_weights,
-        }),
-        _ => Err(invalid(
-            py,
-            format!(
-                "topk_idx is on {} and topk_weights on {}: pass both on the CPU or both on the \
-                 communicator's device",
-                device_name(idx.device),
-                device_name(weights.device)
-            ),
-        )),
+) -> Option<xccl::Routing<'t>> {
+    let shaped = |t: &Tensor<'_>| t.shape() == [tokens, topk];
+    if idx.elem() != Elem::I32 || weights.elem() != Elem::F32 || !shaped(idx) || !shaped(weights) {
+        return None;
     }
-}
-
-/// Checks that the device tensor `t` (`what`) has element type `want`; the error names its
-/// device and `fix`, the conversion (`kind` says what it holds).
-fn device_dtype(
-    py: Python<'_>,
-    t: &Tensor<'_>,
-    what: &str,
-    want: Elem,
-    kind: &str,
-    fix: &str,
-) -> PyResult<()> {
-    if t.elem() == want {
-        return Ok(());
-    }
-    Err(invalid(
-        py,
-        format!(
-            "{what} on {} has dtype {}; {kind} are {} (convert with {fix}, or pass them on the \
-             CPU)",
-            device_name(t.device),
-            t.elem().name(),
-            want.name()
-        ),
-    ))
+    Some(xccl::Routing::Device {
+        topk_idx: idx.device_slice()?,
+        topk_weights: weights.device_slice()?,
+    })
 }

@@ -115,39 +115,12 @@ pub(crate) fn _to_host(
     device: usize,
 ) -> PyResult<crate::buffer::Buffer> {
     use crate::tensor::{CudaPlace, Place, Tensor};
-    use xccl::cuda::{Device, Stream};
     let place = Place::cuda(CudaPlace { device, stream: 0 });
     let t = Tensor::import_at(py, obj, "obj", &place)?;
-    let shape = t.shape().to_vec();
-    let mut host =
-        crate::buffer::HostBytes::zeroed(shape.iter().product::<usize>() * t.elem().size());
-    if let Some(src) = t.device_slice().filter(|s| !s.is_empty()) {
-        let to_py = |e: xccl::Error| crate::errors::to_py(py, &e, false);
-        let dev = Device::open(device).map_err(to_py)?;
-        let at = dev
-            .device_pointer(src.ptr().addr(), src.len())
-            .map_err(to_py)?;
-        let dst = host.as_mut_slice();
-        // SAFETY: the legacy default stream (0) is valid on every device.
-        let stream = unsafe { Stream::borrowed(&dev, 0) };
-        // SAFETY: `at..at+len` is device memory of `dev` (checked by the driver just now),
-        // kept allocated by `t`; `dst` is host memory of `len` bytes that nothing else touches
-        // until the stream has run the copy, which the synchronize below waits for (on a
-        // timeout the error is returned while the copy may still run: `host` is leaked then).
-        unsafe {
-            stream
-                .copy_dtoh_async(dst.as_mut_ptr(), at, dst.len(), &|| {
-                    "reading a test tensor".into()
-                })
-                .map_err(to_py)?;
-        }
-        let deadline = std::time::Instant::now() + COPY_DEADLINE;
-        if let Err(e) = stream.synchronize(deadline, 0, &|| "reading a test tensor".into()) {
-            std::mem::forget(host);
-            return Err(to_py(e));
-        }
+    match t.host_copy(py, 0, COPY_DEADLINE)? {
+        Some(copy) => Ok(copy),
+        None => Err(crate::errors::invalid(py, "obj is not device memory")),
     }
-    Ok(crate::buffer::Buffer::host(host, &shape, t.elem()))
 }
 
 /// A new stream on CUDA device `device`, kept for the life of the process; returns its raw

@@ -311,8 +311,8 @@ class Communicator:
         self, x: Tensor, topk_idx: Tensor, topk_weights: Tensor, *, tag: int = 0
     ) -> A2eHandle:
         """On the ``cuda`` fabric ``x`` is a CUDA tensor of :attr:`device`; the routing is on
-        the CPU (int32/int64 ids, float32/float16/bfloat16 weights) or on the device (int32,
-        float32)."""
+        the CPU or on the device (int32/int64 ids, float32/float16/bfloat16 weights; int32 and
+        float32 on the device are read as they are, others are read back and converted)."""
     def a2e_input(self) -> Buffer: ...
     def a2e_send_input(
         self, num_tokens: int, topk_idx: Tensor, topk_weights: Tensor, *, tag: int = 0
