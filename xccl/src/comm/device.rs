@@ -24,10 +24,9 @@
 //! - E2A receive: each token's contributions are summed where they landed into `out`.
 //!
 //! What crosses to the host is what the host plans with: records, metadata, the routing of a
-//! [`Routing::Device`] (one copy of each array per call), signals. A relay forwards A2E rows on
-//! the device. Two paths still carry rows through the host: a relay's E2A reduction (its
-//! window read and written with the fabric's `get`/`put`) and the E2A receive of an attention
-//! rank behind a relay (the reduced rows read to the host, then written to `out`). Bits are the host calls' on
+//! [`Routing::Device`] (one copy of each array per call), signals. Relays forward and reduce
+//! on the device too: no row of these calls passes through host memory (`tests/tests/
+//! cuda_device.rs` counts the bytes with the stand-in driver). Bits are the host calls' on
 //! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;
