@@ -133,26 +133,6 @@ fn order_after(fabric: &CudaFabric, stream: &Stream) -> Result<()> {
     fabric.stream().wait_event(&event)
 }
 
-/// Reads the lent `slice` (the buffer `what`) to the host, on the fabric's stream.
-fn read_lent(
-    ctx: &Context,
-    fabric: &CudaFabric,
-    slice: DeviceSlice<'_>,
-    what: &str,
-    deadline: Instant,
-) -> Result<Vec<u8>> {
-    let mut bytes = vec![0u8; slice.len()];
-    fabric.stream().read(
-        &ReadRegion(slice),
-        0,
-        &mut bytes,
-        deadline,
-        ctx.rank,
-        &|| format!("reading {what} from device memory"),
-    )?;
-    Ok(bytes)
-}
-
 /// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
 /// device.
 fn routing_on_host(
@@ -191,8 +171,17 @@ fn routing_on_host(
                 topk_weights.len(),
                 Need::Exactly(idx_len),
             )?;
-            let idx = read_lent(ctx, fabric, topk_idx, "topk_idx", deadline)?;
-            let weights = read_lent(ctx, fabric, topk_weights, "topk_weights", deadline)?;
+            // Both arrays in one wait.
+            let (mut idx, mut weights) = (vec![0u8; idx_len], vec![0u8; idx_len]);
+            fabric.stream().read_parts(
+                &mut [
+                    (&ReadRegion(topk_idx), 0, &mut idx[..]),
+                    (&ReadRegion(topk_weights), 0, &mut weights[..]),
+                ],
+                deadline,
+                ctx.rank,
+                &|| "reading the routing (topk_idx, topk_weights) from device memory".into(),
+            )?;
             let ids = idx
                 .chunks_exact(4)
                 .map(|b| i32::from_ne_bytes(b.try_into().unwrap()));

@@ -357,10 +357,12 @@ impl DataPlane for CudaPlane {
         let queued = unsafe { self.copy_runs(&runs) };
         self.runs = runs;
         queued?;
-        self.complete(deadline)?;
+        // The read is ordered after the gather on the stream and waits for both (one wait);
+        // `complete` then only resets the staging and reports a quantize step.
         let area = self.gathered.as_ref().expect("allocated above");
         let what = || "reading gathered bytes of the data plane".to_string();
-        self.stream.read(area, 0, out, deadline, self.rank, &what)
+        self.stream.read(area, 0, out, deadline, self.rank, &what)?;
+        self.complete(deadline)
     }
 
     fn complete(&mut self, deadline: Instant) -> Result<()> {
