@@ -12,8 +12,7 @@
 //!   stream of another device, a device call on a shm communicator): each a clear error naming
 //!   the buffer, nothing sent or consumed, the next good call succeeds;
 //! - the stand-in's transfer counters, and the bound on what the calls copy between host and
-//!   device: metadata only (dtype rows and INT8 on the wire; through relays ignored until E2A
-//!   through relays runs on the device).
+//!   device: metadata only (dtype rows, INT8 on the wire, through relays).
 //!
 //! Every test re-runs this binary as its ranks (see `xccl_tests::Job`); every job's stand-in
 //! segments are checked to be gone from `/dev/shm`.
@@ -380,9 +379,8 @@ fn int8_non_finite(ctx: &ChildCtx) -> Result<(), String> {
                     comm,
                     "A2E of a NaN row with INT8",
                     r,
-                    // The host path names the token ("token 1 has a non-finite element at
-                    // 5"); the device path the row of its quantize step.
-                    &["non-finite", "at 5"],
+                    // The host path's words: the token and the element.
+                    &["token 1 has a non-finite element at 5"],
                 )
                 .map(drop)
             },
@@ -401,7 +399,12 @@ fn int8_non_finite(ctx: &ChildCtx) -> Result<(), String> {
                 bad[last] = f32::INFINITY;
                 let bad = dev.upload(&bad).map_err(s)?;
                 let r = comm.e2a_send_device(batch, lend(&bad, out.len() * 4), dev.stream());
-                refused(comm, "E2A of an infinite row with INT8", r, &["non-finite"]).map(drop)
+                let last_row = batch.num_rows() as u32 - 1;
+                let last_token = (0..batch.num_tokens())
+                    .find(|&i| batch.token_rows(i).contains(&last_row))
+                    .unwrap_or(0);
+                let words = format!("the reply of token {last_token} has a non-finite element");
+                refused(comm, "E2A of an infinite row with INT8", r, &[&words]).map(drop)
             },
         )?;
     }
@@ -1002,7 +1005,6 @@ fn device_calls_with_int8_on_the_wire_copy_only_metadata_between_host_and_device
 /// `e2a_recv_device` writes the relay's reduced rows from the host: 32768 bytes HtoD for 16
 /// rows of 2048 bytes; the relay's `e2a_send_device` reads 172128 bytes back in 87 copies).
 #[test]
-#[ignore = "until E2A through relays runs on the device"]
 fn device_calls_through_relays_copy_only_metadata_between_host_and_device() {
     if no_counters() {
         return;

@@ -24,10 +24,9 @@
 //! - E2A receive: each token's contributions are summed where they landed into `out`.
 //!
 //! What crosses to the host is what the host plans with: records, metadata, the routing of a
-//! [`Routing::Device`] (one copy of each array per call), signals. A relay forwards A2E rows on
-//! the device. Two paths still carry rows through the host: a relay's E2A reduction (its
-//! window read and written with the fabric's `get`/`put`) and the E2A receive of an attention
-//! rank behind a relay (the reduced rows read to the host, then written to `out`). Bits are the host calls' on
+//! [`Routing::Device`] (one copy of each array per call), signals. Relays forward and reduce
+//! on the device too: no row of these calls passes through host memory (`tests/tests/
+//! cuda_device.rs` counts the bytes with the stand-in driver). Bits are the host calls' on
 //! every path: the kernels' arithmetic is the host path's (`docs/device.md`).
 
 use std::time::Instant;
@@ -134,26 +133,6 @@ fn order_after(fabric: &CudaFabric, stream: &Stream) -> Result<()> {
     fabric.stream().wait_event(&event)
 }
 
-/// Reads the lent `slice` (the buffer `what`) to the host, on the fabric's stream.
-fn read_lent(
-    ctx: &Context,
-    fabric: &CudaFabric,
-    slice: DeviceSlice<'_>,
-    what: &str,
-    deadline: Instant,
-) -> Result<Vec<u8>> {
-    let mut bytes = vec![0u8; slice.len()];
-    fabric.stream().read(
-        &ReadRegion(slice),
-        0,
-        &mut bytes,
-        deadline,
-        ctx.rank,
-        &|| format!("reading {what} from device memory"),
-    )?;
-    Ok(bytes)
-}
-
 /// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
 /// device.
 fn routing_on_host(
@@ -192,8 +171,17 @@ fn routing_on_host(
                 topk_weights.len(),
                 Need::Exactly(idx_len),
             )?;
-            let idx = read_lent(ctx, fabric, topk_idx, "topk_idx", deadline)?;
-            let weights = read_lent(ctx, fabric, topk_weights, "topk_weights", deadline)?;
+            // Both arrays in one wait.
+            let (mut idx, mut weights) = (vec![0u8; idx_len], vec![0u8; idx_len]);
+            fabric.stream().read_parts(
+                &mut [
+                    (&ReadRegion(topk_idx), 0, &mut idx[..]),
+                    (&ReadRegion(topk_weights), 0, &mut weights[..]),
+                ],
+                deadline,
+                ctx.rank,
+                &|| "reading the routing (topk_idx, topk_weights) from device memory".into(),
+            )?;
             let ids = idx
                 .chunks_exact(4)
                 .map(|b| i32::from_ne_bytes(b.try_into().unwrap()));

@@ -913,26 +913,50 @@ impl Stream {
         peer: usize,
         what: &dyn Fn() -> String,
     ) -> Result<()> {
-        check_range(region, offset, dst.len(), &what())?;
-        if dst.is_empty() {
+        self.read_parts(&mut [(region, offset, dst)], deadline, peer, what)
+    }
+
+    /// [`Stream::read`] of several ranges with one wait: each `(region, offset, dst)` copies
+    /// `dst.len()` bytes of `region` at `offset` into `dst` (every range checked first).
+    pub fn read_parts(
+        &self,
+        parts: &mut [(&dyn DeviceRegion, usize, &mut [u8])],
+        deadline: Instant,
+        peer: usize,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
+        for (region, offset, dst) in parts.iter() {
+            check_range(*region, *offset, dst.len(), &what())?;
+        }
+        let total: usize = parts.iter().map(|p| p.2.len()).sum();
+        if total == 0 {
             return Ok(());
         }
         let mut st = self.staged(deadline, peer, what)?;
-        st.buf.resize(dst.len(), 0);
-        // SAFETY: the source range lies in the live `region` (checked); the destination is the
-        // stream's own buffer (see `write`).
-        unsafe {
-            self.copy_dtoh_async(
-                st.buf.as_mut_ptr(),
-                region.ptr().add(offset),
-                dst.len(),
-                what,
-            )?
-        };
-        st.in_flight = true;
+        st.buf.resize(total, 0);
+        let mut at = 0;
+        for (region, offset, dst) in parts.iter() {
+            // SAFETY: the source range lies in the live `region` (checked); the destination is
+            // the stream's own buffer, `at..at + len` inside it (see `write`).
+            unsafe {
+                self.copy_dtoh_async(
+                    st.buf[at..].as_mut_ptr(),
+                    region.ptr().add(*offset),
+                    dst.len(),
+                    what,
+                )?
+            };
+            st.in_flight = true;
+            at += dst.len();
+        }
         self.synchronize(deadline, peer, what)?;
         st.in_flight = false;
-        dst.copy_from_slice(&st.buf[..dst.len()]);
+        let mut at = 0;
+        for (_, _, dst) in parts.iter_mut() {
+            let len = dst.len();
+            dst.copy_from_slice(&st.buf[at..at + len]);
+            at += len;
+        }
         Ok(())
     }
 

@@ -63,6 +63,40 @@ fn bytes_written_to_device_memory_read_back_and_copy_between_regions() {
 }
 
 #[test]
+fn several_ranges_read_with_one_wait_land_each_in_its_buffer() {
+    let dev = standin_device();
+    let stream = Stream::new(&dev).unwrap();
+    let a = DeviceMemory::alloc(&dev, 256, what).unwrap();
+    let b = DeviceMemory::alloc(&dev, 256, what).unwrap();
+    let (da, db): (Vec<u8>, Vec<u8>) = ((0..100).collect(), (100..200).collect());
+    stream.write(&a, 10, &da, soon(), 0, &what).unwrap();
+    stream.write(&b, 20, &db, soon(), 0, &what).unwrap();
+    let (mut ga, mut gb) = (vec![0u8; 100], vec![0u8; 7]);
+    stream
+        .read_parts(
+            &mut [(&a, 10, &mut ga[..]), (&b, 30, &mut gb[..])],
+            soon(),
+            0,
+            &what,
+        )
+        .unwrap();
+    assert_eq!(ga, da);
+    assert_eq!(gb, db[10..17]);
+    // One range outside its region: refused, and no buffer written.
+    let (mut ga, mut gb) = (vec![0u8; 100], vec![0u8; 7]);
+    let e = stream
+        .read_parts(
+            &mut [(&a, 10, &mut ga[..]), (&b, 250, &mut gb[..])],
+            soon(),
+            0,
+            &what,
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    assert_eq!((ga, gb), (vec![0u8; 100], vec![0u8; 7]));
+}
+
+#[test]
 fn accesses_outside_a_region_are_refused_before_any_copy() {
     let dev = standin_device();
     let stream = Stream::new(&dev).unwrap();

@@ -529,7 +529,16 @@ impl CombineSender {
                 .sum_rows(dtype, hidden, &self.sum_rows, &self.sum_terms)?;
             dev.plane.quantize(dtype, hidden, &rows)?;
         }
-        dev.plane.complete(deadline)?;
+        dev.plane
+            .complete(deadline)
+            .map_err(|e| match dev.plane.non_finite() {
+                // The host path's error: quantize row `t` is the reply of token `t`.
+                Some((t, i)) => Error::invalid(format!(
+                "the reply of token {t} has a non-finite element at {i}: INT8 needs finite rows \
+                 (nothing was sent)"
+            )),
+                None => e,
+            })?;
         self.device_quantized = Some(quantized);
         Ok(())
     }

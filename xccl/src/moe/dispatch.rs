@@ -321,7 +321,16 @@ impl DispatchSender {
         // SAFETY: the sources are rows of the caller's checked device buffer, the destinations
         // distinct payloads of the scratch, which nothing else uses during the call.
         unsafe { dev.plane.quantize(ctx.cfg.dtype, ctx.cfg.hidden, &rows)? };
-        dev.plane.complete(deadline)
+        dev.plane
+            .complete(deadline)
+            .map_err(|e| match dev.plane.non_finite() {
+                // The host path's error: quantize row `t` is token `t`.
+                Some((t, i)) => Error::invalid(format!(
+                    "token {t} has a non-finite element at {i}: INT8 quantization needs finite \
+                 hidden states"
+                )),
+                None => e,
+            })
     }
 
     /// Writes the full rows of plan `entries` from device payloads (the caller's rows at `x`,

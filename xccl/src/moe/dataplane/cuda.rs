@@ -53,6 +53,8 @@ pub struct CudaPlane {
     /// The quantize word, and whether a quantize step was queued since the last completion.
     bad: DeviceMemory,
     quantized: bool,
+    /// The quantize row and element the last [`DataPlane::complete`] found not finite.
+    non_finite: Option<(usize, usize)>,
     /// Where [`DataPlane::gather`] collects its bytes before they go to the host (grown on
     /// demand).
     gathered: Option<DeviceMemory>,
@@ -103,6 +105,7 @@ impl CudaPlane {
             used: 0,
             bad: DeviceMemory::alloc(device, 8, what("quantize word"))?,
             quantized: false,
+            non_finite: None,
             gathered: None,
             runs: Vec::new(),
             stream,
@@ -115,6 +118,13 @@ impl CudaPlane {
     /// The device whose memory the plane works on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The quantize row (index in its list) and element that made the last
+    /// [`DataPlane::complete`] fail, when that was a non-finite row: for the caller's own
+    /// error, which names what the row is (a token, a reply).
+    pub fn non_finite(&self) -> Option<(usize, usize)> {
+        self.non_finite
     }
 
     /// The stream the plane queues its work on.
@@ -347,13 +357,16 @@ impl DataPlane for CudaPlane {
         let queued = unsafe { self.copy_runs(&runs) };
         self.runs = runs;
         queued?;
-        self.complete(deadline)?;
+        // The read is ordered after the gather on the stream and waits for both (one wait);
+        // `complete` then only resets the staging and reports a quantize step.
         let area = self.gathered.as_ref().expect("allocated above");
         let what = || "reading gathered bytes of the data plane".to_string();
-        self.stream.read(area, 0, out, deadline, self.rank, &what)
+        self.stream.read(area, 0, out, deadline, self.rank, &what)?;
+        self.complete(deadline)
     }
 
     fn complete(&mut self, deadline: Instant) -> Result<()> {
+        self.non_finite = None;
         let what = || "the data plane's kernels".to_string();
         self.stream.synchronize(deadline, self.rank, &what)?;
         self.used = 0;
@@ -363,7 +376,9 @@ impl DataPlane for CudaPlane {
                 .read(&self.bad, 0, &mut word, deadline, self.rank, &what)?;
             let code = u64::from_le_bytes(word);
             if code != ALL_FINITE {
-                return Err(non_finite((code >> 32) as usize, code as u32 as usize));
+                let (row, element) = ((code >> 32) as usize, code as u32 as usize);
+                self.non_finite = Some((row, element));
+                return Err(non_finite(row, element));
             }
         }
         Ok(())
