@@ -1055,10 +1055,36 @@ def cuda_expert_reply(comm, batch, dev, dtype):
     return res
 
 
+def attention_workloads(comm):
+    """Per round of ``rounds``: the round, the rank owning each expert, and this attention
+    rank's inputs ``(x, idx, w)`` of the reference workload."""
+    a = ARGS
+    owner = rank_of_expert(topology_of(comm))
+    a_index = comm_topo_attention(comm).index(comm.rank)
+    for r in range(a["rounds"]):
+        t = tokens_of(r, a_index)
+        yield (
+            r,
+            owner,
+            ref.workload(a["seed"], r, a_index, t, a["H"], a["topk"], a["E"], a["dtype"]),
+        )
+
+
+def record(out, got, inputs, owner, dtype, r):
+    """Checks round ``r``'s result ``got`` of ``inputs`` (x, idx, w) against the reference and
+    keeps its digest, in ``out``."""
+    x, idx, w = inputs
+    d = check_result(got, x, idx, w, owner, dtype, f"round {r}")
+    if d:
+        out["mismatches"].append(d)
+    out["digests"].append(digest(got.view(np.uint8)))
+
+
 def scenario_device_rounds():
     """``rounds`` A2E/E2A calls on ``fabric`` ("cuda": every tensor a CUDA tensor of the
-    communicator's device, the routing on the CPU (int64 ids) or on the device (int32) in
-    turn, results into new buffers or ``out=``; "shm": the same job with CPU tensors). Each
+    communicator's device, the routing on the CPU (int64 ids) or on the device (int32 ids, or
+    int64 ids read back) in turn, results into new buffers or ``out=``; "shm": the same job with
+    CPU tensors). Each
     attention rank checks its results against the reference and reports their digests; every
     DLPack export xccl asked for is reported with its stream argument."""
     from cuda_tensor import DeviceTensor, to_host
@@ -1073,11 +1099,8 @@ def scenario_device_rounds():
         dev = device_of(comm) if cuda else None
         out["device"] = comm.device
         if comm.role == "attention":
-            owner = rank_of_expert(topology_of(comm))
-            a_index = comm_topo_attention(comm).index(comm.rank)
-            for r in range(a["rounds"]):
-                t = tokens_of(r, a_index)
-                x, idx, w = ref.workload(a["seed"], r, a_index, t, H, a["topk"], a["E"], dtype)
+            for r, owner, (x, idx, w) in attention_workloads(comm):
+                t = x.shape[0]
                 xt = to_torch(x, dtype)
                 if not cuda:
                     h = comm.a2e_send(xt, torch.from_numpy(idx), torch.from_numpy(w))
@@ -1108,10 +1131,7 @@ def scenario_device_rounds():
                         assert buf.shape == (t, H) and not buf.readonly, buf
                         res = to_host(buf, dev)
                     got = to_numpy(torch.from_dlpack(res), dtype)
-                d = check_result(got, x, idx, w, owner, dtype, f"round {r}")
-                if d:
-                    out["mismatches"].append(d)
-                out["digests"].append(digest(got.view(np.uint8)))
+                record(out, got, (x, idx, w), owner, dtype, r)
         else:
             for _ in range(a["rounds"]):
                 batch = comm.a2e_recv()
@@ -1123,6 +1143,52 @@ def scenario_device_rounds():
                 else:
                     rows = torch.from_dlpack(batch.rows)
                     comm.e2a_send(batch, expert_outputs(comm, rows, batch.expert_offsets, dtype))
+    result(**out)
+
+
+def scenario_torch_cuda_rounds():
+    """``device_rounds`` with real torch CUDA tensors (a GPU; every rank on ``rank % GPUs``):
+    each attention rank makes its inputs on a side stream that is busy first
+    (``torch.cuda._sleep``), then calls xccl with that stream current: xccl must order after
+    it (else it reads the inputs before they are written). Routing alternates CPU int64, CUDA
+    int32/float32 and CUDA int64 (``torch.topk``'s dtype); results come as CUDA buffers
+    (``torch.from_dlpack``) or into ``out=``. Expert ranks compute on the GPU."""
+    a = ARGS
+    comm = join_on("cuda")
+    dtype, H = a["dtype"], a["H"]
+    out = {"digests": [], "mismatches": [], "device": comm.device}
+    dev = torch.device(comm.device)
+    side = torch.cuda.Stream(dev)
+    with comm:
+        if comm.role == "attention":
+            for r, owner, (x, idx, w) in attention_workloads(comm):
+                t = x.shape[0]
+                staged = [to_torch(x, dtype).to(dev), torch.from_numpy(idx).to(dev)]
+                staged.append(torch.from_numpy(w).to(dev))
+                torch.cuda.synchronize(dev)
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(20_000_000)
+                    xd, ids, ws = (v.clone() for v in staged)
+                    if r % 3 == 0:
+                        ids, ws = torch.from_numpy(idx), torch.from_numpy(w)
+                    elif r % 3 == 1:
+                        ids = ids.int()
+                    h = comm.a2e_send(xd, ids, ws)
+                    if r % 2:
+                        o = torch.empty((t, H), dtype=TORCH[dtype], device=dev)
+                        assert comm.e2a_recv(h, out=o) is o
+                    else:
+                        buf = comm.e2a_recv(h)
+                        assert buf.device == comm.device, buf
+                        o = torch.from_dlpack(buf)
+                    got = to_numpy(o.cpu(), dtype)
+                record(out, got, (x, idx, w), owner, dtype, r)
+        else:
+            for _ in range(a["rounds"]):
+                batch = comm.a2e_recv()
+                rows = torch.from_dlpack(batch.rows)
+                assert rows.device == dev, rows.device
+                comm.e2a_send(batch, expert_outputs(comm, rows, batch.expert_offsets, dtype))
     result(**out)
 
 
