@@ -1865,10 +1865,20 @@ pub struct PyExpertBatch {
 impl Drop for PyExpertBatch {
     /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
-    /// its reply).
+    /// its reply). Of the spares' device rows (the largest part of a batch on the cuda fabric:
+    /// `max_expert_rows` rows), one allocation is kept.
     fn drop(&mut self) {
-        if let Some(batch) = self.inner.take_spare() {
-            Spares::give(&self.spares.expert, batch);
+        if let Some(mut batch) = self.inner.take_spare() {
+            let pool = &self.spares.expert;
+            let kept = pool
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .any(|b| b.device.is_some());
+            if kept {
+                batch.device = None;
+            }
+            Spares::give(pool, batch);
         }
     }
 }
