@@ -38,6 +38,9 @@ for bf16; ``k`` is top-k):
 
 Run: ``python deepseek_moe_disagg.py`` (forks its ranks after importing torch and transformers
 once: up to 2 attention + 3 expert processes on shared memory; ``--help`` for the options).
+``--device cuda``: the module, the tokens and every tensor xccl takes and returns live on the
+GPU (rank ``r`` on GPU ``r % count``), and the ranks use xccl's ``cuda`` fabric (windows in GPU
+memory, shared by CUDA IPC): the rows never leave the GPU; the same checks apply.
 Needs ``xccl``, ``torch`` and ``transformers``; prints the measured errors of each run.
 """
 
@@ -116,12 +119,12 @@ def token_count(run, step, mb, rank, steps):
     return int(torch.randint(1, MAX_TOKENS + 1, (1,), generator=g))
 
 
-def tokens(run, step, mb, rank, n, dtype):
-    """The hidden states of that microbatch."""
+def tokens(run, step, mb, rank, n, dtype, device="cpu"):
+    """The hidden states of that microbatch (drawn on the CPU, the same on any device)."""
     import torch
 
     g = _generator(run, step, mb, rank, 1)
-    return torch.randn(n, HIDDEN, generator=g).to(dtype)
+    return torch.randn(n, HIDDEN, generator=g).to(dtype).to(device)
 
 
 def _generator(run, step, mb, rank, what):
@@ -140,7 +143,7 @@ def magnitude_bound(moe, x, idx, w, shared):
     return b
 
 
-def run_attention(comm, moe, run, steps, dtype):
+def run_attention(comm, moe, run, steps, dtype, device="cpu"):
     """Router and shared experts here, routed experts over xccl; returns the worst errors."""
     import torch
 
@@ -150,7 +153,7 @@ def run_attention(comm, moe, run, steps, dtype):
             sent = []
             for mb in range(2):  # both microbatches in flight before any E2A
                 n = token_count(run, step, mb, comm.rank, steps)
-                x = tokens(run, step, mb, comm.rank, n, dtype)
+                x = tokens(run, step, mb, comm.rank, n, dtype, device)
                 _, w, idx = moe.gate(x)  # the module's own router
                 sent.append((x, w, idx, comm.a2e_send(x, idx, w)))
             for x, w, idx, handle in sent:
@@ -175,9 +178,10 @@ def run_attention(comm, moe, run, steps, dtype):
                     (err.max() / ref.float().abs().max()).item(),
                 )
         # The last call: no tokens, tagged STOP, which ends the expert ranks' loops.
-        empty = torch.empty(0, HIDDEN, dtype=dtype)
-        no_idx = torch.empty(0, TOPK, dtype=torch.int64)
-        comm.e2a_recv(comm.a2e_send(empty, no_idx, torch.empty(0, TOPK), tag=STOP))
+        empty = torch.empty(0, HIDDEN, dtype=dtype, device=device)
+        no_idx = torch.empty(0, TOPK, dtype=torch.int64, device=device)
+        no_w = torch.empty(0, TOPK, device=device)
+        comm.e2a_recv(comm.a2e_send(empty, no_idx, no_w, tag=STOP))
     return worst
 
 
@@ -187,8 +191,8 @@ def expert_forward(moe, e, rows):
     import torch
 
     n = rows.shape[0]
-    idx = torch.full((n, 1), e, dtype=torch.int64)
-    return moe.experts(rows, idx, torch.ones(n, 1))
+    idx = torch.full((n, 1), e, dtype=torch.int64, device=rows.device)
+    return moe.experts(rows, idx, torch.ones(n, 1, device=rows.device))
 
 
 def run_expert(comm, moe):
@@ -234,7 +238,11 @@ def rank_main(rank, args, conn):
             if rank >= na + ne:
                 continue
             dtype = getattr(torch, dtype_name)
-            moe = build_moe(dtype)
+            device = "cpu"
+            if args.device == "cuda":
+                device = f"cuda:{rank % torch.cuda.device_count()}"
+                torch.cuda.set_device(device)
+            moe = build_moe(dtype).to(device)
             topo = xccl.Topology(na, ne, NUM_EXPERTS)
             quant = "int8" if int8 else None
             cfg = xccl.Config(
@@ -247,11 +255,12 @@ def rank_main(rank, args, conn):
                 a2e_quant=quant,
                 e2a_quant=quant,
             )
+            on_gpu = {"fabric": "cuda"} if args.device == "cuda" else {}
             with xccl.Communicator.init(
-                topo, cfg, unique_id=uids[run], rank=rank, world_size=na + ne
+                topo, cfg, unique_id=uids[run], rank=rank, world_size=na + ne, **on_gpu
             ) as comm:
                 if comm.role == "attention":
-                    results[run] = run_attention(comm, moe, run, args.steps, dtype)
+                    results[run] = run_attention(comm, moe, run, args.steps, dtype, device)
                 else:
                     results[run] = run_expert(comm, moe)
         conn.send(("ok", results))
@@ -281,7 +290,9 @@ def launch(args):
 
     start = time.monotonic()
     world = max(na + ne for _, na, ne, _ in (RUNS[r] for r in args.runs))
-    ctx = multiprocessing.get_context("fork")  # before any thread (the roots) starts here
+    # Forked before any thread (the roots) starts here, and before CUDA is initialised in this
+    # process (a fork may not inherit a CUDA context): each rank opens the GPU itself.
+    ctx = multiprocessing.get_context("fork")
     procs, conns = [], []
     for rank in range(world):
         mine, theirs = ctx.Pipe()
@@ -335,7 +346,8 @@ def launch(args):
         ok &= measured <= tol
         wire = "int8" if int8 else dtype_name
         print(
-            f"{run}: {na}A:{ne}E {dtype_name} wire={wire} {args.steps} steps x 2 microbatches, "
+            f"{run}: {na}A:{ne}E {dtype_name} on {args.device} wire={wire} "
+            f"{args.steps} steps x 2 microbatches, "
             f"{ntok} tokens: max |out-ref| = {measured:.3g} {unit} (tolerance {tol:.3g}); "
             f"max |out-ref| / max |ref| = {normwise:.3g}: {verdict}"
         )
@@ -348,6 +360,12 @@ def main():
     ap.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=["f32", "bf16", "int8"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=100.0, help="seconds for the whole job")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: the layer and its tensors on the GPU, over xccl's cuda fabric",
+    )
     return launch(ap.parse_args())
 
 

@@ -162,7 +162,11 @@ fn threads_rounds((m, n): (usize, usize), rounds: u64) -> Result<(), String> {
 
 /// The conformance suite on the cuda fabric's threads mode: `size` ranks as threads.
 fn threads_conformance(size: usize) -> xccl::Result<()> {
-    let fabrics = CudaFabric::local_group(&vec![MIN_WINDOW; size], min_slots(size), None)?;
+    // A host prefix that ends inside the conformance suite's puts and gets: both sides and the
+    // split between them are exercised.
+    let prefixes = vec![6000; size];
+    let fabrics =
+        CudaFabric::local_group(&vec![MIN_WINDOW; size], &prefixes, min_slots(size), None)?;
     if !fabrics.iter().all(CudaFabric::threads) {
         return Err(fail(
             "a local group's fabric is not in the threads mode".into(),

@@ -320,6 +320,19 @@ impl Communicator {
         Ok(WindowLayout::new(topo, cfg).window_lens())
     }
 
+    /// Per rank, the bytes of its window that the cuda fabric keeps in host memory: its
+    /// handshake and records (`None` when the config does not fit the topology: init reports
+    /// that).
+    fn host_prefixes(topo: &Topology, cfg: &MoeConfig) -> Option<Vec<usize>> {
+        cfg.validate(topo).ok()?;
+        let layout = WindowLayout::new(topo, cfg);
+        Some(
+            (0..topo.world_size())
+                .map(|r| layout.record_area_end(topo.role(r)))
+                .collect(),
+        )
+    }
+
     /// Window size the fabric of bootstrap rank `rank` must register.
     fn own_window_len(rank: usize, topo: &Topology, cfg: &MoeConfig) -> Result<usize> {
         let lens = Self::window_lens(topo, cfg)?;
@@ -557,22 +570,53 @@ impl Communicator {
         device: Option<usize>,
     ) -> Result<Self> {
         let origin = Origin::Cuda(exchange.clone(), device);
+        let prefix = Self::cuda_host_prefix(&topo, &cfg, exchange.rank());
         let comm = Self::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
-            Ok(Box::new(crate::fabric::cuda::CudaFabric::new(
-                exchange.clone(),
-                len,
+            Ok(Box::new(Self::cuda_fabric(
+                &exchange,
+                (len, prefix),
                 slots,
                 device,
             )?))
         })?;
-        // The data plane of the device-buffer calls (NVRTC's kernels, loaded): built here so
-        // that a rank that cannot build it makes every rank fail now, naming it.
-        let plane = comm.ctx.device_rows().map(drop);
+        comm.build_data_plane(&*exchange)
+    }
+
+    /// The bytes of bootstrap rank `rank`'s window the cuda fabric keeps in host memory: its
+    /// handshake and records, so reading or writing one is a host copy (no device copy, no
+    /// stream wait); the rows past them are device memory.
+    pub(crate) fn cuda_host_prefix(topo: &Topology, cfg: &MoeConfig, rank: usize) -> usize {
+        Self::host_prefixes(topo, cfg)
+            .and_then(|p| p.get(rank).copied())
+            .unwrap_or(0)
+    }
+
+    /// This rank's cuda fabric with a window of `len` bytes, the first `prefix` in host memory.
+    pub(crate) fn cuda_fabric(
+        exchange: &Arc<dyn Exchange>,
+        (len, prefix): (usize, usize),
+        slots: usize,
+        device: Option<usize>,
+    ) -> Result<crate::fabric::cuda::CudaFabric> {
+        crate::fabric::cuda::CudaFabric::with_host_prefix(
+            exchange.clone(),
+            (len, prefix.min(len)),
+            slots,
+            device,
+            crate::fabric::cuda::DEFAULT_INIT_TIMEOUT,
+        )
+    }
+
+    /// Builds the data plane of the device-buffer calls (NVRTC's kernels, loaded) on a new
+    /// cuda communicator, collectively: a rank that cannot build it makes every rank fail now,
+    /// naming it.
+    pub(crate) fn build_data_plane(self, exchange: &dyn Exchange) -> Result<Self> {
+        let plane = self.ctx.device_rows().map(drop);
         let timeout = crate::fabric::cuda::DEFAULT_INIT_TIMEOUT;
         let step = "build its data plane (kernels compiled by NVRTC)";
-        crate::fabric::gather_outcomes(&*exchange, &plane, timeout, step)?;
+        crate::fabric::gather_outcomes(exchange, &plane, timeout, step)?;
         plane?;
-        Ok(comm)
+        Ok(self)
     }
 
     /// Builds a whole job of ranks as threads of this process over the `local` fabric; returns
@@ -607,7 +651,9 @@ impl Communicator {
     ) -> Result<Vec<Communicator>> {
         let lens = Self::window_lens(topo, cfg)?;
         let slots = Self::signal_slots(topo);
-        let fabrics = crate::fabric::cuda::CudaFabric::local_group(&lens, slots, device)?;
+        let prefixes = Self::host_prefixes(topo, cfg).unwrap_or_else(|| vec![0; lens.len()]);
+        let fabrics =
+            crate::fabric::cuda::CudaFabric::local_group(&lens, &prefixes, slots, device)?;
         let comms = Self::init_group(fabrics, topo, cfg)?;
         for comm in &comms {
             comm.ctx.device_rows().map(drop)?;

@@ -12,7 +12,6 @@ use crate::bootstrap::{Exchange, TcpBootstrap, UniqueId};
 use crate::comm::shrink::Rebuild;
 use crate::comm::Origin;
 use crate::fabric::ascend::AscendFabric;
-use crate::fabric::cuda::CudaFabric;
 use crate::fabric::ofi::OfiFabric;
 use crate::fabric::shm::ShmFabric;
 use crate::fabric::Fabric;
@@ -97,7 +96,8 @@ pub(super) fn build_comm(
         Arc::new(move |ex, topo, cfg| build_comm(ex, topo, cfg, spec.clone(), latest.clone()))
     };
     let origin = Origin::Built(exchange.clone(), rebuild);
-    Communicator::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
+    let prefix = Communicator::cuda_host_prefix(&topo, &cfg, exchange.rank());
+    let comm = Communicator::init_agreed(&exchange, topo, cfg, origin, &|len, slots| {
         let fabric: Arc<dyn Fabric> = match &spec {
             config::FabricSpec::Shm => Arc::new(ShmFabric::new(exchange.clone(), len, slots)?),
             config::FabricSpec::Ofi(opts) => {
@@ -106,13 +106,20 @@ pub(super) fn build_comm(
             config::FabricSpec::Ascend(device) => {
                 Arc::new(AscendFabric::new(exchange.clone(), len, slots, *device)?)
             }
-            config::FabricSpec::Cuda(device) => {
-                Arc::new(CudaFabric::new(exchange.clone(), len, slots, *device)?)
-            }
+            config::FabricSpec::Cuda(device) => Arc::new(Communicator::cuda_fabric(
+                &exchange,
+                (len, prefix),
+                slots,
+                *device,
+            )?),
         };
         *lock(&latest) = Some(fabric.clone());
         Ok(Box::new(SharedFabric(fabric)))
-    })
+    })?;
+    match spec {
+        config::FabricSpec::Cuda(_) => comm.build_data_plane(&*exchange),
+        _ => Ok(comm),
+    }
 }
 
 /// Joins the job: parses `config`, rendezvous through `connect`, gathers the roles when the

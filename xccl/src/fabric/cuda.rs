@@ -13,8 +13,11 @@
 //!   another), ranks on the same device included; its own window it uses directly (the driver
 //!   refuses to open a handle in the process that exported it).
 //! - The **control area** (signal slots, doorbell, abort word and reason, departure marks) is a
-//!   [`ShmFabric`] with an empty window, in host shared memory exactly as the shm fabric has
-//!   it: signals, waits, liveness (pidfds), aborts and the failure rule are that fabric's code.
+//!   [`ShmFabric`], in host shared memory exactly as the shm fabric has it: signals, waits,
+//!   liveness (pidfds), aborts and the failure rule are that fabric's code. Its window holds
+//!   each rank's **host prefix** ([`CudaFabric::with_host_prefix`]): the first bytes of the
+//!   rank's window live there, not on the device (the protocol puts its handshake and records
+//!   there), so reading or writing a record is a host copy with no stream wait.
 //!
 //! ## Transfers (host-driven)
 //! - `put`/`get` with host bytes are host-to-device / device-to-host copies on this rank's
@@ -65,6 +68,8 @@ struct Advert {
     device: usize,
     host: u64,
     window_len: usize,
+    /// Bytes at the start of the window that live in host memory (the control area's).
+    host_prefix: usize,
     handle: [u8; HANDLE_BYTES],
 }
 
@@ -76,7 +81,7 @@ impl Advert {
             self.device as u64,
             self.host,
             self.window_len as u64,
-            0,
+            self.host_prefix as u64,
         ];
         let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
         out.extend_from_slice(&self.handle);
@@ -112,6 +117,10 @@ impl Advert {
             device: size(w[2], "device")?,
             host: w[3],
             window_len: size(w[4], "window length")?,
+            host_prefix: match size(w[5], "host prefix")? {
+                p if p <= size(w[4], "window length")? => p,
+                p => return Err(bad(format!("host prefix {p} is longer than its window"))),
+            },
             handle,
         })
     }
@@ -160,6 +169,8 @@ pub struct CudaFabric {
     peers: Vec<PeerWindow>,
     /// Each rank's device, as advertised.
     devices: Vec<usize>,
+    /// Each rank's host prefix ([`CudaFabric::with_host_prefix`]), as advertised.
+    prefixes: Vec<usize>,
     /// This rank's window (shared with the other ranks' fabrics in [`CudaFabric::local_group`]).
     window: Arc<DeviceMemory>,
     stream: Stream,
@@ -225,14 +236,35 @@ impl CudaFabric {
         device: Option<usize>,
         timeout: Duration,
     ) -> Result<Self> {
+        Self::with_host_prefix(exchange, (window_len, 0), num_slots, device, timeout)
+    }
+
+    /// [`CudaFabric::with_timeout`] with the first `host_prefix` bytes of this rank's window
+    /// in host memory: `put`/`get` of them are host copies into the control area (no device
+    /// copy, no stream wait), the rest is device memory. The protocol keeps its records there
+    /// (`WindowLayout::record_area_end`); the data plane must not address them on the device
+    /// ([`CudaFabric::host_prefix`]). Each rank may have its own; every rank learns the others'.
+    pub fn with_host_prefix(
+        exchange: Arc<dyn Exchange>,
+        (window_len, host_prefix): (usize, usize),
+        num_slots: usize,
+        device: Option<usize>,
+        timeout: Duration,
+    ) -> Result<Self> {
         let (rank, size) = (exchange.rank(), exchange.size());
+        if host_prefix > window_len {
+            return Err(Error::invalid(format!(
+                "a host prefix of {host_prefix} bytes is longer than the {window_len}-byte window"
+            )));
+        }
         if rank >= size {
             return Err(Error::invalid(format!(
                 "rank {rank} out of range for a job of {size} ranks"
             )));
         }
         // Round 1: adverts, or this rank's setup error.
-        let setup = Self::setup_local(rank, window_len, device).map_err(|e| on_rank(rank, e));
+        let setup = Self::setup_local(rank, (window_len, host_prefix), device)
+            .map_err(|e| on_rank(rank, e));
         let blobs = gather_adverts(
             &*exchange,
             setup.as_ref().map(|l| l.mine.encode()),
@@ -265,7 +297,7 @@ impl CudaFabric {
         // The control area: the shm fabric's own rounds, collective and failing together.
         let control = Control::Shm(ShmFabric::with_timeout(
             exchange.clone(),
-            0,
+            host_prefix,
             num_slots,
             timeout,
         )?);
@@ -309,6 +341,7 @@ impl CudaFabric {
             window_len,
             peers,
             devices: adverts.iter().map(|a| a.device).collect(),
+            prefixes: adverts.iter().map(|a| a.host_prefix).collect(),
             window: Arc::new(window),
             stream,
             device,
@@ -317,15 +350,23 @@ impl CudaFabric {
     }
 
     /// A whole job of `lens.len()` ranks as threads of this process, for runtimes that refuse
-    /// CUDA IPC: rank `r`'s window (`lens[r]` bytes) on `device` (`None`: `r % device count`),
+    /// CUDA IPC: rank `r`'s window (`lens[r]` bytes, the first `host_prefixes[r]` of them in
+    /// host memory as [`CudaFabric::with_host_prefix`] says) on `device` (`None`: `r % device
+    /// count`),
     /// every window shared in-process, the control area a [`LocalFabric`] group's. Returns one
     /// fabric per rank, in rank order (move each to its own thread). Whatever was made is
     /// released if a step fails.
     pub fn local_group(
         lens: &[usize],
+        host_prefixes: &[usize],
         num_slots: usize,
         device: Option<usize>,
     ) -> Result<Vec<CudaFabric>> {
+        if host_prefixes.len() != lens.len() || lens.iter().zip(host_prefixes).any(|(l, p)| p > l) {
+            return Err(Error::invalid(
+                "one host prefix per rank, none longer than its window",
+            ));
+        }
         let (driver, count) = driver_with_devices()?;
         let mut made = Vec::with_capacity(lens.len());
         for (rank, &len) in lens.iter().enumerate() {
@@ -335,7 +376,7 @@ impl CudaFabric {
             let window = Self::zeroed_window(&device, &stream, rank, len)?;
             made.push((device, stream, Arc::new(window), len));
         }
-        let controls = LocalFabric::group(&vec![0; lens.len()], num_slots)?;
+        let controls = LocalFabric::group(host_prefixes, num_slots)?;
         let devices: Vec<usize> = made.iter().map(|m| m.0.ordinal()).collect();
         let windows: Vec<Arc<DeviceMemory>> = made.iter().map(|m| m.2.clone()).collect();
         Ok(made
@@ -357,6 +398,7 @@ impl CudaFabric {
                     window_len,
                     peers,
                     devices: devices.clone(),
+                    prefixes: host_prefixes.to_vec(),
                     window,
                     stream,
                     device,
@@ -384,7 +426,11 @@ impl CudaFabric {
 
     /// Opens the driver and the device, creates the stream, allocates, zeroes and exports the
     /// window. What it made is released if a later step fails (owned values).
-    fn setup_local(rank: usize, window_len: usize, device: Option<usize>) -> Result<Local> {
+    fn setup_local(
+        rank: usize,
+        (window_len, host_prefix): (usize, usize),
+        device: Option<usize>,
+    ) -> Result<Local> {
         let (driver, count) = driver_with_devices()?;
         let ordinal = device.unwrap_or(rank % count);
         let device = driver.device(ordinal)?;
@@ -396,6 +442,7 @@ impl CudaFabric {
             device: ordinal,
             host: host_id(),
             window_len,
+            host_prefix,
             handle: export.handle,
         };
         Ok(Local {
@@ -453,6 +500,12 @@ impl CudaFabric {
             Control::Shm(f) => f.job_id(),
             Control::Local(_) => 0,
         }
+    }
+
+    /// The bytes at the start of `rank`'s window that live in host memory (0 for a rank out
+    /// of range): the data plane addresses only what lies past them.
+    pub fn host_prefix(&self, rank: usize) -> usize {
+        self.prefixes.get(rank).copied().unwrap_or(0)
     }
 
     /// Whether the ranks are threads of this process ([`CudaFabric::local_group`]) rather
@@ -576,6 +629,18 @@ unsafe impl Fabric for CudaFabric {
 
     fn put(&self, peer: usize, offset: usize, data: &[u8]) -> Result<()> {
         let region = self.region(peer, offset, data.len())?;
+        // The bytes below the peer's host prefix: a host copy into its control area.
+        let host = self
+            .host_prefix(peer)
+            .saturating_sub(offset)
+            .min(data.len());
+        if host > 0 {
+            self.control.get().put(peer, offset, &data[..host])?;
+        }
+        let (offset, data) = (offset + host, &data[host..]);
+        if data.is_empty() {
+            return Ok(());
+        }
         let deadline = deadline_after(STREAM_TIMEOUT);
         self.stream
             .write(region, offset, data, deadline, peer, &|| {
@@ -588,8 +653,16 @@ unsafe impl Fabric for CudaFabric {
     }
 
     fn get(&self, peer: usize, offset: usize, buf: &mut [u8]) -> Result<()> {
+        let region = self.region(peer, offset, buf.len())?;
+        let host = self.host_prefix(peer).saturating_sub(offset).min(buf.len());
+        if host > 0 {
+            self.control.get().get(peer, offset, &mut buf[..host])?;
+        }
+        let (offset, buf) = (offset + host, &mut buf[host..]);
+        if buf.is_empty() {
+            return Ok(());
+        }
         let len = buf.len();
-        let region = self.region(peer, offset, len)?;
         let deadline = deadline_after(STREAM_TIMEOUT);
         self.stream.read(region, offset, buf, deadline, peer, &|| {
             format!(
@@ -681,9 +754,19 @@ mod tests {
             device: 3,
             host: 99,
             window_len: 123,
+            host_prefix: 64,
             handle,
         };
         assert_eq!(Advert::decode(&a.encode(), 3).unwrap(), a);
+        // A host prefix longer than the window: the peer's error.
+        let long = Advert {
+            host_prefix: 124,
+            ..a.clone()
+        };
+        assert!(matches!(
+            Advert::decode(&long.encode(), 3),
+            Err(Error::Protocol { peer: 3, .. })
+        ));
         assert!(matches!(
             Advert::decode(&[0u8; ADVERT_WORDS * 8 + HANDLE_BYTES], 3),
             Err(Error::Protocol { peer: 3, .. })
@@ -701,6 +784,7 @@ mod tests {
             device: 0,
             host: 1,
             window_len: 8,
+            host_prefix: 0,
             handle: [0; HANDLE_BYTES],
         };
         let twin = Advert { ..mine.clone() };

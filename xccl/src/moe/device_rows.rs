@@ -33,8 +33,9 @@ pub(crate) enum OutRows<'a> {
 pub(crate) struct DeviceRows {
     /// The data plane, on the fabric's stream.
     pub(crate) plane: CudaPlane,
-    /// Per rank: its window's device address here and its length.
-    windows: Vec<(u64, usize)>,
+    /// Per rank: its window's device address here, its length, and where its device part
+    /// starts (the bytes before are in host memory: [`CudaFabric::host_prefix`]).
+    windows: Vec<(u64, usize, usize)>,
     /// Device scratch per use, grown on demand (contents not kept across calls).
     scratch: [Option<DeviceMemory>; 2],
 }
@@ -70,7 +71,7 @@ impl DeviceRows {
         let windows = (0..fabric.world_size())
             .map(|r| {
                 let base = fabric.device_window(r).map_or(0, |p| p.addr());
-                (base, fabric.window_len(r))
+                (base, fabric.window_len(r), fabric.host_prefix(r))
             })
             .collect();
         Ok(DeviceRows {
@@ -81,12 +82,13 @@ impl DeviceRows {
     }
 
     /// The device address of `len` bytes at `offset` of `rank`'s window (an error naming the
-    /// rank when they are not inside it).
+    /// rank when they are not inside its device part).
     pub(crate) fn window(&self, rank: usize, offset: usize, len: usize) -> Result<u64> {
+        let inside = |wlen: usize, start: usize| {
+            offset >= start && offset.checked_add(len).is_some_and(|e| e <= wlen)
+        };
         match self.windows.get(rank) {
-            Some(&(base, wlen))
-                if base != 0 && offset.checked_add(len).is_some_and(|e| e <= wlen) =>
-            {
+            Some(&(base, wlen, start)) if base != 0 && inside(wlen, start) => {
                 Ok(base + offset as u64)
             }
             _ => Err(Error::Protocol {

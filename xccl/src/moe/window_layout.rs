@@ -122,6 +122,13 @@ impl WindowLayout {
         (epoch % self.depth as u64) as usize
     }
 
+    /// The end of a `role` rank's handshake and record area (page aligned): the bytes a
+    /// fabric may keep in host memory when the rest of the window is device memory (the cuda
+    /// fabric's host prefix); every row lies past it.
+    pub fn record_area_end(&self, role: Role) -> usize {
+        self.records_end(role)
+    }
+
     fn records_end(&self, role: Role) -> usize {
         let peers = match role {
             Role::Attention => self.num_expert,
