@@ -205,17 +205,19 @@ fn device_workload(m: usize, n: usize) -> xccl::testing::harness::Workload {
     }
 }
 
-/// `rounds` rounds of one rank: the device-buffer calls, every third round the host calls on
-/// the same communicator, each checked bit for bit against the reference.
+/// `rounds` rounds of one rank: the device-buffer calls (an expert rank's receives and replies
+/// expert-major and token-major in turn), every third round the host calls on the same
+/// communicator, each checked bit for bit against the reference.
 fn device_rank_rounds(
     comm: &mut Communicator,
     wl: &xccl::testing::harness::Workload,
     rounds: u64,
 ) -> Result<(), String> {
     use half::bf16;
-    use xccl::testing::harness::Buffers;
     use xccl::testing::harness::{attention_round_with, expert_round, expert_round_device};
+    use xccl::testing::harness::{expert_round_tokens_with, Buffers};
     let mut batch = xccl::ExpertBatch::new();
+    let mut tokens = xccl::TokenBatch::new();
     for round in 0..rounds {
         let host = round % 3 == 2;
         let verdict = match comm.role() {
@@ -224,6 +226,10 @@ fn device_rank_rounds(
             }
             xccl::Role::Attention => attention_round_with::<bf16>(comm, wl, round, Buffers::Device),
             xccl::Role::Expert if host => expert_round::<bf16>(comm, wl, round, &mut batch, true),
+            xccl::Role::Expert if round % 3 == 1 => {
+                let b = Buffers::Device;
+                expert_round_tokens_with::<bf16>(comm, wl, round, &mut tokens, true, b)
+            }
             xccl::Role::Expert => expert_round_device::<bf16>(comm, wl, round, &mut batch, true),
         };
         verdict

@@ -1386,7 +1386,7 @@ impl Communicator {
         on_arrival: &mut dyn FnMut(&TokenBatch, std::ops::Range<usize>),
     ) -> Result<()> {
         self.expert("A2E receive", |ctx, dispatch, _| {
-            dispatch.recv_tokens(ctx, batch, on_arrival, ctx.call_deadline())
+            dispatch.recv_tokens(ctx, batch, None, on_arrival, ctx.call_deadline())
         })
     }
 

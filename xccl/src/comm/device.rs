@@ -17,10 +17,11 @@
 //! - A2E send: the caller's rows are copied into the destination windows (INT8: quantized
 //!   into device scratch first, so a non-finite row fails before anything is written); the
 //!   rows' metadata is encoded on the host and scattered next to them.
-//! - A2E receive (expert-major): the rows' metadata is gathered to the host (it plans the
-//!   layout), the payloads copied (INT8: dequantized) from the window into `out`.
-//! - E2A send: each token's weighted sum of its experts' outputs is written straight into the
-//!   attention rank's window (INT8: summed and quantized in device scratch first).
+//! - A2E receive, expert-major or token-major: the rows' metadata is gathered to the host (it
+//!   plans the layout), the payloads copied (INT8: dequantized) from the window into `out`.
+//! - E2A send: each token's weighted sum of its experts' outputs (or, token-major, the
+//!   caller's reduced row) is written straight into the attention rank's window (INT8: summed
+//!   and quantized in device scratch first).
 //! - E2A receive: each token's contributions are summed where they landed into `out`.
 //!
 //! What crosses to the host is what the host plans with: records, metadata, the routing of a
@@ -34,10 +35,12 @@ use std::time::Instant;
 use super::{send_e2a, Communicator};
 use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Event, ReadRegion, Stream};
 use crate::fabric::cuda::CudaFabric;
+use crate::moe::batch::Received;
 use crate::moe::combine::Replies;
 use crate::moe::context::Context;
 use crate::moe::device_rows::OutRows;
-use crate::{A2eHandle, Error, ExpertBatch, Result};
+use crate::moe::dispatch::DispatchReceiver;
+use crate::{A2eHandle, Error, ExpertBatch, Result, TokenBatch};
 
 /// The routing of an A2E call: `[T, topk]` expert ids (`i32`, `-1` = none) and gating weights
 /// (`f32`, finite), in host or device memory.
@@ -291,20 +294,74 @@ impl Communicator {
         out: DeviceSliceMut<'_>,
         stream: &Stream,
     ) -> Result<()> {
-        let need = self.max_expert_rows() * self.ctx.layout.a2e.payload;
+        let rows = self.max_expert_rows();
+        self.a2e_recv_lent(out, rows, stream, |ctx, dispatch, out, deadline| {
+            dispatch.recv_expert_major(ctx, batch, Some(out), deadline)
+        })
+    }
+
+    /// Tokens a token-major device receive may need at most on this rank: every attention
+    /// rank's every token. The `out` of [`Communicator::a2e_recv_tokens_device`] holds this
+    /// many rows. 0 on attention ranks.
+    pub fn max_recv_tokens(&self) -> usize {
+        let ctx = &self.ctx;
+        match self.role() {
+            crate::Role::Expert => ctx.attention().len() * ctx.cfg.max_tokens_per_rank,
+            crate::Role::Attention => 0,
+        }
+    }
+
+    /// [`Communicator::a2e_recv_tokens`] with the rows written into `out` (device memory of
+    /// this communicator's device, at least [`Communicator::max_recv_tokens`] rows): row `i`
+    /// of `out` is the batch's token `i`; `batch` carries everything else and its own rows
+    /// stay empty. `on_arrival(batch, tokens)` runs once a source's rows are in `out`.
+    /// Ordered after the work queued on `stream`. Not with `keep_int8`.
+    pub fn a2e_recv_tokens_device(
+        &mut self,
+        batch: &mut TokenBatch,
+        out: DeviceSliceMut<'_>,
+        stream: &Stream,
+        on_arrival: &mut dyn FnMut(&TokenBatch, std::ops::Range<usize>),
+    ) -> Result<()> {
+        let rows = self.max_recv_tokens();
+        self.a2e_recv_lent(out, rows, stream, |ctx, dispatch, out, deadline| {
+            dispatch.recv_tokens(ctx, batch, Some(out), on_arrival, deadline)
+        })
+    }
+
+    /// An A2E receive into the lent `out` (at least `rows` rows of the dtype): checked,
+    /// ordered after `stream`, then `receive(context, dispatch, out's address, deadline)`.
+    fn a2e_recv_lent(
+        &mut self,
+        out: DeviceSliceMut<'_>,
+        rows: usize,
+        stream: &Stream,
+        receive: impl FnOnce(&Context, &mut DispatchReceiver, u64, Instant) -> Result<()>,
+    ) -> Result<()> {
+        let need = rows * self.ctx.layout.a2e.payload;
         self.expert("A2E receive", |ctx, dispatch, _| {
             let fabric = cuda_fabric(ctx, "A2E receive")?;
             no_kept_int8(ctx)?;
-            check_buffer(
-                fabric.device(),
-                "out",
-                out.ptr(),
-                out.len(),
-                Need::AtLeast(need),
-            )?;
+            let (ptr, len) = (out.ptr(), out.len());
+            check_buffer(fabric.device(), "out", ptr, len, Need::AtLeast(need))?;
             order_after(fabric, stream)?;
-            let deadline = ctx.call_deadline();
-            dispatch.recv_expert_major(ctx, batch, Some(out.ptr().addr()), deadline)
+            receive(ctx, dispatch, ptr.addr(), ctx.call_deadline())
+        })
+    }
+
+    /// [`Communicator::e2a_send_tokens`] with `reduced` (one row per token of `batch`,
+    /// `[batch.num_tokens(), hidden]`) in device memory of this communicator's device. Ordered
+    /// after the work queued on `stream`; `reduced` may be reused once it returns. The failure
+    /// rule is [`Communicator::e2a_send_tokens`]'s.
+    pub fn e2a_send_tokens_device(
+        &mut self,
+        batch: &TokenBatch,
+        reduced: DeviceSlice<'_>,
+        stream: &Stream,
+    ) -> Result<()> {
+        let lent = ("reduced", reduced, batch.num_tokens());
+        self.e2a_send_lent(&batch.recv, batch.sources(), lent, stream, |at| {
+            Replies::TokensDevice(at)
         })
     }
 
@@ -318,24 +375,34 @@ impl Communicator {
         expert_out: DeviceSlice<'_>,
         stream: &Stream,
     ) -> Result<()> {
+        let lent = ("expert_out", expert_out, batch.num_rows());
+        self.e2a_send_lent(&batch.recv, batch.sources(), lent, stream, |out| {
+            Replies::ReduceDevice { batch, out }
+        })
+    }
+
+    /// An E2A send of the rows in the lent buffer `(name, rows_in, rows)` (`rows` rows of the
+    /// dtype) for the receive `recv` from `sources`: checked, ordered after `stream`, then sent
+    /// as `replies(address)` says.
+    fn e2a_send_lent<'b>(
+        &mut self,
+        recv: &Received,
+        sources: &'b [crate::SourceInfo],
+        (name, rows_in, rows): (&str, DeviceSlice<'_>, usize),
+        stream: &Stream,
+        replies: impl FnOnce(u64) -> Replies<'b>,
+    ) -> Result<()> {
         let mode = self.ctx.cfg.mode;
         self.expert("E2A send", |ctx, dispatch, combine| {
             let fabric = cuda_fabric(ctx, "E2A send")?;
-            dispatch.check_reply(ctx, batch.recv.comm, batch.recv.epoch)?;
-            let len = batch.num_rows() * ctx.layout.e2a_stride;
-            check_buffer(
-                fabric.device(),
-                "expert_out",
-                expert_out.ptr(),
-                expert_out.len(),
-                Need::Exactly(len),
-            )?;
+            dispatch.check_reply(ctx, recv.comm, recv.epoch)?;
+            let len = rows * ctx.layout.e2a_stride;
+            let (ptr, got) = (rows_in.ptr(), rows_in.len());
+            check_buffer(fabric.device(), name, ptr, got, Need::Exactly(len))?;
             order_after(fabric, stream)?;
-            let out = expert_out.ptr().addr();
-            let replies = Replies::ReduceDevice { batch, out };
-            let (epoch, sources) = (batch.recv.epoch, batch.sources());
-            send_e2a(ctx, dispatch, combine, epoch, sources, mode, replies)?;
-            batch.recv.answered();
+            let replies = replies(ptr.addr());
+            send_e2a(ctx, dispatch, combine, recv.epoch, sources, mode, replies)?;
+            recv.answered();
             Ok(())
         })
     }

@@ -74,6 +74,9 @@ pub(crate) enum Replies<'a> {
     },
     /// One reduced row per token of the batch (`[num_tokens, hidden]` bytes).
     Tokens(&'a [u8]),
+    /// [`Replies::Tokens`] in device memory (cuda fabric): the device address of the first
+    /// row (the caller checked the buffer); copied on the device into the windows.
+    TokensDevice(u64),
     /// Already written into this rank's staging (registered output): records and signals only.
     Staged,
     /// Written by a callback where each goes (a view's reply in the dtype).
@@ -331,7 +334,10 @@ impl CombineSender {
             // Quantized by the caller (a view's, in the stage it borrowed) or staged already.
             Replies::Quantized(_) | Replies::Staged => return Ok(()),
             Replies::ReduceDevice { batch, out } => {
-                return self.quantize_all_device(ctx, batch, *out, tokens);
+                return self.quantize_all_device(ctx, Some((batch, *out)), 0, tokens);
+            }
+            Replies::TokensDevice(reduced) => {
+                return self.quantize_all_device(ctx, None, *reduced, tokens);
             }
             Replies::Reduce { .. } | Replies::Tokens(_) => {}
         }
@@ -371,8 +377,15 @@ impl CombineSender {
     ) -> Result<()> {
         let p = ctx.layout.e2a_stride;
         let stride = ctx.layout.e2a_stride_for(int8);
-        if let Replies::ReduceDevice { batch, out } = replies {
-            return self.fill_rows_device(ctx, batch, *out, int8, first, n, (dst, at));
+        match replies {
+            Replies::ReduceDevice { batch, out } => {
+                let reduce = Some((*batch, *out));
+                return self.fill_rows_device(ctx, reduce, 0, int8, (first, n), (dst, at));
+            }
+            Replies::TokensDevice(reduced) => {
+                return self.fill_rows_device(ctx, None, *reduced, int8, (first, n), (dst, at));
+            }
+            _ => {}
         }
         if int8 {
             let staged = match replies {
@@ -408,7 +421,9 @@ impl CombineSender {
                 ))
             }
             Replies::Staged => unreachable!("staged replies write no rows"),
-            Replies::ReduceDevice { .. } => unreachable!("written on the device above"),
+            Replies::ReduceDevice { .. } | Replies::TokensDevice(_) => {
+                unreachable!("written on the device above")
+            }
         }
         Ok(())
     }
@@ -501,11 +516,12 @@ impl CombineSender {
     /// device scratch, then quantized next to it, and the plane completed, so a non-finite
     /// row is an error before anything is written; [`CombineSender::fill_rows_device`] copies
     /// the quantized rows from there.
+    /// Reduced rows (`reduce = None`) are quantized from where the caller has them (`reduced`).
     fn quantize_all_device(
         &mut self,
         ctx: &Context,
-        batch: &ExpertBatch,
-        out: u64,
+        reduce: Option<(&ExpertBatch, u64)>,
+        reduced: u64,
         tokens: usize,
     ) -> Result<()> {
         let (p, stride) = (ctx.layout.e2a_stride, ctx.layout.e2a_stride_for(true));
@@ -513,17 +529,27 @@ impl CombineSender {
         let mut dev = ctx.device_rows()?;
         let sums = dev.scratch(Scratch::Call, tokens * (p + stride), deadline)?;
         let quantized = sums + (tokens * p) as u64;
-        self.plan_sums(ctx, batch, out, 0, tokens, sums, p);
+        let rows_at = match reduce {
+            Some((batch, out)) => {
+                self.plan_sums(ctx, batch, out, 0, tokens, sums, p);
+                sums
+            }
+            None => {
+                self.sum_rows.clear();
+                self.sum_terms.clear();
+                reduced
+            }
+        };
         let rows: Vec<QuantRow> = (0..tokens)
             .map(|t| QuantRow {
-                src: sums + (t * p) as u64,
+                src: rows_at + (t * p) as u64,
                 dst: quantized + (t * stride) as u64,
             })
             .collect();
         let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
-        // SAFETY: the terms are rows of the caller's checked output buffer, the sums and the
-        // quantized rows distinct rows of this call's scratch, which nothing else uses until
-        // the plane completes below.
+        // SAFETY: the terms (and reduced rows) are rows of the caller's checked buffer, the
+        // sums and the quantized rows distinct rows of this call's scratch, which nothing else
+        // uses until the plane completes below.
         unsafe {
             dev.plane
                 .sum_rows(dtype, hidden, &self.sum_rows, &self.sum_terms)?;
@@ -551,11 +577,10 @@ impl CombineSender {
     fn fill_rows_device(
         &mut self,
         ctx: &Context,
-        batch: &ExpertBatch,
-        out: u64,
+        reduce: Option<(&ExpertBatch, u64)>,
+        reduced: u64,
         int8: bool,
-        first: usize,
-        n: usize,
+        (first, n): (usize, usize),
         (dst, at): (usize, usize),
     ) -> Result<()> {
         let stride = ctx.layout.e2a_stride_for(int8);
@@ -575,7 +600,18 @@ impl CombineSender {
             // `n` rows inside `dst`'s window (range-checked), which the credit wait reserved
             // for this reply.
             unsafe { dev.plane.copy_runs(&[run])? };
-        } else {
+        } else if reduce.is_none() {
+            // Reduced rows: `n` consecutive rows, one copy.
+            let p = ctx.layout.e2a_stride;
+            let run = CopyRun {
+                src: reduced + (first * p) as u64,
+                dst: into,
+                len: (n * p) as u64,
+            };
+            // SAFETY: the source is `n` rows of the caller's checked buffer, the destination
+            // `n` rows inside `dst`'s window (range-checked) reserved by the credit wait.
+            unsafe { dev.plane.copy_runs(&[run])? };
+        } else if let Some((batch, out)) = reduce {
             self.plan_sums(ctx, batch, out, first, n, into, stride);
             let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
             // SAFETY: the terms are rows of the caller's checked output buffer, the

@@ -1901,28 +1901,35 @@ impl DispatchReceiver {
     /// A2E receive into `batch`, one row per token, copying each source's rows as they stream
     /// in and calling `on_arrival(batch, tokens)` when a source is complete. Credits every source
     /// once all rows are copied.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn recv_tokens(
         &mut self,
         ctx: &Context,
         batch: &mut TokenBatch,
+        device_out: Option<u64>,
         on_arrival: &mut dyn FnMut(&TokenBatch, Range<usize>),
         deadline: Instant,
     ) -> Result<()> {
         let payload = ctx.layout.a2e.payload;
+        self.reader.on_device = device_out.is_some();
+        self.reader.device_copies.clear();
+        self.reader.device_dequant.clear();
         batch.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
         batch.recv.begin(ctx.id, ctx.attention());
         batch.recv.int8 = ctx.cfg.keep_int8;
+        // Rows on the host unless they go to device memory (or are kept as INT8).
+        let host_rows = !ctx.cfg.keep_int8 && device_out.is_none();
         // The worst case (every attention rank's every token) reserved up front: the arrays
         // never move during the receive, so what `on_arrival` was shown stays valid to its end.
         let worst = ctx.attention().len() * ctx.cfg.max_tokens_per_rank;
-        batch.reserve(worst, payload, !ctx.cfg.keep_int8);
+        batch.reserve(worst, payload, host_rows);
         let epoch = self.receive(ctx, true, deadline, &mut |reader, arrival| {
             batch.recv.note(&arrival);
             match arrival {
                 Arrival::Record(msg) => {
                     // Reserve the source's rows at the end of the batch (arrival order).
                     let first = batch.num_tokens();
-                    batch.grow(first + msg.count(), payload, !ctx.cfg.keep_int8);
+                    batch.grow(first + msg.count(), payload, host_rows);
                     batch.recv.sources[msg.index].first_token = first;
                 }
                 Arrival::Rows(msg, rows) => {
@@ -1931,7 +1938,9 @@ impl DispatchReceiver {
                     for r in rows {
                         let token = reader.decode(ctx, msg, r)?;
                         let t = base + r;
-                        let landing = if ctx.cfg.keep_int8 {
+                        let landing = if let Some(out) = device_out {
+                            Landing::Device(out + (t * payload) as u64)
+                        } else if ctx.cfg.keep_int8 {
                             let h = ctx.cfg.hidden;
                             Landing::Int8 {
                                 q: &mut batch.qrows[t * h..(t + 1) * h],
@@ -1947,12 +1956,16 @@ impl DispatchReceiver {
                     }
                 }
                 Arrival::Complete(msg, _) => {
+                    // Device rows are in place before the caller is told.
+                    reader.flush_device(ctx)?;
                     let first = batch.recv.sources[msg.index].first_token;
                     on_arrival(batch, first..first + msg.count());
                 }
             }
             Ok(())
         })?;
+        self.reader.flush_device(ctx)?;
+        self.reader.on_device = false;
         self.credit(ctx, epoch)?;
         self.received(epoch);
         batch.recv.received(ctx, epoch);
@@ -1969,6 +1982,8 @@ impl DispatchReceiver {
         messages: &mut Vec<Message>,
         deadline: Instant,
     ) -> Result<u64> {
+        // A view reads rows where they are, on the host.
+        self.reader.on_device = false;
         meta.reset(ctx.id, ctx.cfg.dtype, ctx.cfg.hidden, ctx.cfg.topk);
         meta.recv.begin(ctx.id, ctx.attention());
         let recv = &mut meta.recv;

@@ -517,7 +517,11 @@ pub fn token_reply<T: Element>(
 /// The replies of every token of `batch`, as [`expert_round_tokens`] computes them (`locals`:
 /// the rank's local experts' global ids).
 pub fn token_replies<T: Element>(locals: &[usize], batch: &TokenBatch) -> Vec<T> {
-    let rows: &[T] = batch.rows::<T>().unwrap_or(&[]);
+    token_replies_of(locals, batch, batch.rows::<T>().unwrap_or(&[]))
+}
+
+/// [`token_replies`] of `rows` (the batch's rows where they were read back from elsewhere).
+fn token_replies_of<T: Element>(locals: &[usize], batch: &TokenBatch, rows: &[T]) -> Vec<T> {
     let hidden = batch.recv.hidden;
     let mut out = Vec::with_capacity(rows.len());
     for i in 0..batch.num_tokens() {
@@ -558,9 +562,31 @@ pub fn expert_round_tokens_with<T: Element>(
     buffers: Buffers,
 ) -> Result<std::result::Result<(), String>> {
     let mut arrivals = 0usize;
-    comm.a2e_recv_tokens(batch, &mut |_, _| arrivals += 1)?;
+    // With device buffers: received into device memory, read back for the checks.
+    let dev = match buffers {
+        Buffers::Device => Some(DeviceRows::of(comm)?),
+        _ => None,
+    };
+    let mut device_rows: Option<(DeviceMemory, Vec<T>)> = None;
+    match &dev {
+        Some(dev) => {
+            let len = comm.max_recv_tokens() * comm.config().hidden * T::DTYPE.size();
+            let mut mem = dev.alloc(len)?;
+            let out = lend_mut(&mut mem, len);
+            comm.a2e_recv_tokens_device(batch, out, dev.stream(), &mut |_, _| arrivals += 1)?;
+            if !batch.row_bytes().is_empty() {
+                return Ok(Err("a device receive left rows on the host".into()));
+            }
+            let rows = dev.download(&mem, batch.num_tokens() * comm.config().hidden)?;
+            device_rows = Some((mem, rows));
+        }
+        None => comm.a2e_recv_tokens(batch, &mut |_, _| arrivals += 1)?,
+    }
     let ctx = Expecting::of(comm);
-    let rows: &[T] = batch.rows::<T>()?;
+    let rows: &[T] = match &device_rows {
+        Some((_, rows)) => rows,
+        None => batch.rows::<T>()?,
+    };
     let mut verdict = Ok(());
     let sources = ctx.topo.call_sources(round).len();
     if arrivals != sources {
@@ -572,10 +598,10 @@ pub fn expert_round_tokens_with<T: Element>(
         verdict = check_tokens::<T>(&ctx, wl, round, batch, rows);
     }
     let locals = ctx.topo.local_experts(ctx.rank).to_vec();
-    let reduced: Vec<T> = token_replies(&locals, batch);
-    let buffers = match comm.config().e2a_quant {
-        Quant::Int8 => Buffers::Copy,
-        Quant::None => buffers,
+    let reduced: Vec<T> = token_replies_of(&locals, batch, rows);
+    let buffers = match (comm.config().e2a_quant, buffers) {
+        (Quant::Int8, Buffers::Registered) => Buffers::Copy,
+        (_, buffers) => buffers,
     };
     match buffers {
         Buffers::Copy => comm.e2a_send_tokens(batch, &reduced)?,
@@ -584,9 +610,10 @@ pub fn expert_round_tokens_with<T: Element>(
             comm.e2a_send_output(batch)?;
         }
         Buffers::Device => {
-            return Err(crate::Error::invalid(
-                "token-major replies have no device-buffer call",
-            ))
+            let dev = dev.as_ref().expect("made above");
+            let bytes = std::mem::size_of_val(reduced.as_slice());
+            let mem = dev.upload(&reduced)?;
+            comm.e2a_send_tokens_device(batch, lend(&mem, bytes), dev.stream())?;
         }
     }
     Ok(verdict)
