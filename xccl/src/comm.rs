@@ -585,7 +585,11 @@ impl Communicator {
     /// The bytes of bootstrap rank `rank`'s window the cuda fabric keeps in host memory: its
     /// handshake and records, so reading or writing one is a host copy (no device copy, no
     /// stream wait); the rows past them are device memory.
-    pub(crate) fn cuda_host_prefix(topo: &Topology, cfg: &MoeConfig, rank: usize) -> usize {
+    /// Callers that build the fabric themselves pass it to
+    /// [`crate::fabric::cuda::CudaFabric::with_host_prefix`] (as [`Communicator::init_cuda`]
+    /// does); 0 keeps the records in device memory, correct but a device copy and a stream wait
+    /// per record.
+    pub fn cuda_host_prefix(topo: &Topology, cfg: &MoeConfig, rank: usize) -> usize {
         Self::host_prefixes(topo, cfg)
             .and_then(|p| p.get(rank).copied())
             .unwrap_or(0)
