@@ -423,6 +423,15 @@ impl Args {
                 ));
             }
         }
+        if self.fabric == FabricKind::Cuda
+            && (self.buffers == BufferKind::Registered || self.layout == ExpertLayout::View)
+        {
+            return Err(
+                "--fabric cuda runs the device-buffer calls: --buffers copy and --layout token \
+                 or expert (a registered buffer or a view is host memory)"
+                    .into(),
+            );
+        }
         if self.buffers == BufferKind::Registered && self.layout == ExpertLayout::Expert {
             return Err(
                 "--buffers registered needs --layout token (expert-major rows are reduced \

@@ -187,9 +187,11 @@ fn process_rank(args: &Args, env: launch::RankEnv, policy: WaitPolicy) -> Result
         )
     } else if args.fabric == FabricKind::Cuda {
         let ex = env.exchange.clone();
-        let f = xccl::fabric::cuda::CudaFabric::with_timeout(
+        // Records in host memory, as `Communicator::init_cuda` keeps them.
+        let prefix = Communicator::cuda_host_prefix(&topo, &cfg, env.rank);
+        let f = xccl::fabric::cuda::CudaFabric::with_host_prefix(
             ex,
-            lens[env.rank],
+            (lens[env.rank], prefix),
             slots,
             local_rank,
             args.timeout(),

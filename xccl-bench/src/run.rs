@@ -7,13 +7,15 @@ use std::sync::Arc;
 use xccl::fabric::WaitCounters;
 
 use indicatif::ProgressBar;
+use xccl::cuda::{DeviceMemory, DeviceRegion, Stream};
 use xccl::moe::dtype::slice_from_f32;
 use xccl::testing::harness::{
-    attention_round_with, expert_round, expert_round_tokens_with, expert_round_view, Buffers,
-    Workload,
+    attention_round_with, expert_round, expert_round_device, expert_round_tokens_with,
+    expert_round_view, Buffers, Workload,
 };
 use xccl::testing::reference::RankInput;
 use xccl::{Communicator, Element, ExpertBatch, MoeConfig, Role, Stats, TokenBatch, Topology};
+use xccl::{DeviceSlice, DeviceSliceMut, Routing};
 
 use crate::stats::accumulate;
 
@@ -260,6 +262,69 @@ pub fn block_rounds(warmup: usize, iters: usize, blocks: usize, b: usize) -> Ran
 /// Runs every sweep point on this rank, dispatching on the dtype: the rounds of every point in
 /// [`Args::num_blocks`] blocks, and after block `b` of every point, `between(b)` (the limits'
 /// block `b`), so the two alternate.
+/// The device buffers of a run on `--fabric cuda`: the calls take and return GPU memory, as an
+/// engine's would (its tokens, routing and outputs on the GPU). Allocated once per run on the
+/// communicator's device; the routing of each call is written into them before its barrier
+/// (untimed, as a router on the GPU writes it).
+struct DeviceBufs {
+    stream: Stream,
+    /// Attention: the hidden states (filled once), the outputs, the routing.
+    x: DeviceMemory,
+    out: DeviceMemory,
+    idx: DeviceMemory,
+    weights: DeviceMemory,
+    /// Expert: the rows received (expert-major or token-major), replied as they are.
+    rows: DeviceMemory,
+}
+
+impl DeviceBufs {
+    /// For `comm`'s device, sized for `max_t` tokens of `x` (attention) or the most rows a
+    /// receive may bring (expert).
+    fn new<T: Element>(comm: &Communicator, x: &[T], max_t: usize, k: usize) -> xccl::Result<Self> {
+        let device = comm
+            .cuda_device()
+            .ok_or_else(|| xccl::Error::invalid("device buffers need --fabric cuda"))?
+            .clone();
+        let stream = Stream::new(&device)?;
+        let size = T::DTYPE.size() * comm.config().hidden;
+        let alloc =
+            |len: usize| DeviceMemory::alloc(&device, len.max(1), || "xccl-bench rows".into());
+        let rows = comm.max_expert_rows().max(comm.max_recv_tokens()) * size;
+        let bufs = DeviceBufs {
+            x: alloc(std::mem::size_of_val(x))?,
+            out: alloc(std::mem::size_of_val(x))?,
+            idx: alloc(max_t * k * 4)?,
+            weights: alloc(max_t * k * 4)?,
+            rows: alloc(rows)?,
+            stream,
+        };
+        bufs.write(&bufs.x, bytemuck::cast_slice(x))?;
+        Ok(bufs)
+    }
+
+    /// Writes `bytes` at the start of `mem` (waits for it).
+    fn write(&self, mem: &DeviceMemory, bytes: &[u8]) -> xccl::Result<()> {
+        let deadline = xccl::fabric::deadline_after(std::time::Duration::from_secs(60));
+        self.stream.write(mem, 0, bytes, deadline, usize::MAX, &|| {
+            "xccl-bench routing".into()
+        })
+    }
+}
+
+/// The first `len` bytes of `mem`, lent for reading.
+fn lend(mem: &DeviceMemory, len: usize) -> xccl::Result<DeviceSlice<'_>> {
+    mem.as_slice()
+        .range(0..len)
+        .ok_or_else(|| xccl::Error::invalid("a device buffer of the bench is too short"))
+}
+
+/// The first `len` bytes of `mem`, lent for writing.
+fn lend_mut(mem: &mut DeviceMemory, len: usize) -> xccl::Result<DeviceSliceMut<'_>> {
+    mem.as_slice_mut()
+        .range(0..len)
+        .ok_or_else(|| xccl::Error::invalid("a device buffer of the bench is too short"))
+}
+
 pub fn run_rank(
     comm: &mut Communicator,
     args: &Args,
@@ -292,6 +357,13 @@ fn run_typed<T: Element>(
         Vec::new()
     };
     let mut out = vec![T::from_f32(0.0); x.len()];
+    // `--fabric cuda`: the calls take and return GPU memory.
+    // (`Args::validate` refused a registered buffer or a view there.)
+    let mut dev = match comm.cuda_device() {
+        Some(_) => Some(DeviceBufs::new(comm, &x, max_t, k)?),
+        None => None,
+    };
+    let size = T::DTYPE.size() * hidden;
     // The routing of the next call (attention ranks).
     let (mut topk_idx, mut topk_weights) = (Vec::<i32>::new(), Vec::<f32>::new());
     let points: Vec<(usize, xccl::Quant, usize)> = args
@@ -335,15 +407,65 @@ fn run_typed<T: Element>(
                 if let Some(inp) = &input {
                     topk_idx.clone_from(&inp.topk_idx);
                     topk_weights.clone_from(&inp.topk_weights);
+                    if let Some(dev) = &dev {
+                        dev.write(&dev.idx, bytemuck::cast_slice(&topk_idx))?;
+                        dev.write(&dev.weights, bytemuck::cast_slice(&topk_weights))?;
+                    }
                 }
                 comm.barrier()?;
                 let waits_before = comm.wait_counters();
                 let cost_before = CallCost::now();
                 let this_call = call;
                 call += 1;
-                let w = match comm.role() {
-                    Role::Attention if !topo.in_call(rank, this_call) => SKIPPED,
-                    Role::Attention => {
+                let w = match (comm.role(), dev.as_mut()) {
+                    (Role::Attention, _) if !topo.in_call(rank, this_call) => SKIPPED,
+                    (Role::Attention, Some(dev)) => {
+                        let inp = input.as_ref().expect("an attention rank's input");
+                        let (n, r) = (inp.num_tokens * size, topk_idx.len() * 4);
+                        let t0 = now_ns();
+                        let routing = Routing::Device {
+                            topk_idx: lend(&dev.idx, r)?,
+                            topk_weights: lend(&dev.weights, r)?,
+                        };
+                        let handle =
+                            comm.a2e_send_device(lend(&dev.x, n)?, routing, &dev.stream)?;
+                        let t1 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let rows = handle.total_rows() as u64;
+                        comm.e2a_recv_device(&handle, lend_mut(&mut dev.out, n)?, &dev.stream)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t1, t2, rows]
+                    }
+                    // The expert computation is the identity: the received rows go back.
+                    (Role::Expert, Some(dev)) if args.layout == ExpertLayout::Expert => {
+                        let len = dev.rows.len();
+                        comm.a2e_recv_device(
+                            &mut batch,
+                            lend_mut(&mut dev.rows, len)?,
+                            &dev.stream,
+                        )?;
+                        let t0 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let rows = lend(&dev.rows, batch.num_rows() * size)?;
+                        comm.e2a_send_device(&batch, rows, &dev.stream)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t0, t2, batch.num_tokens() as u64]
+                    }
+                    (Role::Expert, Some(dev)) => {
+                        let (len, tb) = (dev.rows.len(), &mut tokens_batch);
+                        let out = lend_mut(&mut dev.rows, len)?;
+                        comm.a2e_recv_tokens_device(tb, out, &dev.stream, &mut |_, _| {})?;
+                        let t0 = now_ns();
+                        accumulate(&mut phases[0], comm.last_call_stats());
+                        let rows = lend(&dev.rows, tokens_batch.num_tokens() * size)?;
+                        comm.e2a_send_tokens_device(&tokens_batch, rows, &dev.stream)?;
+                        let t2 = now_ns();
+                        accumulate(&mut phases[1], comm.last_call_stats());
+                        [t0, t0, t2, tokens_batch.num_tokens() as u64]
+                    }
+                    (Role::Attention, None) => {
                         let inp = input.as_ref().expect("an attention rank's input");
                         let n = inp.num_tokens * hidden;
                         let registered = args.buffers == BufferKind::Registered;
@@ -367,7 +489,7 @@ fn run_typed<T: Element>(
                         [t0, t1, t2, rows]
                     }
                     // The expert computation is the identity: the received rows go back.
-                    Role::Expert if args.layout == ExpertLayout::Expert => {
+                    (Role::Expert, None) if args.layout == ExpertLayout::Expert => {
                         comm.a2e_recv(&mut batch)?;
                         let t0 = now_ns();
                         accumulate(&mut phases[0], comm.last_call_stats());
@@ -378,7 +500,7 @@ fn run_typed<T: Element>(
                         accumulate(&mut phases[1], comm.last_call_stats());
                         [t0, t1, t2, batch.num_tokens() as u64]
                     }
-                    Role::Expert if args.layout == ExpertLayout::View => {
+                    (Role::Expert, None) if args.layout == ExpertLayout::View => {
                         let mode = comm.config().mode;
                         let mut view = comm.a2e_recv_view()?;
                         let t0 = now_ns();
@@ -391,7 +513,7 @@ fn run_typed<T: Element>(
                         accumulate(&mut phases[1], comm.last_call_stats());
                         [t0, t0, t2, n]
                     }
-                    Role::Expert if args.buffers == BufferKind::Registered => {
+                    (Role::Expert, None) if args.buffers == BufferKind::Registered => {
                         comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                         let t0 = now_ns();
                         accumulate(&mut phases[0], comm.last_call_stats());
@@ -405,7 +527,7 @@ fn run_typed<T: Element>(
                         accumulate(&mut phases[1], comm.last_call_stats());
                         [t0, t0, t2, tokens_batch.num_tokens() as u64]
                     }
-                    Role::Expert => {
+                    (Role::Expert, None) => {
                         comm.a2e_recv_tokens(&mut tokens_batch, &mut |_, _| {})?;
                         let t0 = now_ns();
                         accumulate(&mut phases[0], comm.last_call_stats());
@@ -436,9 +558,10 @@ fn run_typed<T: Element>(
     report.waits = waits;
     report.costs = costs;
     // `--check`: every point's rounds again, each result against the reference.
-    let buffers = match args.buffers {
-        BufferKind::Copy => Buffers::Copy,
-        BufferKind::Registered => Buffers::Registered,
+    let buffers = match (args.buffers, &dev) {
+        (_, Some(_)) => Buffers::Device,
+        (BufferKind::Copy, None) => Buffers::Copy,
+        (BufferKind::Registered, None) => Buffers::Registered,
     };
     for &(s, quant, tokens) in points.iter().filter(|_| args.check) {
         comm.set_a2e_quant(quant);
@@ -451,6 +574,9 @@ fn run_typed<T: Element>(
             let verdict = match comm.role() {
                 Role::Attention if !topo.in_call(rank, this_call) => Ok(()),
                 Role::Attention => attention_round_with::<T>(comm, &wl, r, buffers)?,
+                Role::Expert if args.layout == ExpertLayout::Expert && dev.is_some() => {
+                    expert_round_device::<T>(comm, &wl, r, &mut batch, true)?
+                }
                 Role::Expert if args.layout == ExpertLayout::Expert => {
                     expert_round::<T>(comm, &wl, r, &mut batch, true)?
                 }

@@ -575,6 +575,41 @@ fn fabric_cuda_runs_checked_against_the_standin_and_names_the_driver_without_one
 }
 
 #[test]
+fn fabric_cuda_runs_the_device_buffer_calls_expert_major_checked_and_refuses_host_buffers() {
+    let dir = tmp("cuda-standin-expert");
+    let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let prefix = format!("xccl-cu-expert{}", std::process::id());
+    let json = tmp("cuda-expert.json");
+    let run = |extra: &[&str]| {
+        let mut cmd = bench();
+        cmd.args(["-a", "2", "-e", "2", "--num-experts", "8", "-k", "3"])
+            .args([
+                "--hidden", "64", "-t", "1,16", "--iters", "5", "--warmup", "1",
+            ])
+            .args(["--timeout", "60", "--fabric", "cuda", "--json"])
+            .arg(&json)
+            .args(extra)
+            .env_remove("CUDA_STANDIN_FAIL")
+            .env("XCCL_CUDA_LIBRARY", &lib)
+            .env("CUDA_STANDIN_SHM_PREFIX", &prefix);
+        cmd
+    };
+    stdout_of(&mut run(&["--layout", "expert", "--check"]));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("json written")).expect("valid json");
+    assert_eq!(v["check"], "passed", "{v}");
+    // A view or a registered buffer is host memory: refused before any rank starts.
+    for extra in [&["--layout", "view"][..], &["--buffers", "registered"][..]] {
+        let out = run(extra).output().expect("runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} accepted");
+        assert!(err.contains("device-buffer calls"), "{extra:?}: {err}");
+    }
+    std::fs::remove_file(&json).ok();
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn fabric_cuda_limit_is_the_device_to_device_copy_of_the_same_bytes_in_table_and_json() {
     let dir = tmp("cuda-standin-limit");
     let lib = xccl::testing::build_cuda_standin(&dir).unwrap_or_else(|e| panic!("{e}"));
