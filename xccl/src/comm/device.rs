@@ -53,8 +53,9 @@ pub enum Routing<'a> {
         /// `[T, topk]` gating weights.
         topk_weights: &'a [f32],
     },
-    /// In device memory of the communicator's device: read by the host once per call (one
-    /// device-to-host copy of each, on the call's stream, after the caller's queued work).
+    /// In device memory of the communicator's device: read by the host once per call (a
+    /// device-to-host copy of each, one wait for both, on the call's stream after the caller's
+    /// queued work): the host plans the call with them.
     Device {
         /// `[T, topk]` expert ids (`i32`).
         topk_idx: DeviceSlice<'a>,
