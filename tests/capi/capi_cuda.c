@@ -27,7 +27,8 @@
  *                            anything was sent (cuEventRecord failing through the stand-in's
  *                            CUDA_STANDIN_FAIL; stand-in only) xcclSystemError naming it, the
  *                            call then retried. XCCL_TEST_QUANT=int8: INT8 on the wire both ways
- *                            (config a2eQuant and e2aQuant).
+ *                            (config a2eQuant and e2aQuant). XCCL_TEST_DTYPE=bf16: rows of
+                            bfloat16 (config.dtype), the test's own values rounded to it.
  *   --mode shm --devices N   a communicator on the shm fabric: every device call is
  *                            xcclInvalidArgument naming the cuda fabric (device memory on a host
  *                            communicator), xcclCommCuDevice says -1; then a host round.
@@ -73,6 +74,42 @@ static int g_standin;
 /* INT8 on the wire both ways (XCCL_TEST_QUANT=int8): the combined rows are further from the
  * f32 estimate, still the host calls' bits. */
 static int g_int8;
+/* Rows of bfloat16 (XCCL_TEST_DTYPE=bf16), else float32; g_esz is the element size. */
+static int g_bf16;
+static size_t g_esz = sizeof(float);
+
+/* Element i of `rows` (config.dtype) as a float. */
+static float get(const void* rows, size_t i) {
+  float v;
+  if (g_bf16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)rows)[i] << 16;
+    memcpy(&v, &bits, sizeof v);
+  } else {
+    memcpy(&v, (const char*)rows + i * sizeof v, sizeof v);
+  }
+  return v;
+}
+
+/* Writes `v` (rounded to nearest even in bf16; no NaNs here) as element i of `rows`. */
+static void set(void* rows, size_t i, float v) {
+  if (g_bf16) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    ((uint16_t*)rows)[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  } else {
+    memcpy((char*)rows + i * sizeof v, &v, sizeof v);
+  }
+}
+
+/* The `n` elements at `got` equal those at `want` bit for bit, or FAIL naming the first. */
+static void same_bits(const void* got, const void* want, size_t n, int pair, const char* what) {
+  size_t i;
+  if (n == 0 || memcmp(got, want, n * g_esz) == 0) return;
+  for (i = 0; i < n; i++)
+    if (memcmp((const char*)got + i * g_esz, (const char*)want + i * g_esz, g_esz) != 0)
+      FAIL("pair %d: %s[%zu][%zu] = %.9g, the host call's %.9g", pair, what, i / HIDDEN, i % HIDDEN,
+           (double)get(got, i), (double)get(want, i));
+}
 
 static void sym(void* lib, const char* name, void* fn_ptr) {
   void* p = dlsym(lib, name);
@@ -129,11 +166,17 @@ static void d2h(void* h, const void* d, size_t n) {
 
 /* ---- the workload: values that are not exact in f32, so the sums round ---- */
 
-static void inputs(int rank, int pair, int T, float* x, int* idx, float* w) {
+/* Attention rank `rank`'s inputs of pair `pair`: `x` as floats and `xd` in config.dtype (x then
+ * holds the values xd rounded them to). */
+static void inputs(int rank, int pair, int T, float* x, void* xd, int* idx, float* w) {
   int t, h;
   make_inputs(rank, pair, T, x, idx, w);
   for (t = 0; t < T; t++) {
-    for (h = 0; h < HIDDEN; h++) x[t * HIDDEN + h] = x[t * HIDDEN + h] * 0.1f + 0.013f * (float)h;
+    for (h = 0; h < HIDDEN; h++) {
+      int i = t * HIDDEN + h;
+      set(xd, i, x[i] * 0.1f + 0.013f * (float)h);
+      x[i] = get(xd, i);
+    }
     w[t * TOPK] = 0.3f + 0.011f * (float)t;
     w[t * TOPK + 1] = 0.7f - 0.017f * (float)t;
   }
@@ -191,7 +234,7 @@ static float approx(int t, int h, const float* x, const int* idx, const float* w
 /* Every refused pointer of the attention side's device calls (nothing is sent). */
 static void attention_refusals(xcclComm_t comm, int T, void* dx, void* didx, void* dw, int ndev,
                                const float* x, const int* idx, const float* w) {
-  size_t row = HIDDEN * sizeof(float);
+  size_t row = HIDDEN * g_esz;
   xcclA2EHandle_t h = NULL;
   void* shortx = dalloc(T * row - 4);
   void* other = ndev > 1 ? dalloc_on(1, T * row) : NULL;
@@ -227,7 +270,7 @@ static void attention_refusals(xcclComm_t comm, int T, void* dx, void* didx, voi
 }
 
 static void attention(xcclComm_t comm, int rank, int ndev) {
-  size_t row = HIDDEN * sizeof(float);
+  size_t row = HIDDEN * g_esz;
   void* dx = dalloc(MAX_TOKENS * row);
   void* dout = dalloc(MAX_TOKENS * row);
   void* didx = dalloc(MAX_TOKENS * TOPK * sizeof(int));
@@ -243,21 +286,21 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
   stream = (xcclCudaStream_t)raw;
   for (pair = 0; pair < PAIRS; pair++) {
     int T = tokens_of(rank, pair), t, h;
-    float x[MAX_TOKENS * HIDDEN], w[MAX_TOKENS * TOPK];
+    float x[MAX_TOKENS * HIDDEN], xd[MAX_TOKENS * HIDDEN], w[MAX_TOKENS * TOPK];
     float host_out[MAX_TOKENS * HIDDEN], dev_out[MAX_TOKENS * HIDDEN];
     int idx[MAX_TOKENS * TOPK];
     int routing_on_device = pair % 2 == 0;
     xcclCudaStream_t s = (pair / 2) % 2 == 0 ? stream : NULL;
     xcclA2EHandle_t h1 = NULL, h2 = NULL;
-    inputs(rank, pair, T, x, idx, w);
+    inputs(rank, pair, T, x, xd, idx, w);
     /* Host calls. */
-    CHECK(xcclA2ESend(comm, x, T, idx, w, &h1));
+    CHECK(xcclA2ESend(comm, xd, T, idx, w, &h1));
     CHECK(xcclE2ARecv(comm, h1, host_out));
     /* Device calls on the same inputs. */
-    h2d(dx, x, T * row);
+    h2d(dx, xd, T * row);
     h2d(didx, idx, T * TOPK * sizeof(int));
     h2d(dw, w, T * TOPK * sizeof(float));
-    if (pair == 0) attention_refusals(comm, T, dx, didx, dw, ndev, x, idx, w);
+    if (pair == 0) attention_refusals(comm, T, dx, didx, dw, ndev, xd, idx, w);
     if (pair == 1) driver_error_is_retryable(xcclA2ESendDevice(comm, dx, T, idx, w, xcclMemoryHost, s, &h2));
     if (routing_on_device)
       CHECK(xcclA2ESendDevice(comm, dx, T, didx, dw, xcclMemoryDevice, s, &h2));
@@ -281,17 +324,12 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
       CHECK(xcclE2ARecvDevice(comm, h2, dout, s));
       d2h(dev_out, dout, T * row);
     }
-    if (T > 0 && memcmp(dev_out, host_out, T * row) != 0) {
-      for (t = 0; t < T * HIDDEN; t++)
-        if (memcmp(&dev_out[t], &host_out[t], sizeof(float)) != 0)
-          FAIL("pair %d: device out[%d][%d] = %.9g, the host call's %.9g", pair, t / HIDDEN,
-               t % HIDDEN, (double)dev_out[t], (double)host_out[t]);
-    }
+    same_bits(dev_out, host_out, (size_t)T * HIDDEN, pair, "device out");
     for (t = 0; t < T; t++)
       for (h = 0; h < HIDDEN; h++) {
-        float want = approx(t, h, x, idx, w), got = host_out[t * HIDDEN + h];
-        float d = got - want;
-        float tol = g_int8 ? 0.06f + 0.02f * (want < 0 ? -want : want) : 1e-4f;
+        float want = approx(t, h, x, idx, w), got = get(host_out, (size_t)(t * HIDDEN + h));
+        float d = got - want, mag = want < 0 ? -want : want;
+        float tol = g_int8 ? 0.06f + 0.02f * mag : g_bf16 ? 0.01f + 0.02f * mag : 1e-4f;
         if (d < -tol || d > tol)
           FAIL("pair %d: out[%d][%d] = %.9g, about %.9g expected", pair, t, h, (double)got, (double)want);
       }
@@ -305,13 +343,12 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
 
 /* ---- expert rank ---- */
 
-/* The expert outputs of the batch's rows `rows` into `y` (host memory). */
-static void compute(const xcclExpertBatchInfo_t* info, const float* rows, const int* experts, float* y) {
-  size_t j, r;
-  int h;
+/* The expert outputs of the batch's rows `rows` into `y` (host memory, config.dtype). */
+static void compute(const xcclExpertBatchInfo_t* info, const void* rows, const int* experts, void* y) {
+  size_t j, r, h;
   for (j = 0; j < info->numLocalExperts; j++)
     for (r = info->expertOffsets[j]; r < info->expertOffsets[j + 1]; r++)
-      for (h = 0; h < HIDDEN; h++) y[r * HIDDEN + h] = expert_out(experts[j], rows[r * HIDDEN + h]);
+      for (h = 0; h < HIDDEN; h++) set(y, r * HIDDEN + h, expert_out(experts[j], get(rows, r * HIDDEN + h)));
 }
 
 #define MAX_ROWS (4 * MAX_TOKENS * TOPK)
@@ -347,31 +384,31 @@ static size_t kept_token(const KeptTokens* k, uint32_t srcRank, uint32_t srcToke
 
 /* Token i of `info` (rows `rows`, host memory) equals its kept twin bit for bit. */
 static void same_token(const KeptTokens* k, const xcclTokenBatchInfo_t* info, size_t i,
-                       const float* rows, int pair, const char* what) {
+                       const void* rows, int pair, const char* what) {
   size_t j = kept_token(k, info->srcRank[i], info->srcToken[i], what);
   size_t n = info->expertCount[i];
   if (n != k->expertCount[j] ||
       memcmp(&info->localExperts[i * TOPK], &k->localExperts[j * TOPK], n * sizeof(uint32_t)) != 0 ||
       memcmp(&info->weights[i * TOPK], &k->weights[j * TOPK], n * sizeof(float)) != 0)
     FAIL("pair %d: %s: token %zu's experts or weights differ from the host batch's", pair, what, i);
-  if (memcmp(rows, &k->rows[j * HIDDEN], HIDDEN * sizeof(float)) != 0)
+  if (memcmp(rows, (const char*)k->rows + j * HIDDEN * g_esz, HIDDEN * g_esz) != 0)
     FAIL("pair %d: %s: token %zu's row (rank %u token %u) differs from the host batch's", pair,
          what, i, info->srcRank[i], info->srcToken[i]);
 }
 
-/* Each token's reply: its local experts' outputs summed with its gating weights, into `y`. */
-static void reduce_tokens(const xcclTokenBatchInfo_t* info, const float* rows, const int* experts, float* y) {
-  size_t t, k;
-  int h;
+/* Each token's reply: its local experts' outputs summed with its gating weights, into `y`
+ * (config.dtype; `rows` too). */
+static void reduce_tokens(const xcclTokenBatchInfo_t* info, const void* rows, const int* experts, void* y) {
+  size_t t, k, h;
   for (t = 0; t < info->numTokens; t++)
     for (h = 0; h < HIDDEN; h++) {
       float acc = 0.0f;
       for (k = 0; k < info->expertCount[t]; k++) {
         float p = info->weights[t * TOPK + k] *
-                  expert_out(experts[info->localExperts[t * TOPK + k]], rows[t * HIDDEN + h]);
+                  expert_out(experts[info->localExperts[t * TOPK + k]], get(rows, t * HIDDEN + h));
         acc += p;
       }
-      y[t * HIDDEN + h] = acc;
+      set(y, t * HIDDEN + h, acc);
     }
 }
 
@@ -392,14 +429,14 @@ static void on_arrival(void* user, const xcclTokenBatchInfo_t* arrived, size_t f
   if (arrived->rows != NULL) FAIL("pair %d: a device receive's arrival info.rows is not NULL", a->pair);
   for (i = first; i < first + n; i++) {
     if (i >= 4 * MAX_TOKENS || a->seen[i]++ != 0) FAIL("pair %d: token %zu arrived twice", a->pair, i);
-    d2h(row, (const char*)a->dout + i * sizeof row, sizeof row);
+    d2h(row, (const char*)a->dout + i * HIDDEN * g_esz, HIDDEN * g_esz);
     same_token(a->kept, arrived, i, row, a->pair, "arrival callback");
   }
 }
 
 /* Every refused argument of the token-major device receive (nothing is consumed). */
 static void token_recv_refusals(xcclComm_t comm, void* dtok, size_t tokBytes, int ndev, xcclCudaStream_t s) {
-  size_t row = HIDDEN * sizeof(float);
+  size_t row = HIDDEN * g_esz;
   float hostbuf[HIDDEN];
   xcclTokenBatch_t b = NULL;
   void* other = ndev > 1 ? dalloc_on(1, tokBytes) : NULL;
@@ -424,7 +461,7 @@ static void token_recv_refusals(xcclComm_t comm, void* dtok, size_t tokBytes, in
  * inputs; `dtok` and `dred` hold tokBytes each. */
 static void expert_tokens(xcclComm_t comm, int pair, int ndev, const int* experts, void* dtok,
                           size_t tokBytes, void* dred, xcclCudaStream_t s) {
-  size_t row = HIDDEN * sizeof(float), i;
+  size_t row = HIDDEN * g_esz, i;
   static KeptTokens kept;
   static float rows[4 * MAX_TOKENS * HIDDEN], y[4 * MAX_TOKENS * HIDDEN];
   static Arrivals arr;
@@ -481,7 +518,7 @@ static void expert_tokens(xcclComm_t comm, int pair, int ndev, const int* expert
       if (arr.seen[i] != 1) FAIL("pair %d: token %zu was in no arrival callback", pair, i);
   }
   d2h(rows, dtok, info.numTokens * row);
-  for (i = 0; i < info.numTokens; i++) same_token(&kept, &info, i, &rows[i * HIDDEN], pair, "device batch");
+  for (i = 0; i < info.numTokens; i++) same_token(&kept, &info, i, (const char*)rows + i * row, pair, "device batch");
   reduce_tokens(&info, rows, experts, y);
   h2d(dred, y, info.numTokens * row);
   if (pair == TOKEN_PAIR && info.numTokens > 0)
@@ -493,7 +530,7 @@ static void expert_tokens(xcclComm_t comm, int pair, int ndev, const int* expert
 }
 
 static void expert(xcclComm_t comm, int ndev, int nranks) {
-  size_t row = HIDDEN * sizeof(float), maxRows = 0, outBytes = 0, maxTokens = 0, tokBytes = 0, j;
+  size_t row = HIDDEN * g_esz, maxRows = 0, outBytes = 0, maxTokens = 0, tokBytes = 0;
   int experts[NUM_EXPERTS], nlocal = 0, pair;
   void* dout;
   void* dy;
@@ -572,10 +609,7 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
         memcmp(info.weights, kept.weights, info.numRows * sizeof(float)) != 0)
       FAIL("pair %d: the device batch's metadata differs from the host batch's", pair);
     d2h(rows, dout, info.numRows * row);
-    for (j = 0; j < info.numRows * HIDDEN; j++)
-      if (memcmp(&rows[j], &kept.rows[j], sizeof(float)) != 0)
-        FAIL("pair %d: device row %zu[%zu] = %.9g, the host batch's %.9g", pair, j / HIDDEN,
-             j % HIDDEN, (double)rows[j], (double)kept.rows[j]);
+    same_bits(rows, kept.rows, info.numRows * HIDDEN, pair, "device row");
     compute(&info, rows, experts, y);
     h2d(dy, y, info.numRows * row);
     if (pair == 0 && info.numRows > 0)
@@ -659,6 +693,11 @@ int main(int argc, char** argv) {
   cfg = test_config(a.nranks);
   g_standin = getenv("CUDA_STANDIN_DEVICES") != NULL;
   g_int8 = getenv("XCCL_TEST_QUANT") != NULL && strcmp(getenv("XCCL_TEST_QUANT"), "int8") == 0;
+  g_bf16 = getenv("XCCL_TEST_DTYPE") != NULL && strcmp(getenv("XCCL_TEST_DTYPE"), "bf16") == 0;
+  if (g_bf16) {
+    cfg.dtype = xcclBfloat16;
+    g_esz = 2;
+  }
   if (g_int8) {
     cfg.a2eQuant = xcclQuantInt8;
     cfg.e2aQuant = xcclQuantInt8;

@@ -831,6 +831,10 @@ fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit()
     run_cuda_program("cuda", 4, 2, standin);
     // 1A:2E with INT8 on the wire both ways.
     run_cuda_program_env("cuda", 3, 2, standin, &[("XCCL_TEST_QUANT", "int8")]);
+    // Rows of bfloat16: 2A:2E, and 1A:2E with INT8 on the wire.
+    let bf16 = ("XCCL_TEST_DTYPE", "bf16");
+    run_cuda_program_env("cuda", 4, 2, standin, &[bf16]);
+    run_cuda_program_env("cuda", 3, 2, standin, &[bf16, ("XCCL_TEST_QUANT", "int8")]);
 }
 
 #[test]
