@@ -908,6 +908,32 @@ xcclResult_t xcclA2ERecvDevice(xcclComm_t comm, xcclExpertBatch_t* batch, void* 
 xcclResult_t xcclE2ASendDevice(xcclComm_t comm, xcclExpertBatch_t batch, const void* expertOut,
                                xcclCudaStream_t stream);
 
+/** A2E receive into device memory, token-major: as xcclA2ERecvTokens, with the batch's rows
+ *  written into `out` (device memory of `outBytes` bytes, at least the `outBytes` of
+ *  xcclCommDeviceRecvTokensSize): row i of `out` is the batch's token i (numTokens rows); the
+ *  rest of `out` is left alone. Ordered after the work queued on `stream` (e.g. the experts'
+ *  last read of `out`); the rows are in place when it returns. The batch (`*batch`) carries
+ *  everything else (xcclTokenBatchGetInfo: sources, expertCount, localExperts, weights, tags;
+ *  its `rows` is NULL) and is replied to with xcclE2ASendTokensDevice (or xcclE2ASendTokens).
+ *  `onArrival`, when not NULL, is called as in xcclA2ERecvTokensWithCallback, each time one
+ *  attention rank's rows are in place in `out` (rows firstToken..firstToken+numTokens-1; the
+ *  info's `rows` is NULL): queue the experts' kernels on those rows there to overlap them with
+ *  the rest of the receive; NULL: no callback. Not with config.keepInt8 (xcclInvalidArgument).
+ *  Errors: as xcclA2ERecv, and xcclInvalidArgument for `outBytes` below the needed size and
+ *  the device-buffer rules' (see above). */
+xcclResult_t xcclA2ERecvTokensDevice(xcclComm_t comm, xcclTokenBatch_t* batch, void* out,
+                                     size_t outBytes, xcclCudaStream_t stream,
+                                     xcclArrivalFn onArrival, void* userData);
+
+/** E2A send, token-major, from device memory: as xcclE2ASendTokens, with `reduced`
+ *  ([numTokens, hidden] of config.dtype, row i the reply of the batch's token i, already the
+ *  gating-weighted sum over its local experts) in device memory, ordered after the work
+ *  queued on `stream` (the kernels that wrote it); `reduced` may be reused once it returns.
+ *  On success `batch` is freed; on a retryable failure (a refused `reduced` among them) it
+ *  stays valid. Errors: as xcclE2ASendTokens, and the device-buffer rules' (see above). */
+xcclResult_t xcclE2ASendTokensDevice(xcclComm_t comm, xcclTokenBatch_t batch, const void* reduced,
+                                     xcclCudaStream_t stream);
+
 /** Writes the CUDA device ordinal of a communicator on the cuda fabric to `*device` (the
  *  device whose memory and streams the device-buffer calls take), -1 on other fabrics (as
  *  ncclCommCuDevice, plus the -1). A query. Errors: xcclInvalidArgument (NULL),
@@ -920,6 +946,14 @@ xcclResult_t xcclCommCuDevice(xcclComm_t comm, int* device);
  *  once with outBytes and reuse it for every receive. A query (any fabric). Errors:
  *  xcclInvalidArgument (NULL), xcclInvalidUsage (destroyed), xcclAborted. */
 xcclResult_t xcclCommDeviceRecvSize(xcclComm_t comm, size_t* maxExpertRows, size_t* outBytes);
+
+/** Sizes of xcclA2ERecvTokensDevice's `out` on this rank: `*maxRecvTokens` = the most tokens a
+ *  token-major batch can have (numAttentionRanks * maxTokensPerRank; 0 on attention ranks),
+ *  `*outBytes` = maxRecvTokens * rowBytes. Allocate `out` once with outBytes and reuse it for
+ *  every receive. A query (any fabric). Errors: xcclInvalidArgument (NULL), xcclInvalidUsage
+ *  (destroyed), xcclAborted. */
+xcclResult_t xcclCommDeviceRecvTokensSize(xcclComm_t comm, size_t* maxRecvTokens,
+                                          size_t* outBytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,6 +1,6 @@
 /* C11 test of the device-buffer calls of the C ABI (xcclA2ESendDevice, xcclE2ARecvDevice,
- * xcclA2ERecvDevice, xcclE2ASendDevice) on the cuda fabric, built and run as real processes by
- * tests/tests/capi.rs.
+ * xcclA2ERecvDevice, xcclE2ASendDevice, xcclA2ERecvTokensDevice, xcclE2ASendTokensDevice) on
+ * the cuda fabric, built and run as real processes by tests/tests/capi.rs.
  *
  * Device memory comes from the CUDA driver this program dlopens itself: XCCL_CUDA_LIBRARY (the
  * stand-in driver of tests/cuda_standin/ in CI, whose device memory is host shared memory; the
@@ -13,7 +13,13 @@
  *                            cuStreamCreate); the device results (the expert's received rows and
  *                            metadata, the attention rank's combined rows) must equal the host
  *                            results bit for bit (pair MIXED_PAIR answers the device calls with
- *                            host calls). Before the first device round every refused
+ *                            host calls). The expert ranks receive expert-major in pairs
+ *                            0..TOKEN_PAIR-1 and token-major from TOKEN_PAIR on (tokens
+ *                            compared by their source rank and index, as the batch's order is
+ *                            the arrival order; every arrival callback's rows read from `out`
+ *                            while the receive goes on; MIXED_TOKEN_PAIR answers the device
+ *                            receive with the host send and the host receive with the device
+ *                            send). Before the first device round (of each kind) every refused
  *                            pointer (NULL, host memory, too short, another device's memory, the
  *                            routing in the other memory, device memory to a host call) must be
  *                            xcclInvalidArgument naming the argument, with nothing sent (the
@@ -21,7 +27,8 @@
  *                            anything was sent (cuEventRecord failing through the stand-in's
  *                            CUDA_STANDIN_FAIL; stand-in only) xcclSystemError naming it, the
  *                            call then retried. XCCL_TEST_QUANT=int8: INT8 on the wire both ways
- *                            (config a2eQuant and e2aQuant).
+ *                            (config a2eQuant and e2aQuant). XCCL_TEST_DTYPE=bf16: rows of
+                            bfloat16 (config.dtype), the test's own values rounded to it.
  *   --mode shm --devices N   a communicator on the shm fabric: every device call is
  *                            xcclInvalidArgument naming the cuda fabric (device memory on a host
  *                            communicator), xcclCommCuDevice says -1; then a host round.
@@ -34,10 +41,15 @@
 
 #include "common.h"
 
-#define PAIRS 6
+#define PAIRS 12
 /* The pair whose device calls are answered by host calls (xcclE2ARecv of a device send's
  * handle, xcclE2ASend of a device receive's batch). */
 #define MIXED_PAIR 3
+/* The first pair the expert ranks receive token-major. */
+#define TOKEN_PAIR 6
+/* The token-major pair whose device receive is answered by xcclE2ASendTokens and host receive
+ * by xcclE2ASendTokensDevice. */
+#define MIXED_TOKEN_PAIR 9
 
 /* ---- the driver, dlopened ---- */
 
@@ -62,6 +74,42 @@ static int g_standin;
 /* INT8 on the wire both ways (XCCL_TEST_QUANT=int8): the combined rows are further from the
  * f32 estimate, still the host calls' bits. */
 static int g_int8;
+/* Rows of bfloat16 (XCCL_TEST_DTYPE=bf16), else float32; g_esz is the element size. */
+static int g_bf16;
+static size_t g_esz = sizeof(float);
+
+/* Element i of `rows` (config.dtype) as a float. */
+static float get(const void* rows, size_t i) {
+  float v;
+  if (g_bf16) {
+    uint32_t bits = (uint32_t)((const uint16_t*)rows)[i] << 16;
+    memcpy(&v, &bits, sizeof v);
+  } else {
+    memcpy(&v, (const char*)rows + i * sizeof v, sizeof v);
+  }
+  return v;
+}
+
+/* Writes `v` (rounded to nearest even in bf16; no NaNs here) as element i of `rows`. */
+static void set(void* rows, size_t i, float v) {
+  if (g_bf16) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    ((uint16_t*)rows)[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  } else {
+    memcpy((char*)rows + i * sizeof v, &v, sizeof v);
+  }
+}
+
+/* The `n` elements at `got` equal those at `want` bit for bit, or FAIL naming the first. */
+static void same_bits(const void* got, const void* want, size_t n, int pair, const char* what) {
+  size_t i;
+  if (n == 0 || memcmp(got, want, n * g_esz) == 0) return;
+  for (i = 0; i < n; i++)
+    if (memcmp((const char*)got + i * g_esz, (const char*)want + i * g_esz, g_esz) != 0)
+      FAIL("pair %d: %s[%zu][%zu] = %.9g, the host call's %.9g", pair, what, i / HIDDEN, i % HIDDEN,
+           (double)get(got, i), (double)get(want, i));
+}
 
 static void sym(void* lib, const char* name, void* fn_ptr) {
   void* p = dlsym(lib, name);
@@ -118,11 +166,17 @@ static void d2h(void* h, const void* d, size_t n) {
 
 /* ---- the workload: values that are not exact in f32, so the sums round ---- */
 
-static void inputs(int rank, int pair, int T, float* x, int* idx, float* w) {
+/* Attention rank `rank`'s inputs of pair `pair`: `x` as floats and `xd` in config.dtype (x then
+ * holds the values xd rounded them to). */
+static void inputs(int rank, int pair, int T, float* x, void* xd, int* idx, float* w) {
   int t, h;
   make_inputs(rank, pair, T, x, idx, w);
   for (t = 0; t < T; t++) {
-    for (h = 0; h < HIDDEN; h++) x[t * HIDDEN + h] = x[t * HIDDEN + h] * 0.1f + 0.013f * (float)h;
+    for (h = 0; h < HIDDEN; h++) {
+      int i = t * HIDDEN + h;
+      set(xd, i, x[i] * 0.1f + 0.013f * (float)h);
+      x[i] = get(xd, i);
+    }
     w[t * TOPK] = 0.3f + 0.011f * (float)t;
     w[t * TOPK + 1] = 0.7f - 0.017f * (float)t;
   }
@@ -162,12 +216,25 @@ static float approx(int t, int h, const float* x, const int* idx, const float* w
       FAIL("%s: the message does not name cuEventRecord: %s", #call, xcclGetLastError(NULL)); \
   } while (0)
 
+/* Every refused input of the E2A device send `dev` (`dev(comm, b, input, s)`, the input named
+ * `name`, `bytes` bytes) and of its host twin `host` given the device buffer `d`; `hostbuf` is
+ * host memory. The batch `b` stays valid. */
+#define send_refusals(dev, host, name, b, hostbuf, d, bytes, s)                              \
+  do {                                                                                      \
+    void* short_ = dalloc((bytes) - 2);                                                     \
+    EXPECT_INVALID(dev(comm, b, NULL, s), name " is NULL", #dev);                           \
+    EXPECT_INVALID(dev(comm, b, hostbuf, s), name ": ", "not device memory");               \
+    EXPECT_INVALID(dev(comm, b, short_, s), name ": ", "past the end");                     \
+    EXPECT_INVALID(host(comm, b, d), name " (", "is device memory");                        \
+    dfree(short_);                                                                          \
+  } while (0)
+
 /* ---- attention rank ---- */
 
 /* Every refused pointer of the attention side's device calls (nothing is sent). */
 static void attention_refusals(xcclComm_t comm, int T, void* dx, void* didx, void* dw, int ndev,
                                const float* x, const int* idx, const float* w) {
-  size_t row = HIDDEN * sizeof(float);
+  size_t row = HIDDEN * g_esz;
   xcclA2EHandle_t h = NULL;
   void* shortx = dalloc(T * row - 4);
   void* other = ndev > 1 ? dalloc_on(1, T * row) : NULL;
@@ -203,7 +270,7 @@ static void attention_refusals(xcclComm_t comm, int T, void* dx, void* didx, voi
 }
 
 static void attention(xcclComm_t comm, int rank, int ndev) {
-  size_t row = HIDDEN * sizeof(float);
+  size_t row = HIDDEN * g_esz;
   void* dx = dalloc(MAX_TOKENS * row);
   void* dout = dalloc(MAX_TOKENS * row);
   void* didx = dalloc(MAX_TOKENS * TOPK * sizeof(int));
@@ -211,25 +278,29 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
   void* raw = NULL;
   xcclCudaStream_t stream;
   int pair;
+  size_t maxTokens = 1, tokBytes = 1;
+  CHECK(xcclCommDeviceRecvTokensSize(comm, &maxTokens, &tokBytes));
+  if (maxTokens != 0 || tokBytes != 0)
+    FAIL("xcclCommDeviceRecvTokensSize on an attention rank: %zu tokens, %zu bytes", maxTokens, tokBytes);
   CU(cu.stream_create(&raw, 1 /* CU_STREAM_NON_BLOCKING */));
   stream = (xcclCudaStream_t)raw;
   for (pair = 0; pair < PAIRS; pair++) {
     int T = tokens_of(rank, pair), t, h;
-    float x[MAX_TOKENS * HIDDEN], w[MAX_TOKENS * TOPK];
+    float x[MAX_TOKENS * HIDDEN], xd[MAX_TOKENS * HIDDEN], w[MAX_TOKENS * TOPK];
     float host_out[MAX_TOKENS * HIDDEN], dev_out[MAX_TOKENS * HIDDEN];
     int idx[MAX_TOKENS * TOPK];
     int routing_on_device = pair % 2 == 0;
     xcclCudaStream_t s = (pair / 2) % 2 == 0 ? stream : NULL;
     xcclA2EHandle_t h1 = NULL, h2 = NULL;
-    inputs(rank, pair, T, x, idx, w);
+    inputs(rank, pair, T, x, xd, idx, w);
     /* Host calls. */
-    CHECK(xcclA2ESend(comm, x, T, idx, w, &h1));
+    CHECK(xcclA2ESend(comm, xd, T, idx, w, &h1));
     CHECK(xcclE2ARecv(comm, h1, host_out));
     /* Device calls on the same inputs. */
-    h2d(dx, x, T * row);
+    h2d(dx, xd, T * row);
     h2d(didx, idx, T * TOPK * sizeof(int));
     h2d(dw, w, T * TOPK * sizeof(float));
-    if (pair == 0) attention_refusals(comm, T, dx, didx, dw, ndev, x, idx, w);
+    if (pair == 0) attention_refusals(comm, T, dx, didx, dw, ndev, xd, idx, w);
     if (pair == 1) driver_error_is_retryable(xcclA2ESendDevice(comm, dx, T, idx, w, xcclMemoryHost, s, &h2));
     if (routing_on_device)
       CHECK(xcclA2ESendDevice(comm, dx, T, didx, dw, xcclMemoryDevice, s, &h2));
@@ -253,17 +324,12 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
       CHECK(xcclE2ARecvDevice(comm, h2, dout, s));
       d2h(dev_out, dout, T * row);
     }
-    if (T > 0 && memcmp(dev_out, host_out, T * row) != 0) {
-      for (t = 0; t < T * HIDDEN; t++)
-        if (memcmp(&dev_out[t], &host_out[t], sizeof(float)) != 0)
-          FAIL("pair %d: device out[%d][%d] = %.9g, the host call's %.9g", pair, t / HIDDEN,
-               t % HIDDEN, (double)dev_out[t], (double)host_out[t]);
-    }
+    same_bits(dev_out, host_out, (size_t)T * HIDDEN, pair, "device out");
     for (t = 0; t < T; t++)
       for (h = 0; h < HIDDEN; h++) {
-        float want = approx(t, h, x, idx, w), got = host_out[t * HIDDEN + h];
-        float d = got - want;
-        float tol = g_int8 ? 0.06f + 0.02f * (want < 0 ? -want : want) : 1e-4f;
+        float want = approx(t, h, x, idx, w), got = get(host_out, (size_t)(t * HIDDEN + h));
+        float d = got - want, mag = want < 0 ? -want : want;
+        float tol = g_int8 ? 0.06f + 0.02f * mag : g_bf16 ? 0.01f + 0.02f * mag : 1e-4f;
         if (d < -tol || d > tol)
           FAIL("pair %d: out[%d][%d] = %.9g, about %.9g expected", pair, t, h, (double)got, (double)want);
       }
@@ -277,13 +343,12 @@ static void attention(xcclComm_t comm, int rank, int ndev) {
 
 /* ---- expert rank ---- */
 
-/* The expert outputs of the batch's rows `rows` into `y` (host memory). */
-static void compute(const xcclExpertBatchInfo_t* info, const float* rows, const int* experts, float* y) {
-  size_t j, r;
-  int h;
+/* The expert outputs of the batch's rows `rows` into `y` (host memory, config.dtype). */
+static void compute(const xcclExpertBatchInfo_t* info, const void* rows, const int* experts, void* y) {
+  size_t j, r, h;
   for (j = 0; j < info->numLocalExperts; j++)
     for (r = info->expertOffsets[j]; r < info->expertOffsets[j + 1]; r++)
-      for (h = 0; h < HIDDEN; h++) y[r * HIDDEN + h] = expert_out(experts[j], rows[r * HIDDEN + h]);
+      for (h = 0; h < HIDDEN; h++) set(y, r * HIDDEN + h, expert_out(experts[j], get(rows, r * HIDDEN + h)));
 }
 
 #define MAX_ROWS (4 * MAX_TOKENS * TOPK)
@@ -297,11 +362,180 @@ typedef struct {
   float rows[MAX_ROWS * HIDDEN];
 } Kept;
 
+/* ---- expert rank, token-major ---- */
+
+/* What a host token-major receive gave, kept to compare with the device receive of the same
+ * inputs token by token: the batch's order is the arrival order, which may differ between the
+ * two, so `at[srcRank][srcToken]` is the kept token's index (+1; 0: not received). */
+typedef struct {
+  size_t numTokens;
+  size_t at[8][MAX_TOKENS];
+  uint32_t expertCount[4 * MAX_TOKENS], localExperts[4 * MAX_TOKENS * TOPK];
+  float weights[4 * MAX_TOKENS * TOPK];
+  float rows[4 * MAX_TOKENS * HIDDEN];
+} KeptTokens;
+
+/* The kept token `srcRank`/`srcToken` (its index), or FAIL naming `what`. */
+static size_t kept_token(const KeptTokens* k, uint32_t srcRank, uint32_t srcToken, const char* what) {
+  if (srcRank >= 8 || srcToken >= MAX_TOKENS || k->at[srcRank][srcToken] == 0)
+    FAIL("%s: token %u of rank %u is not in the host batch", what, srcToken, srcRank);
+  return k->at[srcRank][srcToken] - 1;
+}
+
+/* Token i of `info` (rows `rows`, host memory) equals its kept twin bit for bit. */
+static void same_token(const KeptTokens* k, const xcclTokenBatchInfo_t* info, size_t i,
+                       const void* rows, int pair, const char* what) {
+  size_t j = kept_token(k, info->srcRank[i], info->srcToken[i], what);
+  size_t n = info->expertCount[i];
+  if (n != k->expertCount[j] ||
+      memcmp(&info->localExperts[i * TOPK], &k->localExperts[j * TOPK], n * sizeof(uint32_t)) != 0 ||
+      memcmp(&info->weights[i * TOPK], &k->weights[j * TOPK], n * sizeof(float)) != 0)
+    FAIL("pair %d: %s: token %zu's experts or weights differ from the host batch's", pair, what, i);
+  if (memcmp(rows, (const char*)k->rows + j * HIDDEN * g_esz, HIDDEN * g_esz) != 0)
+    FAIL("pair %d: %s: token %zu's row (rank %u token %u) differs from the host batch's", pair,
+         what, i, info->srcRank[i], info->srcToken[i]);
+}
+
+/* Each token's reply: its local experts' outputs summed with its gating weights, into `y`
+ * (config.dtype; `rows` too). */
+static void reduce_tokens(const xcclTokenBatchInfo_t* info, const void* rows, const int* experts, void* y) {
+  size_t t, k, h;
+  for (t = 0; t < info->numTokens; t++)
+    for (h = 0; h < HIDDEN; h++) {
+      float acc = 0.0f;
+      for (k = 0; k < info->expertCount[t]; k++) {
+        float p = info->weights[t * TOPK + k] *
+                  expert_out(experts[info->localExperts[t * TOPK + k]], get(rows, t * HIDDEN + h));
+        acc += p;
+      }
+      set(y, t * HIDDEN + h, acc);
+    }
+}
+
+/* What the arrival callback of a device receive checks against. */
+typedef struct {
+  const KeptTokens* kept;
+  const void* dout;
+  int pair, calls;
+  size_t seen[4 * MAX_TOKENS];
+} Arrivals;
+
+/* The arrival callback: the arrived tokens' rows are in `out` already (read them there). */
+static void on_arrival(void* user, const xcclTokenBatchInfo_t* arrived, size_t first, size_t n) {
+  Arrivals* a = (Arrivals*)user;
+  float row[HIDDEN];
+  size_t i;
+  a->calls++;
+  if (arrived->rows != NULL) FAIL("pair %d: a device receive's arrival info.rows is not NULL", a->pair);
+  for (i = first; i < first + n; i++) {
+    if (i >= 4 * MAX_TOKENS || a->seen[i]++ != 0) FAIL("pair %d: token %zu arrived twice", a->pair, i);
+    d2h(row, (const char*)a->dout + i * HIDDEN * g_esz, HIDDEN * g_esz);
+    same_token(a->kept, arrived, i, row, a->pair, "arrival callback");
+  }
+}
+
+/* Every refused argument of the token-major device receive (nothing is consumed). */
+static void token_recv_refusals(xcclComm_t comm, void* dtok, size_t tokBytes, int ndev, xcclCudaStream_t s) {
+  size_t row = HIDDEN * g_esz;
+  float hostbuf[HIDDEN];
+  xcclTokenBatch_t b = NULL;
+  void* other = ndev > 1 ? dalloc_on(1, tokBytes) : NULL;
+  EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &b, NULL, tokBytes, s, NULL, NULL), "out is NULL",
+                 "xcclA2ERecvTokensDevice");
+  EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &b, hostbuf, tokBytes, s, NULL, NULL), "out: ",
+                 "not device memory");
+  EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &b, dtok, tokBytes - 1, s, NULL, NULL), "outBytes",
+                 "xcclCommDeviceRecvTokensSize");
+  EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &b, dtok, tokBytes + row, s, NULL, NULL), "out: ",
+                 "past the end");
+  EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, NULL, dtok, tokBytes, s, NULL, NULL), "batch", "NULL");
+  if (other != NULL) {
+    EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &b, other, tokBytes, s, NULL, NULL), "out: ",
+                   "is memory of CUDA device");
+    dfree(other);
+  }
+  if (b != NULL) FAIL("a refused receive wrote a batch");
+}
+
+/* One token-major pair on an expert rank: the host calls, then the device calls on the same
+ * inputs; `dtok` and `dred` hold tokBytes each. */
+static void expert_tokens(xcclComm_t comm, int pair, int ndev, const int* experts, void* dtok,
+                          size_t tokBytes, void* dred, xcclCudaStream_t s) {
+  size_t row = HIDDEN * g_esz, i;
+  static KeptTokens kept;
+  static float rows[4 * MAX_TOKENS * HIDDEN], y[4 * MAX_TOKENS * HIDDEN];
+  static Arrivals arr;
+  xcclTokenBatch_t b = NULL;
+  xcclTokenBatchInfo_t info;
+  int with_callback = pair % 2 == 1;
+  /* Host calls. */
+  CHECK(xcclA2ERecvTokens(comm, &b));
+  memset(&info, 0, sizeof info);
+  info.size = sizeof info;
+  CHECK(xcclTokenBatchGetInfo(b, &info));
+  if (info.numTokens * row > tokBytes) FAIL("a host batch larger than xcclCommDeviceRecvTokensSize");
+  memset(&kept, 0, sizeof kept);
+  kept.numTokens = info.numTokens;
+  for (i = 0; i < info.numTokens; i++) {
+    if (info.srcRank[i] >= 8 || info.srcToken[i] >= MAX_TOKENS) FAIL("token %zu: bad source", i);
+    kept.at[info.srcRank[i]][info.srcToken[i]] = i + 1;
+  }
+  memcpy(kept.expertCount, info.expertCount, info.numTokens * sizeof(uint32_t));
+  memcpy(kept.localExperts, info.localExperts, info.numTokens * TOPK * sizeof(uint32_t));
+  memcpy(kept.weights, info.weights, info.numTokens * TOPK * sizeof(float));
+  if (info.numTokens > 0) memcpy(kept.rows, info.rows, info.numTokens * row);
+  reduce_tokens(&info, kept.rows, experts, y);
+  if (pair == MIXED_TOKEN_PAIR) {
+    /* A batch of xcclA2ERecvTokens answered by the device call. */
+    h2d(dred, y, info.numTokens * row);
+    CHECK(xcclE2ASendTokensDevice(comm, b, dred, s));
+  } else {
+    CHECK(xcclE2ASendTokens(comm, b, y));
+  }
+  /* Device calls on the same inputs. */
+  b = NULL;
+  if (pair == TOKEN_PAIR) token_recv_refusals(comm, dtok, tokBytes, ndev, s);
+  if (pair == TOKEN_PAIR + 1)
+    driver_error_is_retryable(xcclA2ERecvTokensDevice(comm, &b, dtok, tokBytes, s, NULL, NULL));
+  memset(&arr, 0, sizeof arr);
+  arr.kept = &kept;
+  arr.dout = dtok;
+  arr.pair = pair;
+  if (with_callback)
+    CHECK(xcclA2ERecvTokensDevice(comm, &b, dtok, tokBytes, s, on_arrival, &arr));
+  else
+    CHECK(xcclA2ERecvTokensDevice(comm, &b, dtok, tokBytes, s, NULL, NULL));
+  memset(&info, 0, sizeof info);
+  info.size = sizeof info;
+  CHECK(xcclTokenBatchGetInfo(b, &info));
+  if (info.rows != NULL) FAIL("pair %d: a device token batch's info.rows is not NULL", pair);
+  if (info.numTokens != kept.numTokens)
+    FAIL("pair %d: %zu tokens on the device, %zu on the host", pair, info.numTokens, kept.numTokens);
+  if (with_callback) {
+    if (arr.calls == 0 || (size_t)arr.calls > info.numSources)
+      FAIL("pair %d: %d arrival callbacks for %zu sources", pair, arr.calls, info.numSources);
+    for (i = 0; i < info.numTokens; i++)
+      if (arr.seen[i] != 1) FAIL("pair %d: token %zu was in no arrival callback", pair, i);
+  }
+  d2h(rows, dtok, info.numTokens * row);
+  for (i = 0; i < info.numTokens; i++) same_token(&kept, &info, i, (const char*)rows + i * row, pair, "device batch");
+  reduce_tokens(&info, rows, experts, y);
+  h2d(dred, y, info.numTokens * row);
+  if (pair == TOKEN_PAIR && info.numTokens > 0)
+    send_refusals(xcclE2ASendTokensDevice, xcclE2ASendTokens, "reduced", b, y, dred, info.numTokens * row, s);
+  if (pair == MIXED_TOKEN_PAIR)
+    CHECK(xcclE2ASendTokens(comm, b, y)); /* a batch of xcclA2ERecvTokensDevice, host reply */
+  else
+    CHECK(xcclE2ASendTokensDevice(comm, b, dred, s));
+}
+
 static void expert(xcclComm_t comm, int ndev, int nranks) {
-  size_t row = HIDDEN * sizeof(float), maxRows = 0, outBytes = 0, j;
+  size_t row = HIDDEN * g_esz, maxRows = 0, outBytes = 0, maxTokens = 0, tokBytes = 0;
   int experts[NUM_EXPERTS], nlocal = 0, pair;
   void* dout;
   void* dy;
+  void* dtok;
+  void* dred;
   void* raw = NULL;
   xcclCudaStream_t stream;
   static Kept kept;
@@ -314,14 +548,24 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
       FAIL("xcclCommDeviceRecvSize: %zu rows, %zu bytes", maxRows, outBytes);
     if (maxRows > MAX_ROWS) FAIL("more rows than the test holds");
   }
+  CHECK(xcclCommDeviceRecvTokensSize(comm, &maxTokens, &tokBytes));
+  if (maxTokens != (size_t)(nranks / 2) * MAX_TOKENS || tokBytes != maxTokens * row)
+    FAIL("xcclCommDeviceRecvTokensSize: %zu tokens, %zu bytes", maxTokens, tokBytes);
+  if (maxTokens > 4 * MAX_TOKENS) FAIL("more tokens than the test holds");
   dout = dalloc(outBytes);
   dy = dalloc(outBytes);
+  dtok = dalloc(tokBytes);
+  dred = dalloc(tokBytes);
   CU(cu.stream_create(&raw, 1));
   stream = (xcclCudaStream_t)raw;
   for (pair = 0; pair < PAIRS; pair++) {
     xcclExpertBatch_t b = NULL;
     xcclExpertBatchInfo_t info;
     xcclCudaStream_t s = (pair / 2) % 2 == 0 ? stream : NULL;
+    if (pair >= TOKEN_PAIR) {
+      expert_tokens(comm, pair, ndev, experts, dtok, tokBytes, dred, s);
+      continue;
+    }
     /* Host calls. */
     CHECK(xcclA2ERecv(comm, &b));
     memset(&info, 0, sizeof info);
@@ -365,21 +609,11 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
         memcmp(info.weights, kept.weights, info.numRows * sizeof(float)) != 0)
       FAIL("pair %d: the device batch's metadata differs from the host batch's", pair);
     d2h(rows, dout, info.numRows * row);
-    for (j = 0; j < info.numRows * HIDDEN; j++)
-      if (memcmp(&rows[j], &kept.rows[j], sizeof(float)) != 0)
-        FAIL("pair %d: device row %zu[%zu] = %.9g, the host batch's %.9g", pair, j / HIDDEN,
-             j % HIDDEN, (double)rows[j], (double)kept.rows[j]);
+    same_bits(rows, kept.rows, info.numRows * HIDDEN, pair, "device row");
     compute(&info, rows, experts, y);
     h2d(dy, y, info.numRows * row);
-    if (pair == 0 && info.numRows > 0) {
-      void* shorty = dalloc(info.numRows * row - 2);
-      /* Refused inputs leave the batch valid. */
-      EXPECT_INVALID(xcclE2ASendDevice(comm, b, NULL, s), "expertOut is NULL", "xcclE2ASendDevice");
-      EXPECT_INVALID(xcclE2ASendDevice(comm, b, y, s), "expertOut: ", "not device memory");
-      EXPECT_INVALID(xcclE2ASendDevice(comm, b, shorty, s), "expertOut: ", "past the end");
-      EXPECT_INVALID(xcclE2ASend(comm, b, dy), "expertOut (", "is device memory");
-      dfree(shorty);
-    }
+    if (pair == 0 && info.numRows > 0)
+      send_refusals(xcclE2ASendDevice, xcclE2ASend, "expertOut", b, y, dy, info.numRows * row, s);
     if (pair == MIXED_PAIR)
       CHECK(xcclE2ASend(comm, b, y)); /* a batch of xcclA2ERecvDevice replied by the host call */
     else
@@ -388,6 +622,8 @@ static void expert(xcclComm_t comm, int ndev, int nranks) {
   CU(cu.stream_destroy(raw));
   dfree(dout);
   dfree(dy);
+  dfree(dtok);
+  dfree(dred);
 }
 
 /* ---- a host communicator ---- */
@@ -398,6 +634,7 @@ static void on_shm(xcclComm_t comm, int role, int rank) {
   void* d = dalloc(MAX_TOKENS * row);
   xcclA2EHandle_t h = NULL;
   xcclExpertBatch_t b = NULL;
+  xcclTokenBatch_t tb = NULL;
   CHECK(xcclCommCuDevice(comm, &dev));
   if (dev != -1) FAIL("xcclCommCuDevice on shm: %d", dev);
   if (role == xcclRoleAttention) {
@@ -420,6 +657,10 @@ static void on_shm(xcclComm_t comm, int role, int rank) {
     size_t j, r;
     int k;
     EXPECT_INVALID(xcclA2ERecvDevice(comm, &b, d, MAX_TOKENS * row, NULL), "cuda fabric", "xcclA2ERecvDevice");
+    EXPECT_INVALID(xcclA2ERecvTokensDevice(comm, &tb, d, MAX_TOKENS * row, NULL, NULL, NULL), "cuda fabric",
+                   "xcclA2ERecvTokensDevice");
+    EXPECT_INVALID(xcclE2ASendTokensDevice(comm, tb, d, NULL), "cuda fabric", "xcclE2ASendTokensDevice");
+    if (tb != NULL) FAIL("a refused receive wrote a batch");
     CHECK(xcclCommLocalExperts(comm, &nlocal, experts));
     CHECK(xcclA2ERecv(comm, &b));
     EXPECT_INVALID(xcclE2ASendDevice(comm, b, d, NULL), "cuda fabric", "xcclE2ASendDevice");
@@ -452,6 +693,11 @@ int main(int argc, char** argv) {
   cfg = test_config(a.nranks);
   g_standin = getenv("CUDA_STANDIN_DEVICES") != NULL;
   g_int8 = getenv("XCCL_TEST_QUANT") != NULL && strcmp(getenv("XCCL_TEST_QUANT"), "int8") == 0;
+  g_bf16 = getenv("XCCL_TEST_DTYPE") != NULL && strcmp(getenv("XCCL_TEST_DTYPE"), "bf16") == 0;
+  if (g_bf16) {
+    cfg.dtype = xcclBfloat16;
+    g_esz = 2;
+  }
   if (g_int8) {
     cfg.a2eQuant = xcclQuantInt8;
     cfg.e2aQuant = xcclQuantInt8;

@@ -823,14 +823,18 @@ fn c11_device_buffer_calls_on_the_cuda_fabric_match_the_host_calls_bit_for_bit()
         "set XCCL_NVRTC_LIBRARY to libnvrtc.so.13 or .12 (ci/test.sh takes the venv's)"
     );
     let standin = cuda_standin();
-    // 1A:1E on one device; 2A:2E on two (the refusals include another GPU's memory).
+    let (bf16, int8) = (("XCCL_TEST_DTYPE", "bf16"), ("XCCL_TEST_QUANT", "int8"));
+    // 1A:1E on one device, rows of f32, and of bfloat16 with INT8 on the wire both ways.
     run_cuda_program("cuda", 2, 1, standin);
+    run_cuda_program_env("cuda", 2, 1, standin, &[bf16, int8]);
     if real_cuda() {
         return;
     }
+    // 2A:2E on two devices (the refusals include another GPU's memory), f32 and bfloat16.
     run_cuda_program("cuda", 4, 2, standin);
+    run_cuda_program_env("cuda", 4, 2, standin, &[bf16]);
     // 1A:2E with INT8 on the wire both ways.
-    run_cuda_program_env("cuda", 3, 2, standin, &[("XCCL_TEST_QUANT", "int8")]);
+    run_cuda_program_env("cuda", 3, 2, standin, &[int8]);
 }
 
 #[test]

@@ -1,7 +1,8 @@
 //! The device-buffer calls of `xccl.h` (a communicator on the cuda fabric): A2E send, E2A
-//! receive, A2E receive and E2A send with the rows in GPU memory, each with a `cudaStream_t`
-//! (`xcclCudaStream_t`) argument, over `Communicator::a2e_send_device` and the others; and the
-//! queries `xcclCommCuDevice` and `xcclCommDeviceRecvSize`.
+//! receive, A2E receive and E2A send with the rows in GPU memory (the receive and the send
+//! expert-major and token-major), each with a `cudaStream_t` (`xcclCudaStream_t`) argument,
+//! over `Communicator::a2e_send_device` and the others; and the queries `xcclCommCuDevice`,
+//! `xcclCommDeviceRecvSize` and `xcclCommDeviceRecvTokensSize`.
 //!
 //! Every pointer is checked here, under its C name, before the call reaches the communicator:
 //! a device buffer must be memory of the communicator's GPU inside one allocation of the
@@ -12,7 +13,10 @@
 
 use std::ffi::{c_int, c_void};
 
-use super::moe::{register_expert_batch, with_expert_batch, with_handle};
+use super::moe::{
+    arrival_callback, register_expert_batch, register_token_batch, with_expert_batch, with_handle,
+    with_token_batch, xcclArrivalFn,
+};
 use super::*;
 use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Stream};
 use crate::Routing;
@@ -88,6 +92,24 @@ unsafe fn lend_mut<'a>(
     Ok(unsafe { DeviceSliceMut::from_raw(addr, len, device.ordinal()) })
 }
 
+/// The caller's device buffer `name` (`len` bytes at `p`), lent for reading once checked,
+/// and the caller's `stream`: the inputs of an E2A device send.
+///
+/// # Safety
+/// As [`lend`] and [`borrow_stream`].
+unsafe fn lend_with_stream<'a>(
+    device: &Device,
+    p: *const c_void,
+    len: usize,
+    name: &str,
+    stream: xcclCudaStream_t,
+) -> Result<(DeviceSlice<'a>, Stream), Fail> {
+    // SAFETY: the caller's contract.
+    let slice = unsafe { lend(device, p, len, name)? };
+    // SAFETY: the caller's contract.
+    Ok((slice, unsafe { borrow_stream(device, stream) }))
+}
+
 /// The caller's stream (NULL: the legacy default stream) on `device`.
 ///
 /// # Safety
@@ -95,6 +117,20 @@ unsafe fn lend_mut<'a>(
 unsafe fn borrow_stream(device: &Device, stream: xcclCudaStream_t) -> Stream {
     // SAFETY: the caller's contract.
     unsafe { Stream::borrowed(device, stream as usize as u64) }
+}
+
+/// Checks that `outBytes` (`out_bytes`) holds `rows` rows of `c`'s dtype, the size the
+/// query `size_query` tells.
+fn check_out_bytes(c: &Comm, out_bytes: usize, rows: usize, size_query: &str) -> Result<(), Fail> {
+    let need = rows * c.row_bytes;
+    if out_bytes < need {
+        return Err(Fail::invalid(format!(
+            "outBytes = {out_bytes}; out must hold at least {need} bytes ({rows} rows of {} \
+             bytes: {size_query})",
+            c.row_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// `xcclA2ESendDevice`: `xcclA2ESend` with `x` in device memory, the routing where
@@ -192,14 +228,7 @@ pub unsafe extern "C" fn xcclA2ERecvDevice(
     with_comm("xcclA2ERecvDevice", comm, |id, c, inner| {
         let device = cuda_device(c, "xcclA2ERecvDevice")?;
         check_ptr(batch, "batch")?;
-        let need = c.max_expert_rows * c.row_bytes;
-        if outBytes < need {
-            return Err(Fail::invalid(format!(
-                "outBytes = {outBytes}; out must hold at least {need} bytes ({} rows of {} \
-                 bytes: xcclCommDeviceRecvSize)",
-                c.max_expert_rows, c.row_bytes
-            )));
-        }
+        check_out_bytes(c, outBytes, c.max_expert_rows, "xcclCommDeviceRecvSize")?;
         // SAFETY: the caller's contract (see the function's docs).
         let out = unsafe { lend_mut(device, out, outBytes, "out")? };
         // SAFETY: the caller's contract (see the function's docs).
@@ -229,10 +258,75 @@ pub unsafe extern "C" fn xcclE2ASendDevice(
         with_expert_batch(c, batch, |b| {
             let len = b.num_rows() * c.row_bytes;
             // SAFETY: the caller's contract (see the function's docs).
-            let out = unsafe { lend(device, expertOut, len, "expertOut")? };
-            // SAFETY: the caller's contract (see the function's docs).
-            let stream = unsafe { borrow_stream(device, stream) };
+            let (out, stream) =
+                unsafe { lend_with_stream(device, expertOut, len, "expertOut", stream)? };
             Ok(inner.e2a_send_device(b, out, &stream)?)
+        })
+    })
+}
+
+/// `xcclA2ERecvTokensDevice`: `xcclA2ERecvTokens` (with `onArrival`, when not NULL, as
+/// `xcclA2ERecvTokensWithCallback`'s) with row `i` of `out` in device memory the batch's
+/// token `i`.
+///
+/// # Safety
+/// `out` is `outBytes` bytes of device memory of the communicator's GPU nobody else touches
+/// during the call; `stream` as [`xcclA2ESendDevice`]'s; `batch` is valid for a write;
+/// `onArrival`, when not NULL, follows the header's rules (it does not unwind) and may be
+/// called with `userData`.
+#[no_mangle]
+pub unsafe extern "C" fn xcclA2ERecvTokensDevice(
+    comm: *mut xcclComm,
+    batch: *mut *mut xcclTokenBatch,
+    out: *mut c_void,
+    outBytes: usize,
+    stream: xcclCudaStream_t,
+    onArrival: xcclArrivalFn,
+    userData: *mut c_void,
+) -> xcclResult_t {
+    with_comm("xcclA2ERecvTokensDevice", comm, |id, c, inner| {
+        let device = cuda_device(c, "xcclA2ERecvTokensDevice")?;
+        check_ptr(batch, "batch")?;
+        check_out_bytes(
+            c,
+            outBytes,
+            c.max_recv_tokens,
+            "xcclCommDeviceRecvTokensSize",
+        )?;
+        // SAFETY: the caller's contract (see the function's docs).
+        let out = unsafe { lend_mut(device, out, outBytes, "out")? };
+        // SAFETY: the caller's contract (see the function's docs).
+        let stream = unsafe { borrow_stream(device, stream) };
+        // SAFETY: the caller's contract (see the function's docs).
+        let mut arrival = unsafe { arrival_callback(id, c, onArrival, userData, true) };
+        let mut b = lock(&c.spare_token).pop().unwrap_or_default();
+        inner.a2e_recv_tokens_device(&mut b, out, &stream, &mut arrival)?;
+        let bid = register_token_batch(id, b, true);
+        // SAFETY: the caller's contract (see the function's docs).
+        unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
+    })
+}
+
+/// `xcclE2ASendTokensDevice`: `xcclE2ASendTokens` with `reduced` in device memory.
+///
+/// # Safety
+/// `reduced` is `numTokens * rowBytes` bytes of device memory of the communicator's GPU,
+/// unwritten during the call; `stream` as [`xcclA2ESendDevice`]'s.
+#[no_mangle]
+pub unsafe extern "C" fn xcclE2ASendTokensDevice(
+    comm: *mut xcclComm,
+    batch: *mut xcclTokenBatch,
+    reduced: *const c_void,
+    stream: xcclCudaStream_t,
+) -> xcclResult_t {
+    with_comm("xcclE2ASendTokensDevice", comm, |_, c, inner| {
+        let device = cuda_device(c, "xcclE2ASendTokensDevice")?;
+        with_token_batch(c, batch, false, |b| {
+            let len = b.num_tokens() * c.row_bytes;
+            // SAFETY: the caller's contract (see the function's docs).
+            let (reduced, stream) =
+                unsafe { lend_with_stream(device, reduced, len, "reduced", stream)? };
+            Ok(inner.e2a_send_tokens_device(b, reduced, &stream)?)
         })
     })
 }
@@ -266,6 +360,26 @@ pub unsafe extern "C" fn xcclCommDeviceRecvSize(
         unsafe {
             put(maxExpertRows, c.max_expert_rows, "maxExpertRows")?;
             put(outBytes, c.max_expert_rows * c.row_bytes, "outBytes")
+        }
+    })
+}
+
+/// `xcclCommDeviceRecvTokensSize`: the tokens and bytes `xcclA2ERecvTokensDevice`'s `out`
+/// needs.
+///
+/// # Safety
+/// `maxRecvTokens` and `outBytes`, when non-NULL, are valid for a write of a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn xcclCommDeviceRecvTokensSize(
+    comm: *mut xcclComm,
+    maxRecvTokens: *mut usize,
+    outBytes: *mut usize,
+) -> xcclResult_t {
+    query("xcclCommDeviceRecvTokensSize", comm, |c| {
+        // SAFETY: the caller's contract (see the function's docs).
+        unsafe {
+            put(maxRecvTokens, c.max_recv_tokens, "maxRecvTokens")?;
+            put(outBytes, c.max_recv_tokens * c.row_bytes, "outBytes")
         }
     })
 }

@@ -392,6 +392,8 @@ struct Comm {
     cuda_device: Option<crate::cuda::Device>,
     /// Rows of `xcclA2ERecvDevice`'s `out` (`Communicator::max_expert_rows`).
     max_expert_rows: usize,
+    /// Rows of `xcclA2ERecvTokensDevice`'s `out` (`Communicator::max_recv_tokens`).
+    max_recv_tokens: usize,
     /// `None` once `xcclCommShrink` moved it into a new communicator.
     comm: Mutex<Option<Communicator>>,
     fabric: Arc<dyn Fabric>,
@@ -440,6 +442,7 @@ impl Comm {
             dtype: cfg.dtype,
             cuda_device: comm.cuda_device().cloned(),
             max_expert_rows: comm.max_expert_rows(),
+            max_recv_tokens: comm.max_recv_tokens(),
             comm: Mutex::new(Some(comm)),
             fabric,
             version,
@@ -499,6 +502,8 @@ struct TokenBatchObj {
     comm: usize,
     batch: TokenBatch,
     sources: Sources,
+    /// Received by `xcclA2ERecvTokensDevice`: the rows are in the caller's device buffer.
+    on_device: bool,
 }
 
 /// A batch's sources as the info structs point to them (attention ranks in rank order).

@@ -387,16 +387,17 @@ pub unsafe extern "C" fn xcclA2ERecvTokens(
         check_ptr(batch, "batch")?;
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
         inner.a2e_recv_tokens(&mut b, &mut |_, _| {})?;
-        let bid = register_token_batch(id, b);
+        let bid = register_token_batch(id, b, false);
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
 }
 
-/// Registers a received token batch of communicator `id` as a live C object; returns its id.
+/// Registers a received token batch of communicator `id` as a live C object (`on_device`: its
+/// rows are in the caller's device buffer, and its info says `rows` NULL); returns its id.
 /// Its Rust drop no longer aborts the job: freeing a live batch is refused instead
 /// (`xcclTokenBatchFree`).
-fn register_token_batch(id: usize, b: TokenBatch) -> usize {
+pub(super) fn register_token_batch(id: usize, b: TokenBatch, on_device: bool) -> usize {
     b.recv.answered();
     let bid = next_id();
     let sources = Sources::of(b.sources());
@@ -406,6 +407,7 @@ fn register_token_batch(id: usize, b: TokenBatch) -> usize {
             comm: id,
             batch: b,
             sources,
+            on_device,
         },
     );
     bid
@@ -427,15 +429,16 @@ pub unsafe extern "C" fn xcclTokenBatchGetInfo(
             .get(&(batch as usize))
             .ok_or_else(|| Fail::usage("batch is not a live token batch (replied to or freed)"))?;
         let version = lock(&COMMS).get(&o.comm).map_or(0, |c| c.version);
-        let i = token_info(&o.batch, Some(&o.sources));
+        let i = token_info(&o.batch, Some(&o.sources), o.on_device);
         let legacy = legacy_info_len(version, 8);
         // SAFETY: the caller's contract: its layout of the struct (see the function's docs).
         unsafe { ext::write_sized(info, &i, version, legacy, "info") }
     })
 }
 
-/// What `b` holds, as pointers into it (and into `sources`: none in an arrival callback).
-fn token_info(b: &TokenBatch, sources: Option<&Sources>) -> xcclTokenBatchInfo_t {
+/// What `b` holds, as pointers into it (and into `sources`: none in an arrival callback);
+/// `rows` is NULL when they are kept as INT8 or are `on_device` (in the caller's buffer).
+fn token_info(b: &TokenBatch, sources: Option<&Sources>, on_device: bool) -> xcclTokenBatchInfo_t {
     let int8 = b.int8_rows();
     let empty = Sources::default();
     let src = sources.unwrap_or(&empty);
@@ -454,7 +457,7 @@ fn token_info(b: &TokenBatch, sources: Option<&Sources>) -> xcclTokenBatchInfo_t
         sourceTags: ptr(n, src.tags.as_ptr().cast()).cast(),
         numTokens: b.num_tokens(),
         topk: b.topk,
-        rows: if int8.is_some() {
+        rows: if int8.is_some() || on_device {
             std::ptr::null()
         } else {
             b.row_bytes().as_ptr().cast()
@@ -511,34 +514,56 @@ pub unsafe extern "C" fn xcclA2ERecvTokensWithCallback(
 ) -> xcclResult_t {
     with_comm("xcclA2ERecvTokensWithCallback", comm, |id, c, inner| {
         check_ptr(batch, "batch")?;
-        let Some(on_arrival) = onArrival else {
+        if onArrival.is_none() {
             return Err(Fail::invalid("onArrival is NULL"));
-        };
+        }
         let mut b = lock(&c.spare_token).pop().unwrap_or_default();
-        let legacy = c.version < 4;
-        inner.a2e_recv_tokens(&mut b, &mut |tb, range| {
-            let info = token_info(tb, None);
-            // A caller of config version 1 to 3 reads its layout: the fields after `size`.
-            let at: *const xcclTokenBatchInfo_t = if legacy {
-                std::ptr::addr_of!(info.numTokens).cast()
-            } else {
-                &info
-            };
-            let _inside = InCallback::enter(id);
-            // SAFETY: the caller's contract: `onArrival` may be called with `userData`; `at`
-            // points into `info`, which points into `tb`, untouched while the callback runs.
-            unsafe { on_arrival(userData, at, range.start, range.len()) };
-        })?;
-        let bid = register_token_batch(id, b);
+        // SAFETY: the caller's contract (see the function's docs).
+        let mut arrival = unsafe { arrival_callback(id, c, onArrival, userData, false) };
+        inner.a2e_recv_tokens(&mut b, &mut arrival)?;
+        let bid = register_token_batch(id, b, false);
         // SAFETY: the caller's contract (see the function's docs).
         unsafe { put(batch, bid as *mut xcclTokenBatch, "batch") }
     })
 }
 
+/// The `on_arrival` of a token-major receive of communicator `id` (`c`) that calls the C
+/// callback `on_arrival` with `user_data` and the arrived tokens' info (`rows` NULL when they
+/// are `on_device`); nothing when `on_arrival` is NULL.
+///
+/// # Safety
+/// `on_arrival`, when not NULL, follows the header's rules (it does not unwind) and may be
+/// called with `user_data` during the receive.
+pub(super) unsafe fn arrival_callback(
+    id: usize,
+    c: &Comm,
+    on_arrival: xcclArrivalFn,
+    user_data: *mut c_void,
+    on_device: bool,
+) -> impl FnMut(&TokenBatch, std::ops::Range<usize>) {
+    let legacy = c.version < 4;
+    move |tb, range| {
+        let Some(on_arrival) = on_arrival else {
+            return;
+        };
+        let info = token_info(tb, None, on_device);
+        // A caller of config version 1 to 3 reads its layout: the fields after `size`.
+        let at: *const xcclTokenBatchInfo_t = if legacy {
+            std::ptr::addr_of!(info.numTokens).cast()
+        } else {
+            &info
+        };
+        let _inside = InCallback::enter(id);
+        // SAFETY: the caller's contract: `on_arrival` may be called with `user_data`; `at`
+        // points into `info`, which points into `tb`, untouched while the callback runs.
+        unsafe { on_arrival(user_data, at, range.start, range.len()) };
+    }
+}
+
 /// Runs `f` with the live token batch `batch` taken out of the registry; puts it back when
 /// `f` fails (a retryable failure leaves the batch valid) or when `keep` says so, else hands
 /// its buffers to `c`'s next receive.
-fn with_token_batch(
+pub(super) fn with_token_batch(
     c: &Comm,
     batch: *mut xcclTokenBatch,
     keep: bool,
