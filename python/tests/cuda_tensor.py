@@ -44,3 +44,36 @@ def to_host(obj, device: int):
     """A host copy (``xccl.Buffer``) of ``obj``, any CUDA DLPack tensor (or capsule) of
     ``device``, read through xccl's import (device and layout checked)."""
     return _xccl._to_host(obj, device)
+
+
+def standin_torch_cuda() -> None:
+    """Makes torch's two operations on CUDA tensors that ``xccl.adapters`` uses work on the
+    stand-in, where torch makes no CUDA tensor: ``torch.from_dlpack`` of a CUDA producer gives a
+    ``DeviceTensor`` viewing it (no copy, as torch's view), and ``Tensor.to`` a CUDA device (an
+    ordinal, ``"cuda:<id>"`` or a ``torch.device``) gives a ``DeviceTensor`` copy there. Patches
+    torch for the whole process: for a test job's rank processes only."""
+    import torch
+
+    from_dlpack, to = torch.from_dlpack, torch.Tensor.to
+
+    def cuda_ordinal(target):
+        if isinstance(target, int) and not isinstance(target, bool):
+            return target
+        if isinstance(target, (str, torch.device)):
+            d = torch.device(target)
+            return d.index or 0 if d.type == "cuda" else None
+        return None
+
+    def standin_from_dlpack(obj, *args, **kw):
+        if hasattr(obj, "__dlpack_device__") and obj.__dlpack_device__()[0] == 2:
+            return DeviceTensor(obj)
+        return from_dlpack(obj, *args, **kw)
+
+    def standin_to(self, *args, **kw):
+        ordinal = cuda_ordinal(args[0] if args else kw.get("device"))
+        if ordinal is None:
+            return to(self, *args, **kw)
+        return DeviceTensor.of(self.contiguous(), ordinal)
+
+    torch.from_dlpack = standin_from_dlpack
+    torch.Tensor.to = standin_to
