@@ -1449,9 +1449,15 @@ def scenario_afd_rounds():
             ws = to_host(meta.topk_weights, "topk_weights")
             if (meta.layer_idx, meta.stage_idx) != (r, 7):
                 out["mismatches"].append(f"round {r}: {meta.layer_idx}, {meta.stage_idx}")
+            b = meta.handle
+            src = torch.from_dlpack(b.src_rank).long() * (1 << 32) + torch.from_dlpack(b.src_token)
             reply = token_outputs(rows, ids, ws, range(a["E"]), dtype)
             conn.send_ffn_output(on_device(reply), meta)
-            out["digests"].append([bits(rows), bits(ids), bits(ws), meta.seq_lens])
+            # Each source's tokens are consecutive, the sources in arrival order: compare in
+            # (source rank, token) order.
+            p = torch.argsort(src)
+            got = [bits(rows[p]), bits(ids[p]), bits(ws[p]), src[p].tolist(), meta.seq_lens]
+            out["digests"].append(got)
     conn.close()
     result(**out)
 

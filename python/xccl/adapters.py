@@ -148,9 +148,11 @@ class AFDConnector:
         self, timeout_ms: int | None = None, ubatch_idx: int | None = None
     ) -> tuple[torch.Tensor, AFDConnectorMetadata]:
         """FFN: waits for the next call's tokens; returns ``(hidden_states [N, hidden],
-        metadata)``, one row per (attention rank, token) that selected a local expert here, in
-        attention-rank order. ``timeout_ms`` must be None (the communicator's timeout
-        applies).
+        metadata)``, one row per (attention rank, token) that selected a local expert here, each
+        attention rank's rows consecutive, the ranks in the order their rows arrived (not rank
+        order: ``metadata.handle.sources[i]["first_token"]`` is rank ``i``'s first row;
+        ``metadata.seq_lens`` is in rank order). ``timeout_ms`` must be None (the
+        communicator's timeout applies).
 
         On the ``cuda`` fabric ``hidden_states`` is a read-only view of the device memory the
         rows were received into (no copy; kept alive by the tensor), and the metadata's
