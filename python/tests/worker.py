@@ -1403,8 +1403,9 @@ def scenario_device_misuse():
 def scenario_afd_rounds():
     """``rounds`` exchanges through ``xccl.adapters.AFDConnector`` on ``fabric``, both sides
     (``send_attn_output``/``recv_ffn_output``, ``recv_attn_output``/``send_ffn_output``); on
-    "cuda" every tensor is a CUDA tensor of the communicator's device (torch's CUDA operations
-    in the adapter stood in by ``cuda_tensor.standin_torch_cuda``), each checked to be there.
+    "cuda" every tensor is a CUDA tensor of the communicator's device, each checked to be there:
+    torch's on a GPU, else ``DeviceTensor``s (torch's CUDA operations in the adapter stood in by
+    ``cuda_tensor.standin_torch_cuda``).
     Attention ranks check their results against the reference; every rank reports digests of
     what it got (results; rows, expert ids, weights, seq_lens) to compare with the host job."""
     from cuda_tensor import DeviceTensor, standin_torch_cuda
@@ -1413,7 +1414,8 @@ def scenario_afd_rounds():
 
     a = ARGS
     cuda = a["fabric"] == "cuda"
-    if cuda:
+    gpu = cuda and torch.cuda.is_available()
+    if cuda and not gpu:
         standin_torch_cuda()
     comm = join_on(a["fabric"])
     dtype = a["dtype"]
@@ -1424,12 +1426,16 @@ def scenario_afd_rounds():
     def to_host(t, what):
         if not cuda:
             return t
-        if not (isinstance(t, DeviceTensor) and t.device == dev):
-            out["mismatches"].append(f"{what} is not on cuda:{dev}: {type(t)}")
-        return torch.from_dlpack(t.host())
+        if gpu and isinstance(t, torch.Tensor) and t.device == torch.device(comm.device):
+            return t.cpu()
+        if not gpu and isinstance(t, DeviceTensor) and t.device == dev:
+            return torch.from_dlpack(t.host())
+        raise AssertionError(f"{what} is not a CUDA tensor of cuda:{dev}: {t!r}")
 
     def on_device(t):
-        return DeviceTensor.of(t, dev) if cuda else t
+        if not cuda:
+            return t
+        return t.to(comm.device) if gpu else DeviceTensor.of(t, dev)
 
     def bits(t):
         return digest(t.contiguous().view(torch.uint8).numpy())
