@@ -1945,7 +1945,7 @@ pub struct PyExpertBatch {
 impl Drop for PyExpertBatch {
     /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
-    /// its reply). Of the spares' device rows, one allocation is kept ([`Spares::give_rows`]).
+    /// its reply). Of the spares' device rows, one allocation is kept (`Spares::give_rows`).
     fn drop(&mut self) {
         if let Some(batch) = self.inner.take_spare() {
             Spares::give_rows(&self.spares.expert, batch);
@@ -2204,7 +2204,7 @@ pub struct PyTokenBatch {
 impl Drop for PyTokenBatch {
     /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
-    /// its reply). Of the spares' device rows, one allocation is kept ([`Spares::give_rows`]).
+    /// its reply). Of the spares' device rows, one allocation is kept (`Spares::give_rows`).
     fn drop(&mut self) {
         if let Some(batch) = self.inner.take_spare() {
             Spares::give_rows(&self.spares.token, batch);
