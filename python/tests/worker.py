@@ -1095,7 +1095,7 @@ def token_major(r: int) -> bool:
 def cuda_token_reply(comm, batch, dev, dtype):
     """Replies to token-major ``batch`` on the cuda fabric: its rows (a CUDA buffer, checked)
     read back to the host, the test experts' reduced rows sent from device memory. Returns
-    the tensor sent."""
+    the tensor sent, the rows buffer and its host copy."""
     from cuda_tensor import DeviceTensor, to_host
 
     buf = batch.rows
@@ -1107,7 +1107,7 @@ def cuda_token_reply(comm, batch, dev, dtype):
     ws = torch.from_dlpack(batch.expert_weights)
     res = DeviceTensor.of(token_outputs(rows, ids, ws, comm.local_experts, dtype), dev)
     comm.e2a_send_tokens(batch, res)
-    return res
+    return res, buf, rows
 
 
 def scenario_device_rounds():
@@ -1163,13 +1163,21 @@ def scenario_device_rounds():
                     got = to_numpy(torch.from_dlpack(res), dtype)
                 record(out, got, (x, idx, w), owner, dtype, r)
         else:
+            kept = None
             for r in range(a["rounds"]):
                 if token_major(r):
                     batch = comm.a2e_recv_tokens()
-                    if cuda:
-                        out["streams"] += cuda_token_reply(comm, batch, dev, dtype).streams
-                    else:
+                    if not cuda:
                         token_major_reply(comm, batch, dtype)
+                        continue
+                    if kept is not None:
+                        # A rows buffer kept past the next receive still views its own rows:
+                        # the receive did not refill the batch it keeps alive.
+                        again = torch.from_dlpack(to_host(kept[0], dev))
+                        assert torch.equal(again.view(torch.uint8), kept[1].view(torch.uint8))
+                    res, buf, rows = cuda_token_reply(comm, batch, dev, dtype)
+                    out["streams"] += res.streams
+                    kept = (buf, rows) if kept is None and rows.shape[0] > 0 else None
                     continue
                 batch = comm.a2e_recv()
                 if cuda:
