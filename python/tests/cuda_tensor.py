@@ -40,6 +40,32 @@ class DeviceTensor:
         return to_host(self.buf, self.device)
 
 
+class ColumnMajorDeviceTensor(DeviceTensor):
+    """A ``DeviceTensor`` whose exports claim column-major strides (``[1, rows]`` elements): a
+    CUDA tensor that is not C-contiguous, for the layout checks (never read)."""
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        import ctypes
+
+        cap = super().__dlpack__(
+            stream=stream, max_version=max_version, dl_device=dl_device, copy=copy
+        )
+        api = ctypes.pythonapi
+        api.PyCapsule_GetName.restype = ctypes.c_char_p
+        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
+        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        name = api.PyCapsule_GetName(cap)
+        managed = api.PyCapsule_GetPointer(cap, name)
+        # DLManagedTensorVersioned: version, manager_ctx, deleter, flags, then the DLTensor;
+        # DLManagedTensor: the DLTensor first. DLTensor: data, device, ndim, dtype, shape,
+        # strides (8, 8, 4, 4, 8 bytes before it).
+        tensor = managed + (32 if name == b"dltensor_versioned" else 0)
+        self._strides = (ctypes.c_int64 * 2)(1, self.shape[0])
+        ctypes.c_void_p.from_address(tensor + 32).value = ctypes.addressof(self._strides)
+        return cap
+
+
 def to_host(obj, device: int):
     """A host copy (``xccl.Buffer``) of ``obj``, any CUDA DLPack tensor (or capsule) of
     ``device``, read through xccl's import (device and layout checked)."""

@@ -1240,10 +1240,10 @@ def scenario_torch_cuda_rounds():
 def scenario_device_misuse():
     """1A:1E on the cuda fabric (the attention rank on device 0 of 2): tensors on the CPU, on
     the other device, on ``meta``; device routing of a wrong dtype or shape; replies (expert- and
-    token-major) on the CPU, on the other device, of the wrong shape (or dtype); CUDA buffer
-    exports with every legal and illegal stream; the stream of a (stand-in) torch. Each misuse
-    raises naming what is wrong and sends nothing: a good round follows, checked."""
-    from cuda_tensor import DeviceTensor, to_host
+    token-major) on the CPU, on the other device, of the wrong shape (or dtype, or strides);
+    CUDA buffer exports with every legal and illegal stream; the stream of a (stand-in) torch.
+    Each misuse raises naming what is wrong and sends nothing: a good round follows, checked."""
+    from cuda_tensor import ColumnMajorDeviceTensor, DeviceTensor, to_host
 
     import xccl._cuda
 
@@ -1403,6 +1403,12 @@ def scenario_device_misuse():
                 bad,
                 lambda: comm.e2a_send_tokens(tokens, DeviceTensor.of(red.double(), dev)),
                 "reduced has dtype float64",
+            )
+            check(
+                "reduced not C-contiguous",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, ColumnMajorDeviceTensor.of(red, dev)),
+                "reduced is not C-contiguous",
             )
             comm.e2a_send_tokens(tokens, DeviceTensor.of(red, dev))
     result(failures=failures)
