@@ -10,9 +10,10 @@
 //! On the `cuda` fabric the calls take CUDA tensors of the communicator's device (imported as
 //! a DLPack consumer on the current stream, `crate::tensor`), call the Rust API's
 //! device-buffer calls (`a2e_send_device`, `e2a_recv_device`, `a2e_recv_device`,
-//! `e2a_send_device`) on that stream, and hand back device memory as CUDA [`Buffer`]s: E2A
-//! results own a [`DeviceMemory`], an expert batch's rows view the allocation it was received
-//! into (recycled with the batch).
+//! `e2a_send_device`, and token-major `a2e_recv_tokens_device`, `e2a_send_tokens_device`) on
+//! that stream, and hand back device memory as CUDA [`Buffer`]s: E2A results own a
+//! [`DeviceMemory`], a received batch's rows view the allocation it was received into
+//! (recycled with the batch).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -152,7 +153,7 @@ const MAX_SPARES: usize = 4;
 #[derive(Default)]
 struct Spares {
     expert: Mutex<Vec<ExpertRows>>,
-    token: Mutex<Vec<TokenBatch>>,
+    token: Mutex<Vec<TokenRows>>,
 }
 
 impl Spares {
@@ -168,6 +169,21 @@ impl Spares {
         if pool.len() < MAX_SPARES {
             pool.push(batch);
         }
+    }
+
+    /// [`Spares::give`] of a batch with device rows: of the spares' device rows (the largest
+    /// part of a batch on the cuda fabric: `max_expert_rows` or `max_recv_tokens` rows), one
+    /// allocation is kept.
+    fn give_rows<B>(pool: &Mutex<Vec<WithRows<B>>>, mut batch: WithRows<B>) {
+        let kept = pool
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .any(|b| b.device.is_some());
+        if kept {
+            batch.device = None;
+        }
+        Spares::give(pool, batch);
     }
 }
 
@@ -1138,19 +1154,17 @@ impl PyComm {
         let timeout = timeout.checked(py)?;
         let mut batch = recycle(py, &self.recycle.expert, |b| &b.inner)
             .unwrap_or_else(|| Spares::take(&self.spares.expert));
-        match self.cuda_place(py)? {
-            None => self.run(py, |c| timeout.apply(c, |c| c.a2e_recv(&mut batch.batch)))?,
-            Some(place) => {
-                let elem = self.elem().size() * self.info.hidden;
-                self.run_on(py, place, |c, device, stream| {
-                    timeout.apply(c, |c| {
-                        let need = c.max_expert_rows() * elem;
-                        let (b, rows) = batch.device_rows(device, need)?;
-                        c.a2e_recv_device(b, rows, stream)
-                    })
-                })?
-            }
-        }
+        self.receive(
+            py,
+            timeout,
+            &mut batch,
+            (
+                Communicator::max_expert_rows,
+                "the rows of an expert-major receive",
+            ),
+            |c, b| c.a2e_recv(b),
+            |c, b, rows, stream| c.a2e_recv_device(b, rows, stream),
+        )?;
         Ok(PyExpertBatch {
             inner: Held::new(batch),
             spares: self.spares.clone(),
@@ -1163,15 +1177,27 @@ impl PyComm {
     /// A2E receive on an expert rank, token-major: one row per received token, with its local
     /// experts and weights (:class:`TokenBatch`). ``timeout`` as for :meth:`a2e_recv`
     /// (``None``: no deadline while the peers live).
+    ///
+    /// On the ``cuda`` fabric the rows are received into device memory of the communicator's
+    /// device (:attr:`TokenBatch.rows` is a CUDA :class:`Buffer`, row ``i`` token ``i``),
+    /// complete when the call returns, ordered after the current stream's work (see
+    /// :meth:`a2e_send`); the metadata stays on the host. Not with ``keep_int8``.
     #[pyo3(signature = (*, timeout = RecvTimeout::Config))]
     fn a2e_recv_tokens(&self, py: Python<'_>, timeout: RecvTimeout) -> PyResult<PyTokenBatch> {
-        self.host_only(py, "a2e_recv_tokens (token-major)", "a2e_recv")?;
         let timeout = timeout.checked(py)?;
         let mut batch = recycle(py, &self.recycle.token, |b| &b.inner)
             .unwrap_or_else(|| Spares::take(&self.spares.token));
-        self.run(py, |c| {
-            timeout.apply(c, |c| c.a2e_recv_tokens(&mut batch, &mut |_, _| {}))
-        })?;
+        self.receive(
+            py,
+            timeout,
+            &mut batch,
+            (
+                Communicator::max_recv_tokens,
+                "the rows of a token-major receive",
+            ),
+            |c, b| c.a2e_recv_tokens(b, &mut |_, _| {}),
+            |c, b, rows, stream| c.a2e_recv_tokens_device(b, rows, stream, &mut |_, _| {}),
+        )?;
         Ok(PyTokenBatch {
             inner: Held::new(batch),
             spares: self.spares.clone(),
@@ -1179,6 +1205,7 @@ impl PyComm {
             hidden: self.info.hidden,
             topk: self.info.topk,
             keep_int8: self.info.keep_int8,
+            device: self.info.cuda.as_ref().map(Device::ordinal),
         })
     }
 
@@ -1226,7 +1253,8 @@ impl PyComm {
 
     /// E2A on an expert rank, token-major: ``reduced`` holds one row per token of ``batch``
     /// (``[batch.num_tokens, hidden]``), each already the gating-weighted sum over the token's
-    /// local experts.
+    /// local experts. On the ``cuda`` fabric ``reduced`` is a CUDA tensor of the
+    /// communicator's device, read after the current stream's work (see :meth:`a2e_send`).
     fn e2a_send_tokens(
         &self,
         py: Python<'_>,
@@ -1234,10 +1262,12 @@ impl PyComm {
         reduced: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         self.require(py, Role::Expert, "E2A send")?;
-        self.host_only(py, "e2a_send_tokens (token-major)", "e2a_send")?;
         let held = &batch.get().inner;
-        let b = &*held.get(py)?;
-        let rt = Tensor::import(py, reduced, "reduced")?;
+        let guard = held.get(py)?;
+        let b = &guard.batch;
+        let cuda = self.cuda_place(py)?;
+        let place = cuda.map_or(Place::HOST, Place::cuda);
+        let rt = Tensor::import_at(py, reduced, "reduced", &place)?;
         expect_rows(
             py,
             &rt,
@@ -1246,11 +1276,19 @@ impl PyComm {
             Some(b.num_tokens()),
             self.info.hidden,
         )?;
-        let bytes = rt.bytes();
-        self.run(py, |c| {
-            let mode = c.config().mode;
-            c.e2a_send_tokens_bytes(b, bytes, mode)
-        })?;
+        match (cuda, rt.device_slice()) {
+            (Some(c), Some(rows)) => self.run_on(py, c, |comm, _, stream| {
+                comm.e2a_send_tokens_device(b, rows, stream)
+            }),
+            _ => {
+                let bytes = rt.bytes();
+                self.run(py, |c| {
+                    let mode = c.config().mode;
+                    c.e2a_send_tokens_bytes(b, bytes, mode)
+                })
+            }
+        }?;
+        drop(guard);
         held.set_replied();
         *self.recycle.token.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(batch.clone().unbind());
@@ -1439,18 +1477,30 @@ impl PyComm {
         })
     }
 
-    /// Fails on a `cuda` communicator: `call` has no device variant (`instead` has).
-    fn host_only(&self, py: Python<'_>, call: &str, instead: &str) -> PyResult<()> {
-        match &self.info.cuda {
-            None => Ok(()),
-            Some(d) => Err(invalid(
-                py,
-                format!(
-                    "{call} is not available on the cuda fabric (rows on cuda:{}): use {instead}",
-                    d.ordinal()
-                ),
-            )),
-        }
+    /// A receive into `batch` under `timeout`: `host(comm, batch)` on other fabrics; on a `cuda`
+    /// communicator `device(comm, batch, rows, stream)` into the batch's device rows, sized for
+    /// `rows.0(comm)` rows (kept with the batch; `rows.1` names them in an allocation error).
+    fn receive<B: Send>(
+        &self,
+        py: Python<'_>,
+        timeout: CallTimeout,
+        batch: &mut WithRows<B>,
+        rows: (fn(&Communicator) -> usize, &'static str),
+        host: impl FnOnce(&mut Communicator, &mut B) -> xccl::Result<()> + Send,
+        device: impl FnOnce(&mut Communicator, &mut B, DeviceSliceMut<'_>, &Stream) -> xccl::Result<()>
+            + Send,
+    ) -> PyResult<()> {
+        let Some(place) = self.cuda_place(py)? else {
+            return self.run(py, |c| timeout.apply(c, |c| host(c, &mut batch.batch)));
+        };
+        let elem = self.elem().size() * self.info.hidden;
+        self.run_on(py, place, |c, dev, stream| {
+            timeout.apply(c, |c| {
+                let need = rows.0(c) * elem;
+                let (b, out) = batch.device_rows(dev, need, rows.1)?;
+                device(c, b, out, stream)
+            })
+        })
     }
 
     /// `a2e_send` on a `cuda` communicator: `x` on its device, the routing on the CPU or there.
@@ -1661,37 +1711,43 @@ fn consumer_stream(py: Python<'_>, device: usize) -> PyResult<u64> {
         .map_err(|_| invalid(py, "xccl._cuda.current_stream returned no stream handle"))
 }
 
-/// An expert batch and, on a `cuda` communicator, the device memory its rows were received
-/// into: recycled and kept as spares together, so that steady-state receives reuse both.
+/// A received batch (expert-major [`ExpertBatch`] or token-major [`TokenBatch`]) and, on a
+/// `cuda` communicator, the device memory its rows were received into: recycled and kept as
+/// spares together, so that steady-state receives reuse both.
 #[derive(Default)]
-struct ExpertRows {
-    batch: ExpertBatch,
+struct WithRows<B> {
+    batch: B,
     device: Option<DeviceMemory>,
 }
 
-impl std::ops::Deref for ExpertRows {
-    type Target = ExpertBatch;
+/// An expert-major batch and its device rows.
+type ExpertRows = WithRows<ExpertBatch>;
 
-    fn deref(&self) -> &ExpertBatch {
+/// A token-major batch and its device rows.
+type TokenRows = WithRows<TokenBatch>;
+
+impl<B> std::ops::Deref for WithRows<B> {
+    type Target = B;
+
+    fn deref(&self) -> &B {
         &self.batch
     }
 }
 
-impl ExpertRows {
+impl<B> WithRows<B> {
     /// The batch, and at least `need` bytes of device memory of `device` for its rows (the
-    /// memory it has when large enough, else a new allocation).
+    /// memory it has when large enough, else a new allocation, named `what` in an error).
     fn device_rows(
         &mut self,
         device: &Device,
         need: usize,
-    ) -> xccl::Result<(&mut ExpertBatch, DeviceSliceMut<'_>)> {
+        what: &'static str,
+    ) -> xccl::Result<(&mut B, DeviceSliceMut<'_>)> {
         let fits = |m: &DeviceMemory| m.len() >= need && m.device().ordinal() == device.ordinal();
         if need > 0 && !self.device.as_ref().is_some_and(fits) {
             // The old allocation goes first: both need not fit at once.
             self.device = None;
-            self.device = Some(DeviceMemory::alloc(device, need, || {
-                "the rows of an expert-major receive".into()
-            })?);
+            self.device = Some(DeviceMemory::alloc(device, need, || what.into())?);
         }
         let rows = match self.device.as_mut() {
             Some(m) if need > 0 => m.as_slice_mut(),
@@ -1724,6 +1780,30 @@ fn batch_view(
         true,
         None,
     )
+}
+
+/// The rows of batch `owner` (`held`, locked as `rows`) as a read-only buffer counted in the
+/// batch's views: on CUDA `device`, `shape` (`[rows, hidden]`) over its device rows (address 0
+/// when there are none); else over its host rows `bytes` (`[0, hidden]` with `keep_int8`).
+fn rows_view<B>(
+    owner: &Bound<'_, PyAny>,
+    held: &Held<WithRows<B>>,
+    rows: &WithRows<B>,
+    device: Option<usize>,
+    shape: [usize; 2],
+    bytes: &[u8],
+    elem: Elem,
+) -> Buffer {
+    let Some(device) = device else {
+        let host_rows = bytes.len() / (shape[1].max(1) * elem.size());
+        return batch_view(owner, &held.views, bytes, &[host_rows, shape[1]], elem);
+    };
+    let ptr = match &rows.device {
+        Some(m) if shape[0] > 0 => m.ptr().addr(),
+        _ => 0,
+    };
+    let owner = Owner::Object(owner.clone().unbind(), held.views.clone());
+    Buffer::on_device(owner, ptr, device, &shape, elem, true)
 }
 
 /// Per-source info as a list of dicts (``rank``, ``count``, ``first_token``).
@@ -1865,20 +1945,10 @@ pub struct PyExpertBatch {
 impl Drop for PyExpertBatch {
     /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
-    /// its reply). Of the spares' device rows (the largest part of a batch on the cuda fabric:
-    /// `max_expert_rows` rows), one allocation is kept.
+    /// its reply). Of the spares' device rows, one allocation is kept (`Spares::give_rows`).
     fn drop(&mut self) {
-        if let Some(mut batch) = self.inner.take_spare() {
-            let pool = &self.spares.expert;
-            let kept = pool
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .any(|b| b.device.is_some());
-            if kept {
-                batch.device = None;
-            }
-            Spares::give(pool, batch);
+        if let Some(batch) = self.inner.take_spare() {
+            Spares::give_rows(&self.spares.expert, batch);
         }
     }
 }
@@ -1942,23 +2012,15 @@ impl PyExpertBatch {
     fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
         let inner = b.inner.get(slf.py())?;
-        if let Some(device) = b.device {
-            let rows = inner.num_rows();
-            let ptr = match &inner.device {
-                Some(m) if rows > 0 => m.ptr().addr(),
-                _ => 0,
-            };
-            let owner = Owner::Object(slf.as_any().clone().unbind(), b.inner.views.clone());
-            let shape = [rows, inner.hidden()];
-            return Ok(Buffer::on_device(owner, ptr, device, &shape, b.elem, true));
-        }
+        let shape = [inner.num_rows(), inner.hidden()];
         let bytes = inner.row_bytes();
-        let rows = bytes.len() / (inner.hidden().max(1) * b.elem.size());
-        Ok(batch_view(
+        Ok(rows_view(
             slf.as_any(),
-            &slf.get().inner.views,
+            &b.inner,
+            &inner,
+            b.device,
+            shape,
             bytes,
-            &[rows, inner.hidden()],
             b.elem,
         ))
     }
@@ -2128,22 +2190,24 @@ impl PyExpertBatch {
 /// the job at once, as for :class:`ExpertBatch`.
 #[pyclass(frozen, module = "xccl", name = "TokenBatch")]
 pub struct PyTokenBatch {
-    inner: Held<TokenBatch>,
+    inner: Held<TokenRows>,
     /// As [`PyExpertBatch::spares`].
     spares: Arc<Spares>,
     elem: Elem,
     hidden: usize,
     topk: usize,
     keep_int8: bool,
+    /// The CUDA device whose memory holds the rows (a `cuda` communicator's batch).
+    device: Option<usize>,
 }
 
 impl Drop for PyTokenBatch {
     /// A replied batch goes to the spare pool; an unreplied one is dropped here, which aborts
     /// the job at once naming this rank and the epoch (Rust's rule for a batch dropped before
-    /// its reply).
+    /// its reply). Of the spares' device rows, one allocation is kept (`Spares::give_rows`).
     fn drop(&mut self) {
         if let Some(batch) = self.inner.take_spare() {
-            Spares::give(&self.spares.token, batch);
+            Spares::give_rows(&self.spares.token, batch);
         }
     }
 }
@@ -2180,18 +2244,21 @@ impl PyTokenBatch {
     }
 
     /// The rows, ``[num_tokens, hidden]`` of the dtype, read-only, no copy (``[0, hidden]``
-    /// with ``keep_int8``).
+    /// with ``keep_int8``). On the ``cuda`` fabric a CUDA :class:`Buffer`: a view of the
+    /// device memory the rows were received into (row ``i`` is token ``i``).
     #[getter]
     fn rows(slf: &Bound<'_, Self>) -> PyResult<Buffer> {
         let b = slf.get();
         let inner = b.inner.get(slf.py())?;
+        let shape = [inner.num_tokens(), b.hidden];
         let bytes = inner.row_bytes();
-        let rows = bytes.len() / (b.hidden.max(1) * b.elem.size());
-        Ok(batch_view(
+        Ok(rows_view(
             slf.as_any(),
-            &slf.get().inner.views,
+            &b.inner,
+            &inner,
+            b.device,
+            shape,
             bytes,
-            &[rows, b.hidden],
             b.elem,
         ))
     }

@@ -18,17 +18,17 @@ def standin_left(env) -> list:
     return [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
 
 
-def device_job(tmp_path, env, world, fabric, **kw):
+def device_job(tmp_path, env, world, fabric, scenario="device_rounds", **kw):
     args = {**BASE, "rounds": 5, "tokens": [[5, 0, 16], [1, 16, 3]], **kw}
     out = tmp_path / fabric
     out.mkdir()
-    results = harness.run("device_rounds", world, out, env=env, fabric=fabric, **args)
+    results = harness.run(scenario, world, out, env=env, fabric=fabric, **args)
     assert standin_left(env) == []
     return results
 
 
-def same_results_on_device_and_host(tmp_path, env, m, n, dtype):
-    kw = {"m": m, "n": n, "dtype": dtype}
+def same_results_on_device_and_host(tmp_path, env, m, n, dtype, major="expert"):
+    kw = {"m": m, "n": n, "dtype": dtype, "major": major}
     cuda = device_job(tmp_path, env, m + n, "cuda", **kw)
     host = device_job(tmp_path, env, m + n, "shm", **kw)
     for r in range(m):
@@ -48,6 +48,33 @@ def test_cuda_tensors_1a_1e_give_the_host_jobs_bits(tmp_path, cuda_standin):
 
 def test_cuda_tensors_2a_3e_on_two_devices_give_the_host_jobs_bits(tmp_path, cuda_standin):
     same_results_on_device_and_host(tmp_path, cuda_standin, 2, 3, "f32")
+
+
+def test_token_major_cuda_tensors_2a_3e_give_the_host_jobs_bits(tmp_path, cuda_standin):
+    # Expert ranks receive with a2e_recv_tokens (rows: a CUDA buffer of their device) and
+    # reply with e2a_send_tokens from CUDA tensors; the attention ranks' results match the
+    # shm job's (token-major there too) and the reference bit for bit.
+    same_results_on_device_and_host(tmp_path, cuda_standin, 2, 3, "bf16", major="token")
+
+
+def test_expert_and_token_major_rounds_alternate_on_cuda_bit_for_bit(tmp_path, cuda_standin):
+    # Odd rounds token-major: the recycled batches and their device rows of both kinds are
+    # reused across the switches.
+    same_results_on_device_and_host(tmp_path, cuda_standin, 1, 2, "f16", major="alternate")
+
+
+def test_afd_connector_both_sides_on_cuda_tensors_give_the_host_jobs_bits(tmp_path, cuda_standin):
+    # The FFN side receives token-major into device memory: hidden_states a view of it, the
+    # metadata copied to the device, the reply a CUDA tensor; every rank's digests (results,
+    # received rows, expert ids, weights, seq_lens) equal the shm job's.
+    kw = {"m": 2, "n": 2, "dtype": "bf16", "scenario": "afd_rounds"}
+    cuda = device_job(tmp_path, cuda_standin, 4, "cuda", **kw)
+    host = device_job(tmp_path, cuda_standin, 4, "shm", **kw)
+    for r in range(4):
+        assert cuda[r]["mismatches"] == [], cuda[r]["mismatches"]
+        assert host[r]["mismatches"] == [], host[r]["mismatches"]
+        assert cuda[r]["digests"] == host[r]["digests"], f"rank {r}: device and host differ"
+        assert len(cuda[r]["digests"]) == 5
 
 
 def test_cuda_misuse_is_refused_naming_both_devices_and_sends_nothing(tmp_path, cuda_standin):

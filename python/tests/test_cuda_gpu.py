@@ -26,3 +26,17 @@ def test_torch_cuda_tensors_on_a_busy_stream_give_the_host_jobs_bits(tmp_path):
     for r in range(2):
         assert gpu[r]["mismatches"] == [], gpu[r]["mismatches"]
         assert gpu[r]["digests"] == host[r]["digests"], f"rank {r}: GPU and host differ"
+
+
+def test_afd_connector_on_torch_cuda_tensors_gives_the_host_jobs_bits(tmp_path):
+    # Both sides of AFDConnector with torch CUDA tensors: the FFN side's hidden_states is
+    # torch.from_dlpack of the device rows, its metadata moved to the GPU by torch.
+    env = {k: v for k, v in os.environ.items() if k != "XCCL_CUDA_LIBRARY"}
+    kw = {**BASE, "m": 2, "n": 2, "dtype": "bf16", "rounds": 5, "tokens": [[5, 0], [16, 3]]}
+    runs = {}
+    for fabric in ("cuda", "shm"):
+        (tmp_path / fabric).mkdir()
+        runs[fabric] = harness.run("afd_rounds", 4, tmp_path / fabric, env=env, fabric=fabric, **kw)
+    for r in range(4):
+        assert runs["cuda"][r]["mismatches"] == [], runs["cuda"][r]["mismatches"]
+        assert runs["cuda"][r]["digests"] == runs["shm"][r]["digests"], f"rank {r} differs"

@@ -145,20 +145,25 @@ def token_major_reply(comm, batch, dtype):
         rows = (q * s[:, None]).to(TORCH[dtype])
     ids = torch.from_dlpack(batch.expert_ids)
     ws = torch.from_dlpack(batch.expert_weights)
-    t = batch.num_tokens
-    acc = torch.zeros((t, ARGS["H"]), dtype=torch.float32)
-    scales = torch.tensor(
-        [float(ref.expert_scale(e)) for e in comm.local_experts] + [0.0], dtype=torch.float32
-    )
+    comm.e2a_send_tokens(batch, token_outputs(rows, ids, ws, comm.local_experts, dtype))
+    return batch.num_tokens
+
+
+def token_outputs(rows, ids, ws, experts, dtype):
+    """The test experts' token-major replies to ``rows`` (a CPU torch tensor, one row per token)
+    whose experts are ``ids`` ``[T, topk]`` (indices into ``experts``, the global ids; -1 =
+    none) with weights ``ws``: per token the f32 sum, in column order, of ``weight * expert(row)``
+    (each expert's output rounded to the dtype), rounded once."""
+    acc = torch.zeros((rows.shape[0], ARGS["H"]), dtype=torch.float32)
+    scales = torch.tensor([float(ref.expert_scale(e)) for e in experts] + [0.0])
     for c in range(ARGS["topk"]):
-        j = ids[:, c]
+        j = ids[:, c].long()
         valid = j >= 0
-        s = scales[torch.where(valid, j, len(comm.local_experts))]
+        s = scales[torch.where(valid, j, len(experts))]
         y = (rows.float() * s[:, None]).to(TORCH[dtype]).float()
         contrib = ws[:, c : c + 1] * y
         acc = torch.where(valid[:, None], acc + contrib, acc)
-    comm.e2a_send_tokens(batch, acc.to(TORCH[dtype]))
-    return t
+    return acc.to(TORCH[dtype])
 
 
 def check_result(got, x, idx, w, owner, dtype, label):
@@ -1080,11 +1085,36 @@ def record(out, got, inputs, owner, dtype, r):
     out["digests"].append(digest(got.view(np.uint8)))
 
 
+def token_major(r: int) -> bool:
+    """Whether expert ranks receive round ``r`` token-major (``major``: "expert" (default),
+    "token", or "alternate": odd rounds)."""
+    major = ARGS.get("major", "expert")
+    return major == "token" or (major == "alternate" and r % 2 == 1)
+
+
+def cuda_token_reply(comm, batch, dev, dtype):
+    """Replies to token-major ``batch`` on the cuda fabric: its rows (a CUDA buffer, checked)
+    read back to the host, the test experts' reduced rows sent from device memory. Returns
+    the tensor sent, the rows buffer and its host copy."""
+    from cuda_tensor import DeviceTensor, to_host
+
+    buf = batch.rows
+    assert buf.device == comm.device, (buf.device, comm.device)
+    assert buf.__dlpack_device__() == (2, dev)
+    assert buf.shape == (batch.num_tokens, ARGS["H"]) and buf.readonly, buf
+    rows = torch.from_dlpack(to_host(buf, dev))
+    ids = torch.from_dlpack(batch.expert_ids)
+    ws = torch.from_dlpack(batch.expert_weights)
+    res = DeviceTensor.of(token_outputs(rows, ids, ws, comm.local_experts, dtype), dev)
+    comm.e2a_send_tokens(batch, res)
+    return res, buf, rows
+
+
 def scenario_device_rounds():
     """``rounds`` A2E/E2A calls on ``fabric`` ("cuda": every tensor a CUDA tensor of the
     communicator's device, the routing on the CPU (int64 ids) or on the device (int32 ids, or
     int64 ids read back) in turn, results into new buffers or ``out=``; "shm": the same job with
-    CPU tensors). Each
+    CPU tensors). Expert ranks receive expert-major or token-major (``token_major``). Each
     attention rank checks its results against the reference and reports their digests; every
     DLPack export xccl asked for is reported with its stream argument."""
     from cuda_tensor import DeviceTensor, to_host
@@ -1133,7 +1163,22 @@ def scenario_device_rounds():
                     got = to_numpy(torch.from_dlpack(res), dtype)
                 record(out, got, (x, idx, w), owner, dtype, r)
         else:
-            for _ in range(a["rounds"]):
+            kept = None
+            for r in range(a["rounds"]):
+                if token_major(r):
+                    batch = comm.a2e_recv_tokens()
+                    if not cuda:
+                        token_major_reply(comm, batch, dtype)
+                        continue
+                    if kept is not None:
+                        # A rows buffer kept past the next receive still views its own rows:
+                        # the receive did not refill the batch it keeps alive.
+                        again = torch.from_dlpack(to_host(kept[0], dev))
+                        assert torch.equal(again.view(torch.uint8), kept[1].view(torch.uint8))
+                    res, buf, rows = cuda_token_reply(comm, batch, dev, dtype)
+                    out["streams"] += res.streams
+                    kept = (buf, rows) if kept is None and rows.shape[0] > 0 else None
+                    continue
                 batch = comm.a2e_recv()
                 if cuda:
                     rows_buf = batch.rows
@@ -1194,10 +1239,11 @@ def scenario_torch_cuda_rounds():
 
 def scenario_device_misuse():
     """1A:1E on the cuda fabric (the attention rank on device 0 of 2): tensors on the CPU, on
-    the other device, on ``meta``; device routing of a wrong dtype or shape; token-major calls; CUDA
-    buffer exports with every legal and illegal stream; the stream of a (stand-in) torch. Each
-    misuse raises naming what is wrong and sends nothing: a good round follows, checked."""
-    from cuda_tensor import DeviceTensor, to_host
+    the other device, on ``meta``; device routing of a wrong dtype or shape; replies (expert- and
+    token-major) on the CPU, on the other device, of the wrong shape (or dtype, or strides);
+    CUDA buffer exports with every legal and illegal stream; the stream of a (stand-in) torch.
+    Each misuse raises naming what is wrong and sends nothing: a good round follows, checked."""
+    from cuda_tensor import ColumnMajorDeviceTensor, DeviceTensor, to_host
 
     import xccl._cuda
 
@@ -1302,14 +1348,13 @@ def scenario_device_misuse():
                 f"cuda:{other}",
             )
             failures += [] if repr(buf).find(f"device=cuda:{dev}") > 0 else [repr(buf)]
+            # A second round, which the expert rank receives token-major.
+            buf = comm.e2a_recv(comm.a2e_send(xd, it, wt))
+            got = to_numpy(torch.from_dlpack(to_host(buf, dev)), dtype)
+            d = check_result(got, x, idx, w, owner, dtype, "after the token-major misuse")
+            if d:
+                failures.append(str(d))
         else:
-            check(
-                "token-major receive",
-                xccl.InvalidArgumentError,
-                comm.a2e_recv_tokens,
-                "a2e_recv_tokens",
-                "cuda fabric",
-            )
             batch = comm.a2e_recv()
             rows = torch.from_dlpack(to_host(batch.rows, dev))
             res = expert_outputs(comm, rows, batch.expert_offsets, dtype)
@@ -1328,7 +1373,113 @@ def scenario_device_misuse():
                 "expert_out has shape",
             )
             comm.e2a_send(batch, DeviceTensor.of(res, dev))
+            tokens = comm.a2e_recv_tokens()
+            rows = torch.from_dlpack(to_host(tokens.rows, dev))
+            ids = torch.from_dlpack(tokens.expert_ids)
+            ws = torch.from_dlpack(tokens.expert_weights)
+            red = token_outputs(rows, ids, ws, comm.local_experts, dtype)
+            check(
+                "cpu reduced",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, red),
+                "reduced is on cpu",
+                f"cuda:{dev}",
+            )
+            check(
+                "reduced on the other gpu",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, DeviceTensor.of(red, other)),
+                f"reduced is on cuda:{other}",
+                f"cuda:{dev}",
+            )
+            check(
+                "reduced of the wrong shape",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, DeviceTensor.of(red[:-1], dev)),
+                "reduced has shape",
+            )
+            check(
+                "reduced of the wrong dtype",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, DeviceTensor.of(red.double(), dev)),
+                "reduced has dtype float64",
+            )
+            check(
+                "reduced not C-contiguous",
+                bad,
+                lambda: comm.e2a_send_tokens(tokens, ColumnMajorDeviceTensor.of(red, dev)),
+                "reduced is not C-contiguous",
+            )
+            comm.e2a_send_tokens(tokens, DeviceTensor.of(red, dev))
     result(failures=failures)
+
+
+def scenario_afd_rounds():
+    """``rounds`` exchanges through ``xccl.adapters.AFDConnector`` on ``fabric``, both sides
+    (``send_attn_output``/``recv_ffn_output``, ``recv_attn_output``/``send_ffn_output``); on
+    "cuda" every tensor is a CUDA tensor of the communicator's device, each checked to be there:
+    torch's on a GPU, else ``DeviceTensor``s (torch's CUDA operations in the adapter stood in by
+    ``cuda_tensor.standin_torch_cuda``).
+    Attention ranks check their results against the reference; every rank reports digests of
+    what it got (results; rows, expert ids, weights, seq_lens) to compare with the host job."""
+    from cuda_tensor import DeviceTensor, standin_torch_cuda
+
+    from xccl.adapters import AFDConnector, AFDConnectorMetadata
+
+    a = ARGS
+    cuda = a["fabric"] == "cuda"
+    gpu = cuda and torch.cuda.is_available()
+    if cuda and not gpu:
+        standin_torch_cuda()
+    comm = join_on(a["fabric"])
+    dtype = a["dtype"]
+    out = {"digests": [], "mismatches": []}
+    dev = device_of(comm) if cuda else None
+    conn = AFDConnector(comm)
+
+    def to_host(t, what):
+        if not cuda:
+            return t
+        if gpu and isinstance(t, torch.Tensor) and t.device == torch.device(comm.device):
+            return t.cpu()
+        if not gpu and isinstance(t, DeviceTensor) and t.device == dev:
+            return torch.from_dlpack(t.host())
+        raise AssertionError(f"{what} is not a CUDA tensor of cuda:{dev}: {t!r}")
+
+    def on_device(t):
+        if not cuda:
+            return t
+        return t.to(comm.device) if gpu else DeviceTensor.of(t, dev)
+
+    def bits(t):
+        return digest(t.contiguous().view(torch.uint8).numpy())
+
+    if conn.is_attention:
+        for r, owner, (x, idx, w) in attention_workloads(comm):
+            it, wt = torch.from_numpy(idx), torch.from_numpy(w)
+            meta = AFDConnectorMetadata(layer_idx=r, stage_idx=7, topk_idx=it, topk_weights=wt)
+            conn.send_attn_output(on_device(to_torch(x, dtype)), meta)
+            got = to_host(conn.recv_ffn_output(), "the combined output")
+            record(out, to_numpy(got, dtype), (x, idx, w), owner, dtype, r)
+    else:
+        for r in range(a["rounds"]):
+            rows, meta = conn.recv_attn_output()
+            rows = to_host(rows, "hidden_states")
+            ids = to_host(meta.topk_idx, "topk_idx")
+            ws = to_host(meta.topk_weights, "topk_weights")
+            if (meta.layer_idx, meta.stage_idx) != (r, 7):
+                out["mismatches"].append(f"round {r}: {meta.layer_idx}, {meta.stage_idx}")
+            b = meta.handle
+            src = torch.from_dlpack(b.src_rank).long() * (1 << 32) + torch.from_dlpack(b.src_token)
+            reply = token_outputs(rows, ids, ws, range(a["E"]), dtype)
+            conn.send_ffn_output(on_device(reply), meta)
+            # Each source's tokens are consecutive, the sources in arrival order: compare in
+            # (source rank, token) order.
+            p = torch.argsort(src)
+            got = [bits(rows[p]), bits(ids[p]), bits(ws[p]), src[p].tolist(), meta.seq_lens]
+            out["digests"].append(got)
+    conn.close()
+    result(**out)
 
 
 def scenario_cuda_tensor_on_host_comm():

@@ -224,7 +224,10 @@ class TokenBatch:
     @property
     def tags(self) -> list[int]: ...
     @property
-    def rows(self) -> Buffer: ...
+    def rows(self) -> Buffer:
+        """``[num_tokens, hidden]`` of the dtype, row ``i`` token ``i`` (``[0, hidden]`` with
+        keep_int8); on the ``cuda`` fabric a view of the device memory the rows were received
+        into."""
     @property
     def int8_rows(self) -> Buffer | None: ...
     @property
@@ -327,10 +330,13 @@ class Communicator:
         """``timeout``: seconds (default: the config's), or ``None``: no deadline, waits while
         the attention ranks live (a dead or departed peer, an abort or Ctrl-C ends it)."""
     def a2e_recv_tokens(self, *, timeout: float | None = ...) -> TokenBatch:
-        """``timeout`` as for :meth:`a2e_recv`. Not on the ``cuda`` fabric (use
-        :meth:`a2e_recv`)."""
-    def e2a_send(self, batch: ExpertBatch, expert_out: Tensor) -> None: ...
-    def e2a_send_tokens(self, batch: TokenBatch, reduced: Tensor) -> None: ...
+        """``timeout`` as for :meth:`a2e_recv`. On the ``cuda`` fabric the rows are device
+        memory of :attr:`device` (``TokenBatch.rows`` a CUDA buffer; not with keep_int8)."""
+    def e2a_send(self, batch: ExpertBatch, expert_out: Tensor) -> None:
+        """On the ``cuda`` fabric ``expert_out`` is a CUDA tensor of :attr:`device`."""
+    def e2a_send_tokens(self, batch: TokenBatch, reduced: Tensor) -> None:
+        """``reduced``: ``[batch.num_tokens, hidden]``; on the ``cuda`` fabric a CUDA tensor of
+        :attr:`device`."""
     # both
     def barrier(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...

@@ -14,8 +14,7 @@ and where the semantics differ (xccl takes the gating weights at dispatch; atten
 experts are different processes). Tensors are torch tensors: on the CPU, or on a communicator of
 the ``cuda`` fabric CUDA tensors of its device (``comm.device``), which the adapters hand back
 too. On CUDA, expert ids given as int64 (what ``torch.topk`` returns) are converted to the int32
-xccl's device routing reads, on the current stream (xccl's call runs after it). The FFN side of
-:class:`AFDConnector` is token-major, which the ``cuda`` fabric does not have yet.
+xccl's device routing reads, on the current stream (xccl's call runs after it).
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ class AFDConnectorMetadata:
     ``topk_weights`` ``[T, k]`` float32 are required by :meth:`AFDConnector.send_attn_output`.
     FFN side: :meth:`AFDConnector.recv_attn_output` fills ``seq_lens`` (tokens received from
     each attention rank of the call, in rank order), ``topk_idx`` / ``topk_weights`` (per token
-    the global ids of this rank's experts it selected and their weights, ``[N, k]`` padded with
-    -1 / 0.0), ``layer_idx`` / ``stage_idx`` (sent as the call's tag, ``stage_idx << 32 |
+    the global ids of this rank's experts it selected and their weights, ``[N, k]`` int64 /
+    float32 padded with -1 / 0.0, on the communicator's device), ``layer_idx`` / ``stage_idx`` (sent as the call's tag, ``stage_idx << 32 |
     layer_idx``; those of the lowest attention rank of the call) and ``handle`` (the batch to
     reply to).
     """
@@ -149,22 +148,29 @@ class AFDConnector:
         self, timeout_ms: int | None = None, ubatch_idx: int | None = None
     ) -> tuple[torch.Tensor, AFDConnectorMetadata]:
         """FFN: waits for the next call's tokens; returns ``(hidden_states [N, hidden],
-        metadata)``, one row per (attention rank, token) that selected a local expert here, in
-        attention-rank order. ``timeout_ms`` must be None (the communicator's timeout
-        applies)."""
+        metadata)``, one row per (attention rank, token) that selected a local expert here, each
+        attention rank's rows consecutive, the ranks in the order their rows arrived (not rank
+        order: ``metadata.handle.sources[i]["first_token"]`` is rank ``i``'s first row;
+        ``metadata.seq_lens`` is in rank order). ``timeout_ms`` must be None (the
+        communicator's timeout applies).
+
+        On the ``cuda`` fabric ``hidden_states`` is a read-only view of the device memory the
+        rows were received into (no copy; kept alive by the tensor), and the metadata's
+        ``topk_idx`` / ``topk_weights`` are copied to the same device."""
         if timeout_ms is not None:
             raise ValueError("timeout_ms is set per communicator (Config(timeout=...))")
         comm = self._comm()
         batch = comm.a2e_recv_tokens()
-        rows = torch.from_dlpack(batch.rows).reshape(-1, comm.hidden)  # [0, hidden] when empty
+        rows = torch.from_dlpack(batch.rows)  # [N, hidden], also when N is 0
         # Local expert indices -> global expert ids (-1 stays -1: it picks the appended -1).
         to_global = torch.tensor([*comm.local_experts, -1], dtype=torch.int64)
+        topk_idx = to_global[torch.from_dlpack(batch.expert_ids).to(torch.int64)]
         meta = AFDConnectorMetadata(
             layer_idx=batch.tag & 0xFFFF_FFFF,
             stage_idx=batch.tag >> 32,
             seq_lens=[s["count"] for s in batch.sources],
-            topk_idx=to_global[torch.from_dlpack(batch.expert_ids).to(torch.int64)],
-            topk_weights=torch.from_dlpack(batch.expert_weights),
+            topk_idx=topk_idx.to(rows.device),
+            topk_weights=torch.from_dlpack(batch.expert_weights).to(rows.device),
             handle=batch,
         )
         return rows, meta
@@ -177,7 +183,9 @@ class AFDConnector:
     ) -> None:
         """FFN: replies to the call ``metadata`` came from with ``ffn_output`` ``[N, hidden]``,
         one row per received row: the sum over that token's local experts of
-        ``weight * expert(row)`` (xccl adds the other expert ranks' rows)."""
+        ``weight * expert(row)`` (xccl adds the other expert ranks' rows). On the ``cuda``
+        fabric a CUDA tensor of the communicator's device, read after the current stream's
+        work."""
         if metadata.handle is None:
             raise ValueError("send_ffn_output needs the metadata recv_attn_output returned")
         self._comm().e2a_send_tokens(metadata.handle, ffn_output)
