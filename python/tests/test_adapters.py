@@ -84,7 +84,12 @@ def afd_rank(rank: int, uid: str) -> None:
                 for a in range(ATTENTION):
                     _, idx, _ = inputs(step, mb, a)
                     want.append(sum(any(int(e) in local for e in row) for row in idx))
-                assert meta.seq_lens == want, (meta.seq_lens, want)
+                # Per attention rank, in the order of the rows: each segment of the split is
+                # that rank's rows.
+                assert dict(zip(meta.src_ranks, meta.seq_lens)) == dict(enumerate(want)), meta
+                src = torch.from_dlpack(meta.handle.src_rank)
+                for r, part in zip(meta.src_ranks, src.split(meta.seq_lens)):
+                    assert bool((part == r).all()), (meta.src_ranks, meta.seq_lens, src)
                 assert (meta.layer_idx, meta.stage_idx) == (3 + step, mb), meta
                 assert rows.shape == (sum(want), HIDDEN), (rows.shape, want)
                 assert set(meta.topk_idx[meta.topk_idx >= 0].tolist()) <= local

@@ -1476,7 +1476,8 @@ def scenario_afd_rounds():
             # Each source's tokens are consecutive, the sources in arrival order: compare in
             # (source rank, token) order.
             p = torch.argsort(src)
-            got = [bits(rows[p]), bits(ids[p]), bits(ws[p]), src[p].tolist(), meta.seq_lens]
+            lens = sorted(zip(meta.src_ranks, meta.seq_lens))  # the rows' order is arrival's
+            got = [bits(rows[p]), bits(ids[p]), bits(ws[p]), src[p].tolist(), lens]
             out["digests"].append(got)
     conn.close()
     result(**out)

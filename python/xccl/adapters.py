@@ -53,7 +53,9 @@ class AFDConnectorMetadata:
     Attention side: ``topk_idx`` ``[T, k]`` (global expert ids, -1 for none) and
     ``topk_weights`` ``[T, k]`` float32 are required by :meth:`AFDConnector.send_attn_output`.
     FFN side: :meth:`AFDConnector.recv_attn_output` fills ``seq_lens`` (tokens received from
-    each attention rank of the call, in rank order), ``topk_idx`` / ``topk_weights`` (per token
+    each attention rank of the call, in the order of the rows: ``hidden_states.split(seq_lens)``
+    gives each rank's rows) with ``src_ranks`` (the attention rank of each ``seq_lens`` entry),
+    ``topk_idx`` / ``topk_weights`` (per token
     the global ids of this rank's experts it selected and their weights, ``[N, k]`` int64 /
     float32 padded with -1 / 0.0, on the communicator's device), ``layer_idx`` / ``stage_idx`` (sent as the call's tag, ``stage_idx << 32 |
     layer_idx``; those of the lowest attention rank of the call) and ``handle`` (the batch to
@@ -63,6 +65,7 @@ class AFDConnectorMetadata:
     layer_idx: int = 0
     stage_idx: int = 0
     seq_lens: list[int] = field(default_factory=list)
+    src_ranks: list[int] = field(default_factory=list)
     topk_idx: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     handle: Any = None
@@ -149,10 +152,10 @@ class AFDConnector:
     ) -> tuple[torch.Tensor, AFDConnectorMetadata]:
         """FFN: waits for the next call's tokens; returns ``(hidden_states [N, hidden],
         metadata)``, one row per (attention rank, token) that selected a local expert here, each
-        attention rank's rows consecutive, the ranks in the order their rows arrived (not rank
-        order: ``metadata.handle.sources[i]["first_token"]`` is rank ``i``'s first row;
-        ``metadata.seq_lens`` is in rank order). ``timeout_ms`` must be None (the
-        communicator's timeout applies).
+        attention rank's rows consecutive, the ranks in the order their rows arrived:
+        ``metadata.seq_lens`` counts them in that order and ``metadata.src_ranks`` names each
+        segment's attention rank, so ``hidden_states.split(metadata.seq_lens)`` gives the ranks'
+        rows. ``timeout_ms`` must be None (the communicator's timeout applies).
 
         On the ``cuda`` fabric ``hidden_states`` is a read-only view of the device memory the
         rows were received into (no copy; kept alive by the tensor), and the metadata's
@@ -164,11 +167,14 @@ class AFDConnector:
         rows = torch.from_dlpack(batch.rows)  # [N, hidden], also when N is 0
         # Local expert indices -> global expert ids (-1 stays -1: it picks the appended -1).
         to_global = torch.tensor([*comm.local_experts, -1], dtype=torch.int64)
+        # The sources in the order of their rows (each source's rows are consecutive).
+        in_rows = sorted(batch.sources, key=lambda s: (s["first_token"], s["rank"]))
         topk_idx = to_global[torch.from_dlpack(batch.expert_ids).to(torch.int64)]
         meta = AFDConnectorMetadata(
             layer_idx=batch.tag & 0xFFFF_FFFF,
             stage_idx=batch.tag >> 32,
-            seq_lens=[s["count"] for s in batch.sources],
+            seq_lens=[s["count"] for s in in_rows],
+            src_ranks=[s["rank"] for s in in_rows],
             topk_idx=topk_idx.to(rows.device),
             topk_weights=torch.from_dlpack(batch.expert_weights).to(rows.device),
             handle=batch,
