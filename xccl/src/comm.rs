@@ -563,6 +563,29 @@ impl Communicator {
     /// naming the rank). The host-buffer calls move rows through `put`/`get` on this fabric;
     /// the device-buffer calls ([`Communicator::a2e_send_device`] and the others) move them on
     /// the device.
+    ///
+    /// ```no_run
+    /// # fn main() -> xccl::Result<()> {
+    /// use std::sync::Arc;
+    /// use xccl::cuda::{DeviceMemory, Stream};
+    /// use xccl::{Communicator, DType, MoeConfig, Routing, Topology};
+    /// # let exchange: Arc<dyn xccl::bootstrap::Exchange> = unimplemented!();
+    /// let topo = Arc::new(Topology::contiguous(1, 1, 8)?);
+    /// let cfg = MoeConfig::new(7168, DType::BF16, 8, 128);
+    /// // One rank per process; the window on GPU `rank % device count`.
+    /// let mut comm = Communicator::init_cuda(exchange, topo, cfg, None)?;
+    /// let device = comm.cuda_device().expect("a cuda communicator").clone();
+    /// let stream = Stream::new(&device)?; // the caller's stream (torch's current one, in Python)
+    /// let (tokens, row) = (128, 7168 * 2);
+    /// let x = DeviceMemory::alloc(&device, tokens * row, || "x".into())?;
+    /// let mut out = DeviceMemory::alloc(&device, tokens * row, || "out".into())?;
+    /// let (idx, w) = (vec![0i32; tokens * 8], vec![0.125f32; tokens * 8]);
+    /// let routing = Routing::Host { topk_idx: &idx, topk_weights: &w };
+    /// let handle = comm.a2e_send_device(x.as_slice(), routing, &stream)?;
+    /// comm.e2a_recv_device(&handle, out.as_slice_mut(), &stream)?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn init_cuda(
         exchange: Arc<dyn Exchange>,
         topo: Arc<Topology>,
