@@ -385,13 +385,9 @@ impl DispatchSender {
         ctx.note_written(dst, count * stride);
         // SAFETY: the sources are rows of the caller's checked device buffer (or this call's
         // quantized payloads in scratch) and this rank's staged metadata; the destinations
-        // are distinct rows inside `dst`'s window (range-checked above), reserved for this
-        // call by the credit wait.
-        let queued = unsafe {
-            dev.plane
-                .copy_runs(&payloads)
-                .and_then(|()| dev.plane.scatter(&self.stage, &metas))
-        };
+        // (payloads and metadata of distinct rows) lie inside `dst`'s window (range-checked
+        // above), reserved for this call by the credit wait.
+        let queued = unsafe { dev.plane.copy_and_scatter(&payloads, &self.stage, &metas) };
         self.device_runs = payloads;
         queued?;
         dev.plane.complete(ctx.call_deadline())

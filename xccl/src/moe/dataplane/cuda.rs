@@ -308,14 +308,30 @@ impl DataPlane for CudaPlane {
     }
 
     unsafe fn scatter(&mut self, data: &[u8], runs: &[CopyRun]) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.copy_and_scatter(&[], data, runs) }
+    }
+
+    unsafe fn copy_and_scatter(
+        &mut self,
+        device_runs: &[CopyRun],
+        data: &[u8],
+        runs: &[CopyRun],
+    ) -> Result<()> {
         check_host_runs(runs, data.len(), |r| r.src, "scatter")?;
-        if runs.is_empty() {
+        if runs.is_empty() && device_runs.is_empty() {
             return Ok(());
         }
-        let runs_len = std::mem::size_of_val(runs);
+        let runs_len = std::mem::size_of_val(runs) + std::mem::size_of_val(device_runs);
         self.reserve(Self::room(&[data.len(), runs_len]))?;
-        let base = self.stage(data)?;
+        let base = if data.is_empty() {
+            0
+        } else {
+            self.stage(data)?
+        };
+        // One list: the device copies as they are, the scattered bytes from their staged copy.
         self.runs.clear();
+        self.runs.extend_from_slice(device_runs);
         self.runs.extend(runs.iter().map(|r| CopyRun {
             src: base + r.src,
             ..*r
@@ -325,8 +341,8 @@ impl DataPlane for CudaPlane {
         self.runs = runs;
         let (mut at, mut n) = (staged?, self.runs.len() as u32);
         let f = &self.kernels.copy_runs;
-        // SAFETY: as `copy_runs`; the sources are the staged copy of `data`, which lives in
-        // the staging area until completion.
+        // SAFETY: as `copy_runs`; the scattered sources are the staged copy of `data`, which
+        // lives in the staging area until completion, the others the caller's device ranges.
         unsafe { self.launch(f, self.runs.len(), &mut [arg(&mut at), arg(&mut n)]) }
     }
 

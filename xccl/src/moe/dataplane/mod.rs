@@ -177,6 +177,26 @@ pub trait DataPlane: Send {
     /// As [`DataPlane::copy_runs`] for the destinations.
     unsafe fn scatter(&mut self, data: &[u8], runs: &[CopyRun]) -> Result<()>;
 
+    /// [`DataPlane::copy_runs`] of `runs` and [`DataPlane::scatter`] of `data` by `scattered`
+    /// together (one launch on a device): a chunk of rows and their metadata.
+    ///
+    /// # Safety
+    /// As [`DataPlane::copy_runs`] for `runs` and [`DataPlane::scatter`] for `scattered`; no
+    /// destination of one overlaps the other's.
+    unsafe fn copy_and_scatter(
+        &mut self,
+        runs: &[CopyRun],
+        data: &[u8],
+        scattered: &[CopyRun],
+    ) -> Result<()> {
+        check_host_runs(scattered, data.len(), |r| r.src, "scatter")?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.copy_runs(runs)?;
+            self.scatter(data, scattered)
+        }
+    }
+
     /// Copies from this plane's memory to the host: run `i` copies the `len` bytes at `src` to
     /// `out[dst..dst + len]` (`dst` an offset into `out`; bytes no run covers are unspecified).
     /// Completes everything queued

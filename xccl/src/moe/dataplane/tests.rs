@@ -819,6 +819,45 @@ fn scatter_and_gather_move_host_bytes_to_device_places_and_back_on_both_planes()
         assert_eq!(want[range.clone()], data[range], "gather (host)");
     }
 
+    // Device copies and a scatter in one launch: each scattered run lands in a second buffer
+    // at its place above (all at 1186 and up), and a device copy of what the first scatter put
+    // in `dst` goes 1000 bytes lower in it.
+    let both = upload(&io, &device, &vec![0xEE; 2000]);
+    let base = both.ptr().addr();
+    let copies: Vec<CopyRun> = (runs.iter())
+        .map(|r| CopyRun {
+            src: dst.ptr().addr() + r.dst,
+            dst: base + r.dst - 1000,
+            len: r.len,
+        })
+        .collect();
+    let scattered: Vec<CopyRun> = (runs.iter())
+        .map(|r| CopyRun {
+            dst: base + r.dst,
+            ..*r
+        })
+        .collect();
+    assert!(
+        runs.iter().all(|r| r.dst >= 1000 + r.len),
+        "copies below the scattered runs"
+    );
+    // SAFETY: every destination is inside the live 2000-byte `both`, the copies' under the
+    // scattered runs' (checked just above); the copies' sources are in `dst`.
+    unsafe { plane.copy_and_scatter(&copies, &data, &scattered) }.unwrap();
+    plane.complete(deadline()).unwrap();
+    let got = download(&io, &both, 2000);
+    for r in &runs {
+        let (at, len) = (r.dst as usize, r.len as usize);
+        let copied = &got[at - 1000..at - 1000 + len];
+        assert_eq!(copied, &host_dst[at..at + len], "copy_and_scatter: copy");
+        let scattered = &got[at..at + len];
+        assert_eq!(
+            scattered,
+            &data[r.src as usize..r.src as usize + len],
+            "copy_and_scatter"
+        );
+    }
+
     // A run past the host bytes: an error, nothing written.
     let bad = [CopyRun {
         src: 990,
