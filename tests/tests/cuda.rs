@@ -57,6 +57,10 @@ fn dispatch(scenario: &str, ctx: &ChildCtx) -> Result<(), String> {
             let size = size.parse::<usize>().map_err(|e| e.to_string())?;
             threads_conformance(size)
         }
+        ["threads_chunks", m, n, rounds, chunk] => {
+            let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
+            return threads_chunks((p(m)?, p(n)?), p(rounds)? as u64, p(chunk)?);
+        }
         ["threads", m, n, rounds] => {
             let p = |s: &str| s.parse::<usize>().map_err(|e| e.to_string());
             return threads_rounds((p(m)?, p(n)?), p(rounds)? as u64);
@@ -149,9 +153,7 @@ fn threads_rounds((m, n): (usize, usize), rounds: u64) -> Result<(), String> {
                 s.spawn(move || device_rank_rounds(&mut comm, &wl, rounds))
             })
             .collect();
-        ranks
-            .into_iter()
-            .try_for_each(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
+        join_ranks(ranks)
     })?;
     announce(&format!(
         "{rounds} rounds of device-buffer calls checked on {} threads",
@@ -183,6 +185,58 @@ fn threads_conformance(size: usize) -> xccl::Result<()> {
     })?;
     announce(&format!("conformance on {size} threads"));
     Ok(())
+}
+
+/// [`threads_rounds`] with chunks of `chunk` bytes between progress signals (the fabric's
+/// floor lowered to it): every message of the device-buffer calls in several chunks, A2E and E2A
+/// (at hidden 32 bf16 a row is about 100 bytes).
+fn threads_chunks((m, n): (usize, usize), rounds: u64, chunk: usize) -> Result<(), String> {
+    let mut cfg = device_config(Quant::None);
+    cfg.chunk_bytes = chunk;
+    let topo = Topology::contiguous(m, n, 4 * n.max(2)).map_err(|e| e.to_string())?;
+    let lens = Communicator::window_lens(&topo, &cfg).map_err(|e| e.to_string())?;
+    let prefixes: Vec<usize> = (0..lens.len())
+        .map(|r| Communicator::cuda_host_prefix(&topo, &cfg, r))
+        .collect();
+    let slots = Communicator::signal_slots(&topo);
+    let mut fabrics =
+        CudaFabric::local_group(&lens, &prefixes, slots, None).map_err(|e| e.to_string())?;
+    for f in &mut fabrics {
+        f.set_chunk_floor(chunk);
+    }
+    let (topo, wl) = (Arc::new(topo), device_workload(m, n));
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = fabrics
+            .into_iter()
+            .map(|f| {
+                let (topo, cfg, wl) = (topo.clone(), cfg.clone(), wl.clone());
+                s.spawn(move || {
+                    // SAFETY: the fabric is moved in; nothing else in this process uses its
+                    // windows but the job's communicators.
+                    let mut comm = unsafe { Communicator::new(Box::new(f), topo, cfg) }
+                        .map_err(|e| e.to_string())?;
+                    if comm.config().chunk_bytes != chunk {
+                        return Err(format!("chunk_bytes {}", comm.config().chunk_bytes));
+                    }
+                    device_rank_rounds(&mut comm, &wl, rounds)
+                })
+            })
+            .collect();
+        join_ranks(ranks)
+    })?;
+    announce(&format!(
+        "{rounds} rounds in chunks of {chunk} bytes checked"
+    ));
+    Ok(())
+}
+
+/// Waits for every rank thread; the first error (or panic) of them.
+fn join_ranks(
+    ranks: Vec<std::thread::ScopedJoinHandle<'_, Result<(), String>>>,
+) -> Result<(), String> {
+    ranks
+        .into_iter()
+        .try_for_each(|h| h.join().map_err(|_| "a rank panicked".to_string())?)
 }
 
 /// The config of the device-buffer tests.
@@ -610,6 +664,11 @@ fn device_buffer_calls_match_the_reference_bit_for_bit_1a_1e() {
 #[test]
 fn cuda_conformance_with_3_threads_on_2_devices() {
     run_ok("threads_conformance:3", 1, 2, Duration::from_secs(60));
+}
+
+#[test]
+fn device_buffer_calls_in_many_chunks_match_the_reference_bit_for_bit_2a_3e() {
+    run_ok("threads_chunks:2:3:9:512", 1, 2, Duration::from_secs(90));
 }
 
 #[test]
