@@ -76,7 +76,11 @@ fn build_c_library(
     flags: &[&str],
 ) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
-    let tmp = dir.join(format!("{name}.{}.tmp", std::process::id()));
+    // One temporary file per build, also between threads of one process (tests of one binary
+    // build the same library at once): each renames its own complete file into place.
+    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!("{name}.{}.{n}.tmp", std::process::id()));
     let out = std::process::Command::new("gcc")
         .args(["-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden"])
         .args(flags)
