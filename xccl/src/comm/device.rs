@@ -33,7 +33,7 @@
 use std::time::Instant;
 
 use super::{send_e2a, Communicator};
-use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, Event, ReadRegion, Stream};
+use crate::cuda::{Device, DeviceSlice, DeviceSliceMut, ReadRegion, Stream};
 use crate::fabric::cuda::CudaFabric;
 use crate::moe::batch::Received;
 use crate::moe::combine::Replies;
@@ -118,8 +118,9 @@ fn check_buffer(
         .map_err(|e| e.prefixed(what))
 }
 
-/// Checks `stream`'s device and makes the fabric's stream wait for the work queued on it.
-fn order_after(fabric: &CudaFabric, stream: &Stream) -> Result<()> {
+/// Checks `stream`'s device and makes the fabric's stream wait for the work queued on it,
+/// through the communicator's one event (made at init, recorded anew each call).
+fn order_after(ctx: &Context, fabric: &CudaFabric, stream: &Stream) -> Result<()> {
     let device = fabric.device();
     if stream.device().ordinal() != device.ordinal() {
         return Err(Error::invalid(format!(
@@ -132,9 +133,9 @@ fn order_after(fabric: &CudaFabric, stream: &Stream) -> Result<()> {
     if stream.raw() == fabric.stream().raw() {
         return Ok(());
     }
-    let event = Event::new(device)?;
-    event.record(stream)?;
-    fabric.stream().wait_event(&event)
+    let dev = ctx.device_rows()?;
+    dev.caller_done.record(stream)?;
+    fabric.stream().wait_event(&dev.caller_done)
 }
 
 /// The `[T, topk]` routing of a device A2E on the host: checked and read where it is on the
@@ -241,7 +242,7 @@ impl Communicator {
         self.attention("A2E send", |ctx, dispatch, _| {
             let fabric = cuda_fabric(ctx, "A2E send")?;
             let deadline = ctx.call_deadline();
-            order_after(fabric, stream)?;
+            order_after(ctx, fabric, stream)?;
             let (topk_idx, topk_weights) = routing_on_host(ctx, fabric, routing, deadline)?;
             let tokens = topk_idx.len() / ctx.cfg.topk.max(1);
             let len = tokens * ctx.layout.a2e.payload;
@@ -275,7 +276,7 @@ impl Communicator {
                 out.len(),
                 Need::Exactly(len),
             )?;
-            order_after(fabric, stream)?;
+            order_after(ctx, fabric, stream)?;
             let deadline = ctx.call_deadline();
             combine.recv(ctx, sent, OutRows::Device(out.ptr().addr()), deadline)?;
             dispatch.retire();
@@ -345,7 +346,7 @@ impl Communicator {
             no_kept_int8(ctx)?;
             let (ptr, len) = (out.ptr(), out.len());
             check_buffer(fabric.device(), "out", ptr, len, Need::AtLeast(need))?;
-            order_after(fabric, stream)?;
+            order_after(ctx, fabric, stream)?;
             receive(ctx, dispatch, ptr.addr(), ctx.call_deadline())
         })
     }
@@ -400,7 +401,7 @@ impl Communicator {
             let len = rows * ctx.layout.e2a_stride;
             let (ptr, got) = (rows_in.ptr(), rows_in.len());
             check_buffer(fabric.device(), name, ptr, got, Need::Exactly(len))?;
-            order_after(fabric, stream)?;
+            order_after(ctx, fabric, stream)?;
             let replies = replies(ptr.addr());
             send_e2a(ctx, dispatch, combine, recv.epoch, sources, mode, replies)?;
             recv.answered();

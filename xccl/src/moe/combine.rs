@@ -40,8 +40,8 @@ use super::batch::{AlignedBytes, ExpertBatch, SourceInfo};
 use super::config::TransferMode;
 use super::context::{CheckDue, Context};
 use super::dataplane::host::HostPlane;
-use super::dataplane::{CopyRun, DataPlane, QuantRow, SumRow, SumTerm};
-use super::device_rows::{DeviceRows, OutRows, Scratch};
+use super::dataplane::{CopyRun, DataPlane, SumRow, SumTerm};
+use super::device_rows::{Conversion, DeviceRows, OutRows, Scratch};
 use super::dispatch::Sent;
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, int8_payload, Quant, Quantizer};
@@ -540,12 +540,6 @@ impl CombineSender {
                 reduced
             }
         };
-        let rows: Vec<QuantRow> = (0..tokens)
-            .map(|t| QuantRow {
-                src: rows_at + (t * p) as u64,
-                dst: quantized + (t * stride) as u64,
-            })
-            .collect();
         let (dtype, hidden) = (ctx.cfg.dtype, ctx.cfg.hidden);
         // SAFETY: the terms (and reduced rows) are rows of the caller's checked buffer, the
         // sums and the quantized rows distinct rows of this call's scratch, which nothing else
@@ -553,7 +547,8 @@ impl CombineSender {
         unsafe {
             dev.plane
                 .sum_rows(dtype, hidden, &self.sum_rows, &self.sum_terms)?;
-            dev.plane.quantize(dtype, hidden, &rows)?;
+            let (from, to) = ((rows_at, p), (quantized, stride));
+            dev.convert_rows(Conversion::Quantize, (dtype, hidden), tokens, from, to)?;
         }
         dev.plane
             .complete(deadline)
@@ -1278,13 +1273,9 @@ fn take_device(
     // caller's checked device buffer.
     unsafe {
         if int8 {
-            let q: Vec<QuantRow> = (0..rows.len())
-                .map(|i| QuantRow {
-                    src: src + (i * s) as u64,
-                    dst: dst + (i * p) as u64,
-                })
-                .collect();
-            dev.plane.dequantize(ctx.cfg.dtype, ctx.cfg.hidden, &q)?;
+            let of = (ctx.cfg.dtype, ctx.cfg.hidden);
+            let n = rows.len();
+            dev.convert_rows(Conversion::Dequantize, of, n, (src, s), (dst, p))?;
         } else {
             let len = (rows.len() * p) as u64;
             dev.plane.copy_runs(&[CopyRun { src, dst, len }])?;

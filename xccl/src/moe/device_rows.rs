@@ -13,8 +13,8 @@
 use std::time::Instant;
 
 use super::dataplane::cuda::CudaPlane;
-use super::dataplane::DataPlane;
-use crate::cuda::{DeviceMemory, DeviceRegion, Stream};
+use super::dataplane::{CopyRun, DataPlane, QuantRow};
+use crate::cuda::{DeviceMemory, DeviceRegion, Event, Stream};
 use crate::fabric::cuda::CudaFabric;
 use crate::fabric::Fabric;
 use crate::{Error, Result};
@@ -38,6 +38,22 @@ pub(crate) struct DeviceRows {
     windows: Vec<(u64, usize, usize)>,
     /// Device scratch per use, grown on demand (contents not kept across calls).
     scratch: [Option<DeviceMemory>; 2],
+    /// Recorded on the caller's stream by each device-buffer call, which orders the fabric's
+    /// stream after it (one event for the communicator's life, not one per call).
+    pub(crate) caller_done: Event,
+    /// Scratch of the descriptors planned per call (reused, so a call allocates none on the
+    /// host): [`DeviceRows::convert_rows`]'s rows, and runs a caller takes and gives back.
+    quant_rows: Vec<QuantRow>,
+    pub(crate) runs: Vec<CopyRun>,
+}
+
+/// Which way [`DeviceRows::convert_rows`] converts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Conversion {
+    /// Dtype rows to INT8 payloads.
+    Quantize,
+    /// INT8 payloads to dtype rows.
+    Dequantize,
 }
 
 /// Who uses a device scratch area: a relay reduces its members' replies while its own E2A
@@ -75,9 +91,12 @@ impl DeviceRows {
             })
             .collect();
         Ok(DeviceRows {
+            caller_done: Event::new(fabric.device())?,
             plane,
             windows,
             scratch: [None, None],
+            quant_rows: Vec::new(),
+            runs: Vec::new(),
         })
     }
 
@@ -97,6 +116,33 @@ impl DeviceRows {
                     "{len} bytes at offset {offset} are outside rank {rank}'s device window"
                 ),
             }),
+        }
+    }
+
+    /// Queues `op` on `n` rows of `hidden` elements of `dtype`: row `i` from `src + i *
+    /// src_stride` to `dst + i * dst_stride`.
+    ///
+    /// # Safety
+    /// As [`DataPlane::quantize`] (or [`DataPlane::dequantize`]) for every row.
+    pub(crate) unsafe fn convert_rows(
+        &mut self,
+        op: Conversion,
+        (dtype, hidden): (crate::DType, usize),
+        n: usize,
+        (src, src_stride): (u64, usize),
+        (dst, dst_stride): (u64, usize),
+    ) -> Result<()> {
+        self.quant_rows.clear();
+        self.quant_rows.extend((0..n).map(|i| QuantRow {
+            src: src + (i * src_stride) as u64,
+            dst: dst + (i * dst_stride) as u64,
+        }));
+        // SAFETY: the caller's contract.
+        unsafe {
+            match op {
+                Conversion::Quantize => self.plane.quantize(dtype, hidden, &self.quant_rows),
+                Conversion::Dequantize => self.plane.dequantize(dtype, hidden, &self.quant_rows),
+            }
         }
     }
 

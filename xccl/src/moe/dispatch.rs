@@ -26,7 +26,7 @@ use std::time::Instant;
 use super::batch::{A2eHandle, ExpertBatch, Received, SourceInfo, TokenBatch};
 use super::context::{CheckDue, Context};
 use super::dataplane::{CopyRun, DataPlane, QuantRow};
-use super::device_rows::Scratch;
+use super::device_rows::{Conversion, Scratch};
 use super::progress::{chunk_rows, progress, Progress};
 use super::quant::{dequantize_to, scale_of, Quant, Quantizer};
 use super::record::{Record, WireMode};
@@ -312,15 +312,10 @@ impl DispatchSender {
         let (p, q) = (ctx.layout.a2e.payload, Self::device_int8_stride(ctx));
         let mut dev = ctx.device_rows()?;
         let scratch = dev.scratch(Scratch::Call, num_tokens * q, deadline)?;
-        let rows: Vec<QuantRow> = (0..num_tokens)
-            .map(|t| QuantRow {
-                src: x + (t * p) as u64,
-                dst: scratch + (t * q) as u64,
-            })
-            .collect();
+        let (op, of) = (Conversion::Quantize, (ctx.cfg.dtype, ctx.cfg.hidden));
         // SAFETY: the sources are rows of the caller's checked device buffer, the destinations
         // distinct payloads of the scratch, which nothing else uses during the call.
-        unsafe { dev.plane.quantize(ctx.cfg.dtype, ctx.cfg.hidden, &rows)? };
+        unsafe { dev.convert_rows(op, of, num_tokens, (x, p), (scratch, q))? };
         dev.plane
             .complete(deadline)
             .map_err(|e| match dev.plane.non_finite() {
@@ -365,7 +360,8 @@ impl DispatchSender {
         self.stage.resize(count * meta_len, 0);
         let mut payloads = std::mem::take(&mut self.device_runs);
         payloads.clear();
-        let mut metas = Vec::with_capacity(count);
+        let mut metas = std::mem::take(&mut dev.runs);
+        metas.clear();
         for (i, e) in entries.enumerate() {
             let t = plan.token(e);
             let row_at = into + (i * stride) as u64;
@@ -389,6 +385,7 @@ impl DispatchSender {
         // above), reserved for this call by the credit wait.
         let queued = unsafe { dev.plane.copy_and_scatter(&payloads, &self.stage, &metas) };
         self.device_runs = payloads;
+        dev.runs = metas;
         queued?;
         dev.plane.complete(ctx.call_deadline())
     }

@@ -1408,20 +1408,25 @@ fn forward_rows(
     let chunk = match dev.as_deref_mut() {
         Some(dev) => {
             scratch.resize(rows.len() * 4, 0);
-            let runs = (0..rows.len())
-                .map(|i| {
-                    let at = src + i * stride + meta;
-                    Ok(CopyRun {
-                        src: dev.window(ctx.rank, at, 4)?,
-                        dst: (i * 4) as u64,
-                        len: 4,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let mut runs = std::mem::take(&mut dev.runs);
+            runs.clear();
+            for i in 0..rows.len() {
+                let at = src + i * stride + meta;
+                let (dst, len) = ((i * 4) as u64, 4);
+                match dev.window(ctx.rank, at, 4) {
+                    Ok(src) => runs.push(CopyRun { src, dst, len }),
+                    Err(e) => {
+                        dev.runs = runs;
+                        return Err(e);
+                    }
+                }
+            }
             // SAFETY: the sources lie in this rank's window (range-checked), below the
             // member's progress signal; the member writes them again only after this relay's
             // credit, sent once they are forwarded.
-            unsafe { dev.plane.gather(&runs, scratch, ctx.call_deadline())? };
+            let gathered = unsafe { dev.plane.gather(&runs, scratch, ctx.call_deadline()) };
+            dev.runs = runs;
+            gathered?;
             &scratch[..]
         }
         // SAFETY: the rows are below the member's progress signal, and the member writes this
